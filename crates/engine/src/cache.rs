@@ -1,0 +1,1325 @@
+//! The cache: request routing by mode, allocation and eviction, line state transitions.
+//!
+//! A request runs in three steps on the caller's thread:
+//! 1. cut it into segments, one per core line it touches, and lock the stripes of those core lines
+//!    in ascending order (overlapping requests therefore serialise; disjoint ones do not meet);
+//! 2. look every segment up and decide, by mode, what goes to the cache and what to the core;
+//!    new cache lines come from the free lists or by evicting the least recently used clean line
+//!    whose stripe can be taken without waiting;
+//! 3. do the device IO, merging neighbouring pieces, then update metadata, still under the locks.
+//!
+//! A write-back write that finds no line to take (every line dirty, or locked by others) drops its
+//! locks without having changed anything, cleans the oldest dirty lines, and tries again; after a
+//! few rounds it writes the remaining segments straight to the core, which is always correct.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use hybridcache_volume::{Volume, VolumeError, VolumeRef};
+use parking_lot::RwLock;
+
+use crate::bits::{self, Mask};
+use crate::lists::{ListKind, Lists, RUN};
+use crate::locks::{StripeGuard, StripedLocks};
+use crate::meta::{Key, LineTable, MAX_CORE_LINES, NONE};
+use crate::stats::{thread_slot, Counter, Counters, Stats, Usage, SLOTS};
+use crate::{
+    CacheConfig, CacheMode, CoreId, EngineError, LineSize, Result, MAX_CORES, MAX_REQUEST, SECTOR,
+};
+
+/// A cache: one cache volume serving one or more cores. Cheap to clone (a shared handle).
+#[derive(Clone)]
+pub struct Cache {
+    inner: Arc<CacheInner>,
+}
+
+/// One core's exported volume: the address space clients read and write.
+#[derive(Clone)]
+pub struct Core {
+    cache: Arc<CacheInner>,
+    core: Arc<CoreState>,
+}
+
+/// Description of an attached core.
+#[derive(Debug, Clone)]
+pub struct CoreInfo {
+    pub id: CoreId,
+    pub name: String,
+    pub size: u64,
+}
+
+/// How many times a write-back write gives up its locks to make room before it writes the rest
+/// straight to the core.
+const MAKE_ROOM_ROUNDS: usize = 8;
+
+pub(crate) struct CacheInner {
+    pub(crate) id: u16,
+    pub(crate) line_size: LineSize,
+    pub(crate) line_bytes: u64,
+    pub(crate) lines: u32,
+    pub(crate) volume: VolumeRef,
+    /// Where line 0 starts on the cache volume.
+    pub(crate) data_offset: u64,
+    mode: AtomicU8,
+    pub(crate) table: LineTable,
+    pub(crate) lists: Lists,
+    pub(crate) locks: StripedLocks,
+    pub(crate) cores: RwLock<BTreeMap<CoreId, Arc<CoreState>>>,
+    /// Per-core line counts, indexed by core id, so eviction can update them without a registry
+    /// lookup.
+    pub(crate) gauges: Box<[CoreGauges]>,
+    pub(crate) free_lines: AtomicU64,
+}
+
+#[derive(Default)]
+pub(crate) struct CoreGauges {
+    pub(crate) occupancy: AtomicU64,
+    pub(crate) dirty: AtomicU64,
+}
+
+#[repr(align(128))]
+struct InFlight(AtomicU64);
+
+pub(crate) struct CoreState {
+    pub(crate) id: CoreId,
+    pub(crate) volume: VolumeRef,
+    pub(crate) size: u64,
+    pub(crate) counters: Counters,
+    removed: AtomicBool,
+    /// Requests in progress, per thread slot; removal waits for these to drain.
+    in_flight: Box<[InFlight]>,
+}
+
+/// Held by a request for its duration; see [`CoreState::enter`].
+struct Entered<'a>(&'a CoreState, usize);
+
+impl CoreState {
+    /// Register a request. Fails once removal has begun. The increment comes before the check
+    /// (both SeqCst) and removal sets the flag before summing, so either removal sees this request
+    /// or this request sees removal.
+    fn enter(&self) -> Result<Entered<'_>> {
+        let slot = thread_slot() % SLOTS;
+        self.in_flight[slot].0.fetch_add(1, Ordering::SeqCst);
+        let entered = Entered(self, slot);
+        if self.removed.load(Ordering::SeqCst) {
+            return Err(EngineError::CoreRemoved(self.id));
+        }
+        Ok(entered)
+    }
+
+    fn in_flight(&self) -> u64 {
+        self.in_flight
+            .iter()
+            .map(|c| c.0.load(Ordering::SeqCst))
+            .sum()
+    }
+}
+
+impl Drop for Entered<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight[self.1].0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// The part of a request that falls in one core line.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Seg {
+    pub(crate) key: Key,
+    /// First sector within the line, and sector count.
+    pub(crate) first: u32,
+    pub(crate) count: u32,
+    /// Byte offset of this segment in the request buffer.
+    pub(crate) buf_off: usize,
+    /// The cache line holding this core line, or NONE.
+    pub(crate) line: u32,
+    pub(crate) valid: Mask,
+    pub(crate) dirty: Mask,
+}
+
+impl Seg {
+    fn mask(&self) -> Mask {
+        bits::range(self.first, self.count)
+    }
+    fn mapped(&self) -> bool {
+        self.line != NONE
+    }
+}
+
+/// A contiguous piece of device IO covering a contiguous piece of the request buffer.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Run {
+    pub(crate) dev_off: u64,
+    pub(crate) buf_off: usize,
+    pub(crate) len: usize,
+}
+
+/// Append a run, merging it into the previous one when both the device and buffer ranges continue.
+pub(crate) fn push_run(runs: &mut Vec<Run>, dev_off: u64, buf_off: usize, len: usize) {
+    if let Some(last) = runs.last_mut() {
+        if last.dev_off + last.len as u64 == dev_off && last.buf_off + last.len == buf_off {
+            last.len += len;
+            return;
+        }
+    }
+    runs.push(Run {
+        dev_off,
+        buf_off,
+        len,
+    });
+}
+
+fn home_shard(n: usize) -> usize {
+    thread_slot() % n
+}
+
+fn classify(
+    valid_sectors: u64,
+    total_sectors: u64,
+    hit: Counter,
+    partial: Counter,
+    full: Counter,
+) -> Counter {
+    if valid_sectors == total_sectors {
+        hit
+    } else if valid_sectors == 0 {
+        full
+    } else {
+        partial
+    }
+}
+
+impl CacheInner {
+    pub(crate) fn mode(&self) -> CacheMode {
+        CacheMode::ALL[self.mode.load(Ordering::Relaxed) as usize]
+    }
+
+    fn cache_off(&self, line: u32, sector: u32) -> u64 {
+        self.data_offset + line as u64 * self.line_bytes + sector as u64 * SECTOR
+    }
+
+    fn core_off(&self, key: Key, sector: u32) -> u64 {
+        key.line() * self.line_bytes + sector as u64 * SECTOR
+    }
+
+    fn check(&self, core: &CoreState, offset: u64, len: u64, max: Option<u64>) -> Result<()> {
+        if offset % SECTOR != 0 || len % SECTOR != 0 {
+            return Err(EngineError::Unaligned { offset, len });
+        }
+        if let Some(max) = max {
+            if len > max {
+                return Err(EngineError::TooLarge { len, max });
+            }
+        }
+        match offset.checked_add(len) {
+            Some(end) if end <= core.size => Ok(()),
+            _ => Err(EngineError::OutOfRange {
+                offset,
+                len,
+                size: core.size,
+            }),
+        }
+    }
+
+    fn segments(&self, core: CoreId, offset: u64, len: u64) -> Vec<Seg> {
+        let mut segs = Vec::with_capacity((len / self.line_bytes + 2) as usize);
+        let mut pos = offset;
+        let end = offset + len;
+        while pos < end {
+            let line = pos / self.line_bytes;
+            let in_line = pos % self.line_bytes;
+            let n = (self.line_bytes - in_line).min(end - pos);
+            segs.push(Seg {
+                key: Key::new(core, line),
+                first: (in_line / SECTOR) as u32,
+                count: (n / SECTOR) as u32,
+                buf_off: (pos - offset) as usize,
+                line: NONE,
+                valid: 0,
+                dirty: 0,
+            });
+            pos += n;
+        }
+        segs
+    }
+
+    fn lock_keys(&self, keys: impl Iterator<Item = Key>) -> StripeGuard<'_> {
+        let mut stripes: Vec<u32> = keys.map(|k| self.table.stripe(k)).collect();
+        stripes.sort_unstable();
+        stripes.dedup();
+        self.locks.lock_sorted(stripes)
+    }
+
+    /// Fill in each segment's line and masks. Caller holds the segments' stripes.
+    fn lookup(&self, segs: &mut [Seg]) {
+        for s in segs.iter_mut() {
+            match self.table.lookup(s.key) {
+                Some(line) => {
+                    s.line = line;
+                    s.valid = self.table.valid(line);
+                    s.dirty = self.table.dirty(line);
+                }
+                None => {
+                    s.line = NONE;
+                    s.valid = 0;
+                    s.dirty = 0;
+                }
+            }
+        }
+    }
+
+    fn list_of(dirty: Mask) -> ListKind {
+        if dirty == 0 {
+            ListKind::Clean
+        } else {
+            ListKind::Dirty
+        }
+    }
+
+    /// Change a mapped line's masks and keep lists and gauges in step. `touch` marks it most
+    /// recently used within its list. A line left with no valid sector is unmapped and freed.
+    /// Caller holds the line's stripe.
+    pub(crate) fn update_line(&self, line: u32, key: Key, valid: Mask, dirty: Mask, touch: bool) {
+        debug_assert!(dirty & !valid == 0);
+        let old_dirty = self.table.dirty(line);
+        let from = Self::list_of(old_dirty);
+        let gauges = &self.gauges[key.core() as usize];
+        if valid == 0 {
+            self.table.unmap(line, key);
+            let mut s = self.lists.lock(self.lists.shard_of(line));
+            self.lists.move_back(&mut s, from, ListKind::Free, line);
+            self.free_lines.fetch_add(1, Ordering::Relaxed);
+            drop(s);
+            gauges.occupancy.fetch_sub(1, Ordering::Relaxed);
+            if old_dirty != 0 {
+                gauges.dirty.fetch_sub(1, Ordering::Relaxed);
+            }
+            return;
+        }
+        self.table.set_valid(line, valid);
+        self.table.set_dirty(line, dirty);
+        let to = Self::list_of(dirty);
+        if from != to || touch {
+            let mut s = self.lists.lock(self.lists.shard_of(line));
+            self.lists.move_back(&mut s, from, to, line);
+        }
+        match (old_dirty != 0, dirty != 0) {
+            (false, true) => {
+                gauges.dirty.fetch_add(1, Ordering::Relaxed);
+            }
+            (true, false) => {
+                gauges.dirty.fetch_sub(1, Ordering::Relaxed);
+            }
+            _ => {}
+        }
+    }
+
+    /// Map an owned free line. Caller holds `key`'s stripe.
+    fn insert_line(&self, line: u32, key: Key, valid: Mask, dirty: Mask) {
+        self.table.map(line, key, valid, dirty);
+        let mut s = self.lists.lock(self.lists.shard_of(line));
+        self.lists.push_back(&mut s, Self::list_of(dirty), line);
+        drop(s);
+        let g = &self.gauges[key.core() as usize];
+        g.occupancy.fetch_add(1, Ordering::Relaxed);
+        if dirty != 0 {
+            g.dirty.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Give back an owned, unmapped line.
+    fn release_line(&self, line: u32) {
+        let mut s = self.lists.lock(self.lists.shard_of(line));
+        self.lists.push_back(&mut s, ListKind::Free, line);
+        self.free_lines.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Take a line: a free one, or else evict the least recently used clean line whose stripe is
+    /// free right now. Never waits for a stripe, so it is safe while holding others.
+    fn alloc_line(&self) -> Option<u32> {
+        let n = self.lists.shard_count();
+        let home = home_shard(n);
+        if self.free_lines.load(Ordering::Relaxed) > 0 {
+            for i in 0..n {
+                let shard = (home + i) % n;
+                let mut s = self.lists.lock(shard);
+                if let Some(line) = self.lists.pop_front(&mut s, ListKind::Free) {
+                    self.free_lines.fetch_sub(1, Ordering::Relaxed);
+                    return Some(line);
+                }
+            }
+        }
+        (0..n).find_map(|i| self.evict_from((home + i) % n))
+    }
+
+    fn evict_from(&self, shard: usize) -> Option<u32> {
+        // Looking a little past the oldest line keeps one busy stripe from blocking eviction.
+        const SCAN: usize = 16;
+        let mut s = self.lists.lock(shard);
+        let mut cur = s.first(ListKind::Clean);
+        for _ in 0..SCAN {
+            let line = cur?;
+            cur = self.lists.next(line);
+            let Some(key) = self.table.key(line) else {
+                continue;
+            };
+            let Some(_stripe) = self.locks.try_lock(self.table.stripe(key)) else {
+                continue;
+            };
+            // Holding both the shard and the stripe: the line cannot change under us, and a line
+            // in the clean list with its stripe free has no dirty sector.
+            debug_assert_eq!(self.table.dirty(line), 0);
+            self.lists.remove(&mut s, ListKind::Clean, line);
+            drop(s);
+            self.table.unmap(line, key);
+            self.gauges[key.core() as usize]
+                .occupancy
+                .fetch_sub(1, Ordering::Relaxed);
+            return Some(line);
+        }
+        None
+    }
+
+    /// Clean up to `want` of the oldest dirty lines so that eviction finds clean ones. Caller holds
+    /// no stripe.
+    fn make_room(&self, want: usize) -> Result<()> {
+        let want = want.max(8);
+        let n = self.lists.shard_count();
+        let home = home_shard(n);
+        let mut picked = Vec::with_capacity(want);
+        for i in 0..n {
+            let s = self.lists.lock((home + i) % n);
+            let mut cur = s.first(ListKind::Dirty);
+            while let Some(line) = cur {
+                if picked.len() >= want {
+                    break;
+                }
+                picked.push(line);
+                cur = self.lists.next(line);
+            }
+            if picked.len() >= want {
+                break;
+            }
+        }
+        self.clean_lines(picked).map(|_| ())
+    }
+
+    fn core_by_id(&self, id: CoreId) -> Result<Arc<CoreState>> {
+        self.cores
+            .read()
+            .get(&id)
+            .cloned()
+            .ok_or(EngineError::NoSuchCore(id))
+    }
+
+    // ---- reads ----------------------------------------------------------------------------
+
+    fn read(&self, core: &CoreState, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.check(core, offset, buf.len() as u64, Some(MAX_REQUEST))?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let _entered = core.enter()?;
+        let mode = self.mode();
+        // In wo and pt only dirty sectors come from the cache and nothing is inserted.
+        let bypass = matches!(mode, CacheMode::Wo | CacheMode::Pt);
+        let mut segs = self.segments(core.id, offset, buf.len() as u64);
+        let _locks = self.lock_keys(segs.iter().map(|s| s.key));
+        self.lookup(&mut segs);
+
+        let mut core_runs = Vec::new();
+        let mut cache_runs = Vec::new();
+        let mut cached_sectors = 0u64;
+        for s in &segs {
+            let m = s.mask();
+            let from_cache = m & if bypass { s.dirty } else { s.valid };
+            cached_sectors += (m & s.valid).count_ones() as u64;
+            for (first, n) in bits::runs(m & !from_cache) {
+                let len = n as usize * SECTOR as usize;
+                let buf_off = s.buf_off + (first - s.first) as usize * SECTOR as usize;
+                push_run(&mut core_runs, self.core_off(s.key, first), buf_off, len);
+            }
+            for (first, n) in bits::runs(from_cache) {
+                let len = n as usize * SECTOR as usize;
+                let buf_off = s.buf_off + (first - s.first) as usize * SECTOR as usize;
+                push_run(&mut cache_runs, self.cache_off(s.line, first), buf_off, len);
+            }
+        }
+        let c = &core.counters;
+        let total = buf.len() as u64 / SECTOR;
+        c.add(
+            if bypass {
+                Counter::PassThroughReads
+            } else {
+                classify(
+                    cached_sectors,
+                    total,
+                    Counter::ReadHits,
+                    Counter::ReadPartialMisses,
+                    Counter::ReadFullMisses,
+                )
+            },
+            1,
+        );
+        c.add(Counter::ExportedReadBytes, buf.len() as u64);
+
+        self.core_read(core, buf, &core_runs)?;
+        if let Err(e) = self.cache_read(core, buf, &cache_runs) {
+            // The cache device failed: clean sectors can still come from the core, dirty ones
+            // exist nowhere else.
+            if segs.iter().any(|s| s.mask() & s.dirty != 0) {
+                return Err(e);
+            }
+            let all = [Run {
+                dev_off: offset,
+                buf_off: 0,
+                len: buf.len(),
+            }];
+            return self.core_read(core, buf, &all);
+        }
+
+        if bypass {
+            for s in segs.iter().filter(|s| s.mapped() && s.dirty == 0) {
+                self.touch_clean(s.line);
+            }
+            return Ok(());
+        }
+        self.insert_after_read(core, buf, &segs);
+        Ok(())
+    }
+
+    fn touch_clean(&self, line: u32) {
+        let mut s = self.lists.lock(self.lists.shard_of(line));
+        self.lists
+            .move_back(&mut s, ListKind::Clean, ListKind::Clean, line);
+    }
+
+    /// Put what a read fetched from the core into the cache: missing sectors of mapped lines, and
+    /// new lines for unmapped ones when a line can be had.
+    fn insert_after_read(&self, core: &CoreState, buf: &[u8], segs: &[Seg]) {
+        for s in segs {
+            let m = s.mask();
+            let missing = m & !s.valid;
+            if s.mapped() {
+                if missing != 0 && self.cache_write_mask(core, buf, s, s.line, missing).is_ok() {
+                    self.update_line(s.line, s.key, s.valid | missing, s.dirty, s.dirty == 0);
+                } else if s.dirty == 0 {
+                    self.touch_clean(s.line);
+                }
+                continue;
+            }
+            let Some(line) = self.alloc_line() else {
+                // Nothing to evict right now: serving from the core is enough.
+                return;
+            };
+            if self.cache_write_mask(core, buf, s, line, m).is_ok() {
+                self.insert_line(line, s.key, m, 0);
+            } else {
+                self.release_line(line);
+            }
+        }
+    }
+
+    // ---- writes ---------------------------------------------------------------------------
+
+    fn write(&self, core: &CoreState, buf: &[u8], offset: u64) -> Result<()> {
+        self.check(core, offset, buf.len() as u64, Some(MAX_REQUEST))?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let _entered = core.enter()?;
+        let mode = self.mode();
+        core.counters
+            .add(Counter::ExportedWrittenBytes, buf.len() as u64);
+        match mode {
+            CacheMode::Wb | CacheMode::Wo => self.write_back(core, buf, offset),
+            CacheMode::Wt => self.write_through(core, buf, offset, true),
+            CacheMode::Wa => self.write_through(core, buf, offset, false),
+            CacheMode::Wi | CacheMode::Pt => self.write_invalidate(core, buf, offset, mode),
+        }
+    }
+
+    fn count_write(&self, core: &CoreState, segs: &[Seg]) {
+        let total: u64 = segs.iter().map(|s| s.count as u64).sum();
+        let valid: u64 = segs
+            .iter()
+            .map(|s| (s.mask() & s.valid).count_ones() as u64)
+            .sum();
+        core.counters.add(
+            classify(
+                valid,
+                total,
+                Counter::WriteHits,
+                Counter::WritePartialMisses,
+                Counter::WriteFullMisses,
+            ),
+            1,
+        );
+    }
+
+    fn write_back(&self, core: &CoreState, buf: &[u8], offset: u64) -> Result<()> {
+        let mut segs = self.segments(core.id, offset, buf.len() as u64);
+        // Lines taken in an earlier round stay ours across rounds.
+        let mut spare: Vec<u32> = Vec::new();
+        let mut round = 0;
+        let locks = loop {
+            let locks = self.lock_keys(segs.iter().map(|s| s.key));
+            self.lookup(&mut segs);
+            let needed = segs.iter().filter(|s| !s.mapped()).count();
+            while spare.len() < needed {
+                match self.alloc_line() {
+                    Some(line) => spare.push(line),
+                    None => break,
+                }
+            }
+            if spare.len() >= needed || round == MAKE_ROOM_ROUNDS {
+                break locks;
+            }
+            // Nothing has changed yet, so the locks can go while cleaning makes room.
+            drop(locks);
+            round += 1;
+            if let Err(e) = self.make_room(needed - spare.len()) {
+                for line in spare {
+                    self.release_line(line);
+                }
+                return Err(e);
+            }
+        };
+        self.count_write(core, &segs);
+
+        // Decide each segment's home: its mapped line, a new line, or (no line) the core.
+        let mut targets: Vec<(usize, u32, bool)> = Vec::with_capacity(segs.len());
+        let mut core_runs = Vec::new();
+        for (i, s) in segs.iter().enumerate() {
+            if s.mapped() {
+                targets.push((i, s.line, false));
+            } else if let Some(line) = spare.pop() {
+                targets.push((i, line, true));
+            } else {
+                push_run(
+                    &mut core_runs,
+                    self.core_off(s.key, s.first),
+                    s.buf_off,
+                    s.count as usize * SECTOR as usize,
+                );
+            }
+        }
+        for line in spare {
+            self.release_line(line);
+        }
+        self.core_write(core, buf, &core_runs)?;
+
+        let mut cache_runs = Vec::new();
+        for &(i, line, _) in &targets {
+            let s = &segs[i];
+            push_run(
+                &mut cache_runs,
+                self.cache_off(line, s.first),
+                s.buf_off,
+                s.count as usize * SECTOR as usize,
+            );
+        }
+        let cache_ok = self.cache_write(core, buf, &cache_runs).is_ok();
+        let mut fallback = Vec::new();
+        for &(i, line, new) in &targets {
+            let s = &segs[i];
+            let m = s.mask();
+            match (cache_ok, new) {
+                (true, true) => self.insert_line(line, s.key, m, m),
+                (true, false) => self.update_line(line, s.key, s.valid | m, s.dirty | m, true),
+                (false, new) => {
+                    // The cache copy of these sectors may be torn: the core gets the data and
+                    // the sectors are dropped from the cache.
+                    if new {
+                        self.release_line(line);
+                    } else {
+                        self.update_line(line, s.key, s.valid & !m, s.dirty & !m, false);
+                    }
+                    push_run(
+                        &mut fallback,
+                        self.core_off(s.key, s.first),
+                        s.buf_off,
+                        s.count as usize * SECTOR as usize,
+                    );
+                }
+            }
+        }
+        let result = self.core_write(core, buf, &fallback);
+        drop(locks);
+        result
+    }
+
+    /// wt (insert) and wa (no insert): the core first, then the cache copy of mapped lines.
+    fn write_through(&self, core: &CoreState, buf: &[u8], offset: u64, insert: bool) -> Result<()> {
+        let mut segs = self.segments(core.id, offset, buf.len() as u64);
+        let _locks = self.lock_keys(segs.iter().map(|s| s.key));
+        self.lookup(&mut segs);
+        self.count_write(core, &segs);
+        let whole = [Run {
+            dev_off: offset,
+            buf_off: 0,
+            len: buf.len(),
+        }];
+        self.core_write(core, buf, &whole)?;
+        for s in &segs {
+            let m = s.mask();
+            if s.mapped() {
+                if self.cache_write_mask(core, buf, s, s.line, m).is_ok() {
+                    self.update_line(s.line, s.key, s.valid | m, s.dirty & !m, true);
+                } else {
+                    self.update_line(s.line, s.key, s.valid & !m, s.dirty & !m, false);
+                }
+            } else if insert {
+                let Some(line) = self.alloc_line() else {
+                    continue;
+                };
+                if self.cache_write_mask(core, buf, s, line, m).is_ok() {
+                    self.insert_line(line, s.key, m, 0);
+                } else {
+                    self.release_line(line);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// wi and pt: the core gets the data; cached copies of the written sectors are dropped.
+    fn write_invalidate(
+        &self,
+        core: &CoreState,
+        buf: &[u8],
+        offset: u64,
+        mode: CacheMode,
+    ) -> Result<()> {
+        let mut segs = self.segments(core.id, offset, buf.len() as u64);
+        let _locks = self.lock_keys(segs.iter().map(|s| s.key));
+        self.lookup(&mut segs);
+        if mode == CacheMode::Pt {
+            core.counters.add(Counter::PassThroughWrites, 1);
+        } else {
+            self.count_write(core, &segs);
+        }
+        let whole = [Run {
+            dev_off: offset,
+            buf_off: 0,
+            len: buf.len(),
+        }];
+        self.core_write(core, buf, &whole)?;
+        self.invalidate(&segs);
+        Ok(())
+    }
+
+    /// Drop the segments' sectors from the cache. Caller holds their stripes.
+    fn invalidate(&self, segs: &[Seg]) {
+        for s in segs.iter().filter(|s| s.mapped()) {
+            let m = s.mask();
+            if s.valid & m != 0 {
+                self.update_line(s.line, s.key, s.valid & !m, s.dirty & !m, false);
+            }
+        }
+    }
+
+    fn discard(&self, core: &CoreState, offset: u64, len: u64) -> Result<()> {
+        self.check(core, offset, len, None)?;
+        let _entered = core.enter()?;
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(MAX_REQUEST);
+            let mut segs = self.segments(core.id, offset + done, n);
+            let _locks = self.lock_keys(segs.iter().map(|s| s.key));
+            self.lookup(&mut segs);
+            // Invalidate first: the discard supersedes even dirty data, and the core is told
+            // while the lines are still locked, so no reader sees a half-discarded range.
+            self.invalidate(&segs);
+            core.volume
+                .discard(offset + done, n)
+                .inspect_err(|_| core.counters.add(Counter::CoreWriteErrors, 1))?;
+            done += n;
+        }
+        Ok(())
+    }
+
+    fn write_zeroes(&self, core: &CoreState, offset: u64, len: u64) -> Result<()> {
+        self.check(core, offset, len, None)?;
+        // Zeroes take the ordinary write path so that every mode treats them as it treats data.
+        static ZEROES: OnceLock<Vec<u8>> = OnceLock::new();
+        let zeroes = ZEROES.get_or_init(|| vec![0; MAX_REQUEST as usize]);
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(MAX_REQUEST);
+            self.write(core, &zeroes[..n as usize], offset + done)?;
+            done += n;
+        }
+        Ok(())
+    }
+
+    fn flush_request(&self, core: &CoreState) -> Result<()> {
+        let _entered = core.enter()?;
+        self.volume.flush()?;
+        core.volume
+            .flush()
+            .inspect_err(|_| core.counters.add(Counter::CoreWriteErrors, 1))?;
+        Ok(())
+    }
+
+    // ---- device IO with accounting --------------------------------------------------------
+
+    fn core_read(&self, core: &CoreState, buf: &mut [u8], runs: &[Run]) -> Result<()> {
+        for r in runs {
+            core.volume
+                .read_at(&mut buf[r.buf_off..r.buf_off + r.len], r.dev_off)
+                .inspect_err(|_| core.counters.add(Counter::CoreReadErrors, 1))?;
+            core.counters.add(Counter::CoreReadBytes, r.len as u64);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn core_write(&self, core: &CoreState, buf: &[u8], runs: &[Run]) -> Result<()> {
+        for r in runs {
+            core.volume
+                .write_at(&buf[r.buf_off..r.buf_off + r.len], r.dev_off)
+                .inspect_err(|_| core.counters.add(Counter::CoreWriteErrors, 1))?;
+            core.counters.add(Counter::CoreWrittenBytes, r.len as u64);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn cache_read(&self, core: &CoreState, buf: &mut [u8], runs: &[Run]) -> Result<()> {
+        for r in runs {
+            self.volume
+                .read_at(&mut buf[r.buf_off..r.buf_off + r.len], r.dev_off)
+                .inspect_err(|_| core.counters.add(Counter::CacheReadErrors, 1))?;
+            core.counters.add(Counter::CacheReadBytes, r.len as u64);
+        }
+        Ok(())
+    }
+
+    fn cache_write(&self, core: &CoreState, buf: &[u8], runs: &[Run]) -> Result<()> {
+        for r in runs {
+            self.volume
+                .write_at(&buf[r.buf_off..r.buf_off + r.len], r.dev_off)
+                .inspect_err(|_| core.counters.add(Counter::CacheWriteErrors, 1))?;
+            core.counters.add(Counter::CacheWrittenBytes, r.len as u64);
+        }
+        Ok(())
+    }
+
+    /// Write the sectors `mask` of segment `s` from the request buffer into cache line `line`.
+    fn cache_write_mask(
+        &self,
+        core: &CoreState,
+        buf: &[u8],
+        s: &Seg,
+        line: u32,
+        mask: Mask,
+    ) -> Result<()> {
+        let mut runs = Vec::new();
+        for (first, n) in bits::runs(mask) {
+            let buf_off = s.buf_off + (first - s.first) as usize * SECTOR as usize;
+            push_run(
+                &mut runs,
+                self.cache_off(line, first),
+                buf_off,
+                n as usize * SECTOR as usize,
+            );
+        }
+        self.cache_write(core, buf, &runs)
+    }
+
+    // ---- statistics ----------------------------------------------------------------------
+
+    fn usage(&self, core: Option<CoreId>) -> Usage {
+        let (occupancy, dirty) = match core {
+            Some(id) => {
+                let g = &self.gauges[id as usize];
+                (
+                    g.occupancy.load(Ordering::Relaxed),
+                    g.dirty.load(Ordering::Relaxed),
+                )
+            }
+            None => self.gauges.iter().fold((0, 0), |(o, d), g| {
+                (
+                    o + g.occupancy.load(Ordering::Relaxed),
+                    d + g.dirty.load(Ordering::Relaxed),
+                )
+            }),
+        };
+        Usage {
+            line_size: self.line_bytes as u32,
+            total_lines: self.lines as u64,
+            occupancy_lines: occupancy,
+            free_lines: self.free_lines.load(Ordering::Relaxed),
+            dirty_lines: dirty,
+        }
+    }
+
+    fn core_stats(&self, core: &CoreState) -> Stats {
+        let (requests, blocks, errors) = core.counters.snapshot();
+        Stats {
+            usage: self.usage(Some(core.id)),
+            requests,
+            blocks,
+            errors,
+        }
+    }
+}
+
+impl Cache {
+    /// Start a new, empty cache on `cache_volume`. The whole volume holds cache lines.
+    pub fn new(cache_volume: VolumeRef, config: CacheConfig) -> Result<Cache> {
+        let line_bytes = config.line_size.bytes() as u64;
+        let lines = cache_volume.size() / line_bytes;
+        if lines == 0 {
+            return Err(EngineError::CacheTooSmall {
+                bytes: cache_volume.size(),
+                line: config.line_size.bytes(),
+            });
+        }
+        if lines >= NONE as u64 {
+            return Err(EngineError::Invalid(format!(
+                "the cache volume holds {lines} cache lines; at most {} are supported (use a larger cache line size)",
+                NONE - 1
+            )));
+        }
+        let lines = lines as u32;
+        // Enough stripes that unrelated requests rarely meet, few enough to stay small.
+        let stripes = (lines as usize).next_power_of_two().clamp(64, 1 << 16);
+        let shards = (lines.div_ceil(RUN) as usize).clamp(1, 64);
+        let inner = CacheInner {
+            id: config.id,
+            line_size: config.line_size,
+            line_bytes,
+            lines,
+            volume: cache_volume,
+            data_offset: 0,
+            mode: AtomicU8::new(config.mode as u8),
+            table: LineTable::new(lines, config.line_size.sectors(), stripes),
+            lists: Lists::new(lines, shards),
+            locks: StripedLocks::new(stripes),
+            cores: RwLock::new(BTreeMap::new()),
+            gauges: (0..=MAX_CORES).map(|_| CoreGauges::default()).collect(),
+            free_lines: AtomicU64::new(lines as u64),
+        };
+        debug_assert_eq!(inner.locks.count(), stripes);
+        Ok(Cache {
+            inner: Arc::new(inner),
+        })
+    }
+
+    pub fn id(&self) -> u16 {
+        self.inner.id
+    }
+
+    pub fn line_size(&self) -> LineSize {
+        self.inner.line_size
+    }
+
+    /// Number of cache lines.
+    pub fn line_count(&self) -> u64 {
+        self.inner.lines as u64
+    }
+
+    pub fn mode(&self) -> CacheMode {
+        self.inner.mode()
+    }
+
+    /// The cache volume's name.
+    pub fn volume_name(&self) -> &str {
+        self.inner.volume.name()
+    }
+
+    /// Switch the cache mode. When leaving wb/wo for a mode that holds no dirty data and
+    /// `flush_first` is set, all dirty data is flushed after new writes stop creating dirty data;
+    /// otherwise dirty lines stay and drain by cleaning (reads of them are still served from the
+    /// cache, and every mode keeps them correct).
+    pub fn set_mode(&self, mode: CacheMode, flush_first: bool) -> Result<()> {
+        self.inner.mode.store(mode as u8, Ordering::Relaxed);
+        if flush_first && !mode.makes_dirty() {
+            // Requests that read the old mode before the switch may still be adding dirty data;
+            // they finish quickly, so a few passes leave none.
+            for _ in 0..1000 {
+                self.flush()?;
+                if self.inner.usage(None).dirty_lines == 0 {
+                    return Ok(());
+                }
+                std::thread::yield_now();
+            }
+            return Err(EngineError::Invalid(
+                "dirty data kept appearing while switching mode; flush again".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Attach a core. `id` None picks the lowest free id starting at 1.
+    pub fn add_core(&self, volume: VolumeRef, id: Option<CoreId>) -> Result<CoreId> {
+        let size = volume.size();
+        if size % SECTOR != 0 {
+            return Err(EngineError::Invalid(format!(
+                "core {} is {size} bytes, not a multiple of 512",
+                volume.name()
+            )));
+        }
+        if size.div_ceil(self.inner.line_bytes) > MAX_CORE_LINES {
+            return Err(EngineError::Invalid(format!(
+                "core {} is too large ({size} bytes) for {} KiB cache lines",
+                volume.name(),
+                self.inner.line_size.kib()
+            )));
+        }
+        let mut cores = self.inner.cores.write();
+        let id = match id {
+            Some(id) if id == 0 || id as u32 > MAX_CORES => {
+                return Err(EngineError::BadCoreId(id as u32))
+            }
+            Some(id) if cores.contains_key(&id) => return Err(EngineError::DuplicateCore(id)),
+            Some(id) => id,
+            None => (1..=MAX_CORES as CoreId)
+                .find(|i| !cores.contains_key(i))
+                .ok_or(EngineError::TooManyCores)?,
+        };
+        cores.insert(
+            id,
+            Arc::new(CoreState {
+                id,
+                volume,
+                size,
+                counters: Counters::new(),
+                removed: AtomicBool::new(false),
+                in_flight: (0..SLOTS).map(|_| InFlight(AtomicU64::new(0))).collect(),
+            }),
+        );
+        Ok(id)
+    }
+
+    /// Detach a core. With dirty data it refuses unless `force`, which discards the dirty data.
+    pub fn remove_core(&self, id: CoreId, force: bool) -> Result<()> {
+        let core = self.inner.core_by_id(id)?;
+        if core.removed.swap(true, Ordering::SeqCst) {
+            return Err(EngineError::CoreRemoved(id));
+        }
+        while core.in_flight() != 0 {
+            std::thread::yield_now();
+        }
+        let dirty = self.inner.gauges[id as usize].dirty.load(Ordering::Relaxed);
+        if dirty != 0 && !force {
+            core.removed.store(false, Ordering::SeqCst);
+            return Err(EngineError::CoreDirty {
+                id,
+                dirty_lines: dirty,
+            });
+        }
+        // No request of this core can run now; drop every line it holds so the id can be reused.
+        self.inner.drop_core_lines(id);
+        self.inner.cores.write().remove(&id);
+        Ok(())
+    }
+
+    /// The exported volume of a core.
+    pub fn core(&self, id: CoreId) -> Result<Core> {
+        Ok(Core {
+            cache: self.inner.clone(),
+            core: self.inner.core_by_id(id)?,
+        })
+    }
+
+    pub fn cores(&self) -> Vec<CoreInfo> {
+        self.inner
+            .cores
+            .read()
+            .values()
+            .map(|c| CoreInfo {
+                id: c.id,
+                name: c.volume.name().to_string(),
+                size: c.size,
+            })
+            .collect()
+    }
+
+    /// Write all dirty data of every core to the cores, mark it clean, and flush the cores.
+    pub fn flush(&self) -> Result<()> {
+        let ids: Vec<CoreId> = self.inner.cores.read().keys().copied().collect();
+        for id in ids {
+            self.flush_core(id)?;
+        }
+        Ok(())
+    }
+
+    /// As [`flush`](Cache::flush), for one core.
+    pub fn flush_core(&self, id: CoreId) -> Result<()> {
+        let core = self.inner.core_by_id(id)?;
+        self.inner.flush_core_dirty(&core)
+    }
+
+    pub fn stats(&self) -> Stats {
+        let mut total = Stats {
+            usage: self.inner.usage(None),
+            ..Stats::default()
+        };
+        for core in self.inner.cores.read().values() {
+            let (r, b, e) = core.counters.snapshot();
+            total.requests.add(&r);
+            total.blocks.add(&b);
+            total.errors.add(&e);
+        }
+        total
+    }
+
+    pub fn core_stats(&self, id: CoreId) -> Result<Stats> {
+        let core = self.inner.core_by_id(id)?;
+        Ok(self.inner.core_stats(&core))
+    }
+
+    pub fn reset_stats(&self) {
+        for core in self.inner.cores.read().values() {
+            core.counters.reset();
+        }
+    }
+
+    /// Bytes of RAM the per-line metadata takes, over the whole cache.
+    pub fn metadata_bytes(&self) -> u64 {
+        self.inner.table.bytes() + self.inner.lists.bytes()
+    }
+
+    /// Check internal invariants (list membership, counters, hash chains); panics with a
+    /// description when one is broken. Costs O(lines) and expects no request in flight: for tests.
+    pub fn check_invariants(&self) {
+        self.inner.check_invariants()
+    }
+}
+
+impl CacheInner {
+    fn drop_core_lines(&self, id: CoreId) {
+        for line in 0..self.lines {
+            let Some(key) = self.table.key(line) else {
+                continue;
+            };
+            if key.core() != id {
+                continue;
+            }
+            let _lock = self.lock_keys(std::iter::once(key));
+            // Re-check under the lock: eviction may have taken the line meanwhile.
+            if self.table.key(line) == Some(key) {
+                self.update_line(line, key, 0, 0, false);
+            }
+        }
+    }
+
+    fn check_invariants(&self) {
+        let mut seen = vec![None; self.lines as usize];
+        let mut free = 0u64;
+        for shard in 0..self.lists.shard_count() {
+            let s = self.lists.lock(shard);
+            for kind in [ListKind::Free, ListKind::Clean, ListKind::Dirty] {
+                let members = self.lists.members(&s, kind);
+                assert_eq!(
+                    members.len() as u64,
+                    s.len(kind),
+                    "shard {shard} {kind:?} length"
+                );
+                for line in members {
+                    assert_eq!(
+                        self.lists.shard_of(line),
+                        shard,
+                        "line {line} in a foreign shard"
+                    );
+                    assert!(seen[line as usize].is_none(), "line {line} in two lists");
+                    seen[line as usize] = Some(kind);
+                    let key = self.table.key(line);
+                    let (valid, dirty) = (self.table.valid(line), self.table.dirty(line));
+                    match kind {
+                        ListKind::Free => {
+                            free += 1;
+                            assert!(
+                                key.is_none() && valid == 0 && dirty == 0,
+                                "free line {line} has state"
+                            );
+                        }
+                        ListKind::Clean => assert!(
+                            key.is_some() && valid != 0 && dirty == 0,
+                            "clean line {line}: key {key:?} valid {valid:#x} dirty {dirty:#x}"
+                        ),
+                        ListKind::Dirty => assert!(
+                            key.is_some() && dirty != 0 && dirty & !valid == 0,
+                            "dirty line {line}: valid {valid:#x} dirty {dirty:#x}"
+                        ),
+                    }
+                }
+            }
+        }
+        assert!(seen.iter().all(|s| s.is_some()), "a line is in no list");
+        assert_eq!(
+            free,
+            self.free_lines.load(Ordering::Relaxed),
+            "free line count"
+        );
+        let mut occupancy = vec![(0u64, 0u64); MAX_CORES as usize + 1];
+        let chained = self.table.chained();
+        assert_eq!(
+            chained.len() as u64,
+            self.lines as u64 - free,
+            "hash chains hold every mapped line once"
+        );
+        for (line, bucket) in chained {
+            let key = self.table.key(line).expect("chained line is mapped");
+            assert_eq!(
+                self.table.bucket(key),
+                bucket,
+                "line {line} in the wrong bucket"
+            );
+            assert_eq!(self.table.lookup(key), Some(line), "lookup of line {line}");
+            let o = &mut occupancy[key.core() as usize];
+            o.0 += 1;
+            if self.table.dirty(line) != 0 {
+                o.1 += 1;
+            }
+        }
+        for (id, (occ, dirty)) in occupancy.into_iter().enumerate() {
+            let g = &self.gauges[id];
+            assert_eq!(
+                g.occupancy.load(Ordering::Relaxed),
+                occ,
+                "core {id} occupancy"
+            );
+            assert_eq!(
+                g.dirty.load(Ordering::Relaxed),
+                dirty,
+                "core {id} dirty lines"
+            );
+            if occ != 0 {
+                assert!(
+                    self.cores.read().contains_key(&(id as CoreId)),
+                    "lines of a removed core {id}"
+                );
+            }
+        }
+    }
+}
+
+impl Core {
+    pub fn id(&self) -> CoreId {
+        self.core.id
+    }
+
+    /// Size of the exported volume in bytes (the core's size).
+    pub fn size(&self) -> u64 {
+        self.core.size
+    }
+
+    /// The exported volume's name, as Open CAS names exported objects: `cas<cache>-<core>`.
+    pub fn export_name(&self) -> String {
+        format!("cas{}-{}", self.cache.id, self.core.id)
+    }
+
+    pub fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.cache.read(&self.core, buf, offset)
+    }
+
+    pub fn write(&self, buf: &[u8], offset: u64) -> Result<()> {
+        self.cache.write(&self.core, buf, offset)
+    }
+
+    /// Make every acknowledged write to this exported volume durable.
+    pub fn flush(&self) -> Result<()> {
+        self.cache.flush_request(&self.core)
+    }
+
+    /// Drop the range: cached sectors (dirty ones too) are invalidated and the core is told.
+    pub fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        self.cache.discard(&self.core, offset, len)
+    }
+
+    pub fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        self.cache.write_zeroes(&self.core, offset, len)
+    }
+
+    /// Whether discarded ranges read back as zeroes (they do when the core's discard zeroes).
+    pub fn discard_zeroes(&self) -> bool {
+        self.core.volume.discard_zeroes()
+    }
+}
+
+/// An exported volume is itself a volume, so it can be served, benchmarked or stacked like any.
+impl Volume for Core {
+    fn name(&self) -> &str {
+        self.core.volume.name()
+    }
+    fn size(&self) -> u64 {
+        self.core.size
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> hybridcache_volume::Result<()> {
+        self.read(buf, offset).map_err(|e| {
+            to_volume_error(
+                self,
+                hybridcache_volume::Op::Read,
+                offset,
+                buf.len() as u64,
+                e,
+            )
+        })
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> hybridcache_volume::Result<()> {
+        self.write(buf, offset).map_err(|e| {
+            to_volume_error(
+                self,
+                hybridcache_volume::Op::Write,
+                offset,
+                buf.len() as u64,
+                e,
+            )
+        })
+    }
+    fn flush(&self) -> hybridcache_volume::Result<()> {
+        Core::flush(self).map_err(|e| to_volume_error(self, hybridcache_volume::Op::Flush, 0, 0, e))
+    }
+    fn discard(&self, offset: u64, len: u64) -> hybridcache_volume::Result<()> {
+        Core::discard(self, offset, len)
+            .map_err(|e| to_volume_error(self, hybridcache_volume::Op::Discard, offset, len, e))
+    }
+    fn discard_zeroes(&self) -> bool {
+        Core::discard_zeroes(self)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64) -> hybridcache_volume::Result<()> {
+        Core::write_zeroes(self, offset, len)
+            .map_err(|e| to_volume_error(self, hybridcache_volume::Op::WriteZeroes, offset, len, e))
+    }
+}
+
+fn to_volume_error(
+    core: &Core,
+    op: hybridcache_volume::Op,
+    offset: u64,
+    len: u64,
+    e: EngineError,
+) -> VolumeError {
+    use hybridcache_volume::ErrorKind;
+    match e {
+        EngineError::Volume(v) => v,
+        EngineError::Unaligned { .. } => VolumeError::new(
+            &core.export_name(),
+            op,
+            offset,
+            len,
+            ErrorKind::Unaligned {
+                block: SECTOR as u32,
+            },
+        ),
+        EngineError::OutOfRange { size, .. } => VolumeError::new(
+            &core.export_name(),
+            op,
+            offset,
+            len,
+            ErrorKind::OutOfRange {
+                end: offset.saturating_add(len),
+                size,
+            },
+        ),
+        other => VolumeError::new(
+            &core.export_name(),
+            op,
+            offset,
+            len,
+            ErrorKind::Invalid(other.to_string()),
+        ),
+    }
+}

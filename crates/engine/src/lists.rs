@@ -1,0 +1,162 @@
+//! Sharded lists of cache lines: free, clean (in LRU order) and dirty (oldest write first).
+//!
+//! Every line sits in exactly one list of its shard, except while a request owns a free line it
+//! has taken. Lines are spread over shards in runs of 64 so that a thread allocating from its home
+//! shard gets neighbouring cache lines (large sequential writes then merge on the cache device).
+//! A shard is a short mutex-protected critical section (link updates only, never IO), so the hit
+//! path touches one shard lock and no global one. Lock order: a line's stripe, then its shard.
+
+use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+
+use parking_lot::{Mutex, MutexGuard};
+
+use crate::meta::NONE;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ListKind {
+    Free = 0,
+    Clean = 1,
+    Dirty = 2,
+}
+
+#[derive(Clone, Copy)]
+struct Head {
+    first: u32,
+    last: u32,
+    len: u64,
+}
+
+pub(crate) struct Shard {
+    heads: [Head; 3],
+}
+
+impl Shard {
+    pub(crate) fn len(&self, kind: ListKind) -> u64 {
+        self.heads[kind as usize].len
+    }
+    pub(crate) fn first(&self, kind: ListKind) -> Option<u32> {
+        match self.heads[kind as usize].first {
+            NONE => None,
+            l => Some(l),
+        }
+    }
+}
+
+/// Keeps the mutexes of different shards on different cache lines.
+#[repr(align(128))]
+struct Padded(Mutex<Shard>);
+
+pub(crate) struct Lists {
+    prev: Box<[AtomicU32]>,
+    next: Box<[AtomicU32]>,
+    shards: Box<[Padded]>,
+}
+
+pub(crate) const RUN: u32 = 64;
+
+impl Lists {
+    /// All `lines` start in the free lists.
+    pub(crate) fn new(lines: u32, shards: usize) -> Lists {
+        let n = lines as usize;
+        let empty = Head {
+            first: NONE,
+            last: NONE,
+            len: 0,
+        };
+        let lists = Lists {
+            prev: (0..n).map(|_| AtomicU32::new(NONE)).collect(),
+            next: (0..n).map(|_| AtomicU32::new(NONE)).collect(),
+            shards: (0..shards)
+                .map(|_| Padded(Mutex::new(Shard { heads: [empty; 3] })))
+                .collect(),
+        };
+        for line in 0..lines {
+            let mut s = lists.lock(lists.shard_of(line));
+            lists.push_back(&mut s, ListKind::Free, line);
+        }
+        lists
+    }
+
+    pub(crate) fn bytes(&self) -> u64 {
+        (self.prev.len() * 4 + self.next.len() * 4) as u64
+    }
+
+    pub(crate) fn shard_count(&self) -> usize {
+        self.shards.len()
+    }
+
+    pub(crate) fn shard_of(&self, line: u32) -> usize {
+        (line / RUN) as usize % self.shards.len()
+    }
+
+    pub(crate) fn lock(&self, shard: usize) -> MutexGuard<'_, Shard> {
+        self.shards[shard].0.lock()
+    }
+
+    pub(crate) fn next(&self, line: u32) -> Option<u32> {
+        match self.next[line as usize].load(Relaxed) {
+            NONE => None,
+            l => Some(l),
+        }
+    }
+
+    pub(crate) fn push_back(&self, s: &mut Shard, kind: ListKind, line: u32) {
+        let h = &mut s.heads[kind as usize];
+        self.prev[line as usize].store(h.last, Relaxed);
+        self.next[line as usize].store(NONE, Relaxed);
+        if h.last == NONE {
+            h.first = line;
+        } else {
+            self.next[h.last as usize].store(line, Relaxed);
+        }
+        h.last = line;
+        h.len += 1;
+    }
+
+    pub(crate) fn remove(&self, s: &mut Shard, kind: ListKind, line: u32) {
+        let h = &mut s.heads[kind as usize];
+        let p = self.prev[line as usize].load(Relaxed);
+        let n = self.next[line as usize].load(Relaxed);
+        if p == NONE {
+            debug_assert_eq!(h.first, line);
+            h.first = n;
+        } else {
+            self.next[p as usize].store(n, Relaxed);
+        }
+        if n == NONE {
+            debug_assert_eq!(h.last, line);
+            h.last = p;
+        } else {
+            self.prev[n as usize].store(p, Relaxed);
+        }
+        self.prev[line as usize].store(NONE, Relaxed);
+        self.next[line as usize].store(NONE, Relaxed);
+        h.len -= 1;
+    }
+
+    pub(crate) fn pop_front(&self, s: &mut Shard, kind: ListKind) -> Option<u32> {
+        let line = s.first(kind)?;
+        self.remove(s, kind, line);
+        Some(line)
+    }
+
+    /// Move `line` from list `from` to the back of list `to` (the same list: mark most recent).
+    pub(crate) fn move_back(&self, s: &mut Shard, from: ListKind, to: ListKind, line: u32) {
+        if from == to && s.heads[to as usize].last == line {
+            return;
+        }
+        self.remove(s, from, line);
+        self.push_back(s, to, line);
+    }
+
+    /// Lines of one list, front to back; for invariant checks.
+    pub(crate) fn members(&self, s: &Shard, kind: ListKind) -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut cur = s.first(kind);
+        while let Some(line) = cur {
+            out.push(line);
+            cur = self.next(line);
+        }
+        out
+    }
+}

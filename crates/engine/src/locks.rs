@@ -1,0 +1,65 @@
+//! Striped locks over core lines.
+//!
+//! A core line's stripe lock protects its hash bucket (so its lookup), the metadata of the cache
+//! line mapped to it, and that cache line's data. Every path that holds more than one stripe takes
+//! them in ascending order; paths that already hold stripes only ever `try_lock` another one
+//! (eviction). Together that rules out deadlock without a global lock.
+
+use parking_lot::lock_api::RawMutex as _;
+use parking_lot::RawMutex;
+
+pub(crate) struct StripedLocks {
+    locks: Box<[RawMutex]>,
+}
+
+impl StripedLocks {
+    pub(crate) fn new(count: usize) -> Self {
+        assert!(count.is_power_of_two());
+        StripedLocks {
+            locks: (0..count).map(|_| RawMutex::INIT).collect(),
+        }
+    }
+
+    pub(crate) fn count(&self) -> usize {
+        self.locks.len()
+    }
+
+    /// Lock `stripes` (sorted ascending, no duplicates) and return a guard that unlocks them.
+    pub(crate) fn lock_sorted(&self, stripes: Vec<u32>) -> StripeGuard<'_> {
+        debug_assert!(stripes.windows(2).all(|w| w[0] < w[1]));
+        for &s in &stripes {
+            self.locks[s as usize].lock();
+        }
+        StripeGuard {
+            locks: self,
+            held: stripes,
+        }
+    }
+
+    /// Try to lock one stripe without waiting.
+    pub(crate) fn try_lock(&self, stripe: u32) -> Option<StripeGuard<'_>> {
+        if self.locks[stripe as usize].try_lock() {
+            Some(StripeGuard {
+                locks: self,
+                held: vec![stripe],
+            })
+        } else {
+            None
+        }
+    }
+}
+
+/// Holds a set of stripes; unlocks them when dropped.
+pub(crate) struct StripeGuard<'a> {
+    locks: &'a StripedLocks,
+    held: Vec<u32>,
+}
+
+impl Drop for StripeGuard<'_> {
+    fn drop(&mut self) {
+        for &s in self.held.iter().rev() {
+            // SAFETY: this guard locked exactly these stripes and unlocks each once.
+            unsafe { self.locks.locks[s as usize].unlock() };
+        }
+    }
+}

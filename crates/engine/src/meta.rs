@@ -1,0 +1,202 @@
+//! Per-cache-line metadata in RAM, as a structure of arrays.
+//!
+//! For every cache line: its key (which core line it holds), a hash-chain link, and two sector
+//! masks (valid, dirty). The lookup table is a bucket array of chain heads with one bucket per two
+//! lines. Together with the two list links in `lists.rs` that is, for 4 KiB lines,
+//! 8 + 4 + 2 + 1 + 1 + 8 = 24 bytes per line.
+//!
+//! Fields are atomics only so that safe Rust can share them between threads; their consistency
+//! comes from the striped locks (`locks.rs`): whoever changes a mapped line holds the stripe of
+//! that line's bucket. Relaxed ordering is enough because the locks order the accesses.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
+
+use crate::bits::Mask;
+use crate::CoreId;
+
+/// Marks a line that is not mapped to any core line.
+pub(crate) const FREE: u64 = u64::MAX;
+/// End of a chain or list.
+pub(crate) const NONE: u32 = u32::MAX;
+/// Core lines are numbered in 44 bits (64 PiB of core at 4 KiB lines).
+pub(crate) const MAX_CORE_LINES: u64 = (1 << 44) - 1;
+
+/// A core line as stored in a cache line's key: core id in the top 12 bits, core line number in
+/// the next 44. The low 8 bits are kept free (zero) for the IO class.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) struct Key(u64);
+
+impl Key {
+    pub(crate) fn new(core: CoreId, line: u64) -> Key {
+        debug_assert!(line <= MAX_CORE_LINES && core < 4096);
+        Key((core as u64) << 52 | line << 8)
+    }
+    pub(crate) fn core(self) -> CoreId {
+        (self.0 >> 52) as CoreId
+    }
+    pub(crate) fn line(self) -> u64 {
+        (self.0 >> 8) & MAX_CORE_LINES
+    }
+    fn raw(self) -> u64 {
+        self.0
+    }
+}
+
+pub(crate) struct LineTable {
+    keys: Box<[AtomicU64]>,
+    hash_next: Box<[AtomicU32]>,
+    buckets: Box<[AtomicU32]>,
+    valid: Box<[AtomicU8]>,
+    dirty: Box<[AtomicU8]>,
+    /// Bytes of each mask per line: sectors per line / 8.
+    mask_bytes: usize,
+    stripe_mask: u32,
+}
+
+fn atomics<T, F: Fn() -> T>(n: usize, f: F) -> Box<[T]> {
+    (0..n).map(|_| f()).collect()
+}
+
+impl LineTable {
+    pub(crate) fn new(lines: u32, sectors_per_line: u32, stripes: usize) -> LineTable {
+        let n = lines as usize;
+        let mask_bytes = (sectors_per_line / 8) as usize;
+        LineTable {
+            keys: atomics(n, || AtomicU64::new(FREE)),
+            hash_next: atomics(n, || AtomicU32::new(NONE)),
+            buckets: atomics((n / 2).max(1), || AtomicU32::new(NONE)),
+            valid: atomics(n * mask_bytes, || AtomicU8::new(0)),
+            dirty: atomics(n * mask_bytes, || AtomicU8::new(0)),
+            mask_bytes,
+            stripe_mask: stripes as u32 - 1,
+        }
+    }
+
+    /// RAM taken by this table, in bytes.
+    pub(crate) fn bytes(&self) -> u64 {
+        (self.keys.len() * 8
+            + self.hash_next.len() * 4
+            + self.buckets.len() * 4
+            + self.valid.len()
+            + self.dirty.len()) as u64
+    }
+
+    pub(crate) fn bucket(&self, key: Key) -> u32 {
+        // A 64-bit mix (murmur3's finaliser) so that neighbouring core lines land in unrelated
+        // buckets, then a multiply-shift to bring it into range without a division.
+        let mut x = key.raw();
+        x ^= x >> 33;
+        x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        x ^= x >> 33;
+        x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+        x ^= x >> 33;
+        ((x as u128 * self.buckets.len() as u128) >> 64) as u32
+    }
+
+    /// The stripe lock that protects the bucket (and so the line) of `key`.
+    pub(crate) fn stripe(&self, key: Key) -> u32 {
+        self.bucket(key) & self.stripe_mask
+    }
+
+    pub(crate) fn key(&self, line: u32) -> Option<Key> {
+        match self.keys[line as usize].load(Relaxed) {
+            FREE => None,
+            k => Some(Key(k)),
+        }
+    }
+
+    pub(crate) fn valid(&self, line: u32) -> Mask {
+        self.load_mask(&self.valid, line)
+    }
+
+    pub(crate) fn dirty(&self, line: u32) -> Mask {
+        self.load_mask(&self.dirty, line)
+    }
+
+    pub(crate) fn set_valid(&self, line: u32, mask: Mask) {
+        self.store_mask(&self.valid, line, mask)
+    }
+
+    pub(crate) fn set_dirty(&self, line: u32, mask: Mask) {
+        self.store_mask(&self.dirty, line, mask)
+    }
+
+    fn load_mask(&self, arr: &[AtomicU8], line: u32) -> Mask {
+        let base = line as usize * self.mask_bytes;
+        let mut m: Mask = 0;
+        for (i, b) in arr[base..base + self.mask_bytes].iter().enumerate() {
+            m |= (b.load(Relaxed) as Mask) << (8 * i);
+        }
+        m
+    }
+
+    fn store_mask(&self, arr: &[AtomicU8], line: u32, mask: Mask) {
+        let base = line as usize * self.mask_bytes;
+        for (i, b) in arr[base..base + self.mask_bytes].iter().enumerate() {
+            b.store((mask >> (8 * i)) as u8, Relaxed);
+        }
+    }
+
+    /// The cache line holding `key`, if any. Caller holds `key`'s stripe.
+    pub(crate) fn lookup(&self, key: Key) -> Option<u32> {
+        let mut line = self.buckets[self.bucket(key) as usize].load(Relaxed);
+        while line != NONE {
+            if self.keys[line as usize].load(Relaxed) == key.raw() {
+                return Some(line);
+            }
+            line = self.hash_next[line as usize].load(Relaxed);
+        }
+        None
+    }
+
+    /// Map free `line` to `key` with the given masks. Caller holds `key`'s stripe and owns `line`.
+    pub(crate) fn map(&self, line: u32, key: Key, valid: Mask, dirty: Mask) {
+        debug_assert!(self.key(line).is_none());
+        debug_assert!(valid != 0 && dirty & !valid == 0);
+        self.set_valid(line, valid);
+        self.set_dirty(line, dirty);
+        self.keys[line as usize].store(key.raw(), Relaxed);
+        let head = &self.buckets[self.bucket(key) as usize];
+        self.hash_next[line as usize].store(head.load(Relaxed), Relaxed);
+        head.store(line, Relaxed);
+    }
+
+    /// Unmap `line` from `key`. Caller holds `key`'s stripe.
+    pub(crate) fn unmap(&self, line: u32, key: Key) {
+        debug_assert_eq!(self.key(line), Some(key));
+        let head = &self.buckets[self.bucket(key) as usize];
+        let next = self.hash_next[line as usize].load(Relaxed);
+        let mut cur = head.load(Relaxed);
+        if cur == line {
+            head.store(next, Relaxed);
+        } else {
+            loop {
+                assert!(cur != NONE, "line {line} missing from its hash chain");
+                let link = &self.hash_next[cur as usize];
+                let after = link.load(Relaxed);
+                if after == line {
+                    link.store(next, Relaxed);
+                    break;
+                }
+                cur = after;
+            }
+        }
+        self.hash_next[line as usize].store(NONE, Relaxed);
+        self.keys[line as usize].store(FREE, Relaxed);
+        self.set_valid(line, 0);
+        self.set_dirty(line, 0);
+    }
+
+    /// Walk every chain; for tests. Returns (line, bucket) pairs.
+    pub(crate) fn chained(&self) -> Vec<(u32, u32)> {
+        let mut out = Vec::new();
+        for (b, head) in self.buckets.iter().enumerate() {
+            let mut line = head.load(Relaxed);
+            while line != NONE {
+                out.push((line, b as u32));
+                line = self.hash_next[line as usize].load(Relaxed);
+            }
+        }
+        out
+    }
+}

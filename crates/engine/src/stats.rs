@@ -1,0 +1,238 @@
+//! Statistics: what an operator reads after every benchmark (domain.md §8).
+
+/// Cache occupancy, in cache lines (see the methods for 4 KiB blocks and percentages).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub line_size: u32,
+    /// Lines in the whole cache.
+    pub total_lines: u64,
+    /// Lines mapped (to this core, for core statistics).
+    pub occupancy_lines: u64,
+    /// Lines not mapped to any core (cache-wide).
+    pub free_lines: u64,
+    /// Mapped lines with at least one dirty sector.
+    pub dirty_lines: u64,
+}
+
+impl Usage {
+    pub fn clean_lines(&self) -> u64 {
+        self.occupancy_lines - self.dirty_lines
+    }
+}
+
+/// Request counts by how the cache served them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RequestStats {
+    pub read_hits: u64,
+    pub read_partial_misses: u64,
+    pub read_full_misses: u64,
+    pub write_hits: u64,
+    pub write_partial_misses: u64,
+    pub write_full_misses: u64,
+    pub pass_through_reads: u64,
+    pub pass_through_writes: u64,
+}
+
+/// Bytes moved, by device.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BlockStats {
+    pub core_read_bytes: u64,
+    pub core_written_bytes: u64,
+    pub cache_read_bytes: u64,
+    pub cache_written_bytes: u64,
+    pub exported_read_bytes: u64,
+    pub exported_written_bytes: u64,
+}
+
+/// Failed device operations.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ErrorStats {
+    pub cache_read: u64,
+    pub cache_write: u64,
+    pub core_read: u64,
+    pub core_write: u64,
+}
+
+/// A snapshot of statistics for a cache or one core.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub usage: Usage,
+    pub requests: RequestStats,
+    pub blocks: BlockStats,
+    pub errors: ErrorStats,
+}
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+
+/// Each thread updates its own slot (modulo [`SLOTS`]) so that counting does not bounce one cache
+/// line between cores; a snapshot sums the slots.
+pub(crate) const SLOTS: usize = 16;
+
+/// Index of the calling thread's slot, stable for the thread's life.
+pub(crate) fn thread_slot() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local!(static SLOT: Cell<usize> = const { Cell::new(usize::MAX) });
+    SLOT.with(|s| {
+        if s.get() == usize::MAX {
+            s.set(NEXT.fetch_add(1, Relaxed));
+        }
+        s.get()
+    })
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Counter {
+    ReadHits,
+    ReadPartialMisses,
+    ReadFullMisses,
+    WriteHits,
+    WritePartialMisses,
+    WriteFullMisses,
+    PassThroughReads,
+    PassThroughWrites,
+    CoreReadBytes,
+    CoreWrittenBytes,
+    CacheReadBytes,
+    CacheWrittenBytes,
+    ExportedReadBytes,
+    ExportedWrittenBytes,
+    CacheReadErrors,
+    CacheWriteErrors,
+    CoreReadErrors,
+    CoreWriteErrors,
+}
+const COUNTERS: usize = Counter::CoreWriteErrors as usize + 1;
+
+#[repr(align(128))]
+struct Slot([AtomicU64; COUNTERS]);
+
+pub(crate) struct Counters {
+    slots: Box<[Slot]>,
+}
+
+impl Counters {
+    pub(crate) fn new() -> Counters {
+        Counters {
+            slots: (0..SLOTS)
+                .map(|_| Slot(std::array::from_fn(|_| AtomicU64::new(0))))
+                .collect(),
+        }
+    }
+
+    #[inline]
+    pub(crate) fn add(&self, c: Counter, n: u64) {
+        if n != 0 {
+            self.slots[thread_slot() % SLOTS].0[c as usize].fetch_add(n, Relaxed);
+        }
+    }
+
+    fn get(&self, c: Counter) -> u64 {
+        self.slots
+            .iter()
+            .map(|s| s.0[c as usize].load(Relaxed))
+            .sum()
+    }
+
+    pub(crate) fn reset(&self) {
+        for s in self.slots.iter() {
+            for c in &s.0 {
+                c.store(0, Relaxed);
+            }
+        }
+    }
+
+    pub(crate) fn snapshot(&self) -> (RequestStats, BlockStats, ErrorStats) {
+        use Counter::*;
+        (
+            RequestStats {
+                read_hits: self.get(ReadHits),
+                read_partial_misses: self.get(ReadPartialMisses),
+                read_full_misses: self.get(ReadFullMisses),
+                write_hits: self.get(WriteHits),
+                write_partial_misses: self.get(WritePartialMisses),
+                write_full_misses: self.get(WriteFullMisses),
+                pass_through_reads: self.get(PassThroughReads),
+                pass_through_writes: self.get(PassThroughWrites),
+            },
+            BlockStats {
+                core_read_bytes: self.get(CoreReadBytes),
+                core_written_bytes: self.get(CoreWrittenBytes),
+                cache_read_bytes: self.get(CacheReadBytes),
+                cache_written_bytes: self.get(CacheWrittenBytes),
+                exported_read_bytes: self.get(ExportedReadBytes),
+                exported_written_bytes: self.get(ExportedWrittenBytes),
+            },
+            ErrorStats {
+                cache_read: self.get(CacheReadErrors),
+                cache_write: self.get(CacheWriteErrors),
+                core_read: self.get(CoreReadErrors),
+                core_write: self.get(CoreWriteErrors),
+            },
+        )
+    }
+}
+
+impl RequestStats {
+    pub fn reads(&self) -> u64 {
+        self.read_hits + self.read_partial_misses + self.read_full_misses + self.pass_through_reads
+    }
+    pub fn writes(&self) -> u64 {
+        self.write_hits
+            + self.write_partial_misses
+            + self.write_full_misses
+            + self.pass_through_writes
+    }
+    /// Requests the cache served (everything but pass-through).
+    pub fn serviced(&self) -> u64 {
+        self.total() - self.pass_through_reads - self.pass_through_writes
+    }
+    pub fn total(&self) -> u64 {
+        self.reads() + self.writes()
+    }
+    pub(crate) fn add(&mut self, o: &RequestStats) {
+        self.read_hits += o.read_hits;
+        self.read_partial_misses += o.read_partial_misses;
+        self.read_full_misses += o.read_full_misses;
+        self.write_hits += o.write_hits;
+        self.write_partial_misses += o.write_partial_misses;
+        self.write_full_misses += o.write_full_misses;
+        self.pass_through_reads += o.pass_through_reads;
+        self.pass_through_writes += o.pass_through_writes;
+    }
+}
+
+impl BlockStats {
+    pub(crate) fn add(&mut self, o: &BlockStats) {
+        self.core_read_bytes += o.core_read_bytes;
+        self.core_written_bytes += o.core_written_bytes;
+        self.cache_read_bytes += o.cache_read_bytes;
+        self.cache_written_bytes += o.cache_written_bytes;
+        self.exported_read_bytes += o.exported_read_bytes;
+        self.exported_written_bytes += o.exported_written_bytes;
+    }
+}
+
+impl ErrorStats {
+    pub(crate) fn add(&mut self, o: &ErrorStats) {
+        self.cache_read += o.cache_read;
+        self.cache_write += o.cache_write;
+        self.core_read += o.core_read;
+        self.core_write += o.core_write;
+    }
+}
+
+impl Usage {
+    /// Lines expressed in 4 KiB blocks, the unit casadm reports.
+    pub fn blocks_4k(&self, lines: u64) -> u64 {
+        lines * (self.line_size as u64 / 4096)
+    }
+    /// Share of the whole cache, in percent.
+    pub fn percent(&self, lines: u64) -> f64 {
+        if self.total_lines == 0 {
+            0.0
+        } else {
+            lines as f64 * 100.0 / self.total_lines as f64
+        }
+    }
+}

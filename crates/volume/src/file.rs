@@ -1,0 +1,673 @@
+//! A volume on a regular file or a block device.
+//!
+//! I/O goes through O_DIRECT where possible, so cached data is not held a second time in the
+//! kernel page cache and a completed write has left the process for the device. But O_DIRECT only
+//! takes requests whose offset and length are multiples of the direct-I/O alignment, which can be
+//! larger than the 512-byte blocks callers use (4 KiB-sector disks under a file system), and some
+//! file systems (tmpfs) refuse O_DIRECT outright. So the volume keeps a second, buffered
+//! descriptor: requests direct I/O cannot take go through it, and so does everything when O_DIRECT
+//! is unavailable ([`FileVolume::io_path`] says which). Aligned requests in misaligned memory keep
+//! the direct path by going through an aligned bounce buffer. Mixing the two paths is coherent:
+//! Linux writes back and invalidates cached pages in the range of every direct request.
+
+use std::alloc::{self, Layout};
+use std::cell::RefCell;
+use std::fmt;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
+use std::path::Path;
+use std::ptr::NonNull;
+
+use rustix::fs::{AtFlags, FallocateFlags, StatxFlags};
+use rustix::io::Errno;
+use rustix::ioctl::{self, opcode, Opcode};
+
+use crate::{check_range, write_zeroes_by_writing, ErrorKind, Op, Result, Volume, VolumeError};
+
+/// How a [`FileVolume`] reaches its device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoPath {
+    /// O_DIRECT for requests that meet its alignment, the page cache for the rest.
+    Direct,
+    /// Everything through the page cache, because the file system refused O_DIRECT.
+    Buffered,
+}
+
+/// A regular file or block device used as a volume.
+pub struct FileVolume {
+    name: String,
+    buffered: File,
+    direct: Option<Direct>,
+    size: u64,
+    block: u32,
+    block_device: bool,
+}
+
+struct Direct {
+    file: File,
+    mem_align: usize,
+    offset_align: u64,
+}
+
+/// Bounce buffers are this aligned: a page satisfies every device's DMA alignment in practice.
+const BOUNCE_ALIGN: usize = 4096;
+/// Large misaligned requests are bounced in pieces of this size, so the per-thread buffer stays
+/// small.
+const BOUNCE_MAX: usize = 1 << 20;
+
+const BLKGETSIZE64: Opcode = opcode::read::<libc::size_t>(0x12, 114);
+const BLKDISCARD: Opcode = opcode::none(0x12, 119);
+const BLKZEROOUT: Opcode = opcode::none(0x12, 127);
+
+impl FileVolume {
+    /// Open an existing regular file or block device for reading and writing.
+    pub fn open(path: &Path) -> Result<FileVolume> {
+        Self::open_with(path, true)
+    }
+
+    fn open_with(path: &Path, try_direct: bool) -> Result<FileVolume> {
+        let name = path.display().to_string();
+        let fail = |kind: ErrorKind| VolumeError::new(&name, Op::Open, 0, 0, kind);
+        let invalid = |msg: String| fail(ErrorKind::Invalid(msg));
+        let buffered = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| fail(e.into()))?;
+        let meta = buffered.metadata().map_err(|e| fail(e.into()))?;
+        let (size, block, block_device) = if meta.file_type().is_file() {
+            (meta.len(), 512, false)
+        } else if meta.file_type().is_block_device() {
+            let size = blkgetsize64(&buffered).map_err(|e| fail(e.into()))?;
+            let block = rustix::fs::ioctl_blksszget(&buffered)
+                .map_err(|e| fail(io::Error::from(e).into()))?;
+            (size, block, true)
+        } else {
+            return Err(invalid("not a regular file or block device".into()));
+        };
+        if !block.is_power_of_two() {
+            return Err(invalid(format!("odd logical block size {block}")));
+        }
+        if size == 0 {
+            return Err(invalid("the device is empty (0 bytes)".into()));
+        }
+        if size % u64::from(block) != 0 {
+            return Err(invalid(format!(
+                "size {size} is not a multiple of the {block}-byte logical block size"
+            )));
+        }
+        Ok(FileVolume {
+            direct: if try_direct {
+                Direct::open(path, block, size)
+            } else {
+                None
+            },
+            name,
+            buffered,
+            size,
+            block,
+            block_device,
+        })
+    }
+
+    /// Create a sparse regular file of `size` bytes (a non-zero multiple of 512) and open it.
+    /// An existing empty file is extended; an existing file of exactly `size` bytes is opened
+    /// as is; any other existing file is an error rather than silently resized.
+    pub fn create(path: &Path, size: u64) -> Result<FileVolume> {
+        let name = path.display().to_string();
+        let fail = |kind: ErrorKind| VolumeError::new(&name, Op::Open, 0, size, kind);
+        let invalid = |msg: String| fail(ErrorKind::Invalid(msg));
+        if size == 0 || size % 512 != 0 {
+            return Err(invalid(format!(
+                "size {size} must be a non-zero multiple of 512 bytes"
+            )));
+        }
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .map_err(|e| fail(e.into()))?;
+        let meta = file.metadata().map_err(|e| fail(e.into()))?;
+        if !meta.file_type().is_file() {
+            return Err(invalid(
+                "exists and is not a regular file (open a block device instead of creating it)"
+                    .into(),
+            ));
+        }
+        match meta.len() {
+            0 => file.set_len(size).map_err(|e| fail(e.into()))?,
+            len if len == size => {}
+            len => {
+                return Err(invalid(format!(
+                    "already exists with {len} bytes, not {size}; refusing to resize it"
+                )))
+            }
+        }
+        drop(file);
+        Self::open(path)
+    }
+
+    /// Whether requests can use O_DIRECT (see the module documentation).
+    pub fn io_path(&self) -> IoPath {
+        match self.direct {
+            Some(_) => IoPath::Direct,
+            None => IoPath::Buffered,
+        }
+    }
+
+    /// Whether this volume is a block device rather than a regular file.
+    pub fn is_block_device(&self) -> bool {
+        self.block_device
+    }
+
+    fn direct_for(&self, offset: u64, len: usize) -> Option<&Direct> {
+        self.direct
+            .as_ref()
+            .filter(|d| offset % d.offset_align == 0 && len as u64 % d.offset_align == 0)
+    }
+
+    fn err(&self, op: Op, offset: u64, len: u64, e: io::Error) -> VolumeError {
+        VolumeError::new(&self.name, op, offset, len, ErrorKind::Io(e))
+    }
+}
+
+impl Direct {
+    /// The O_DIRECT descriptor and its alignment rules, or None if direct I/O will not work here.
+    fn open(path: &Path, block: u32, size: u64) -> Option<Direct> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+            .ok()?;
+        let (mem_align, offset_align) =
+            match rustix::fs::statx(&file, "", AtFlags::EMPTY_PATH, StatxFlags::DIOALIGN) {
+                Ok(st) if st.stx_mask & StatxFlags::DIOALIGN.bits() != 0 => {
+                    if st.stx_dio_offset_align == 0 {
+                        // The file system says this file cannot do direct I/O.
+                        return None;
+                    }
+                    (
+                        st.stx_dio_mem_align as usize,
+                        u64::from(st.stx_dio_offset_align),
+                    )
+                }
+                // Before Linux 6.1, or where the file system does not say: the logical block
+                // size is what direct I/O has traditionally required, and a wrong guess only
+                // costs a retry through the buffered descriptor (see read_at).
+                _ => (block as usize, u64::from(block)),
+            };
+        let mem_align = mem_align.max(1);
+        let offset_align = offset_align.max(u64::from(block));
+        if !mem_align.is_power_of_two()
+            || mem_align > BOUNCE_ALIGN
+            || !offset_align.is_power_of_two()
+            || offset_align > BOUNCE_MAX as u64
+        {
+            return None;
+        }
+        // Some file systems (FUSE, older tmpfs variants) accept the open flag but fail the I/O;
+        // find out now so io_path() tells the truth.
+        if size >= offset_align {
+            with_bounce(offset_align as usize, |b| file.read_exact_at(b, 0)).ok()?;
+        }
+        Some(Direct {
+            file,
+            mem_align,
+            offset_align,
+        })
+    }
+
+    fn read(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        if buf.as_ptr() as usize % self.mem_align == 0 {
+            return self.file.read_exact_at(buf, offset);
+        }
+        with_bounce(buf.len().min(BOUNCE_MAX), |bounce| {
+            for (i, piece) in buf.chunks_mut(BOUNCE_MAX).enumerate() {
+                let b = &mut bounce[..piece.len()];
+                self.file
+                    .read_exact_at(b, offset + (i * BOUNCE_MAX) as u64)?;
+                piece.copy_from_slice(b);
+            }
+            Ok(())
+        })
+    }
+
+    fn write(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        if buf.as_ptr() as usize % self.mem_align == 0 {
+            return self.file.write_all_at(buf, offset);
+        }
+        with_bounce(buf.len().min(BOUNCE_MAX), |bounce| {
+            for (i, piece) in buf.chunks(BOUNCE_MAX).enumerate() {
+                let b = &mut bounce[..piece.len()];
+                b.copy_from_slice(piece);
+                self.file
+                    .write_all_at(b, offset + (i * BOUNCE_MAX) as u64)?;
+            }
+            Ok(())
+        })
+    }
+}
+
+/// EINVAL from a direct request means the alignment guess was wrong (or the file system changed
+/// its mind); the buffered descriptor can still serve the request.
+fn retry_buffered(e: &io::Error) -> bool {
+    e.raw_os_error() == Some(libc::EINVAL)
+}
+
+fn unsupported(e: Errno) -> bool {
+    e == Errno::OPNOTSUPP || e == Errno::NOTTY
+}
+
+fn blkgetsize64(f: &File) -> io::Result<u64> {
+    // SAFETY: BLKGETSIZE64 writes one u64 to the pointer it is given.
+    unsafe { Ok(ioctl::ioctl(f, ioctl::Getter::<BLKGETSIZE64, u64>::new())?) }
+}
+
+/// BLKDISCARD and BLKZEROOUT: both take a pointer to `[start, length]` in bytes.
+fn blk_range_ioctl<const OPCODE: Opcode>(
+    f: &File,
+    offset: u64,
+    len: u64,
+) -> rustix::io::Result<()> {
+    // SAFETY: both opcodes read a `u64[2]` through the pointer and write nothing back.
+    unsafe { ioctl::ioctl(f, ioctl::Setter::<OPCODE, [u64; 2]>::new([offset, len])) }
+}
+
+/// A zeroed, page-aligned heap buffer.
+struct AlignedBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+impl AlignedBuf {
+    fn new(len: usize) -> AlignedBuf {
+        let layout = Self::layout(len);
+        // SAFETY: the layout has a non-zero size. Zeroed, so the buffer is initialised memory
+        // before the first read(2) fills it.
+        let p = unsafe { alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(p).unwrap_or_else(|| alloc::handle_alloc_error(layout));
+        AlignedBuf { ptr, len }
+    }
+
+    fn layout(len: usize) -> Layout {
+        Layout::from_size_align(len.max(1), BOUNCE_ALIGN).expect("bounce buffer layout")
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in new() with the same layout.
+        unsafe { alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) };
+    }
+}
+
+thread_local! {
+    /// Reused across requests: an aligned allocation of up to 1 MiB per request would mostly
+    /// be an mmap/munmap pair.
+    static BOUNCE: RefCell<Option<AlignedBuf>> = const { RefCell::new(None) };
+}
+
+/// Run `f` with a page-aligned scratch buffer of `len` bytes (content unspecified).
+fn with_bounce<R>(len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+    BOUNCE.with(|cell| {
+        // Never borrowed twice: `f` only does syscalls and copies.
+        let mut slot = cell.borrow_mut();
+        let too_small = match &*slot {
+            Some(b) => b.len < len,
+            None => true,
+        };
+        if too_small {
+            *slot = Some(AlignedBuf::new(len));
+        }
+        let b = slot.as_mut().expect("bounce buffer was just allocated");
+        // SAFETY: the allocation holds `b.len >= len` initialised bytes, and the RefCell borrow
+        // makes this the only reference to it.
+        f(unsafe { std::slice::from_raw_parts_mut(b.ptr.as_ptr(), len) })
+    })
+}
+
+impl Volume for FileVolume {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn logical_block_size(&self) -> u32 {
+        self.block
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        let len = buf.len() as u64;
+        check_range(self, Op::Read, offset, len)?;
+        if let Some(d) = self.direct_for(offset, buf.len()) {
+            match d.read(buf, offset) {
+                Ok(()) => return Ok(()),
+                Err(e) if retry_buffered(&e) => {}
+                Err(e) => return Err(self.err(Op::Read, offset, len, e)),
+            }
+        }
+        self.buffered
+            .read_exact_at(buf, offset)
+            .map_err(|e| self.err(Op::Read, offset, len, e))
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        let len = buf.len() as u64;
+        check_range(self, Op::Write, offset, len)?;
+        if let Some(d) = self.direct_for(offset, buf.len()) {
+            match d.write(buf, offset) {
+                Ok(()) => return Ok(()),
+                Err(e) if retry_buffered(&e) => {}
+                Err(e) => return Err(self.err(Op::Write, offset, len, e)),
+            }
+        }
+        self.buffered
+            .write_all_at(buf, offset)
+            .map_err(|e| self.err(Op::Write, offset, len, e))
+    }
+
+    fn flush(&self) -> Result<()> {
+        // One descriptor's fdatasync covers the inode, so writes made through the direct
+        // descriptor are included (and on a block device it also flushes the device cache).
+        rustix::fs::fdatasync(&self.buffered).map_err(|e| self.err(Op::Flush, 0, 0, e.into()))
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        check_range(self, Op::Discard, offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let r = if self.block_device {
+            blk_range_ioctl::<BLKDISCARD>(&self.buffered, offset, len)
+        } else {
+            let mode = FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE;
+            rustix::fs::fallocate(&self.buffered, mode, offset, len)
+        };
+        match r {
+            Ok(()) => Ok(()),
+            // Discard is only a hint on a block device...
+            Err(e) if unsupported(e) && self.block_device => Ok(()),
+            // ...but a file promises (discard_zeroes) that the range reads back as zeroes.
+            Err(e) if unsupported(e) => self.write_zeroes(offset, len),
+            Err(e) => Err(self.err(Op::Discard, offset, len, e.into())),
+        }
+    }
+
+    fn discard_zeroes(&self) -> bool {
+        !self.block_device
+    }
+
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        check_range(self, Op::WriteZeroes, offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let r = if self.block_device {
+            blk_range_ioctl::<BLKZEROOUT>(&self.buffered, offset, len)
+        } else {
+            let mode = FallocateFlags::ZERO_RANGE | FallocateFlags::KEEP_SIZE;
+            rustix::fs::fallocate(&self.buffered, mode, offset, len)
+        };
+        match r {
+            Ok(()) => Ok(()),
+            Err(e) if unsupported(e) => write_zeroes_by_writing(self, offset, len),
+            Err(e) => Err(self.err(Op::WriteZeroes, offset, len, e.into())),
+        }
+    }
+}
+
+impl fmt::Debug for FileVolume {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FileVolume")
+            .field("name", &self.name)
+            .field("size", &self.size)
+            .field("block", &self.block)
+            .field("io_path", &self.io_path())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+    use std::sync::Arc;
+
+    /// A scratch directory on a file system that takes O_DIRECT: the system temp dir if it
+    /// does (it may be tmpfs), else the workspace's target directory.
+    fn dio_dir() -> tempfile::TempDir {
+        let target = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target");
+        let _ = std::fs::create_dir_all(&target);
+        for base in [std::env::temp_dir(), target] {
+            let Ok(dir) = tempfile::tempdir_in(&base) else {
+                continue;
+            };
+            let probe = dir.path().join("probe");
+            let ok = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(&probe)
+                .is_ok();
+            if ok {
+                return dir;
+            }
+        }
+        panic!("no scratch directory accepts O_DIRECT");
+    }
+
+    fn pattern(seed: u8, len: usize) -> Vec<u8> {
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(13) ^ seed)
+            .collect()
+    }
+
+    fn read_vec(v: &FileVolume, offset: u64, len: usize) -> Vec<u8> {
+        let mut buf = vec![0xEEu8; len];
+        v.read_at(&mut buf, offset).unwrap();
+        buf
+    }
+
+    #[test]
+    fn round_trips_direct() {
+        let dir = dio_dir();
+        let path = dir.path().join("vol");
+        let v = FileVolume::create(&path, 4 << 20).unwrap();
+        assert_eq!(v.io_path(), IoPath::Direct);
+        assert_eq!((v.size(), v.logical_block_size()), (4 << 20, 512));
+        assert_eq!(read_vec(&v, 0, 8192), vec![0; 8192]);
+        let cases = [
+            (0u64, 4096usize),
+            (512, 512),
+            (4096 + 512, 3 * 512),
+            (8192, 3 << 20),
+            ((4 << 20) - 512, 512),
+        ];
+        for (i, &(off, len)) in cases.iter().enumerate() {
+            let data = pattern(i as u8, len);
+            v.write_at(&data, off).unwrap();
+            assert_eq!(read_vec(&v, off, len), data, "case {i}");
+        }
+        v.flush().unwrap();
+        drop(v);
+        let v = FileVolume::open(&path).unwrap();
+        assert_eq!(read_vec(&v, (4 << 20) - 512, 512), pattern(4, 512));
+    }
+
+    #[test]
+    fn misaligned_memory_goes_through_bounce_buffer() {
+        let dir = dio_dir();
+        let v = FileVolume::create(&dir.path().join("vol"), 4 << 20).unwrap();
+        assert_eq!(v.io_path(), IoPath::Direct);
+        // Larger than BOUNCE_MAX so the piecewise copy is exercised.
+        let len = BOUNCE_MAX + 8192;
+        let mut backing = vec![0u8; len + 1];
+        let data = pattern(9, len);
+        backing[1..].copy_from_slice(&data);
+        v.write_at(&backing[1..], 4096).unwrap();
+        let mut back = vec![0u8; len + 1];
+        v.read_at(&mut back[1..], 4096).unwrap();
+        assert_eq!(&back[1..], &data[..]);
+        assert_eq!(read_vec(&v, 4096, len), data);
+    }
+
+    #[test]
+    fn buffered_and_direct_requests_see_each_other() {
+        let dir = dio_dir();
+        let v = FileVolume::create(&dir.path().join("vol"), 1 << 20).unwrap();
+        // A lone 512-byte write may take the buffered path (when the DIO alignment is larger);
+        // the surrounding 4 KiB read is direct either way.
+        v.write_at(&[7u8; 4096], 0).unwrap();
+        v.write_at(&[9u8; 512], 1024).unwrap();
+        let got = read_vec(&v, 0, 4096);
+        assert!(got[..1024].iter().all(|&b| b == 7));
+        assert!(got[1024..1536].iter().all(|&b| b == 9));
+        assert!(got[1536..].iter().all(|&b| b == 7));
+        v.write_at(&[3u8; 4096], 0).unwrap();
+        assert_eq!(read_vec(&v, 1024, 512), vec![3u8; 512]);
+    }
+
+    #[test]
+    fn rejects_bad_requests() {
+        let dir = dio_dir();
+        let path = dir.path().join("vol");
+        let v = FileVolume::create(&path, 1 << 20).unwrap();
+        let e = v.write_at(&[0; 512], 256).unwrap_err();
+        assert!(matches!(e.kind, ErrorKind::Unaligned { block: 512 }));
+        let e = v.read_at(&mut [0; 700], 0).unwrap_err();
+        assert!(matches!(e.kind, ErrorKind::Unaligned { block: 512 }));
+        let e = v.read_at(&mut [0; 1024], (1 << 20) - 512).unwrap_err();
+        assert!(matches!(e.kind, ErrorKind::OutOfRange { .. }));
+        assert_eq!((e.op, e.offset, e.len), (Op::Read, (1 << 20) - 512, 1024));
+        assert!(e.to_string().contains(&path.display().to_string()), "{e}");
+        assert!(v.discard(1 << 20, 512).is_err());
+        assert!(v.write_zeroes(0, 100).is_err());
+    }
+
+    #[test]
+    fn open_and_create_errors() {
+        let dir = dio_dir();
+        let missing = dir.path().join("missing");
+        let e = FileVolume::open(&missing).unwrap_err();
+        assert!(matches!(e.kind, ErrorKind::Io(_)));
+        assert_eq!(e.op, Op::Open);
+        assert!(e.to_string().contains("missing"), "{e}");
+
+        let odd = dir.path().join("odd");
+        std::fs::write(&odd, [0u8; 1000]).unwrap();
+        let e = FileVolume::open(&odd).unwrap_err();
+        assert!(e.to_string().contains("multiple of the 512-byte"), "{e}");
+        let e = FileVolume::create(&odd, 4096).unwrap_err();
+        assert!(e.to_string().contains("refusing to resize"), "{e}");
+
+        let empty = dir.path().join("empty");
+        std::fs::write(&empty, []).unwrap();
+        assert!(FileVolume::open(&empty).is_err());
+        assert_eq!(FileVolume::create(&empty, 8192).unwrap().size(), 8192);
+        assert_eq!(FileVolume::create(&empty, 8192).unwrap().size(), 8192);
+        assert!(FileVolume::create(&dir.path().join("new"), 1000).is_err());
+        assert!(FileVolume::open(dir.path()).is_err());
+    }
+
+    #[test]
+    fn discard_and_write_zeroes_read_back_zeroes() {
+        let dir = dio_dir();
+        let path = dir.path().join("vol");
+        let v = FileVolume::create(&path, 1 << 20).unwrap();
+        assert!(v.discard_zeroes());
+        v.write_at(&vec![0x5A; 1 << 20], 0).unwrap();
+        v.discard(8192, 64 << 10).unwrap();
+        v.discard(512, 512).unwrap();
+        v.write_zeroes(256 << 10, 4096 + 1024).unwrap();
+        let all = read_vec(&v, 0, 1 << 20);
+        for (i, &b) in all.iter().enumerate() {
+            let zero = (8192..8192 + (64 << 10)).contains(&i)
+                || (512..1024).contains(&i)
+                || ((256 << 10)..(256 << 10) + 5120).contains(&i);
+            assert_eq!(b, if zero { 0 } else { 0x5A }, "byte {i}");
+        }
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 1 << 20);
+    }
+
+    #[test]
+    fn buffered_only_path_works() {
+        let dir = dio_dir();
+        let path = dir.path().join("vol");
+        FileVolume::create(&path, 1 << 20).unwrap();
+        let v = FileVolume::open_with(&path, false).unwrap();
+        assert_eq!(v.io_path(), IoPath::Buffered);
+        let mut backing = vec![0u8; 8192 + 1];
+        backing[1..].copy_from_slice(&pattern(3, 8192));
+        v.write_at(&backing[1..], 512).unwrap();
+        assert_eq!(read_vec(&v, 512, 8192), pattern(3, 8192));
+        v.write_zeroes(1024, 512).unwrap();
+        v.discard(4096, 1024).unwrap();
+        let got = read_vec(&v, 512, 8192);
+        assert!(got[512..1024].iter().all(|&b| b == 0));
+        assert!(got[3584..4608].iter().all(|&b| b == 0));
+        assert_eq!(got[4608..], pattern(3, 8192)[4608..]);
+        v.flush().unwrap();
+    }
+
+    // tmpfs refused O_DIRECT before Linux 6.6; either way the volume must work there.
+    #[test]
+    fn tmpfs_works_whichever_path_it_allows() {
+        let shm = Path::new("/dev/shm");
+        let Ok(dir) = tempfile::tempdir_in(shm) else {
+            return;
+        };
+        let path = dir.path().join("vol");
+        let v = FileVolume::create(&path, 1 << 20).unwrap();
+        let direct_ok = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&path)
+            .is_ok();
+        if !direct_ok {
+            assert_eq!(v.io_path(), IoPath::Buffered);
+        }
+        let data = pattern(1, 8192);
+        v.write_at(&data, 4096).unwrap();
+        assert_eq!(read_vec(&v, 4096, 8192), data);
+        v.discard(4096, 4096).unwrap();
+        assert_eq!(read_vec(&v, 4096, 4096), vec![0; 4096]);
+        v.flush().unwrap();
+    }
+
+    #[test]
+    fn concurrent_threads_with_bounce_buffers() {
+        let dir = dio_dir();
+        let v = Arc::new(FileVolume::create(&dir.path().join("vol"), 4 << 20).unwrap());
+        let handles: Vec<_> = (0..4u8)
+            .map(|t| {
+                let v = Arc::clone(&v);
+                std::thread::spawn(move || {
+                    let base = u64::from(t) << 20;
+                    for i in 0..64u64 {
+                        let data = pattern(t.wrapping_mul(64).wrapping_add(i as u8), 16384 + 1);
+                        // Odd start in memory: every request bounces.
+                        v.write_at(&data[1..], base + i * 16384).unwrap();
+                    }
+                    for i in 0..64u64 {
+                        let data = pattern(t.wrapping_mul(64).wrapping_add(i as u8), 16384 + 1);
+                        let mut back = vec![0u8; 16384 + 3];
+                        v.read_at(&mut back[3..], base + i * 16384).unwrap();
+                        assert_eq!(&back[3..], &data[1..]);
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+    }
+}
