@@ -20,9 +20,11 @@ use hybridcache_volume::{Volume, VolumeError, VolumeRef};
 use parking_lot::RwLock;
 
 use crate::bits::{self, Mask};
+use crate::format::{ConfigSlot, CoreRecord, Geometry, Superblock};
 use crate::lists::{ListKind, Lists, RUN};
 use crate::locks::{StripeGuard, StripedLocks};
 use crate::meta::{Key, LineTable, MAX_CORE_LINES, NONE};
+use crate::persist::{self, new_uuid, Persist};
 use crate::stats::{thread_slot, Counter, Counters, Stats, Usage, SLOTS};
 use crate::{
     CacheConfig, CacheMode, CoreId, EngineError, LineSize, Result, MAX_CORES, MAX_REQUEST, SECTOR,
@@ -41,12 +43,23 @@ pub struct Core {
     core: Arc<CoreState>,
 }
 
+/// Whether a core's device is attached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CoreStatus {
+    Active,
+    /// Its device was missing when the cache was loaded: its dirty data is kept, its exported
+    /// volume is not served until [`Cache::attach_core`] brings it back.
+    Inactive,
+}
+
 /// Description of an attached core.
 #[derive(Debug, Clone)]
 pub struct CoreInfo {
     pub id: CoreId,
+    /// The device as the user named it (path or volume URI).
     pub name: String,
     pub size: u64,
+    pub status: CoreStatus,
 }
 
 /// How many times a write-back write gives up its locks to make room before it writes the rest
@@ -70,6 +83,10 @@ pub(crate) struct CacheInner {
     /// lookup.
     pub(crate) gauges: Box<[CoreGauges]>,
     pub(crate) free_lines: AtomicU64,
+    /// None for a volatile cache (metadata in RAM only).
+    pub(crate) persist: Option<Persist>,
+    /// Cores recorded in the superblock whose device was missing at load.
+    inactive: RwLock<BTreeMap<CoreId, CoreRecord>>,
 }
 
 #[derive(Default)]
@@ -86,7 +103,9 @@ pub(crate) struct CoreState {
     pub(crate) volume: VolumeRef,
     pub(crate) size: u64,
     pub(crate) counters: Counters,
+    /// Set when the core is being removed or the cache stopped; new requests are refused.
     removed: AtomicBool,
+    stopped: AtomicBool,
     /// Requests in progress, per thread slot; removal waits for these to drain.
     in_flight: Box<[InFlight]>,
 }
@@ -103,7 +122,11 @@ impl CoreState {
         self.in_flight[slot].0.fetch_add(1, Ordering::SeqCst);
         let entered = Entered(self, slot);
         if self.removed.load(Ordering::SeqCst) {
-            return Err(EngineError::CoreRemoved(self.id));
+            return Err(if self.stopped.load(Ordering::SeqCst) {
+                EngineError::Stopped
+            } else {
+                EngineError::CoreRemoved(self.id)
+            });
         }
         Ok(entered)
     }
@@ -282,13 +305,29 @@ impl CacheInner {
     pub(crate) fn update_line(&self, line: u32, key: Key, valid: Mask, dirty: Mask, touch: bool) {
         debug_assert!(dirty & !valid == 0);
         let old_dirty = self.table.dirty(line);
+        let old_valid = self.table.valid(line);
         let from = Self::list_of(old_dirty);
         let gauges = &self.gauges[key.core() as usize];
         if valid == 0 {
             self.table.unmap(line, key);
+            // The device may still map this line to `key` as dirty: it waits in limbo until a
+            // commit records it free (asked after the unmap; see `Persist::durably_dirty`).
+            let to = match &self.persist {
+                Some(p) => {
+                    p.touch(line);
+                    if p.durably_dirty(line) {
+                        ListKind::Limbo
+                    } else {
+                        ListKind::Free
+                    }
+                }
+                None => ListKind::Free,
+            };
             let mut s = self.lists.lock(self.lists.shard_of(line));
-            self.lists.move_back(&mut s, from, ListKind::Free, line);
-            self.free_lines.fetch_add(1, Ordering::Relaxed);
+            self.lists.move_back(&mut s, from, to, line);
+            if to == ListKind::Free {
+                self.free_lines.fetch_add(1, Ordering::Relaxed);
+            }
             drop(s);
             gauges.occupancy.fetch_sub(1, Ordering::Relaxed);
             if old_dirty != 0 {
@@ -298,6 +337,11 @@ impl CacheInner {
         }
         self.table.set_valid(line, valid);
         self.table.set_dirty(line, dirty);
+        if valid != old_valid || dirty != old_dirty {
+            if let Some(p) = &self.persist {
+                p.touch(line);
+            }
+        }
         let to = Self::list_of(dirty);
         if from != to || touch {
             let mut s = self.lists.lock(self.lists.shard_of(line));
@@ -317,6 +361,9 @@ impl CacheInner {
     /// Map an owned free line. Caller holds `key`'s stripe.
     fn insert_line(&self, line: u32, key: Key, valid: Mask, dirty: Mask) {
         self.table.map(line, key, valid, dirty);
+        if let Some(p) = &self.persist {
+            p.touch(line);
+        }
         let mut s = self.lists.lock(self.lists.shard_of(line));
         self.lists.push_back(&mut s, Self::list_of(dirty), line);
         drop(s);
@@ -369,9 +416,17 @@ impl CacheInner {
             // Holding both the shard and the stripe: the line cannot change under us, and a line
             // in the clean list with its stripe free has no dirty sector.
             debug_assert_eq!(self.table.dirty(line), 0);
+            if self.persist.as_ref().is_some_and(|p| p.durably_dirty(line)) {
+                // Cleaned, but the device does not know yet: reusing it could let a crash
+                // serve another address's data as this one's.
+                continue;
+            }
             self.lists.remove(&mut s, ListKind::Clean, line);
             drop(s);
             self.table.unmap(line, key);
+            if let Some(p) = &self.persist {
+                p.touch(line);
+            }
             self.gauges[key.core() as usize]
                 .occupancy
                 .fetch_sub(1, Ordering::Relaxed);
@@ -401,7 +456,12 @@ impl CacheInner {
                 break;
             }
         }
-        self.clean_lines(picked).map(|_| ())
+        self.clean_lines(picked)?;
+        if self.persist.is_some() {
+            // Cleaned lines (and lines in limbo) become reusable once the device records them.
+            self.commit()?;
+        }
+        Ok(())
     }
 
     fn core_by_id(&self, id: CoreId) -> Result<Arc<CoreState>> {
@@ -755,11 +815,7 @@ impl CacheInner {
 
     fn flush_request(&self, core: &CoreState) -> Result<()> {
         let _entered = core.enter()?;
-        self.volume.flush()?;
-        core.volume
-            .flush()
-            .inspect_err(|_| core.counters.add(Counter::CoreWriteErrors, 1))?;
-        Ok(())
+        self.commit()
     }
 
     // ---- device IO with accounting --------------------------------------------------------
@@ -864,8 +920,91 @@ impl CacheInner {
     }
 }
 
+impl CacheInner {
+    fn build(
+        volume: VolumeRef,
+        config: &CacheConfig,
+        lines: u32,
+        data_offset: u64,
+        persist: Option<Persist>,
+    ) -> CacheInner {
+        // Enough stripes that unrelated requests rarely meet, few enough to stay small.
+        let stripes = (lines as usize).next_power_of_two().clamp(64, 1 << 16);
+        let shards = (lines.div_ceil(RUN) as usize).clamp(1, 64);
+        CacheInner {
+            id: config.id,
+            line_size: config.line_size,
+            line_bytes: config.line_size.bytes() as u64,
+            lines,
+            volume,
+            data_offset,
+            mode: AtomicU8::new(config.mode as u8),
+            table: LineTable::new(lines, config.line_size.sectors(), stripes),
+            lists: Lists::new(lines, shards),
+            locks: StripedLocks::new(stripes),
+            cores: RwLock::new(BTreeMap::new()),
+            gauges: (0..=MAX_CORES).map(|_| CoreGauges::default()).collect(),
+            free_lines: AtomicU64::new(lines as u64),
+            persist,
+            inactive: RwLock::new(BTreeMap::new()),
+        }
+    }
+
+    fn new_core_state(id: CoreId, volume: VolumeRef) -> Arc<CoreState> {
+        Arc::new(CoreState {
+            id,
+            size: volume.size(),
+            volume,
+            counters: Counters::new(),
+            removed: AtomicBool::new(false),
+            stopped: AtomicBool::new(false),
+            in_flight: (0..SLOTS).map(|_| InFlight(AtomicU64::new(0))).collect(),
+        })
+    }
+
+    /// Put a recovered line back into the RAM structures (load only, single-threaded).
+    fn restore_line(&self, line: u32, key: Key, valid: Mask, dirty: Mask) {
+        let mut s = self.lists.lock(self.lists.shard_of(line));
+        self.lists.remove(&mut s, ListKind::Free, line);
+        self.free_lines.fetch_sub(1, Ordering::Relaxed);
+        drop(s);
+        self.insert_line(line, key, valid, dirty);
+    }
+
+    /// Stop new requests on a core and wait for those in flight.
+    fn quiesce(core: &CoreState) {
+        core.removed.store(true, Ordering::SeqCst);
+        while core.in_flight() != 0 {
+            std::thread::yield_now();
+        }
+    }
+}
+
+fn check_line_size(line_size: u32) -> Result<LineSize> {
+    LineSize::from_kib(line_size / 1024)
+        .ok()
+        .filter(|l| l.bytes() == line_size)
+        .ok_or_else(|| {
+            EngineError::Corrupt(format!(
+                "superblock: cache line size {line_size} is impossible"
+            ))
+        })
+}
+
+fn describe_cores(sb: &Superblock) -> String {
+    if sb.cores.is_empty() {
+        return "none".into();
+    }
+    sb.cores
+        .iter()
+        .map(|c| format!("{} ({})", c.id, c.path))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 impl Cache {
-    /// Start a new, empty cache on `cache_volume`. The whole volume holds cache lines.
+    /// Start a new, empty, volatile cache on `cache_volume`: the whole volume holds cache lines
+    /// and the metadata lives in RAM only (nothing survives a restart).
     pub fn new(cache_volume: VolumeRef, config: CacheConfig) -> Result<Cache> {
         let line_bytes = config.line_size.bytes() as u64;
         let lines = cache_volume.size() / line_bytes;
@@ -881,29 +1020,231 @@ impl Cache {
                 NONE - 1
             )));
         }
-        let lines = lines as u32;
-        // Enough stripes that unrelated requests rarely meet, few enough to stay small.
-        let stripes = (lines as usize).next_power_of_two().clamp(64, 1 << 16);
-        let shards = (lines.div_ceil(RUN) as usize).clamp(1, 64);
-        let inner = CacheInner {
-            id: config.id,
-            line_size: config.line_size,
-            line_bytes,
-            lines,
-            volume: cache_volume,
-            data_offset: 0,
-            mode: AtomicU8::new(config.mode as u8),
-            table: LineTable::new(lines, config.line_size.sectors(), stripes),
-            lists: Lists::new(lines, shards),
-            locks: StripedLocks::new(stripes),
-            cores: RwLock::new(BTreeMap::new()),
-            gauges: (0..=MAX_CORES).map(|_| CoreGauges::default()).collect(),
-            free_lines: AtomicU64::new(lines as u64),
+        Ok(Cache {
+            inner: Arc::new(CacheInner::build(
+                cache_volume,
+                &config,
+                lines as u32,
+                0,
+                None,
+            )),
+        })
+    }
+
+    /// Create a new persistent cache on `cache_volume` (docs/format.md). A volume that already
+    /// holds a cache is refused unless `force`.
+    pub fn create(cache_volume: VolumeRef, config: CacheConfig, force: bool) -> Result<Cache> {
+        let slots = persist::read_config(&*cache_volume)?;
+        if !force {
+            if let Some((_, sb)) = persist::newest(&slots) {
+                return Err(EngineError::ExistingCache {
+                    id: sb.cache_id,
+                    uuid: sb.uuid.clone(),
+                    line_kib: sb.line_size / 1024,
+                    cores: describe_cores(sb),
+                });
+            }
+            for slot in &slots {
+                if let ConfigSlot::Corrupt(why) = slot {
+                    return Err(EngineError::DamagedSuperblock(why.clone()));
+                }
+            }
+        }
+        let line_bytes = config.line_size.bytes() as u64;
+        let geometry = Geometry::compute(cache_volume.size(), line_bytes).ok_or(
+            EngineError::CacheTooSmall {
+                bytes: cache_volume.size(),
+                line: config.line_size.bytes(),
+            },
+        )?;
+        let sb = Superblock {
+            cache_id: config.id,
+            uuid: new_uuid(),
+            nonce: persist::random_u64(),
+            line_size: config.line_size.bytes(),
+            lines: geometry.lines,
+            data_offset: geometry.data_offset,
+            meta_blocks: geometry.meta_blocks,
+            entries_per_block: geometry.entries_per_block,
+            mode: config.mode.as_str().into(),
+            clean_shutdown: false,
+            cores: Vec::new(),
+            params: Default::default(),
         };
-        debug_assert_eq!(inner.locks.count(), stripes);
+        let mask_bytes = config.line_size.sectors() as usize / 8;
+        let persist = persist::format_volume(&*cache_volume, geometry, &sb, mask_bytes)?;
+        Ok(Cache {
+            inner: Arc::new(CacheInner::build(
+                cache_volume,
+                &config,
+                geometry.lines,
+                geometry.data_offset,
+                Some(persist),
+            )),
+        })
+    }
+
+    /// Load the cache held by `cache_volume`, after a clean stop or a crash. `open_core` opens
+    /// each recorded core's device; a core it cannot open (None) is loaded inactive, its dirty
+    /// data kept. Everything is checked before anything is written: corrupt metadata, a core of
+    /// the wrong size or a volume of the wrong size is refused and the devices stay untouched.
+    pub fn load(
+        cache_volume: VolumeRef,
+        open_core: &mut dyn FnMut(&CoreRecord) -> Option<VolumeRef>,
+    ) -> Result<Cache> {
+        let slots = persist::read_config(&*cache_volume)?;
+        let Some((sb_seq, sb)) = persist::newest(&slots) else {
+            let damaged: Vec<String> = slots
+                .iter()
+                .zip(["A (offset 0)", "B (offset 1 MiB)"])
+                .filter_map(|(s, name)| match s {
+                    ConfigSlot::Corrupt(why) => Some(format!("superblock copy {name}: {why}")),
+                    _ => None,
+                })
+                .collect();
+            return Err(if damaged.is_empty() {
+                EngineError::NoCache(cache_volume.name().to_string())
+            } else {
+                EngineError::Corrupt(damaged.join("; "))
+            });
+        };
+        let sb = sb.clone();
+        let line_size = check_line_size(sb.line_size)?;
+        let mode = sb
+            .mode()
+            .map_err(|e| EngineError::Corrupt(format!("superblock: {e}")))?;
+        let recorded = Geometry {
+            lines: sb.lines,
+            entries_per_block: sb.entries_per_block,
+            meta_blocks: sb.meta_blocks,
+            data_offset: sb.data_offset,
+        };
+        if Geometry::compute(cache_volume.size(), sb.line_size as u64) != Some(recorded) {
+            return Err(EngineError::Invalid(format!(
+                "{} is {} bytes, but the cache on it was created for a device with {} lines of {} KiB; is this the right device?",
+                cache_volume.name(),
+                cache_volume.size(),
+                sb.lines,
+                sb.line_size / 1024
+            )));
+        }
+        let mut ids = std::collections::BTreeSet::new();
+        for c in &sb.cores {
+            if c.id == 0 || c.id as u32 > MAX_CORES || !ids.insert(c.id) || c.size % SECTOR != 0 {
+                return Err(EngineError::Corrupt(format!(
+                    "superblock: core record {c:?} is impossible"
+                )));
+            }
+        }
+        let mask_bytes = line_size.sectors() as usize / 8;
+        let (persist, recovered) = persist::read_metadata(
+            &*cache_volume,
+            &sb,
+            sb_seq,
+            recorded,
+            mask_bytes,
+            line_size.sectors(),
+        )?;
+        let mut active = Vec::new();
+        let mut inactive = BTreeMap::new();
+        for rec in &sb.cores {
+            match open_core(rec) {
+                Some(vol) if vol.size() != rec.size => {
+                    return Err(EngineError::CoreMismatch {
+                        id: rec.id,
+                        why: format!(
+                            "{} is {} bytes but the cache recorded {} bytes for it (uuid {}); refusing to load",
+                            rec.path,
+                            vol.size(),
+                            rec.size,
+                            rec.uuid
+                        ),
+                    })
+                }
+                Some(vol) => active.push((rec.id, vol)),
+                None => {
+                    inactive.insert(rec.id, rec.clone());
+                }
+            }
+        }
+        let config = CacheConfig {
+            id: sb.cache_id,
+            line_size,
+            mode,
+        };
+        let inner = CacheInner::build(
+            cache_volume,
+            &config,
+            recorded.lines,
+            recorded.data_offset,
+            Some(persist),
+        );
+        for r in recovered {
+            inner.restore_line(r.line, r.key, r.valid, r.dirty);
+        }
+        let p = inner
+            .persist
+            .as_ref()
+            .expect("a loaded cache is persistent");
+        // A line the device may record as dirty for a mapping that lost to a newer one waits in
+        // limbo until the first commit rewrites its block.
+        for line in 0..inner.lines {
+            if inner.table.key(line).is_none() && p.durably_dirty(line) {
+                let mut s = inner.lists.lock(inner.lists.shard_of(line));
+                inner
+                    .lists
+                    .move_back(&mut s, ListKind::Free, ListKind::Limbo, line);
+                inner.free_lines.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        {
+            let mut cores = inner.cores.write();
+            for (id, vol) in active {
+                cores.insert(id, CacheInner::new_core_state(id, vol));
+            }
+        }
+        *inner.inactive.write() = inactive;
+        // From here on the device changes: a crash must be recovered as a crash.
+        p.update_superblock(&*inner.volume, |sb| sb.clean_shutdown = false)?;
         Ok(Cache {
             inner: Arc::new(inner),
         })
+    }
+
+    /// Whether this cache keeps its metadata on the cache volume.
+    pub fn persistent(&self) -> bool {
+        self.inner.persist.is_some()
+    }
+
+    /// The superblock as last written (persistent caches only).
+    pub fn superblock(&self) -> Option<Superblock> {
+        self.inner.persist.as_ref().map(|p| p.superblock())
+    }
+
+    /// Stop the cache: refuse new requests, wait for those in flight, flush dirty data to the
+    /// cores unless `flush_data` is false (then it stays in the cache for the next load), and
+    /// write the metadata with the clean-shutdown mark. A volatile cache cannot keep dirty data.
+    pub fn stop(&self, flush_data: bool) -> Result<()> {
+        if !flush_data && self.inner.persist.is_none() && self.inner.usage(None).dirty_lines != 0 {
+            return Err(EngineError::Invalid(
+                "a volatile cache cannot keep dirty data across a stop; flush it".into(),
+            ));
+        }
+        let cores: Vec<Arc<CoreState>> = self.inner.cores.read().values().cloned().collect();
+        for c in &cores {
+            c.stopped.store(true, Ordering::SeqCst);
+            CacheInner::quiesce(c);
+        }
+        if flush_data {
+            for c in &cores {
+                self.inner.flush_core_dirty(c)?;
+            }
+        }
+        self.inner.commit()?;
+        if let Some(p) = &self.inner.persist {
+            p.update_superblock(&*self.inner.volume, |sb| sb.clean_shutdown = true)?;
+        }
+        Ok(())
     }
 
     pub fn id(&self) -> u16 {
@@ -933,6 +1274,9 @@ impl Cache {
     /// otherwise dirty lines stay and drain by cleaning (reads of them are still served from the
     /// cache, and every mode keeps them correct).
     pub fn set_mode(&self, mode: CacheMode, flush_first: bool) -> Result<()> {
+        if let Some(p) = &self.inner.persist {
+            p.update_superblock(&*self.inner.volume, |sb| sb.mode = mode.as_str().into())?;
+        }
         self.inner.mode.store(mode as u8, Ordering::Relaxed);
         if flush_first && !mode.makes_dirty() {
             // Requests that read the old mode before the switch may still be adding dirty data;
@@ -968,42 +1312,50 @@ impl Cache {
             )));
         }
         let mut cores = self.inner.cores.write();
+        let inactive = self.inner.inactive.read();
+        let taken = |i: &CoreId| cores.contains_key(i) || inactive.contains_key(i);
         let id = match id {
             Some(id) if id == 0 || id as u32 > MAX_CORES => {
                 return Err(EngineError::BadCoreId(id as u32))
             }
-            Some(id) if cores.contains_key(&id) => return Err(EngineError::DuplicateCore(id)),
+            Some(id) if taken(&id) => return Err(EngineError::DuplicateCore(id)),
             Some(id) => id,
             None => (1..=MAX_CORES as CoreId)
-                .find(|i| !cores.contains_key(i))
+                .find(|i| !taken(i))
                 .ok_or(EngineError::TooManyCores)?,
         };
-        cores.insert(
-            id,
-            Arc::new(CoreState {
+        drop(inactive);
+        if let Some(p) = &self.inner.persist {
+            let record = CoreRecord {
                 id,
-                volume,
+                path: volume.name().to_string(),
                 size,
-                counters: Counters::new(),
-                removed: AtomicBool::new(false),
-                in_flight: (0..SLOTS).map(|_| InFlight(AtomicU64::new(0))).collect(),
-            }),
-        );
+                uuid: new_uuid(),
+            };
+            p.update_superblock(&*self.inner.volume, |sb| sb.cores.push(record))?;
+        }
+        cores.insert(id, CacheInner::new_core_state(id, volume));
         Ok(id)
     }
 
     /// Detach a core. With dirty data it refuses unless `force`, which discards the dirty data.
     pub fn remove_core(&self, id: CoreId, force: bool) -> Result<()> {
-        let core = self.inner.core_by_id(id)?;
-        if core.removed.swap(true, Ordering::SeqCst) {
-            return Err(EngineError::CoreRemoved(id));
-        }
-        while core.in_flight() != 0 {
-            std::thread::yield_now();
+        let core = match self.inner.core_by_id(id) {
+            Ok(core) => Some(core),
+            Err(e) if !self.inner.inactive.read().contains_key(&id) => return Err(e),
+            Err(_) => None,
+        };
+        if let Some(core) = &core {
+            if core.removed.swap(true, Ordering::SeqCst) {
+                return Err(EngineError::CoreRemoved(id));
+            }
+            CacheInner::quiesce(core);
         }
         let dirty = self.inner.gauges[id as usize].dirty.load(Ordering::Relaxed);
         if dirty != 0 && !force {
-            core.removed.store(false, Ordering::SeqCst);
+            if let Some(core) = &core {
+                core.removed.store(false, Ordering::SeqCst);
+            }
             return Err(EngineError::CoreDirty {
                 id,
                 dirty_lines: dirty,
@@ -1011,12 +1363,53 @@ impl Cache {
         }
         // No request of this core can run now; drop every line it holds so the id can be reused.
         self.inner.drop_core_lines(id);
+        if let Some(p) = &self.inner.persist {
+            // The device must record the lines free before the core leaves the superblock, or a
+            // crash in between would leave lines of an unknown core.
+            self.inner.commit()?;
+            p.update_superblock(&*self.inner.volume, |sb| sb.cores.retain(|c| c.id != id))?;
+        }
         self.inner.cores.write().remove(&id);
+        self.inner.inactive.write().remove(&id);
+        Ok(())
+    }
+
+    /// Bring back an inactive core (its device was missing at load). The device must have the
+    /// size the cache recorded.
+    pub fn attach_core(&self, id: CoreId, volume: VolumeRef) -> Result<()> {
+        let mut inactive = self.inner.inactive.write();
+        let Some(rec) = inactive.get(&id) else {
+            return Err(if self.inner.cores.read().contains_key(&id) {
+                EngineError::DuplicateCore(id)
+            } else {
+                EngineError::NoSuchCore(id)
+            });
+        };
+        if volume.size() != rec.size {
+            return Err(EngineError::CoreMismatch {
+                id,
+                why: format!(
+                    "{} is {} bytes but the cache recorded {} bytes for {}",
+                    volume.name(),
+                    volume.size(),
+                    rec.size,
+                    rec.path
+                ),
+            });
+        }
+        inactive.remove(&id);
+        self.inner
+            .cores
+            .write()
+            .insert(id, CacheInner::new_core_state(id, volume));
         Ok(())
     }
 
     /// The exported volume of a core.
     pub fn core(&self, id: CoreId) -> Result<Core> {
+        if self.inner.inactive.read().contains_key(&id) {
+            return Err(EngineError::CoreInactive(id));
+        }
         Ok(Core {
             cache: self.inner.clone(),
             core: self.inner.core_by_id(id)?,
@@ -1024,7 +1417,8 @@ impl Cache {
     }
 
     pub fn cores(&self) -> Vec<CoreInfo> {
-        self.inner
+        let mut out: Vec<CoreInfo> = self
+            .inner
             .cores
             .read()
             .values()
@@ -1032,8 +1426,17 @@ impl Cache {
                 id: c.id,
                 name: c.volume.name().to_string(),
                 size: c.size,
+                status: CoreStatus::Active,
             })
-            .collect()
+            .collect();
+        out.extend(self.inner.inactive.read().values().map(|r| CoreInfo {
+            id: r.id,
+            name: r.path.clone(),
+            size: r.size,
+            status: CoreStatus::Inactive,
+        }));
+        out.sort_by_key(|c| c.id);
+        out
     }
 
     /// Write all dirty data of every core to the cores, mark it clean, and flush the cores.
@@ -1078,7 +1481,9 @@ impl Cache {
 
     /// Bytes of RAM the per-line metadata takes, over the whole cache.
     pub fn metadata_bytes(&self) -> u64 {
-        self.inner.table.bytes() + self.inner.lists.bytes()
+        self.inner.table.bytes()
+            + self.inner.lists.bytes()
+            + self.inner.persist.as_ref().map_or(0, |p| p.bytes())
     }
 
     /// Check internal invariants (list membership, counters, hash chains); panics with a
@@ -1110,7 +1515,12 @@ impl CacheInner {
         let mut free = 0u64;
         for shard in 0..self.lists.shard_count() {
             let s = self.lists.lock(shard);
-            for kind in [ListKind::Free, ListKind::Clean, ListKind::Dirty] {
+            for kind in [
+                ListKind::Free,
+                ListKind::Clean,
+                ListKind::Dirty,
+                ListKind::Limbo,
+            ] {
                 let members = self.lists.members(&s, kind);
                 assert_eq!(
                     members.len() as u64,
@@ -1142,6 +1552,10 @@ impl CacheInner {
                         ListKind::Dirty => assert!(
                             key.is_some() && dirty != 0 && dirty & !valid == 0,
                             "dirty line {line}: valid {valid:#x} dirty {dirty:#x}"
+                        ),
+                        ListKind::Limbo => assert!(
+                            key.is_none() && valid == 0 && self.persist.is_some(),
+                            "limbo line {line} has state"
                         ),
                     }
                 }
@@ -1187,8 +1601,9 @@ impl CacheInner {
                 "core {id} dirty lines"
             );
             if occ != 0 {
+                let id = id as CoreId;
                 assert!(
-                    self.cores.read().contains_key(&(id as CoreId)),
+                    self.cores.read().contains_key(&id) || self.inactive.read().contains_key(&id),
                     "lines of a removed core {id}"
                 );
             }
@@ -1217,6 +1632,12 @@ impl Core {
 
     pub fn write(&self, buf: &[u8], offset: u64) -> Result<()> {
         self.cache.write(&self.core, buf, offset)
+    }
+
+    /// A write that is durable when it returns (NBD's FUA): the write, then a flush.
+    pub fn write_fua(&self, buf: &[u8], offset: u64) -> Result<()> {
+        self.write(buf, offset)?;
+        self.flush()
     }
 
     /// Make every acknowledged write to this exported volume durable.

@@ -134,7 +134,7 @@ impl CacheInner {
         }
     }
 
-    /// Clean every line of `core` that is dirty now, in core address order, then flush the core.
+    /// Clean every line of `core` that is dirty now, in core address order, then commit.
     pub(crate) fn flush_core_dirty(&self, core: &CoreState) -> Result<()> {
         let mut items: Vec<(Key, u32)> = (0..self.lines)
             .filter_map(|l| {
@@ -147,7 +147,8 @@ impl CacheInner {
         for chunk in items.chunks(batch) {
             self.clean_lines(chunk.iter().map(|&(_, l)| l).collect())?;
         }
-        core.volume.flush()?;
-        Ok(())
+        // The flush is done when the core has the data durably and, for a persistent cache, the
+        // device records the lines clean.
+        self.commit()
     }
 }

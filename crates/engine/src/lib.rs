@@ -16,12 +16,15 @@
 mod bits;
 mod cache;
 mod cleaner;
+mod format;
 mod lists;
 mod locks;
 mod meta;
+mod persist;
 mod stats;
 
-pub use cache::{Cache, Core, CoreInfo};
+pub use cache::{Cache, Core, CoreInfo, CoreStatus};
+pub use format::{CoreRecord, Superblock};
 pub use stats::{BlockStats, ErrorStats, RequestStats, Stats, Usage};
 
 use std::fmt;
@@ -194,6 +197,25 @@ pub enum EngineError {
     CoreRemoved(CoreId),
     #[error("{0}")]
     Volume(#[from] VolumeError),
+    #[error("the cache volume holds cache {id} (uuid {uuid}, {line_kib} KiB lines, cores: {cores}); load it, or force a new cache to overwrite it")]
+    ExistingCache {
+        id: u16,
+        uuid: String,
+        line_kib: u32,
+        cores: String,
+    },
+    #[error("the cache volume holds a damaged hybridcache superblock ({0}); force a new cache to overwrite it")]
+    DamagedSuperblock(String),
+    #[error("no hybridcache cache found on {0}")]
+    NoCache(String),
+    #[error("corrupt cache metadata: {0}; the cache was not loaded and nothing was written")]
+    Corrupt(String),
+    #[error("core {id}: {why}")]
+    CoreMismatch { id: CoreId, why: String },
+    #[error("core {0} is inactive (its device was missing at load); attach it again first")]
+    CoreInactive(CoreId),
+    #[error("the cache is stopped")]
+    Stopped,
     #[error("{0}")]
     Invalid(String),
 }

@@ -1,4 +1,4 @@
-//! Sharded lists of cache lines: free, clean (in LRU order) and dirty (oldest write first).
+//! Sharded lists of cache lines: free, clean (in LRU order), dirty (oldest write first) and limbo.
 //!
 //! Every line sits in exactly one list of its shard, except while a request owns a free line it
 //! has taken. Lines are spread over shards in runs of 64 so that a thread allocating from its home
@@ -17,6 +17,9 @@ pub(crate) enum ListKind {
     Free = 0,
     Clean = 1,
     Dirty = 2,
+    /// Unmapped, but the metadata on the cache device may still say dirty: reusable only once a
+    /// commit has recorded it free (see `persist.rs`).
+    Limbo = 3,
 }
 
 #[derive(Clone, Copy)]
@@ -27,7 +30,7 @@ struct Head {
 }
 
 pub(crate) struct Shard {
-    heads: [Head; 3],
+    heads: [Head; 4],
 }
 
 impl Shard {
@@ -67,7 +70,7 @@ impl Lists {
             prev: (0..n).map(|_| AtomicU32::new(NONE)).collect(),
             next: (0..n).map(|_| AtomicU32::new(NONE)).collect(),
             shards: (0..shards)
-                .map(|_| Padded(Mutex::new(Shard { heads: [empty; 3] })))
+                .map(|_| Padded(Mutex::new(Shard { heads: [empty; 4] })))
                 .collect(),
         };
         for line in 0..lines {

@@ -20,10 +20,6 @@ impl StripedLocks {
         }
     }
 
-    pub(crate) fn count(&self) -> usize {
-        self.locks.len()
-    }
-
     /// Lock `stripes` (sorted ascending, no duplicates) and return a guard that unlocks them.
     pub(crate) fn lock_sorted(&self, stripes: Vec<u32>) -> StripeGuard<'_> {
         debug_assert!(stripes.windows(2).all(|w| w[0] < w[1]));

@@ -1,0 +1,320 @@
+//! The on-disk format of a cache volume (docs/format.md is the reader's guide).
+//!
+//! ```text
+//! 0          1 MiB       2 MiB                                   data_offset
+//! | config A | config B  | metadata blocks, 2 slots each, 512 B | cache lines ... |
+//! ```
+//! Config slots hold the superblock: identity, geometry, mode, parameters and the core table, as
+//! JSON behind a checksummed header; the newer valid slot wins. Metadata block `i` describes lines
+//! `i*E .. (i+1)*E` (E entries per block) and is written alternately to its two slots, so a torn
+//! write can only damage the copy being replaced. Every structure carries a crc32c.
+
+use serde::{Deserialize, Serialize};
+
+use crate::bits::Mask;
+use crate::meta::{Key, FREE};
+use crate::{CacheMode, CoreId, SECTOR};
+
+pub(crate) const MAGIC: &[u8; 8] = b"HYBRIDC\0";
+pub(crate) const VERSION: u32 = 1;
+pub(crate) const CONFIG_SLOT_BYTES: u64 = 1 << 20;
+pub(crate) const META_OFFSET: u64 = 2 * CONFIG_SLOT_BYTES;
+pub(crate) const BLOCK: usize = SECTOR as usize;
+const CONFIG_HEADER: usize = 32;
+const BLOCK_HEADER: usize = 32;
+const BLOCK_MAGIC: u32 = 0x4d43_4248; // "HBCM" little-endian
+
+/// A core as the superblock records it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct CoreRecord {
+    pub id: CoreId,
+    /// What the user gave to attach it: a path or a volume URI.
+    pub path: String,
+    pub size: u64,
+    /// Written by us when the core was added; tells two cores on the same path apart in messages.
+    pub uuid: String,
+}
+
+/// The superblock: everything needed to load a cache except per-line state.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Superblock {
+    pub cache_id: u16,
+    pub uuid: String,
+    /// Ties metadata blocks to this instance of the cache: blocks left by an earlier cache on the
+    /// same device carry another nonce and are ignored.
+    pub nonce: u64,
+    pub line_size: u32,
+    pub lines: u32,
+    pub data_offset: u64,
+    pub meta_blocks: u64,
+    pub entries_per_block: u32,
+    pub mode: String,
+    pub clean_shutdown: bool,
+    pub cores: Vec<CoreRecord>,
+    /// Policy parameters, by name (reserved for the policies).
+    #[serde(default)]
+    pub params: serde_json::Map<String, serde_json::Value>,
+}
+
+impl Superblock {
+    pub(crate) fn mode(&self) -> Result<CacheMode, String> {
+        self.mode.parse()
+    }
+}
+
+/// Where things are on a cache volume of a given size and line size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Geometry {
+    pub(crate) lines: u32,
+    pub(crate) entries_per_block: u32,
+    pub(crate) meta_blocks: u64,
+    pub(crate) data_offset: u64,
+}
+
+pub(crate) fn entry_bytes(sectors_per_line: u32) -> usize {
+    8 + 2 * (sectors_per_line as usize / 8)
+}
+
+impl Geometry {
+    /// Lay out a volume of `size` bytes. None when not even one line fits.
+    pub(crate) fn compute(size: u64, line_bytes: u64) -> Option<Geometry> {
+        let sectors = (line_bytes / SECTOR) as u32;
+        let epb = ((BLOCK - BLOCK_HEADER) / entry_bytes(sectors)) as u32;
+        // Start from the most lines that could fit and shrink until metadata and data both fit.
+        let mut lines = size.saturating_sub(META_OFFSET) / line_bytes;
+        loop {
+            if lines == 0 {
+                return None;
+            }
+            let meta_blocks = lines.div_ceil(epb as u64);
+            let meta_end = META_OFFSET + meta_blocks * 2 * BLOCK as u64;
+            // Lines start on a 1 MiB boundary so data IO stays aligned for any device.
+            let data_offset = meta_end.div_ceil(1 << 20) << 20;
+            if data_offset + lines * line_bytes <= size {
+                let lines = u32::try_from(lines).ok()?;
+                return Some(Geometry {
+                    lines,
+                    entries_per_block: epb,
+                    meta_blocks,
+                    data_offset,
+                });
+            }
+            let over = (data_offset + lines * line_bytes - size).div_ceil(line_bytes);
+            lines = lines.saturating_sub(over.max(1));
+        }
+    }
+
+    pub(crate) fn slot_offset(&self, block: u64, slot: u32) -> u64 {
+        META_OFFSET + (block * 2 + slot as u64) * BLOCK as u64
+    }
+}
+
+/// Encode a config slot: header + JSON body, padded to whole sectors.
+pub(crate) fn encode_config(sb: &Superblock, seq: u64) -> Vec<u8> {
+    let body = serde_json::to_vec(sb).expect("superblock serialises");
+    let len = CONFIG_HEADER + body.len();
+    let mut out = vec![0u8; len.div_ceil(BLOCK) * BLOCK];
+    out[0..8].copy_from_slice(MAGIC);
+    out[8..12].copy_from_slice(&VERSION.to_le_bytes());
+    out[16..24].copy_from_slice(&seq.to_le_bytes());
+    out[24..28].copy_from_slice(&(body.len() as u32).to_le_bytes());
+    out[CONFIG_HEADER..len].copy_from_slice(&body);
+    let crc = config_crc(&out[..len]);
+    out[12..16].copy_from_slice(&crc.to_le_bytes());
+    out
+}
+
+fn config_crc(bytes: &[u8]) -> u32 {
+    let crc = crc32c::crc32c(&bytes[0..12]);
+    crc32c::crc32c_append(crc, &bytes[16..])
+}
+
+/// What reading one config slot found.
+#[derive(Debug)]
+pub(crate) enum ConfigSlot {
+    /// No magic: never written by hybridcache (or wiped).
+    Empty,
+    /// Magic present but the content is not valid; the message says what is wrong.
+    Corrupt(String),
+    Valid {
+        seq: u64,
+        sb: Box<Superblock>,
+    },
+}
+
+/// Decode a config slot from its first bytes; `more` reads further bytes when the body is longer
+/// than what was read.
+pub(crate) fn decode_config(
+    head: &[u8],
+    read_more: &mut dyn FnMut(usize) -> Option<Vec<u8>>,
+) -> ConfigSlot {
+    if head.len() < CONFIG_HEADER || &head[0..8] != MAGIC {
+        return ConfigSlot::Empty;
+    }
+    let version = u32::from_le_bytes(head[8..12].try_into().expect("4 bytes"));
+    if version != VERSION {
+        return ConfigSlot::Corrupt(format!(
+            "format version {version} is not supported (this build reads version {VERSION})"
+        ));
+    }
+    let body_len = u32::from_le_bytes(head[24..28].try_into().expect("4 bytes")) as usize;
+    let len = CONFIG_HEADER + body_len;
+    if len as u64 > CONFIG_SLOT_BYTES {
+        return ConfigSlot::Corrupt(format!("body length {body_len} is impossible"));
+    }
+    let owned;
+    let bytes = if len <= head.len() {
+        &head[..len]
+    } else {
+        match read_more(len) {
+            Some(b) => {
+                owned = b;
+                &owned[..len]
+            }
+            None => return ConfigSlot::Corrupt("could not read the body".into()),
+        }
+    };
+    let stored = u32::from_le_bytes(bytes[12..16].try_into().expect("4 bytes"));
+    if config_crc(bytes) != stored {
+        return ConfigSlot::Corrupt("checksum mismatch".into());
+    }
+    let seq = u64::from_le_bytes(bytes[16..24].try_into().expect("8 bytes"));
+    match serde_json::from_slice::<Superblock>(&bytes[CONFIG_HEADER..]) {
+        Ok(sb) => ConfigSlot::Valid {
+            seq,
+            sb: Box::new(sb),
+        },
+        Err(e) => ConfigSlot::Corrupt(format!("unreadable superblock: {e}")),
+    }
+}
+
+/// One line's persistent state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Entry {
+    pub(crate) key: Option<Key>,
+    pub(crate) valid: Mask,
+    pub(crate) dirty: Mask,
+}
+
+/// Encode metadata block `index` holding `entries` (at most entries_per_block).
+pub(crate) fn encode_block(
+    out: &mut [u8],
+    index: u64,
+    seq: u64,
+    nonce: u64,
+    mask_bytes: usize,
+    entries: &[Entry],
+) {
+    debug_assert_eq!(out.len(), BLOCK);
+    out.fill(0);
+    out[4..8].copy_from_slice(&BLOCK_MAGIC.to_le_bytes());
+    out[8..16].copy_from_slice(&index.to_le_bytes());
+    out[16..24].copy_from_slice(&seq.to_le_bytes());
+    out[24..32].copy_from_slice(&nonce.to_le_bytes());
+    let size = 8 + 2 * mask_bytes;
+    for (i, e) in entries.iter().enumerate() {
+        let at = BLOCK_HEADER + i * size;
+        let raw = e.key.map_or(FREE, Key::raw);
+        out[at..at + 8].copy_from_slice(&raw.to_le_bytes());
+        out[at + 8..at + 8 + mask_bytes].copy_from_slice(&e.valid.to_le_bytes()[..mask_bytes]);
+        out[at + 8 + mask_bytes..at + size].copy_from_slice(&e.dirty.to_le_bytes()[..mask_bytes]);
+    }
+    let crc = crc32c::crc32c(&out[4..]);
+    out[0..4].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// Why a block slot was not usable.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum BlockError {
+    Checksum,
+    WrongIndex(u64),
+    ForeignNonce,
+}
+
+/// Decode a block slot: its sequence number and entries.
+pub(crate) fn decode_block(
+    bytes: &[u8],
+    index: u64,
+    nonce: u64,
+    mask_bytes: usize,
+    count: usize,
+) -> Result<(u64, Vec<Entry>), BlockError> {
+    let stored = u32::from_le_bytes(bytes[0..4].try_into().expect("4 bytes"));
+    if crc32c::crc32c(&bytes[4..BLOCK]) != stored
+        || u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes")) != BLOCK_MAGIC
+    {
+        return Err(BlockError::Checksum);
+    }
+    let found = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes"));
+    if found != index {
+        return Err(BlockError::WrongIndex(found));
+    }
+    if u64::from_le_bytes(bytes[24..32].try_into().expect("8 bytes")) != nonce {
+        return Err(BlockError::ForeignNonce);
+    }
+    let seq = u64::from_le_bytes(bytes[16..24].try_into().expect("8 bytes"));
+    let size = 8 + 2 * mask_bytes;
+    let mut entries = Vec::with_capacity(count);
+    for i in 0..count {
+        let at = BLOCK_HEADER + i * size;
+        let raw = u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
+        let mut v = [0u8; 16];
+        let mut d = [0u8; 16];
+        v[..mask_bytes].copy_from_slice(&bytes[at + 8..at + 8 + mask_bytes]);
+        d[..mask_bytes].copy_from_slice(&bytes[at + 8 + mask_bytes..at + size]);
+        entries.push(Entry {
+            key: (raw != FREE).then(|| Key::from_raw(raw)),
+            valid: Mask::from_le_bytes(v),
+            dirty: Mask::from_le_bytes(d),
+        });
+    }
+    Ok((seq, entries))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn geometry_fits_and_aligns() {
+        for line in [4096u64, 65536] {
+            for size in [4 << 20, 64 << 20, 1 << 30, (16u64 << 30) + 12345 * 512] {
+                let g = Geometry::compute(size, line).expect("fits");
+                assert!(g.data_offset % (1 << 20) == 0);
+                assert!(g.data_offset + g.lines as u64 * line <= size);
+                assert!(g.meta_blocks * g.entries_per_block as u64 >= g.lines as u64);
+                assert!(g.slot_offset(g.meta_blocks - 1, 1) + BLOCK as u64 <= g.data_offset);
+            }
+        }
+        assert!(Geometry::compute(2 << 20, 4096).is_none());
+    }
+
+    #[test]
+    fn blocks_round_trip_and_detect_damage() {
+        let entries = vec![
+            Entry {
+                key: Some(Key::new(3, 77)),
+                valid: 0xff,
+                dirty: 0x0f,
+            },
+            Entry {
+                key: None,
+                valid: 0,
+                dirty: 0,
+            },
+        ];
+        let mut buf = vec![0u8; BLOCK];
+        encode_block(&mut buf, 9, 5, 42, 1, &entries);
+        assert_eq!(decode_block(&buf, 9, 42, 1, 2), Ok((5, entries)));
+        assert_eq!(
+            decode_block(&buf, 8, 42, 1, 2),
+            Err(BlockError::WrongIndex(9))
+        );
+        assert_eq!(
+            decode_block(&buf, 9, 41, 1, 2),
+            Err(BlockError::ForeignNonce)
+        );
+        buf[100] ^= 1;
+        assert_eq!(decode_block(&buf, 9, 42, 1, 2), Err(BlockError::Checksum));
+    }
+}

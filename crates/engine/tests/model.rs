@@ -1,0 +1,399 @@
+//! Model-based randomized test: whatever the mode, line size, cache size, number of cores and
+//! sequence of requests, every read returns the newest data written (a plain byte array per core
+//! is the model), and after a flush every core device holds exactly the model.
+//!
+//! Operations address sectors through "shapes" resolved against the core size at run time, so
+//! shrinking by proptest keeps every operation valid. Written data is stamped with (core, op
+//! number, sector), so a failure message says which write a wrong sector came from.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use hybridcache_engine::{Cache, CacheMode, LineSize};
+use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
+
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Read,
+    Write,
+    Discard,
+    WriteZeroes,
+    /// `Core::flush`: a durability request on the exported volume.
+    CoreFlush,
+    /// `Cache::flush`: write back everything.
+    CacheFlush,
+    /// `Cache::flush_core` of the op's core.
+    FlushCore,
+    SetMode(CacheMode, bool),
+}
+
+/// One generated operation. `shape`, `a` and `b` are resolved to an offset and a length once the
+/// core size is known (see [`resolve`]).
+#[derive(Clone)]
+struct RawOp {
+    kind: Kind,
+    core: u8,
+    shape: u8,
+    a: u32,
+    b: u32,
+}
+
+/// One line per op, so a shrunk scenario prints compactly.
+impl std::fmt::Debug for RawOp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:?}@{}/{}/{}/{}",
+            self.kind, self.core, self.shape, self.a, self.b
+        )
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Scenario {
+    line_kib: u32,
+    mode: CacheMode,
+    cache_lines: u64,
+    /// Per core: whole lines, plus extra sectors so the last core line is usually partial.
+    cores: Vec<(u64, u64)>,
+    ops: Vec<RawOp>,
+}
+
+fn mode() -> impl Strategy<Value = CacheMode> {
+    prop::sample::select(CacheMode::ALL.to_vec())
+}
+
+fn kind() -> impl Strategy<Value = Kind> {
+    prop_oneof![
+        30 => Just(Kind::Read),
+        30 => Just(Kind::Write),
+        6 => Just(Kind::Discard),
+        5 => Just(Kind::WriteZeroes),
+        3 => Just(Kind::CoreFlush),
+        2 => Just(Kind::CacheFlush),
+        2 => Just(Kind::FlushCore),
+        4 => (mode(), any::<bool>()).prop_map(|(m, f)| Kind::SetMode(m, f)),
+    ]
+}
+
+fn raw_op() -> impl Strategy<Value = RawOp> {
+    (kind(), 0u8..3, 0u8..100, any::<u32>(), any::<u32>()).prop_map(|(kind, core, shape, a, b)| {
+        RawOp {
+            kind,
+            core,
+            shape,
+            a,
+            b,
+        }
+    })
+}
+
+fn scenario(cache_lines: impl Strategy<Value = u64>) -> impl Strategy<Value = Scenario> {
+    (
+        prop::sample::select(LineSize::ALL_KIB.to_vec()),
+        mode(),
+        cache_lines,
+        prop::collection::vec(
+            (8u64..96, prop_oneof![Just(0u64), Just(7u64), 1u64..127]),
+            1..=3,
+        ),
+        prop::collection::vec(raw_op(), 1..300),
+    )
+        .prop_map(|(line_kib, mode, cache_lines, cores, ops)| Scenario {
+            line_kib,
+            mode,
+            cache_lines,
+            cores,
+            ops,
+        })
+}
+
+/// Turn a shape into (first sector, sector count) inside a core of `n` sectors with lines of
+/// `ls` sectors. Most requests hit a small hot region so lines are reused and evicted; some sit
+/// at the partial last line; some are large (up to 1 MiB), a few are several MiB.
+fn resolve(op: &RawOp, n: u64, ls: u64) -> (u64, u64) {
+    let (a, b) = (op.a as u64, op.b as u64);
+    let (start, len) = if op.shape < 55 {
+        let hot = n.min(16 * ls);
+        (a % hot, 1 + b % (2 * ls))
+    } else if op.shape < 70 {
+        let tail = n.min(3 * ls);
+        (n - 1 - a % tail, 1 + b % (2 * ls))
+    } else if op.shape < 95 {
+        (a % n, 1 + b % 2048)
+    } else {
+        let len = (2048 + b % 6144).min(n);
+        (a % (n - len + 1), len)
+    };
+    (start, len.min(n - start))
+}
+
+fn describe(kind: Kind, core: usize, start: u64, len: u64) -> String {
+    match kind {
+        Kind::Read | Kind::Write | Kind::Discard | Kind::WriteZeroes => format!(
+            "{kind:?} core#{core} sectors {start}..{} (offset {}, len {})",
+            start + len,
+            start * SECTOR,
+            len * SECTOR
+        ),
+        Kind::CoreFlush | Kind::FlushCore => format!("{kind:?} core#{core}"),
+        _ => format!("{kind:?}"),
+    }
+}
+
+/// The log of resolved operations, for failure messages.
+struct Log(Vec<String>);
+
+impl Log {
+    fn fail(&self, scenario: &Scenario, msg: String) -> TestCaseError {
+        let from = self.0.len().saturating_sub(40);
+        let mut text = format!(
+            "{msg}\nscenario: line {} KiB, initial mode {}, {} cache lines, cores (lines, extra sectors) {:?}\nlast operations:\n",
+            scenario.line_kib, scenario.mode, scenario.cache_lines, scenario.cores
+        );
+        for (i, line) in self.0.iter().enumerate().skip(from) {
+            text.push_str(&format!("  #{i}: {line}\n"));
+        }
+        TestCaseError::fail(text)
+    }
+}
+
+fn check_usage(cache: &Cache) -> Result<(), String> {
+    let u = cache.stats().usage;
+    if u.occupancy_lines + u.free_lines != u.total_lines || u.dirty_lines > u.occupancy_lines {
+        return Err(format!("inconsistent usage statistics: {u:?}"));
+    }
+    Ok(())
+}
+
+fn run(s: &Scenario) -> Result<(), TestCaseError> {
+    let _watchdog = Watchdog::new("model scenario", Duration::from_secs(120));
+    let (cache, _cache_vol) = new_cache(s.line_kib, s.cache_lines, s.mode);
+    let ls = (s.line_kib as u64 * 1024) / SECTOR;
+    let cores: Vec<TestCore> = s
+        .cores
+        .iter()
+        .map(|&(lines, extra)| add_core(&cache, (lines * ls + extra) * SECTOR))
+        .collect();
+    let mut model: Vec<Vec<u8>> = cores
+        .iter()
+        .map(|c| vec![0u8; c.core.size() as usize])
+        .collect();
+    let mut log = Log(Vec::new());
+
+    macro_rules! check {
+        ($res:expr, $what:expr) => {
+            if let Err(e) = $res {
+                return Err(log.fail(s, format!("{} failed: {e}", $what)));
+            }
+        };
+    }
+
+    for (i, op) in s.ops.iter().enumerate() {
+        let ci = op.core as usize % cores.len();
+        let c = &cores[ci];
+        let n = c.core.size() / SECTOR;
+        let (start, len) = resolve(op, n, ls);
+        let (off, bytes) = (start * SECTOR, len * SECTOR);
+        let range = off as usize..(off + bytes) as usize;
+        log.0.push(describe(op.kind, ci, start, len));
+        let what = format!("op #{i}");
+        match op.kind {
+            Kind::Read => {
+                // Pre-fill with junk so a read that leaves bytes untouched is caught.
+                let mut buf = vec![0xEEu8; bytes as usize];
+                check!(c.core.read(&mut buf, off), what);
+                if let Some(diff) = first_difference(&model[ci][range], &buf, start) {
+                    return Err(log.fail(s, format!("op #{i}: read returned wrong data: {diff}")));
+                }
+            }
+            Kind::Write => {
+                let tag = ((ci as u64) << 32) | i as u64;
+                let data = stamped(bytes, tag, start);
+                check!(c.core.write(&data, off), what);
+                model[ci][range].copy_from_slice(&data);
+            }
+            Kind::Discard => {
+                check!(c.core.discard(off, bytes), what);
+                model[ci][range].fill(0);
+            }
+            Kind::WriteZeroes => {
+                check!(c.core.write_zeroes(off, bytes), what);
+                model[ci][range].fill(0);
+            }
+            Kind::CoreFlush => check!(c.core.flush(), what),
+            Kind::CacheFlush => {
+                check!(cache.flush(), what);
+                let dirty = cache.stats().usage.dirty_lines;
+                if dirty != 0 {
+                    return Err(log.fail(
+                        s,
+                        format!("op #{i}: {dirty} dirty lines after a cache flush"),
+                    ));
+                }
+                // A flush makes every core device hold the model.
+                for (j, cj) in cores.iter().enumerate() {
+                    let direct = read_all(&cj.vol);
+                    if let Some(diff) = first_difference(&model[j], &direct, 0) {
+                        return Err(log.fail(
+                            s,
+                            format!("op #{i}: after cache flush core#{j} device differs: {diff}"),
+                        ));
+                    }
+                }
+            }
+            Kind::FlushCore => {
+                check!(cache.flush_core(c.id), what);
+                let dirty = cache.core_stats(c.id).map(|st| st.usage.dirty_lines);
+                if !matches!(dirty, Ok(0)) {
+                    return Err(log.fail(
+                        s,
+                        format!("op #{i}: core dirty lines after flush_core: {dirty:?}"),
+                    ));
+                }
+                let direct = read_all(&c.vol);
+                if let Some(diff) = first_difference(&model[ci], &direct, 0) {
+                    return Err(log.fail(
+                        s,
+                        format!("op #{i}: after flush_core core#{ci} device differs: {diff}"),
+                    ));
+                }
+            }
+            Kind::SetMode(mode, flush_first) => {
+                check!(cache.set_mode(mode, flush_first), what);
+                if cache.mode() != mode {
+                    return Err(log.fail(
+                        s,
+                        format!("op #{i}: mode is {} after set_mode({mode})", cache.mode()),
+                    ));
+                }
+                let dirty = cache.stats().usage.dirty_lines;
+                if flush_first && !mode.makes_dirty() && dirty != 0 {
+                    return Err(log.fail(
+                        s,
+                        format!("op #{i}: {dirty} dirty lines after set_mode({mode}, flush_first)"),
+                    ));
+                }
+            }
+        }
+        if let Err(e) = check_usage(&cache) {
+            return Err(log.fail(s, format!("after op #{i}: {e}")));
+        }
+        if i % 64 == 63 {
+            cache.check_invariants();
+        }
+    }
+
+    // Every exported volume reads as the model, before and after a final flush; after the flush
+    // the core devices themselves hold it.
+    for (j, c) in cores.iter().enumerate() {
+        if let Some(diff) = first_difference(&model[j], &read_core_all(&c.core), 0) {
+            return Err(log.fail(s, format!("final read of core#{j} differs: {diff}")));
+        }
+    }
+    cache.check_invariants();
+    check!(cache.flush(), "final flush");
+    let dirty = cache.stats().usage.dirty_lines;
+    if dirty != 0 {
+        return Err(log.fail(s, format!("{dirty} dirty lines after the final flush")));
+    }
+    for (j, c) in cores.iter().enumerate() {
+        let direct = read_all(&c.vol);
+        if let Some(diff) = first_difference(&model[j], &direct, 0) {
+            return Err(log.fail(
+                s,
+                format!("after the final flush core#{j} device differs: {diff}"),
+            ));
+        }
+        if let Some(diff) = first_difference(&model[j], &read_core_all(&c.core), 0) {
+            return Err(log.fail(
+                s,
+                format!("after the final flush core#{j} reads differ: {diff}"),
+            ));
+        }
+    }
+    cache.check_invariants();
+    Ok(())
+}
+
+/// Cases per test: `PROPTEST_CASES` overrides the default, which keeps the file under a minute.
+fn config(default_cases: u32) -> ProptestConfig {
+    let cases = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default_cases);
+    ProptestConfig {
+        cases,
+        max_shrink_iters: 2000,
+        // The failure message prints the minimal scenario; no regression files in the tree.
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    }
+}
+
+proptest! {
+    #![proptest_config(config(256))]
+
+    /// A handful of lines: nearly every request evicts, and in wb/wo writes wait for cleaning.
+    #[test]
+    fn model_tiny_cache(s in scenario(4u64..=16)) {
+        run(&s)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(config(256))]
+
+    /// Somewhat smaller than the hot region plus the large requests: a mix of hits and eviction.
+    #[test]
+    fn model_medium_cache(s in scenario(17u64..=64)) {
+        run(&s)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(config(96))]
+
+    /// Larger than all cores together: nothing is evicted, lines fill sector by sector.
+    #[test]
+    fn model_large_cache(s in scenario(300u64..=400)) {
+        run(&s)?;
+    }
+}
+
+/// Fixed scenarios that are worth running every time whatever proptest draws: every mode with
+/// a request many times larger than a tiny cache, mode switches in between.
+#[test]
+fn model_fixed_large_requests_on_tiny_cache() {
+    for line_kib in [4, 64] {
+        for mode in CacheMode::ALL {
+            let ops = (0..40u32)
+                .map(|i| RawOp {
+                    kind: match i % 8 {
+                        0 | 3 | 5 => Kind::Write,
+                        1 | 4 | 6 => Kind::Read,
+                        2 => Kind::Discard,
+                        _ => Kind::SetMode(CacheMode::ALL[(i as usize / 8) % 6], i % 16 == 7),
+                    },
+                    core: (i % 2) as u8,
+                    shape: if i % 3 == 0 { 99 } else { 50 + (i % 50) as u8 },
+                    a: i.wrapping_mul(2_654_435_761),
+                    b: i.wrapping_mul(40_503),
+                })
+                .collect();
+            let s = Scenario {
+                line_kib,
+                mode,
+                cache_lines: 4,
+                cores: vec![(80, 7), (33, 0)],
+                ops,
+            };
+            if let Err(e) = run(&s) {
+                panic!("{e}");
+            }
+        }
+    }
+}
