@@ -962,15 +962,6 @@ impl CacheInner {
         })
     }
 
-    /// Put a recovered line back into the RAM structures (load only, single-threaded).
-    fn restore_line(&self, line: u32, key: Key, valid: Mask, dirty: Mask) {
-        let mut s = self.lists.lock(self.lists.shard_of(line));
-        self.lists.remove(&mut s, ListKind::Free, line);
-        self.free_lines.fetch_sub(1, Ordering::Relaxed);
-        drop(s);
-        self.insert_line(line, key, valid, dirty);
-    }
-
     /// Stop new requests on a core and wait for those in flight.
     fn quiesce(core: &CoreState) {
         core.removed.store(true, Ordering::SeqCst);
@@ -1136,15 +1127,6 @@ impl Cache {
                 )));
             }
         }
-        let mask_bytes = line_size.sectors() as usize / 8;
-        let (persist, recovered) = persist::read_metadata(
-            &*cache_volume,
-            &sb,
-            sb_seq,
-            recorded,
-            mask_bytes,
-            line_size.sectors(),
-        )?;
         let mut active = Vec::new();
         let mut inactive = BTreeMap::new();
         for rec in &sb.cores {
@@ -1172,31 +1154,20 @@ impl Cache {
             line_size,
             mode,
         };
-        let inner = CacheInner::build(
-            cache_volume,
+        let mask_bytes = line_size.sectors() as usize / 8;
+        let persist = Persist::new(recorded, sb.nonce, mask_bytes, sb.clone(), 0, sb_seq);
+        let mut inner = CacheInner::build(
+            cache_volume.clone(),
             &config,
             recorded.lines,
             recorded.data_offset,
             Some(persist),
         );
-        for r in recovered {
-            inner.restore_line(r.line, r.key, r.valid, r.dirty);
-        }
+        persist::restore(&mut inner, &*cache_volume, &sb, line_size.sectors())?;
         let p = inner
             .persist
             .as_ref()
             .expect("a loaded cache is persistent");
-        // A line the device may record as dirty for a mapping that lost to a newer one waits in
-        // limbo until the first commit rewrites its block.
-        for line in 0..inner.lines {
-            if inner.table.key(line).is_none() && p.durably_dirty(line) {
-                let mut s = inner.lists.lock(inner.lists.shard_of(line));
-                inner
-                    .lists
-                    .move_back(&mut s, ListKind::Free, ListKind::Limbo, line);
-                inner.free_lines.fetch_sub(1, Ordering::Relaxed);
-            }
-        }
         {
             let mut cores = inner.cores.write();
             for (id, vol) in active {
@@ -1471,6 +1442,12 @@ impl Cache {
     pub fn core_stats(&self, id: CoreId) -> Result<Stats> {
         let core = self.inner.core_by_id(id)?;
         Ok(self.inner.core_stats(&core))
+    }
+
+    /// Reset one core's counters (`casadm -Z -j`).
+    pub fn reset_core_stats(&self, id: CoreId) -> Result<()> {
+        self.inner.core_by_id(id)?.counters.reset();
+        Ok(())
     }
 
     pub fn reset_stats(&self) {

@@ -231,14 +231,15 @@ pub(crate) enum BlockError {
     ForeignNonce,
 }
 
-/// Decode a block slot: its sequence number and entries.
+/// Decode a block slot into `entries` (cleared first); returns its sequence number.
 pub(crate) fn decode_block(
     bytes: &[u8],
     index: u64,
     nonce: u64,
     mask_bytes: usize,
     count: usize,
-) -> Result<(u64, Vec<Entry>), BlockError> {
+    entries: &mut Vec<Entry>,
+) -> Result<u64, BlockError> {
     let stored = u32::from_le_bytes(bytes[0..4].try_into().expect("4 bytes"));
     if crc32c::crc32c(&bytes[4..BLOCK]) != stored
         || u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes")) != BLOCK_MAGIC
@@ -254,7 +255,7 @@ pub(crate) fn decode_block(
     }
     let seq = u64::from_le_bytes(bytes[16..24].try_into().expect("8 bytes"));
     let size = 8 + 2 * mask_bytes;
-    let mut entries = Vec::with_capacity(count);
+    entries.clear();
     for i in 0..count {
         let at = BLOCK_HEADER + i * size;
         let raw = u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
@@ -268,7 +269,7 @@ pub(crate) fn decode_block(
             dirty: Mask::from_le_bytes(d),
         });
     }
-    Ok((seq, entries))
+    Ok(seq)
 }
 
 #[cfg(test)]
@@ -305,16 +306,13 @@ mod tests {
         ];
         let mut buf = vec![0u8; BLOCK];
         encode_block(&mut buf, 9, 5, 42, 1, &entries);
-        assert_eq!(decode_block(&buf, 9, 42, 1, 2), Ok((5, entries)));
-        assert_eq!(
-            decode_block(&buf, 8, 42, 1, 2),
-            Err(BlockError::WrongIndex(9))
-        );
-        assert_eq!(
-            decode_block(&buf, 9, 41, 1, 2),
-            Err(BlockError::ForeignNonce)
-        );
+        let mut out = Vec::new();
+        assert_eq!(decode_block(&buf, 9, 42, 1, 2, &mut out), Ok(5));
+        assert_eq!(out, entries);
+        let bad = |buf: &[u8], index, nonce| decode_block(buf, index, nonce, 1, 2, &mut Vec::new());
+        assert_eq!(bad(&buf, 8, 42), Err(BlockError::WrongIndex(9)));
+        assert_eq!(bad(&buf, 9, 41), Err(BlockError::ForeignNonce));
         buf[100] ^= 1;
-        assert_eq!(decode_block(&buf, 9, 42, 1, 2), Err(BlockError::Checksum));
+        assert_eq!(bad(&buf, 9, 42), Err(BlockError::Checksum));
     }
 }

@@ -66,18 +66,46 @@ impl Lists {
             last: NONE,
             len: 0,
         };
-        let lists = Lists {
+        let mut lists = Lists {
             prev: (0..n).map(|_| AtomicU32::new(NONE)).collect(),
             next: (0..n).map(|_| AtomicU32::new(NONE)).collect(),
             shards: (0..shards)
                 .map(|_| Padded(Mutex::new(Shard { heads: [empty; 4] })))
                 .collect(),
         };
-        for line in 0..lines {
-            let mut s = lists.lock(lists.shard_of(line));
-            lists.push_back(&mut s, ListKind::Free, line);
-        }
+        lists.rebuild(|_| ListKind::Free);
         lists
+    }
+
+    /// Put every line in the list `kind_of` names, in line order; returns how many are free.
+    /// Takes `&mut self`: only for a cache nobody else sees yet, so no lock is needed.
+    pub(crate) fn rebuild(&mut self, kind_of: impl Fn(u32) -> ListKind) -> u64 {
+        let empty = Head {
+            first: NONE,
+            last: NONE,
+            len: 0,
+        };
+        let Lists { prev, next, shards } = self;
+        for s in shards.iter_mut() {
+            s.0.get_mut().heads = [empty; 4];
+        }
+        let mut free = 0;
+        for line in 0..prev.len() as u32 {
+            let kind = kind_of(line);
+            free += (kind == ListKind::Free) as u64;
+            let shard = (line / RUN) as usize % shards.len();
+            let h = &mut shards[shard].0.get_mut().heads[kind as usize];
+            prev[line as usize].store(h.last, Relaxed);
+            next[line as usize].store(NONE, Relaxed);
+            if h.last == NONE {
+                h.first = line;
+            } else {
+                next[h.last as usize].store(line, Relaxed);
+            }
+            h.last = line;
+            h.len += 1;
+        }
+        free
     }
 
     pub(crate) fn bytes(&self) -> u64 {

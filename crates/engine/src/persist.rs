@@ -28,7 +28,7 @@ use crate::format::{
     Geometry, Superblock, BLOCK, CONFIG_SLOT_BYTES,
 };
 use crate::lists::ListKind;
-use crate::meta::Key;
+use crate::CoreId;
 use crate::{EngineError, Result};
 
 /// A bitmap of atomics, one bit per item.
@@ -116,7 +116,7 @@ pub(crate) fn new_uuid() -> String {
 }
 
 impl Persist {
-    fn new(
+    pub(crate) fn new(
         geometry: Geometry,
         nonce: u64,
         mask_bytes: usize,
@@ -407,34 +407,40 @@ pub(crate) fn format_volume(
     ))
 }
 
-/// A cache line recovered from the device.
-pub(crate) struct Recovered {
-    pub(crate) line: u32,
-    pub(crate) key: Key,
-    pub(crate) valid: Mask,
-    pub(crate) dirty: Mask,
-}
-
-/// Read and check every metadata block. Nothing is written. Returns the persistence state and
-/// the lines to map, or a message saying what is corrupt and where.
-pub(crate) fn read_metadata(
+/// Read and check every metadata block and rebuild `inner`'s lines from them. Nothing is
+/// written. `inner` is fresh (every line free) and not yet shared, so no lock is needed. Fails
+/// with a message saying what is corrupt and where.
+pub(crate) fn restore(
+    inner: &mut CacheInner,
     volume: &dyn Volume,
     sb: &Superblock,
-    sb_seq: u64,
-    geometry: Geometry,
-    mask_bytes: usize,
     line_sectors: u32,
-) -> Result<(Persist, Vec<Recovered>)> {
-    let persist = Persist::new(geometry, sb.nonce, mask_bytes, sb.clone(), 0, sb_seq);
+) -> Result<()> {
+    let p = inner.persist.as_ref().expect("restore needs persistence");
+    let geometry = p.geometry;
+    let mask_bytes = p.mask_bytes;
     let epb = geometry.entries_per_block as u64;
     let crashed = !sb.clean_shutdown;
-    let mut lines: Vec<Recovered> = Vec::new();
-    // Best block sequence per key, to settle duplicates: the newer mapping wins.
-    let mut owner: std::collections::HashMap<Key, (u64, usize)> = std::collections::HashMap::new();
+    // Sequence of the copy each block was read from: settles a core line mapped by two lines
+    // (the newer mapping wins; the older is a leftover of a line dropped since).
+    let mut block_seq = vec![0u64; geometry.meta_blocks as usize];
     let mut max_seq = 0;
+    let mut gauges = vec![(0u64, 0u64); crate::MAX_CORES as usize + 1];
+    let full: Mask = if line_sectors == 128 {
+        Mask::MAX
+    } else {
+        (1 << line_sectors) - 1
+    };
+    let core_lines: Vec<(CoreId, u64)> = sb
+        .cores
+        .iter()
+        .map(|c| (c.id, c.size.div_ceil(sb.line_size as u64)))
+        .collect();
+    let corrupt = EngineError::Corrupt;
     const CHUNK_BLOCKS: u64 = 8192;
     let mut buf = vec![0u8; (CHUNK_BLOCKS * 2) as usize * BLOCK];
-    let corrupt = |what: String| EngineError::Corrupt(what);
+    let mut entries = Vec::with_capacity(epb as usize);
+    let mut other_entries = Vec::with_capacity(epb as usize);
     let mut b = 0;
     while b < geometry.meta_blocks {
         let n = (geometry.meta_blocks - b).min(CHUNK_BLOCKS);
@@ -445,25 +451,33 @@ pub(crate) fn read_metadata(
             let count = (geometry.lines as u64 - block * epb).min(epb) as usize;
             let at = (i * 2) as usize * BLOCK;
             let copies = [
-                decode_block(&buf[at..at + BLOCK], block, sb.nonce, mask_bytes, count),
+                decode_block(
+                    &buf[at..at + BLOCK],
+                    block,
+                    sb.nonce,
+                    mask_bytes,
+                    count,
+                    &mut entries,
+                ),
                 decode_block(
                     &buf[at + BLOCK..at + 2 * BLOCK],
                     block,
                     sb.nonce,
                     mask_bytes,
                     count,
+                    &mut other_entries,
                 ),
             ];
-            let (slot, seq, entries) = match copies {
-                [Ok((s0, e0)), Ok((s1, e1))] => {
-                    if s1 > s0 {
-                        (1, s1, e1)
-                    } else {
-                        (0, s0, e0)
-                    }
+            let (slot, seq) = match copies {
+                [Ok(s0), Ok(s1)] if s1 > s0 => {
+                    std::mem::swap(&mut entries, &mut other_entries);
+                    (1, s1)
                 }
-                [Ok((s, e)), Err(_)] => (0, s, e),
-                [Err(_), Ok((s, e))] => (1, s, e),
+                [Ok(s0), _] => (0, s0),
+                [Err(_), Ok(s1)] => {
+                    std::mem::swap(&mut entries, &mut other_entries);
+                    (1, s1)
+                }
                 [Err(e0), Err(e1)] => {
                     let why = |e: &BlockError| match e {
                         BlockError::Checksum => "checksum mismatch".to_string(),
@@ -481,10 +495,11 @@ pub(crate) fn read_metadata(
                     )));
                 }
             };
-            persist.slot.set(block, slot == 1);
+            p.slot.set(block, slot == 1);
+            block_seq[block as usize] = seq;
             max_seq = max_seq.max(seq);
-            for (j, e) in entries.into_iter().enumerate() {
-                let line = block * epb + j as u64;
+            for (j, e) in entries.iter().enumerate() {
+                let line = (block * epb + j as u64) as u32;
                 let Some(key) = e.key else {
                     if e.valid != 0 || e.dirty != 0 {
                         return Err(corrupt(format!(
@@ -493,76 +508,168 @@ pub(crate) fn read_metadata(
                     }
                     continue;
                 };
-                let full: Mask = if line_sectors == 128 {
-                    Mask::MAX
-                } else {
-                    (1 << line_sectors) - 1
-                };
                 if e.valid == 0 || e.dirty & !e.valid != 0 || e.valid & !full != 0 {
                     return Err(corrupt(format!(
                         "metadata block {block}: line {line} has impossible sector masks (valid {:#x}, dirty {:#x})",
                         e.valid, e.dirty
                     )));
                 }
-                let Some(core) = sb.cores.iter().find(|c| c.id == key.core()) else {
+                let Some(&(_, lines_of_core)) = core_lines.iter().find(|c| c.0 == key.core())
+                else {
                     return Err(corrupt(format!(
                         "metadata block {block}: line {line} belongs to core {}, which the superblock does not list",
                         key.core()
                     )));
                 };
-                let line_bytes = sb.line_size as u64;
-                if key.line() >= core.size.div_ceil(line_bytes) {
+                if key.line() >= lines_of_core {
                     return Err(corrupt(format!(
-                        "metadata block {block}: line {line} maps core line {} beyond the end of core {} ({} bytes)",
+                        "metadata block {block}: line {line} maps core line {} beyond the end of core {}",
                         key.line(),
-                        core.id,
-                        core.size
+                        key.core()
                     )));
                 }
+                if e.dirty != 0 {
+                    p.durable_dirty.set(line as u64, true);
+                }
+                // After a crash, clean sectors may have been overwritten in place by writes that
+                // were never committed: only dirty ones are trusted.
                 let valid = if crashed { e.dirty } else { e.valid };
                 if valid == 0 {
-                    // A clean line dropped after a crash: the device must learn it is free before
-                    // a later clean load could trust its (possibly stale) content.
-                    persist.changed.set(block, true);
+                    // The device must learn the line is free before a later clean load could
+                    // trust its content.
+                    p.changed.set(block, true);
                     continue;
                 }
-                if e.dirty != 0 {
-                    persist.durable_dirty.set(line, true);
-                }
-                let rec = Recovered {
-                    line: line as u32,
-                    key,
-                    valid,
-                    dirty: e.dirty,
-                };
-                match owner.get(&key) {
-                    Some(&(other_seq, _)) if other_seq == seq => {
+                if let Some(other) = inner.table.lookup(key) {
+                    let other_seq = block_seq[(other as u64 / epb) as usize];
+                    if other_seq == seq {
                         return Err(corrupt(format!(
                             "metadata block {block}: core {} line {} is mapped twice in one commit",
                             key.core(),
                             key.line()
                         )));
                     }
-                    // The other mapping is newer: this one is a leftover of a line that was
-                    // dropped and whose block had not been rewritten.
-                    Some(&(other_seq, _)) if other_seq > seq => {
-                        persist.changed.set(block, true);
+                    if other_seq > seq {
+                        p.changed.set(block, true);
                         continue;
                     }
-                    Some(&(_, idx)) => {
-                        persist.changed.set(lines[idx].line as u64 / epb, true);
-                        owner.insert(key, (seq, idx));
-                        lines[idx] = rec;
+                    let g = &mut gauges[key.core() as usize];
+                    g.0 -= 1;
+                    if inner.table.dirty(other) != 0 {
+                        g.1 -= 1;
                     }
-                    None => {
-                        owner.insert(key, (seq, lines.len()));
-                        lines.push(rec);
-                    }
+                    inner.table.unmap(other, key);
+                    p.changed.set(other as u64 / epb, true);
+                }
+                inner.table.map(line, key, valid, e.dirty);
+                let g = &mut gauges[key.core() as usize];
+                g.0 += 1;
+                if e.dirty != 0 {
+                    g.1 += 1;
                 }
             }
         }
         b += n;
     }
-    persist.state.lock().seq = max_seq;
-    Ok((persist, lines))
+    p.state.lock().seq = max_seq;
+    for (id, (occupancy, dirty)) in gauges.into_iter().enumerate() {
+        inner.gauges[id]
+            .occupancy
+            .store(occupancy, Ordering::Relaxed);
+        inner.gauges[id].dirty.store(dirty, Ordering::Relaxed);
+    }
+    // Lines the device may still record as dirty for a mapping that lost to a newer one wait in
+    // limbo until a commit rewrites their block.
+    let table = &inner.table;
+    let durable = &p.durable_dirty;
+    let free = inner.lists.rebuild(|line| match table.key(line) {
+        Some(_) if table.dirty(line) != 0 => ListKind::Dirty,
+        Some(_) => ListKind::Clean,
+        None if durable.get(line as u64) => ListKind::Limbo,
+        None => ListKind::Free,
+    });
+    inner.free_lines.store(free, Ordering::Relaxed);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use hybridcache_volume::{RamVolume, Volume, VolumeRef};
+
+    use super::*;
+    use crate::meta::Key;
+    use crate::{Cache, CacheConfig, CacheMode, LineSize};
+
+    /// A stopped cache whose metadata block 0 is replaced by a well-formed block (right checksum,
+    /// index and nonce, newest sequence) holding `entry` for line 0.
+    fn load_with_entry(entry: Entry) -> EngineError {
+        let vol = Arc::new(RamVolume::new("cache", (3 << 20) + (64 << 10)).unwrap());
+        let core: VolumeRef = Arc::new(RamVolume::new("core", 1 << 20).unwrap());
+        let cache = Cache::create(
+            vol.clone(),
+            CacheConfig {
+                id: 1,
+                line_size: LineSize::from_kib(4).unwrap(),
+                mode: CacheMode::Wb,
+            },
+            false,
+        )
+        .unwrap();
+        cache.add_core(core.clone(), Some(1)).unwrap();
+        let sb = cache.superblock().unwrap();
+        cache.stop(true).unwrap();
+        let mut block = vec![0u8; BLOCK];
+        let count = (sb.lines as usize).min(sb.entries_per_block as usize);
+        let mut entries = vec![
+            Entry {
+                key: None,
+                valid: 0,
+                dirty: 0
+            };
+            count
+        ];
+        entries[0] = entry;
+        encode_block(&mut block, 0, u64::MAX / 2, sb.nonce, 1, &entries);
+        vol.write_at(&block, crate::format::META_OFFSET).unwrap();
+        Cache::load(vol, &mut |_| Some(core.clone()))
+            .err()
+            .expect("refused")
+    }
+
+    #[test]
+    fn impossible_entries_are_refused_by_name() {
+        let e = load_with_entry(Entry {
+            key: Some(Key::new(9, 0)),
+            valid: 1,
+            dirty: 1,
+        });
+        assert!(
+            e.to_string()
+                .contains("belongs to core 9, which the superblock does not list"),
+            "{e}"
+        );
+        let e = load_with_entry(Entry {
+            key: Some(Key::new(1, 256)),
+            valid: 1,
+            dirty: 0,
+        });
+        assert!(e.to_string().contains("beyond the end of core 1"), "{e}");
+        let e = load_with_entry(Entry {
+            key: Some(Key::new(1, 3)),
+            valid: 1,
+            dirty: 3,
+        });
+        assert!(e.to_string().contains("impossible sector masks"), "{e}");
+        let e = load_with_entry(Entry {
+            key: None,
+            valid: 1,
+            dirty: 0,
+        });
+        assert!(
+            e.to_string().contains("free line 0 has sector state"),
+            "{e}"
+        );
+    }
 }

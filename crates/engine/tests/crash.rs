@@ -17,6 +17,9 @@ use std::sync::Arc;
 use hybridcache_engine::{Cache, CacheConfig, CacheMode, Core, LineSize};
 use hybridcache_volume::{CrashVolume, RamVolume, Volume, VolumeRef};
 
+mod durability;
+use durability::{decode, fill, Model, Rng, SECTOR};
+
 /// A device that dies when the shared operation budget runs out.
 struct Mortal {
     inner: Arc<CrashVolume>,
@@ -69,85 +72,6 @@ impl Volume for Mortal {
         } else {
             Ok(())
         }
-    }
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
-const SECTOR: usize = 512;
-
-/// Sector content for write `stamp` at sector `sector`: identifies both, so a sector holding
-/// another address's data or a torn mix is caught. Stamp 0 is all zeroes (never written).
-fn fill(buf: &mut [u8], stamp: u32, first_sector: u64) {
-    for (i, s) in buf.chunks_mut(SECTOR).enumerate() {
-        if stamp == 0 {
-            s.fill(0);
-            continue;
-        }
-        let tag = [
-            stamp.to_le_bytes(),
-            ((first_sector + i as u64) as u32).to_le_bytes(),
-        ]
-        .concat();
-        for c in s.chunks_mut(8) {
-            c.copy_from_slice(&tag);
-        }
-    }
-}
-
-/// What a sector read back as: Some(stamp) if it is a well-formed sector of that stamp for this
-/// sector (0 for zeroes), None for anything else.
-fn decode(s: &[u8], sector: u64) -> Option<u32> {
-    if s.iter().all(|&b| b == 0) {
-        return Some(0);
-    }
-    let stamp = u32::from_le_bytes(s[0..4].try_into().unwrap());
-    let mut expect = vec![0u8; SECTOR];
-    fill(&mut expect, stamp, sector);
-    (s == &expect[..]).then_some(stamp)
-}
-
-/// Per sector: content as of the last completed flush, and what was written since.
-struct Model {
-    durable: Vec<u32>,
-    latest: Vec<u32>,
-    since: Vec<Vec<u32>>,
-}
-
-impl Model {
-    fn new(sectors: usize) -> Model {
-        Model {
-            durable: vec![0; sectors],
-            latest: vec![0; sectors],
-            since: vec![Vec::new(); sectors],
-        }
-    }
-    fn write(&mut self, first: u64, count: u64, stamp: u32) {
-        for s in first..first + count {
-            self.latest[s as usize] = stamp;
-            self.since[s as usize].push(stamp);
-        }
-    }
-    fn flushed(&mut self) {
-        self.durable.clone_from(&self.latest);
-        for s in &mut self.since {
-            s.clear();
-        }
-    }
-    fn allowed(&self, sector: usize, stamp: u32) -> bool {
-        self.durable[sector] == stamp || self.since[sector].contains(&stamp)
     }
 }
 
@@ -432,4 +356,78 @@ fn a_line_cleaned_by_write_through_is_not_reused_before_the_device_knows() {
 #[test]
 fn a_dirty_line_dropped_by_discard_is_not_reused_before_the_device_knows() {
     reuse_before_commit(|_, core| core.discard(0, 4096).unwrap());
+}
+
+/// A crash at every volume operation of a core removal: the cache always loads, the other
+/// core's flushed data is intact, and the removed core is either still there with its data or
+/// gone.
+#[test]
+fn crash_at_every_step_of_a_core_removal() {
+    for crash_at in 0..40 {
+        let budget = Arc::new(AtomicI64::new(i64::MAX));
+        let cache_media = Arc::new(CrashVolume::new(Arc::new(
+            RamVolume::new("cache", (3 << 20) + (64 << 10)).unwrap(),
+        )));
+        let cores: Vec<Arc<CrashVolume>> = (0..2)
+            .map(|i| {
+                Arc::new(CrashVolume::new(Arc::new(
+                    RamVolume::new(&format!("core{i}"), 256 << 10).unwrap(),
+                )))
+            })
+            .collect();
+        let rig = Rig {
+            cache_media: cache_media.clone(),
+            core_media: cores[0].clone(),
+            budget: budget.clone(),
+        };
+        let cache = Cache::create(
+            rig.mortal(&cache_media),
+            CacheConfig {
+                id: 1,
+                line_size: LineSize::from_kib(4).unwrap(),
+                mode: CacheMode::Wb,
+            },
+            false,
+        )
+        .unwrap();
+        for c in &cores {
+            cache.add_core(rig.mortal(c), None).unwrap();
+        }
+        for (id, stamp) in [(1u16, 11u32), (2, 22)] {
+            let mut buf = vec![0u8; 16 * 512];
+            fill(&mut buf, stamp, 0);
+            cache.core(id).unwrap().write(&buf, 0).unwrap();
+        }
+        cache.flush_core(2).unwrap();
+        cache.core(1).unwrap().flush().unwrap();
+        budget.store(crash_at, Ordering::SeqCst);
+        let _ = cache.remove_core(2, false);
+        drop(cache);
+        cache_media.crash(crash_at as u64).unwrap();
+        for c in &cores {
+            c.crash(crash_at as u64 + 1).unwrap();
+        }
+        let cache = Cache::load(cache_media.clone(), &mut |rec| {
+            Some(cores[rec.id as usize - 1].clone() as VolumeRef)
+        })
+        .unwrap_or_else(|e| panic!("crash at {crash_at}: load failed: {e}"));
+        cache.check_invariants();
+        for core in cache.cores() {
+            let stamp = if core.id == 1 { 11 } else { 22 };
+            let mut buf = vec![0u8; 16 * 512];
+            cache.core(core.id).unwrap().read(&mut buf, 0).unwrap();
+            for (i, s) in buf.chunks(SECTOR).enumerate() {
+                assert_eq!(
+                    decode(s, i as u64),
+                    Some(stamp),
+                    "crash at {crash_at}: core {} sector {i}",
+                    core.id
+                );
+            }
+        }
+        assert!(
+            cache.cores().iter().any(|c| c.id == 1),
+            "crash at {crash_at}: core 1 lost"
+        );
+    }
 }

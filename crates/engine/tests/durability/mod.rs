@@ -1,0 +1,82 @@
+//! What the durability tests share: sector stamps that name their write and their sector, and
+//! the model of what each sector may hold after a crash.
+#![allow(dead_code)]
+
+pub struct Rng(pub u64);
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+pub const SECTOR: usize = 512;
+
+/// Sector content for write `stamp` at sector `sector`: identifies both, so a sector holding
+/// another address's data or a torn mix is caught. Stamp 0 is all zeroes (never written).
+pub fn fill(buf: &mut [u8], stamp: u32, first_sector: u64) {
+    for (i, s) in buf.chunks_mut(SECTOR).enumerate() {
+        if stamp == 0 {
+            s.fill(0);
+            continue;
+        }
+        let tag = [
+            stamp.to_le_bytes(),
+            ((first_sector + i as u64) as u32).to_le_bytes(),
+        ]
+        .concat();
+        for c in s.chunks_mut(8) {
+            c.copy_from_slice(&tag);
+        }
+    }
+}
+
+/// What a sector read back as: Some(stamp) if it is a well-formed sector of that stamp for this
+/// sector (0 for zeroes), None for anything else.
+pub fn decode(s: &[u8], sector: u64) -> Option<u32> {
+    if s.iter().all(|&b| b == 0) {
+        return Some(0);
+    }
+    let stamp = u32::from_le_bytes(s[0..4].try_into().unwrap());
+    let mut expect = vec![0u8; SECTOR];
+    fill(&mut expect, stamp, sector);
+    (s == &expect[..]).then_some(stamp)
+}
+
+/// Per sector: content as of the last completed flush, and what was written since.
+pub struct Model {
+    pub durable: Vec<u32>,
+    pub latest: Vec<u32>,
+    pub since: Vec<Vec<u32>>,
+}
+
+impl Model {
+    pub fn new(sectors: usize) -> Model {
+        Model {
+            durable: vec![0; sectors],
+            latest: vec![0; sectors],
+            since: vec![Vec::new(); sectors],
+        }
+    }
+    pub fn write(&mut self, first: u64, count: u64, stamp: u32) {
+        for s in first..first + count {
+            self.latest[s as usize] = stamp;
+            self.since[s as usize].push(stamp);
+        }
+    }
+    pub fn flushed(&mut self) {
+        self.durable.clone_from(&self.latest);
+        for s in &mut self.since {
+            s.clear();
+        }
+    }
+    pub fn allowed(&self, sector: usize, stamp: u32) -> bool {
+        self.durable[sector] == stamp || self.since[sector].contains(&stamp)
+    }
+}

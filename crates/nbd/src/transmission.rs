@@ -1,0 +1,1061 @@
+//! Transmission phase: request parsing, validation, execution and replies.
+//!
+//! Worker model: a connection runs `workers` threads, of which one at a
+//! time holds the *reader role* and reads one request (a write payload goes
+//! into that worker's own reusable buffer). Requests of a kind that has been
+//! fast are then executed *inline* by the same thread, which keeps reading
+//! afterwards; slower kinds are handed off (the role passes to a waiting
+//! worker first). A waiting worker also rescues the role from an inline
+//! request that runs longer than a tick, so a slow request never holds up
+//! later ones for more than about a millisecond, and replies go out in
+//! completion order. Replies are queued whole and written by one thread at
+//! a time; inline replies are batched until the reader would block. This
+//! keeps queue-depth-1 traffic free of thread switches and lets pipelined
+//! traffic use one read and one write system call per batch.
+
+use std::io::{self, BufReader, Read, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex, MutexGuard};
+
+use crate::export::{BlockSizes, ErrorKind, Export, ExportError, ExportResult, ZeroFlags};
+use crate::handshake::{discard, Negotiated};
+use crate::proto::*;
+
+/// Largest write payload that is read and thrown away when the request is
+/// rejected; above it (and above the export's maximum block size) the
+/// connection is dropped instead. The spec says lengths below 32 MiB should
+/// not be treated as denial of service.
+pub const WRITE_DISCARD_LIMIT: u32 = 32 << 20;
+
+/// The parts of the negotiated state request validation depends on.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Params {
+    pub(crate) size: u64,
+    pub(crate) flags: u16,
+    pub(crate) bs: BlockSizes,
+    pub(crate) structured: bool,
+    pub(crate) block_size_negotiated: bool,
+}
+
+/// A validated request, ready to execute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Job {
+    Read {
+        offset: u64,
+        len: u32,
+    },
+    /// The payload is in the worker's data buffer.
+    Write {
+        offset: u64,
+        len: u32,
+        fua: bool,
+    },
+    Flush,
+    Trim {
+        offset: u64,
+        len: u32,
+        fua: bool,
+    },
+    WriteZeroes {
+        offset: u64,
+        len: u32,
+        flags: ZeroFlags,
+        fua: bool,
+    },
+    Cache {
+        offset: u64,
+        len: u32,
+    },
+}
+
+/// A request refused before reaching the export.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Reject {
+    pub(crate) errno: u32,
+    pub(crate) msg: &'static str,
+}
+
+fn reject(errno: u32, msg: &'static str) -> Reject {
+    Reject { errno, msg }
+}
+
+fn aligned(offset: u64, len: u64, min: u32) -> bool {
+    let mask = u64::from(min) - 1;
+    (offset | len) & mask == 0
+}
+
+/// Checks a request against the negotiated parameters. Pure, so the error
+/// choices are unit-testable: unknown command or flag -> EINVAL; writes to a
+/// read-only export -> EPERM; zero length, or READ/WRITE longer than the
+/// maximum block size -> EINVAL; past the end -> ENOSPC for writes and
+/// write-zeroes, EINVAL otherwise; unaligned -> EINVAL only if the client
+/// negotiated block sizes (otherwise the server does read-modify-write).
+pub(crate) fn validate(req: &Request, p: &Params) -> Result<Job, Reject> {
+    let read_only = p.flags & FLAG_READ_ONLY != 0;
+    let mut allowed = 0;
+    if p.flags & FLAG_SEND_FUA != 0 {
+        allowed |= CMD_FLAG_FUA;
+    }
+    match req.typ {
+        CMD_READ if p.structured => allowed |= CMD_FLAG_DF,
+        CMD_WRITE_ZEROES => {
+            allowed |= CMD_FLAG_NO_HOLE;
+            if p.flags & FLAG_SEND_FAST_ZERO != 0 {
+                allowed |= CMD_FLAG_FAST_ZERO;
+            }
+        }
+        CMD_READ | CMD_WRITE | CMD_FLUSH | CMD_TRIM | CMD_CACHE => {}
+        _ => return Err(reject(EINVAL, "unknown command")),
+    }
+    if req.flags & !allowed != 0 {
+        return Err(reject(EINVAL, "invalid command flags"));
+    }
+    let fua = req.flags & CMD_FLAG_FUA != 0;
+    if req.typ == CMD_FLUSH {
+        // Offset and length are reserved; tolerate garbage in them.
+        return Ok(Job::Flush);
+    }
+    let writes = matches!(req.typ, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
+    if writes && read_only {
+        return Err(reject(EPERM, "export is read-only"));
+    }
+    match req.typ {
+        CMD_TRIM if p.flags & FLAG_SEND_TRIM == 0 => {
+            return Err(reject(EINVAL, "trim not supported"))
+        }
+        CMD_WRITE_ZEROES if p.flags & FLAG_SEND_WRITE_ZEROES == 0 => {
+            return Err(reject(EINVAL, "write zeroes not supported"))
+        }
+        _ => {}
+    }
+    let len = req.length;
+    if len == 0 {
+        return Err(reject(EINVAL, "zero length"));
+    }
+    // Only READ and WRITE need a buffer of `len` bytes; the others are
+    // accepted at any length the export size allows.
+    if matches!(req.typ, CMD_READ | CMD_WRITE) && len > p.bs.max {
+        return Err(reject(EINVAL, "length exceeds maximum block size"));
+    }
+    let past_end = match req.offset.checked_add(u64::from(len)) {
+        Some(end) => end > p.size,
+        None => true,
+    };
+    if past_end {
+        return Err(if matches!(req.typ, CMD_WRITE | CMD_WRITE_ZEROES) {
+            reject(ENOSPC, "request beyond end of export")
+        } else {
+            reject(EINVAL, "request beyond end of export")
+        });
+    }
+    if p.block_size_negotiated && !aligned(req.offset, u64::from(len), p.bs.min) {
+        return Err(reject(EINVAL, "request not aligned to minimum block size"));
+    }
+    let offset = req.offset;
+    Ok(match req.typ {
+        CMD_READ => Job::Read { offset, len },
+        CMD_WRITE => Job::Write { offset, len, fua },
+        CMD_TRIM => Job::Trim { offset, len, fua },
+        CMD_WRITE_ZEROES => Job::WriteZeroes {
+            offset,
+            len,
+            fua,
+            flags: ZeroFlags {
+                no_hole: req.flags & CMD_FLAG_NO_HOLE != 0,
+                fast_zero: req.flags & CMD_FLAG_FAST_ZERO != 0,
+            },
+        },
+        _ => Job::Cache { offset, len },
+    })
+}
+
+/// A range cut at `min`-block boundaries: an unaligned head inside one
+/// block, an aligned middle, an unaligned tail inside one block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Split {
+    pub(crate) head: (u64, u64),
+    pub(crate) mid: (u64, u64),
+    pub(crate) tail: (u64, u64),
+}
+
+pub(crate) fn split(offset: u64, len: u64, min: u32) -> Split {
+    let min = u64::from(min);
+    let end = offset + len;
+    let a = offset.next_multiple_of(min).min(end);
+    let b = (end - end % min).max(a);
+    Split {
+        head: (offset, a - offset),
+        mid: (a, b - a),
+        tail: (b, end - b),
+    }
+}
+
+/// Replies waiting to be written, and who is writing them.
+#[derive(Default)]
+struct OutQueue {
+    pending: Vec<u8>,
+    spare: Vec<u8>,
+    /// A worker is in `flush_pending`; it writes whatever others append.
+    flushing: bool,
+    failed: bool,
+}
+
+/// Above this, deferred replies are written even if more requests are
+/// buffered, to bound memory and latency.
+const MAX_DEFERRED: usize = 256 << 10;
+/// Replies above this are never deferred.
+const MAX_DEFERRED_REPLY: usize = 64 << 10;
+/// How often a waiting worker checks whether an inline request is taking
+/// long enough that it should take over reading.
+const RESCUE_TICK: Duration = Duration::from_micros(500);
+/// After this many ticks without inline work the rescuer sleeps untimed, so
+/// idle connections cost no wakeups.
+const IDLE_TICKS: u32 = 200;
+/// Requests whose kind recently took longer than this on average are not
+/// run inline but handed off at once.
+const SLOW_NS: u64 = 50_000;
+
+/// Who may read the next request. Protected by `Conn::role`.
+#[derive(Default)]
+struct Role {
+    /// A worker holds the reader role (is reading or about to).
+    reader_busy: bool,
+    /// The token of a request being executed inline by the worker that
+    /// released the reader role for it; it resumes reading afterwards
+    /// unless a waiting worker rescued the role in the meantime.
+    inline: Option<u64>,
+    next_token: u64,
+    /// One waiting worker does timed waits to rescue slow inline work.
+    rescuer: bool,
+    /// The rescuer sleeps untimed because the connection looked idle.
+    rescuer_asleep: bool,
+    closed: bool,
+}
+
+/// Buffers one worker reuses across requests, so steady-state requests do
+/// not allocate.
+#[derive(Default)]
+struct Buffers {
+    /// Write payload.
+    data: Vec<u8>,
+    /// Reply under construction: header room followed by read data.
+    reply: Vec<u8>,
+    /// One block for read-modify-write.
+    block: Vec<u8>,
+}
+
+impl Buffers {
+    /// Drops buffers a rare huge request left behind, so idle workers do
+    /// not each pin up to the maximum block size; at that size the
+    /// allocation is cheap next to the transfer.
+    fn shrink(&mut self) {
+        const KEEP: usize = 4 << 20;
+        for v in [&mut self.data, &mut self.reply] {
+            if v.capacity() > KEEP {
+                *v = Vec::new();
+            }
+        }
+    }
+}
+
+fn grow(v: &mut Vec<u8>, len: usize) -> &mut [u8] {
+    if v.len() < len {
+        v.resize(len, 0);
+    }
+    &mut v[..len]
+}
+
+pub(crate) struct Conn<'a, R, W> {
+    reader: Mutex<BufReader<R>>,
+    writer: Mutex<W>,
+    out: Mutex<OutQueue>,
+    role: Mutex<Role>,
+    /// Waiting workers other than the rescuer.
+    follow_cv: Condvar,
+    /// The rescuer.
+    rescue_cv: Condvar,
+    /// Moving average of execution time (ns) per kind: read, write, other.
+    ewma_ns: [AtomicU64; 3],
+    export: &'a dyn Export,
+    write_gate: &'a parking_lot::RwLock<()>,
+    p: Params,
+    on_fatal: &'a (dyn Fn() + Sync),
+}
+
+/// Serves requests until the client disconnects or the transport fails.
+/// `on_fatal` must unblock a thread stuck reading the transport (e.g. shut
+/// the socket down); it is called when a reply cannot be written.
+pub(crate) fn run<R: Read + Send, W: Write + Send>(
+    reader: BufReader<R>,
+    writer: W,
+    n: &Negotiated,
+    workers: usize,
+    on_fatal: &(dyn Fn() + Sync),
+) {
+    let conn = Conn {
+        reader: Mutex::new(reader),
+        writer: Mutex::new(writer),
+        out: Mutex::new(OutQueue::default()),
+        role: Mutex::new(Role::default()),
+        follow_cv: Condvar::new(),
+        rescue_cv: Condvar::new(),
+        ewma_ns: Default::default(),
+        export: &*n.entry.export,
+        write_gate: &n.entry.write_gate,
+        p: Params {
+            size: n.size,
+            flags: n.flags,
+            bs: n.entry.block_sizes,
+            structured: n.structured,
+            block_size_negotiated: n.block_size_negotiated,
+        },
+        on_fatal,
+    };
+    let workers = workers.max(1);
+    std::thread::scope(|s| {
+        for _ in 1..workers {
+            let c = &conn;
+            let spawned = std::thread::Builder::new()
+                .name("nbd-worker".into())
+                .spawn_scoped(s, move || c.worker_loop());
+            if spawned.is_err() {
+                // Out of threads: serve with fewer workers rather than fail.
+                break;
+            }
+        }
+        conn.worker_loop();
+    });
+}
+
+fn read_exact_or_eof<R: Read>(r: &mut R, buf: &mut [u8]) -> io::Result<bool> {
+    match r.read_exact(buf) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// What one turn at the reader produced.
+enum Next {
+    Job(u64, Job),
+    Rejected(u64, Reject),
+    /// `NBD_CMD_DISC` or end of stream: stop reading, finish in-flight work.
+    Stop,
+}
+
+fn kind_index(job: &Job) -> usize {
+    match job {
+        Job::Read { .. } => 0,
+        Job::Write { .. } => 1,
+        _ => 2,
+    }
+}
+
+impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
+    // ---- scheduling ---------------------------------------------------------
+    //
+    // The worker holding the reader role reads one request. If requests of
+    // that kind have been fast, it runs it *inline*: it releases the role
+    // without waking anybody, executes, defers the reply, and takes the role
+    // straight back. At queue depth 1 and for fast exports this costs no
+    // thread switch at all, and pipelined replies leave in batches. Because
+    // an inline request might unexpectedly block (a cache miss, say), one
+    // waiting worker, the rescuer, wakes every RESCUE_TICK and takes over
+    // reading if the same inline request is still running, so later requests
+    // are delayed by at most about a millisecond and then complete out of
+    // order as usual. Kinds that are slow on average skip this and hand the
+    // role to a waiting worker before executing.
+
+    fn worker_loop(&self) {
+        let mut bufs = Buffers::default();
+        let mut holding = false;
+        loop {
+            if !holding && !self.acquire_reader() {
+                return;
+            }
+            let next = {
+                let mut r = self.reader.lock();
+                self.next_request(&mut r, &mut bufs)
+            };
+            let (handle, job) = match next {
+                Ok(Next::Job(h, j)) => (h, j),
+                Ok(Next::Rejected(h, rej)) => {
+                    // Cheap to answer; keep reading.
+                    holding = true;
+                    if self.send_error(h, rej.errno, rej.msg, true).is_err() {
+                        self.fail();
+                        return;
+                    }
+                    continue;
+                }
+                Ok(Next::Stop) => {
+                    self.close();
+                    let _ = self.flush_pending();
+                    return;
+                }
+                Err(_) => {
+                    self.fail();
+                    return;
+                }
+            };
+            let kind = kind_index(&job);
+            let res = if self.ewma_ns[kind].load(Ordering::Relaxed) > SLOW_NS {
+                self.hand_off();
+                holding = false;
+                self.timed(kind, || self.execute(handle, job, &mut bufs, false))
+            } else {
+                let token = self.go_inline();
+                let res = self.timed(kind, || self.execute(handle, job, &mut bufs, true));
+                holding = self.finish_inline(token);
+                res
+            };
+            if res.is_err() {
+                self.fail();
+                return;
+            }
+            bufs.shrink();
+        }
+    }
+
+    fn timed(&self, kind: usize, f: impl FnOnce() -> io::Result<()>) -> io::Result<()> {
+        let t0 = Instant::now();
+        let res = f();
+        let ns = t0.elapsed().as_nanos().min(u128::from(u32::MAX)) as u64;
+        let avg = &self.ewma_ns[kind];
+        let old = avg.load(Ordering::Relaxed);
+        avg.store(old - old / 8 + ns / 8, Ordering::Relaxed);
+        res
+    }
+
+    /// Waits until this worker may read; false once the connection closed.
+    fn acquire_reader(&self) -> bool {
+        // Deferred replies must not wait while this worker sleeps.
+        if self.flush_pending().is_err() {
+            self.fail();
+            return false;
+        }
+        let mut st = self.role.lock();
+        loop {
+            if st.closed {
+                return false;
+            }
+            if !st.reader_busy && st.inline.is_none() {
+                st.reader_busy = true;
+                return true;
+            }
+            if !st.rescuer {
+                st.rescuer = true;
+                let got = self.rescue_wait(&mut st);
+                st.rescuer = false;
+                return got;
+            }
+            self.follow_cv.wait(&mut st);
+        }
+    }
+
+    /// The rescuer's wait: takes the reader role when it is free, or when
+    /// one inline request has been running for a full tick.
+    fn rescue_wait(&self, st: &mut MutexGuard<'_, Role>) -> bool {
+        let mut seen: Option<(u64, Instant)> = None;
+        let mut idle = 0;
+        loop {
+            if st.closed {
+                return false;
+            }
+            if !st.reader_busy {
+                match (st.inline, seen) {
+                    (None, _) => {
+                        st.reader_busy = true;
+                        return true;
+                    }
+                    (Some(t), Some((s, since))) if t == s && since.elapsed() >= RESCUE_TICK => {
+                        st.inline = None;
+                        st.reader_busy = true;
+                        return true;
+                    }
+                    _ => {}
+                }
+            }
+            match st.inline {
+                Some(t) => {
+                    idle = 0;
+                    if seen.map(|(s, _)| s) != Some(t) {
+                        seen = Some((t, Instant::now()));
+                    }
+                }
+                None => idle += 1,
+            }
+            if idle > IDLE_TICKS {
+                st.rescuer_asleep = true;
+                self.rescue_cv.wait(st);
+                st.rescuer_asleep = false;
+                idle = 0;
+            } else {
+                self.rescue_cv.wait_for(st, RESCUE_TICK);
+            }
+        }
+    }
+
+    fn go_inline(&self) -> u64 {
+        let mut st = self.role.lock();
+        let token = st.next_token;
+        st.next_token = token.wrapping_add(1);
+        st.inline = Some(token);
+        st.reader_busy = false;
+        if st.rescuer_asleep {
+            st.rescuer_asleep = false;
+            self.rescue_cv.notify_one();
+        } else if !st.rescuer {
+            // Recruit a rescuer; a no-op if nobody is waiting.
+            self.follow_cv.notify_one();
+        }
+        token
+    }
+
+    /// True if this worker still holds the reader role (was not rescued).
+    fn finish_inline(&self, token: u64) -> bool {
+        let mut st = self.role.lock();
+        if st.inline != Some(token) {
+            return false;
+        }
+        st.inline = None;
+        if st.closed {
+            // After NBD_CMD_DISC nothing more may be read.
+            return false;
+        }
+        st.reader_busy = true;
+        true
+    }
+
+    fn hand_off(&self) {
+        let mut st = self.role.lock();
+        st.reader_busy = false;
+        if !self.follow_cv.notify_one() {
+            self.rescue_cv.notify_one();
+        }
+    }
+
+    fn close(&self) {
+        let mut st = self.role.lock();
+        st.closed = true;
+        self.follow_cv.notify_all();
+        self.rescue_cv.notify_all();
+    }
+
+    fn fail(&self) {
+        self.close();
+        (self.on_fatal)();
+    }
+
+    // ---- reading ------------------------------------------------------------
+
+    /// Reads one request; an `Err` means the stream is unusable (bad magic,
+    /// oversized write payload, transport error) and the connection must be
+    /// dropped. Deferred replies are flushed before any read that may block.
+    fn next_request(&self, r: &mut BufReader<R>, bufs: &mut Buffers) -> io::Result<Next> {
+        if r.buffer().len() < REQUEST_LEN {
+            self.flush_pending()?;
+        }
+        let mut hdr = [0u8; REQUEST_LEN];
+        if !read_exact_or_eof(r, &mut hdr)? {
+            return Ok(Next::Stop);
+        }
+        let req = parse_request(&hdr).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        if req.typ == CMD_DISC {
+            return Ok(Next::Stop);
+        }
+        let checked = validate(&req, &self.p);
+        if req.typ == CMD_WRITE {
+            let len = req.length as usize;
+            if r.buffer().len() < len {
+                self.flush_pending()?;
+            }
+            match checked {
+                Ok(_) => {
+                    if !read_exact_or_eof(r, grow(&mut bufs.data, len))? {
+                        return Ok(Next::Stop);
+                    }
+                }
+                Err(_) => {
+                    // The payload must be consumed to stay in sync with the
+                    // stream, but not buffered.
+                    if req.length > WRITE_DISCARD_LIMIT.max(self.p.bs.max) {
+                        return Err(io::Error::new(
+                            io::ErrorKind::InvalidData,
+                            "write payload too large",
+                        ));
+                    }
+                    if !discard(r, u64::from(req.length))? {
+                        return Ok(Next::Stop);
+                    }
+                }
+            }
+        }
+        Ok(match checked {
+            Ok(job) => Next::Job(req.handle, job),
+            Err(rej) => Next::Rejected(req.handle, rej),
+        })
+    }
+
+    // ---- replies ------------------------------------------------------------
+
+    /// Queues a reply. Unless `defer`, it is written before returning (by
+    /// this worker or by one already writing). Deferred replies go out with
+    /// the next flush, which the reader does before it could block.
+    fn send(&self, bytes: &[u8], defer: bool) -> io::Result<()> {
+        // Large replies are not worth batching and would only be copied.
+        let defer = defer && bytes.len() <= MAX_DEFERRED_REPLY;
+        let mut q = self.out.lock();
+        if q.failed {
+            return Err(io::ErrorKind::BrokenPipe.into());
+        }
+        if q.flushing || defer {
+            q.pending.extend_from_slice(bytes);
+            if q.flushing || q.pending.len() < MAX_DEFERRED {
+                return Ok(());
+            }
+            q.flushing = true;
+            drop(q);
+            return self.flush_loop();
+        }
+        // Replies may go out in any order, so write this one directly (no
+        // copy) and then whatever was queued.
+        q.flushing = true;
+        drop(q);
+        let res = self.write_out(bytes);
+        self.after_write(res)
+    }
+
+    fn write_out(&self, bytes: &[u8]) -> io::Result<()> {
+        let mut w = self.writer.lock();
+        w.write_all(bytes)?;
+        w.flush()
+    }
+
+    /// Called by the flushing worker after a write: keeps writing what was
+    /// queued meanwhile, then gives up the flusher role.
+    fn after_write(&self, res: io::Result<()>) -> io::Result<()> {
+        if let Err(e) = res {
+            let mut q = self.out.lock();
+            q.failed = true;
+            q.flushing = false;
+            return Err(e);
+        }
+        self.flush_loop()
+    }
+
+    fn flush_loop(&self) -> io::Result<()> {
+        let mut q = self.out.lock();
+        loop {
+            if q.pending.is_empty() {
+                q.flushing = false;
+                return Ok(());
+            }
+            let mut batch = std::mem::take(&mut q.spare);
+            std::mem::swap(&mut batch, &mut q.pending);
+            drop(q);
+            let res = self.write_out(&batch);
+            batch.clear();
+            q = self.out.lock();
+            q.spare = batch;
+            if let Err(e) = res {
+                q.failed = true;
+                q.flushing = false;
+                return Err(e);
+            }
+        }
+    }
+
+    /// Writes deferred replies now (or leaves them to the worker already
+    /// writing, which picks them up before it stops).
+    fn flush_pending(&self) -> io::Result<()> {
+        let mut q = self.out.lock();
+        if q.failed {
+            return Err(io::ErrorKind::BrokenPipe.into());
+        }
+        if q.flushing || q.pending.is_empty() {
+            return Ok(());
+        }
+        q.flushing = true;
+        drop(q);
+        self.flush_loop()
+    }
+
+    fn send_ok(&self, handle: u64, defer: bool) -> io::Result<()> {
+        // A simple reply is allowed for any payload-less success, even with
+        // structured replies negotiated, and is the shortest.
+        let mut b = [0u8; SIMPLE_REPLY_LEN];
+        encode_simple_reply(&mut b, 0, handle);
+        self.send(&b, defer)
+    }
+
+    fn send_error(&self, handle: u64, errno: u32, msg: &str, defer: bool) -> io::Result<()> {
+        if self.p.structured {
+            let mut out = Vec::with_capacity(STRUCTURED_HEADER_LEN + 6 + msg.len());
+            encode_structured_error(&mut out, handle, errno, msg);
+            self.send(&out, defer)
+        } else {
+            let mut b = [0u8; SIMPLE_REPLY_LEN];
+            encode_simple_reply(&mut b, errno, handle);
+            self.send(&b, defer)
+        }
+    }
+
+    fn send_export_error(
+        &self,
+        handle: u64,
+        e: &ExportError,
+        fast_zero: bool,
+        defer: bool,
+    ) -> io::Result<()> {
+        // The spec reserves ENOTSUP for fast-zero refusals and EOVERFLOW for
+        // "don't fragment" reads; anything else gets EINVAL instead.
+        let errno = match e.kind {
+            ErrorKind::NotSupported if !fast_zero => EINVAL,
+            ErrorKind::Overflow => EINVAL,
+            k => k.nbd_errno(),
+        };
+        let msg: &str = if e.message.is_empty() {
+            "export error"
+        } else {
+            &e.message
+        };
+        self.send_error(handle, errno, msg, defer)
+    }
+
+    // ---- execution ----------------------------------------------------------
+
+    fn execute(&self, handle: u64, job: Job, bufs: &mut Buffers, defer: bool) -> io::Result<()> {
+        let res = match job {
+            Job::Read { offset, len } => {
+                return self.execute_read(handle, offset, len, bufs, defer)
+            }
+            Job::Write { offset, len, fua } => {
+                let data = &bufs.data[..len as usize];
+                self.write(offset, data, fua, &mut bufs.block)
+            }
+            Job::Flush => self.export.flush(),
+            Job::Trim { offset, len, fua } => self.trim(offset, u64::from(len), fua),
+            Job::WriteZeroes {
+                offset,
+                len,
+                flags,
+                fua,
+            } => self.write_zeroes(offset, u64::from(len), flags, fua, &mut bufs.block),
+            Job::Cache { offset, len } => self.cache(offset, u64::from(len)),
+        };
+        match res {
+            Ok(()) => self.send_ok(handle, defer),
+            Err(e) => {
+                let fast = matches!(job, Job::WriteZeroes { flags, .. } if flags.fast_zero);
+                self.send_export_error(handle, &e, fast, defer)
+            }
+        }
+    }
+
+    fn execute_read(
+        &self,
+        handle: u64,
+        offset: u64,
+        len: u32,
+        bufs: &mut Buffers,
+        defer: bool,
+    ) -> io::Result<()> {
+        let prefix = if self.p.structured {
+            STRUCTURED_HEADER_LEN + 8
+        } else {
+            SIMPLE_REPLY_LEN
+        };
+        let total = prefix + len as usize;
+        let reply = grow(&mut bufs.reply, total);
+        let res = self.read(offset, &mut reply[prefix..], &mut bufs.block);
+        if let Err(e) = res {
+            return self.send_export_error(handle, &e, false, defer);
+        }
+        if self.p.structured {
+            // Everything was read before the header goes out, so no error
+            // can follow and this single data chunk may carry DONE.
+            encode_structured_header(
+                reply,
+                REPLY_FLAG_DONE,
+                REPLY_TYPE_OFFSET_DATA,
+                handle,
+                8 + len,
+            );
+            reply[STRUCTURED_HEADER_LEN..prefix].copy_from_slice(&offset.to_be_bytes());
+        } else {
+            encode_simple_reply(reply, 0, handle);
+        }
+        self.send(reply, defer)
+    }
+
+    fn min(&self) -> u32 {
+        self.p.bs.min
+    }
+
+    /// The export-visible block around `offset`, clamped to the export size.
+    fn block_around(&self, offset: u64) -> (u64, usize) {
+        let min = u64::from(self.min());
+        let start = offset - offset % min;
+        let end = (start + min).min(self.p.size);
+        (start, (end - start) as usize)
+    }
+
+    fn read(&self, offset: u64, out: &mut [u8], block: &mut Vec<u8>) -> ExportResult<()> {
+        let len = out.len() as u64;
+        if aligned(offset, len, self.min()) {
+            return self.export.read(out, offset);
+        }
+        let s = split(offset, len, self.min());
+        for (off, n) in [s.head, s.tail] {
+            if n == 0 {
+                continue;
+            }
+            let (bstart, blen) = self.block_around(off);
+            let b = grow(block, blen);
+            self.export.read(b, bstart)?;
+            let at = (off - offset) as usize;
+            let from = (off - bstart) as usize;
+            out[at..at + n as usize].copy_from_slice(&b[from..from + n as usize]);
+        }
+        if s.mid.1 > 0 {
+            let at = (s.mid.0 - offset) as usize;
+            self.export
+                .read(&mut out[at..at + s.mid.1 as usize], s.mid.0)?;
+        }
+        Ok(())
+    }
+
+    /// Rewrites the part `[off, off + n)` of one block with `src` (or zeroes).
+    /// Caller holds the write gate exclusively.
+    fn patch_block(
+        &self,
+        off: u64,
+        n: u64,
+        src: Option<&[u8]>,
+        fua: bool,
+        block: &mut Vec<u8>,
+    ) -> ExportResult<()> {
+        let (bstart, blen) = self.block_around(off);
+        let b = grow(block, blen);
+        self.export.read(b, bstart)?;
+        let from = (off - bstart) as usize;
+        let dst = &mut b[from..from + n as usize];
+        match src {
+            Some(s) => dst.copy_from_slice(s),
+            None => dst.fill(0),
+        }
+        self.export.write(b, bstart, fua)
+    }
+
+    fn write(&self, offset: u64, data: &[u8], fua: bool, block: &mut Vec<u8>) -> ExportResult<()> {
+        if aligned(offset, data.len() as u64, self.min()) {
+            let _shared = self.write_gate.read();
+            return self.export.write(data, offset, fua);
+        }
+        let _excl = self.write_gate.write();
+        let s = split(offset, data.len() as u64, self.min());
+        let part = |(off, n): (u64, u64)| {
+            let at = (off - offset) as usize;
+            &data[at..at + n as usize]
+        };
+        if s.head.1 > 0 {
+            self.patch_block(s.head.0, s.head.1, Some(part(s.head)), fua, block)?;
+        }
+        if s.mid.1 > 0 {
+            self.export.write(part(s.mid), s.mid.0, fua)?;
+        }
+        if s.tail.1 > 0 {
+            self.patch_block(s.tail.0, s.tail.1, Some(part(s.tail)), fua, block)?;
+        }
+        Ok(())
+    }
+
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        flags: ZeroFlags,
+        fua: bool,
+        block: &mut Vec<u8>,
+    ) -> ExportResult<()> {
+        if aligned(offset, len, self.min()) {
+            let _shared = self.write_gate.read();
+            self.export.write_zeroes(offset, len, flags)?;
+        } else {
+            if flags.fast_zero {
+                // Partial blocks need read-modify-write: never fast, and the
+                // spec wants the export left untouched on this failure.
+                return Err(ExportError::not_fast());
+            }
+            let _excl = self.write_gate.write();
+            let s = split(offset, len, self.min());
+            if s.head.1 > 0 {
+                self.patch_block(s.head.0, s.head.1, None, false, block)?;
+            }
+            if s.mid.1 > 0 {
+                self.export.write_zeroes(s.mid.0, s.mid.1, flags)?;
+            }
+            if s.tail.1 > 0 {
+                self.patch_block(s.tail.0, s.tail.1, None, false, block)?;
+            }
+        }
+        if fua {
+            self.export.flush()?;
+        }
+        Ok(())
+    }
+
+    fn trim(&self, offset: u64, len: u64, fua: bool) -> ExportResult<()> {
+        // Trim is advisory, so an unaligned one only discards the whole
+        // blocks inside it, as the spec permits.
+        let s = split(offset, len, self.min());
+        if s.mid.1 > 0 {
+            let _shared = self.write_gate.read();
+            self.export.trim(s.mid.0, s.mid.1)?;
+            if fua {
+                self.export.flush()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn cache(&self, offset: u64, len: u64) -> ExportResult<()> {
+        let min = u64::from(self.min());
+        let start = offset - offset % min;
+        let end = (offset + len).next_multiple_of(min).min(self.p.size);
+        self.export.cache(start, end - start)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params() -> Params {
+        Params {
+            size: 1 << 20,
+            flags: FLAG_HAS_FLAGS | FLAG_SEND_FLUSH | FLAG_SEND_FUA | FLAG_SEND_WRITE_ZEROES,
+            bs: BlockSizes::default(),
+            structured: false,
+            block_size_negotiated: false,
+        }
+    }
+
+    fn req(typ: u16, flags: u16, offset: u64, length: u32) -> Request {
+        Request {
+            flags,
+            typ,
+            handle: 1,
+            offset,
+            length,
+        }
+    }
+
+    #[test]
+    fn validation_errors() {
+        let p = params();
+        let e = |r: Request, p: &Params| validate(&r, p).unwrap_err().errno;
+        assert_eq!(e(req(99, 0, 0, 512), &p), EINVAL);
+        assert_eq!(e(req(CMD_BLOCK_STATUS, 0, 0, 512), &p), EINVAL);
+        assert_eq!(e(req(CMD_READ, CMD_FLAG_DF, 0, 512), &p), EINVAL);
+        assert_eq!(e(req(CMD_READ, 1 << 9, 0, 512), &p), EINVAL);
+        assert_eq!(e(req(CMD_READ, 0, 0, 0), &p), EINVAL);
+        assert_eq!(e(req(CMD_READ, 0, 1 << 20, 512), &p), EINVAL);
+        assert_eq!(e(req(CMD_READ, 0, u64::MAX, 512), &p), EINVAL);
+        assert_eq!(e(req(CMD_WRITE, 0, 1 << 20, 512), &p), ENOSPC);
+        assert_eq!(
+            e(req(CMD_WRITE_ZEROES, 0, (1 << 20) - 512, 1024), &p),
+            ENOSPC
+        );
+        assert_eq!(e(req(CMD_WRITE, 0, 0, (32 << 20) + 512), &p), EINVAL);
+        assert_eq!(e(req(CMD_TRIM, 0, 0, 512), &p), EINVAL);
+        assert_eq!(
+            e(req(CMD_WRITE_ZEROES, CMD_FLAG_FAST_ZERO, 0, 512), &p),
+            EINVAL
+        );
+        let ro = Params {
+            flags: p.flags | FLAG_READ_ONLY,
+            ..p
+        };
+        assert_eq!(e(req(CMD_WRITE, 0, 0, 512), &ro), EPERM);
+        let neg = Params {
+            block_size_negotiated: true,
+            ..p
+        };
+        assert_eq!(e(req(CMD_WRITE, 0, 1, 512), &neg), EINVAL);
+        assert_eq!(e(req(CMD_READ, 0, 0, 100), &neg), EINVAL);
+    }
+
+    #[test]
+    fn validation_accepts() {
+        let p = Params {
+            structured: true,
+            ..params()
+        };
+        assert_eq!(
+            validate(&req(CMD_READ, CMD_FLAG_DF, 7, 100), &p),
+            Ok(Job::Read {
+                offset: 7,
+                len: 100
+            })
+        );
+        assert_eq!(
+            validate(&req(CMD_WRITE, CMD_FLAG_FUA, 512, 512), &p),
+            Ok(Job::Write {
+                offset: 512,
+                len: 512,
+                fua: true
+            })
+        );
+        assert_eq!(validate(&req(CMD_FLUSH, 0, 5, 5), &p), Ok(Job::Flush));
+        assert!(matches!(
+            validate(&req(CMD_WRITE_ZEROES, CMD_FLAG_NO_HOLE, 0, 1 << 20), &p),
+            Ok(Job::WriteZeroes {
+                flags: ZeroFlags {
+                    no_hole: true,
+                    fast_zero: false
+                },
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn split_ranges() {
+        assert_eq!(
+            split(100, 600, 512),
+            Split {
+                head: (100, 412),
+                mid: (512, 0),
+                tail: (512, 188)
+            }
+        );
+        assert_eq!(
+            split(100, 10, 512),
+            Split {
+                head: (100, 10),
+                mid: (110, 0),
+                tail: (110, 0)
+            }
+        );
+        assert_eq!(
+            split(512, 1024, 512),
+            Split {
+                head: (512, 0),
+                mid: (512, 1024),
+                tail: (1536, 0)
+            }
+        );
+        assert_eq!(
+            split(500, 1100, 512),
+            Split {
+                head: (500, 12),
+                mid: (512, 1024),
+                tail: (1536, 64)
+            }
+        );
+    }
+}
