@@ -557,6 +557,9 @@ impl CacheInner {
     /// Put what a read fetched from the core into the cache: missing sectors of mapped lines, and
     /// new lines for unmapped ones when a line can be had.
     fn insert_after_read(&self, core: &CoreState, buf: &[u8], segs: &[Seg]) {
+        // Once no line can be had, later unmapped segments are just served from the core; mapped
+        // ones still get their missing sectors.
+        let mut lines_left = true;
         for s in segs {
             let m = s.mask();
             let missing = m & !s.valid;
@@ -568,9 +571,12 @@ impl CacheInner {
                 }
                 continue;
             }
+            if !lines_left {
+                continue;
+            }
             let Some(line) = self.alloc_line() else {
-                // Nothing to evict right now: serving from the core is enough.
-                return;
+                lines_left = false;
+                continue;
             };
             if self.cache_write_mask(core, buf, s, line, m).is_ok() {
                 self.insert_line(line, s.key, m, 0);
@@ -1182,6 +1188,24 @@ impl Cache {
         })
     }
 
+    /// Read the superblock of the cache `cache_volume` holds, without loading it or writing
+    /// anything: what `casadm` shows before deciding to load.
+    pub fn peek(cache_volume: &dyn Volume) -> Result<Superblock> {
+        let slots = persist::read_config(cache_volume)?;
+        if let Some((_, sb)) = persist::newest(&slots) {
+            return Ok(sb.clone());
+        }
+        Err(
+            match slots.iter().find_map(|s| match s {
+                ConfigSlot::Corrupt(why) => Some(why.clone()),
+                _ => None,
+            }) {
+                Some(why) => EngineError::DamagedSuperblock(why),
+                None => EngineError::NoCache(cache_volume.name().to_string()),
+            },
+        )
+    }
+
     /// Whether this cache keeps its metadata on the cache volume.
     pub fn persistent(&self) -> bool {
         self.inner.persist.is_some()
@@ -1367,6 +1391,15 @@ impl Cache {
                     rec.path
                 ),
             });
+        }
+        if let Some(p) = &self.inner.persist {
+            // The next load must look where the core is now.
+            let path = volume.name().to_string();
+            p.update_superblock(&*self.inner.volume, |sb| {
+                if let Some(c) = sb.cores.iter_mut().find(|c| c.id == id) {
+                    c.path = path;
+                }
+            })?;
         }
         inactive.remove(&id);
         self.inner

@@ -69,7 +69,7 @@ fn kill_child() {
         if rng.below(12) == 0 {
             core.flush().unwrap();
             // Only a flush that returned is a durability point.
-            log.write_all(b"F\n").unwrap();
+            log.write_all(b"F end\n").unwrap();
             continue;
         }
         if rng.below(30) == 0 {
@@ -80,7 +80,7 @@ fn kill_child() {
         let first = rng.below(sectors - 64);
         let count = 1 + rng.below(64);
         // Logged before it is issued: a write in flight at the kill may land or not.
-        writeln!(log, "W {stamp} {first} {count}").unwrap();
+        writeln!(log, "W {stamp} {first} {count} end").unwrap();
         let mut buf = vec![0u8; count as usize * 512];
         fill(&mut buf, stamp, first);
         core.write(&buf, first * 512).unwrap();
@@ -118,20 +118,22 @@ fn kill_9_mid_load_never_loses_flushed_writes() {
         child.wait().unwrap();
 
         let log = std::fs::read_to_string(dir.path().join("log")).unwrap();
+        // A record is complete only with its closing "end": the kill can cut the last one short
+        // (then that write never started), and the next child's first record follows it on the
+        // same line.
         for line in log[log_pos..].lines() {
             let f: Vec<&str> = line.split(' ').collect();
-            match f[0] {
-                "F" => model.flushed(),
-                "W" if f.len() == 4 => {
+            match f.as_slice() {
+                [.., "F", "end"] => model.flushed(),
+                [.., "W", stamp, first, count, "end"] => {
                     let (stamp, first, count): (u32, u64, u64) = (
-                        f[1].parse().unwrap(),
-                        f[2].parse().unwrap(),
-                        f[3].parse().unwrap(),
+                        stamp.parse().unwrap(),
+                        first.parse().unwrap(),
+                        count.parse().unwrap(),
                     );
                     model.write(first, count, stamp);
                     next_stamp = next_stamp.max(stamp + 1);
                 }
-                // The kill can cut the last line short; that write never started.
                 _ => {}
             }
         }

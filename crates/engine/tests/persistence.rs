@@ -136,10 +136,25 @@ fn a_missing_core_loads_inactive_keeps_its_dirty_data_and_comes_back() {
         cache.attach_core(3, wrong),
         Err(EngineError::CoreMismatch { .. })
     ));
-    cache.attach_core(3, core_vol.clone()).unwrap();
+    let moved = ram("core-moved", CORE_BYTES);
+    moved.write_at(&contents(&*core_vol), 0).unwrap();
+    cache.attach_core(3, moved.clone()).unwrap();
+    assert_eq!(
+        cache.superblock().unwrap().cores[0].path,
+        "core-moved",
+        "the new place is recorded"
+    );
     assert!(stamps(&cache, 3, 0, 64).iter().all(|s| *s == Some(5)));
     cache.stop(true).unwrap();
-    assert_eq!(decode(&contents(&*core_vol)[..512], 0), Some(5));
+    assert_eq!(decode(&contents(&*moved)[..512], 0), Some(5));
+    assert_eq!(
+        Cache::peek(&*cache_vol).unwrap().cores[0].path,
+        "core-moved"
+    );
+    assert!(matches!(
+        Cache::peek(&*ram("blank", CACHE_BYTES)),
+        Err(EngineError::NoCache(_))
+    ));
 }
 
 #[test]

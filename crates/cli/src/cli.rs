@@ -1,0 +1,481 @@
+//! The command line: long verbs (`start-cache`) and casadm's short flags (`-S`) for the same
+//! commands, so Open CAS habits work; `--control SOCKET` anywhere (or `HYBRIDCACHE_CONTROL`).
+//!
+//! Parsing only: each management command turns into one control [`Request`].
+
+use std::path::PathBuf;
+
+use clap::{ArgAction, Parser, Subcommand};
+use hybridcache_engine::{CacheMode, LineSize};
+
+use crate::format::OutputFormat;
+use crate::protocol::Request;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "hybridcache",
+    about = "User-space hybrid-storage block cache: daemon and casadm-style management",
+    disable_help_flag = true,
+    disable_version_flag = true,
+    disable_help_subcommand = true,
+    subcommand_required = true,
+    arg_required_else_help = true
+)]
+pub struct Cli {
+    /// Control socket of the daemon.
+    #[arg(
+        long,
+        global = true,
+        env = "HYBRIDCACHE_CONTROL",
+        value_name = "SOCKET"
+    )]
+    pub control: Option<PathBuf>,
+
+    /// Print help.
+    #[arg(short = 'H', long = "help", action = ArgAction::Help, global = true)]
+    help: Option<bool>,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+fn cache_id(s: &str) -> Result<u16, String> {
+    match s.parse::<u32>() {
+        Ok(n @ 1..=16384) => Ok(n as u16),
+        _ => Err(format!("'{s}' is not a cache id (1..=16384)")),
+    }
+}
+
+fn core_id(s: &str) -> Result<u16, String> {
+    match s.parse::<u32>() {
+        Ok(n @ 1..=4095) => Ok(n as u16),
+        _ => Err(format!("'{s}' is not a core id (1..=4095)")),
+    }
+}
+
+fn mode(s: &str) -> Result<CacheMode, String> {
+    s.parse()
+}
+
+fn line_size(s: &str) -> Result<u32, String> {
+    let kib: u32 = s
+        .parse()
+        .map_err(|_| format!("'{s}' is not a cache line size (4, 8, 16, 32 or 64 KiB)"))?;
+    LineSize::from_kib(kib).map(|l| l.kib())
+}
+
+fn yes_no(s: &str) -> Result<bool, String> {
+    match s {
+        "yes" => Ok(true),
+        "no" => Ok(false),
+        _ => Err(format!("'{s}': expected yes or no")),
+    }
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the daemon in the foreground.
+    Daemon {
+        /// Configuration file (TOML) applied at start.
+        #[arg(long, value_name = "FILE")]
+        config: Option<PathBuf>,
+        /// NBD Unix socket [default: /run/hybridcache/nbd.sock].
+        #[arg(long, value_name = "SOCKET")]
+        nbd_socket: Option<PathBuf>,
+        /// Also serve NBD over TCP: PORT (loopback) or ADDRESS:PORT.
+        #[arg(long, value_name = "ADDR:PORT")]
+        nbd_listen: Option<String>,
+        /// Requests in flight per NBD connection [default: 4].
+        #[arg(long, value_name = "N")]
+        nbd_workers: Option<usize>,
+        /// Write every setup change back to the --config file.
+        #[arg(long)]
+        save_config: bool,
+    },
+
+    /// Start a cache on a device.
+    #[command(short_flag = 'S', long_flag = "start-cache")]
+    StartCache {
+        /// Cache device: a path, file:PATH, ram:SIZE, null:SIZE or an NBD URI.
+        #[arg(short = 'd', long = "cache-device", value_name = "DEV")]
+        device: String,
+        /// Cache id [default: the lowest free].
+        #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
+        id: Option<u16>,
+        /// Cache mode [default: wt].
+        #[arg(short = 'c', long = "cache-mode", value_parser = mode, value_name = "wt|wb|wa|wi|wo|pt")]
+        mode: Option<CacheMode>,
+        /// Cache line size in KiB [default: 4].
+        #[arg(short = 'x', long = "cache-line-size", value_parser = line_size, value_name = "4|8|16|32|64")]
+        line_size: Option<u32>,
+        /// Start even if the device holds a cache (its metadata is overwritten).
+        #[arg(short = 'f', long)]
+        force: bool,
+        /// Load the cache the device holds (its id, mode, line size and cores).
+        #[arg(short = 'l', long)]
+        load: bool,
+    },
+
+    /// Stop a cache (flushing its dirty data first).
+    #[command(short_flag = 'T', long_flag = "stop-cache")]
+    StopCache {
+        #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
+        id: u16,
+        /// Keep dirty data on the cache device instead of flushing it.
+        #[arg(short = 'n', long)]
+        no_data_flush: bool,
+    },
+
+    /// Add a core device to a cache (exported as cas<cache>-<core>), or attach an inactive core again.
+    #[command(short_flag = 'A', long_flag = "add-core")]
+    AddCore {
+        #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
+        id: u16,
+        /// Core device: a path, file:PATH, ram:SIZE, null:SIZE or an NBD URI.
+        #[arg(short = 'd', long = "core-device", value_name = "DEV")]
+        device: String,
+        /// Core id [default: the lowest free].
+        #[arg(short = 'j', long = "core-id", value_parser = core_id)]
+        core: Option<u16>,
+    },
+
+    /// Remove a core from a cache.
+    #[command(short_flag = 'R', long_flag = "remove-core")]
+    RemoveCore {
+        #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
+        id: u16,
+        #[arg(short = 'j', long = "core-id", value_parser = core_id)]
+        core: u16,
+        /// Remove even with dirty data (which is lost).
+        #[arg(short = 'f', long)]
+        force: bool,
+    },
+
+    /// List caches and their cores.
+    #[command(short_flag = 'L', long_flag = "list-caches")]
+    ListCaches {
+        #[arg(
+            short = 'o',
+            long = "output-format",
+            value_enum,
+            default_value = "table"
+        )]
+        output: OutputFormat,
+    },
+
+    /// Print statistics of a cache or one core.
+    #[command(short_flag = 'P', long_flag = "stats")]
+    Stats {
+        #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
+        id: u16,
+        #[arg(short = 'j', long = "core-id", value_parser = core_id)]
+        core: Option<u16>,
+        #[arg(
+            short = 'o',
+            long = "output-format",
+            value_enum,
+            default_value = "table"
+        )]
+        output: OutputFormat,
+    },
+
+    /// Reset the statistics counters.
+    #[command(short_flag = 'Z', long_flag = "reset-counters")]
+    ResetCounters {
+        #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
+        id: u16,
+        #[arg(short = 'j', long = "core-id", value_parser = core_id)]
+        core: Option<u16>,
+    },
+
+    /// Switch the cache mode.
+    #[command(short_flag = 'Q', long_flag = "set-cache-mode")]
+    SetCacheMode {
+        #[arg(short = 'c', long = "cache-mode", value_parser = mode, value_name = "wt|wb|wa|wi|wo|pt")]
+        mode: CacheMode,
+        #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
+        id: u16,
+        /// When leaving wb/wo: yes flushes dirty data first, no lets cleaning drain it.
+        #[arg(short = 'f', long = "flush-cache", value_parser = yes_no, value_name = "yes|no")]
+        flush: Option<bool>,
+    },
+
+    /// Write dirty data of a cache (or one core) to the core(s).
+    #[command(short_flag = 'F', long_flag = "flush-cache")]
+    FlushCache {
+        #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
+        id: u16,
+        #[arg(short = 'j', long = "core-id", value_parser = core_id)]
+        core: Option<u16>,
+    },
+
+    /// Set a parameter (names: cache-mode; see get-param).
+    #[command(short_flag = 'X', long_flag = "set-param")]
+    SetParam {
+        #[arg(short = 'n', long = "name")]
+        name: String,
+        #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
+        id: u16,
+        #[arg(short = 'j', long = "core-id", value_parser = core_id)]
+        core: Option<u16>,
+        /// New value.
+        #[arg(short = 'v', long = "value")]
+        value: String,
+    },
+
+    /// Print a parameter (names: cache-mode, cache-line-size).
+    #[command(short_flag = 'G', long_flag = "get-param")]
+    GetParam {
+        #[arg(short = 'n', long = "name")]
+        name: String,
+        #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
+        id: u16,
+        #[arg(short = 'j', long = "core-id", value_parser = core_id)]
+        core: Option<u16>,
+        #[arg(
+            short = 'o',
+            long = "output-format",
+            value_enum,
+            default_value = "table"
+        )]
+        output: OutputFormat,
+    },
+
+    /// Print the version of this program and of the running daemon.
+    #[command(short_flag = 'V', long_flag = "version")]
+    Version,
+}
+
+impl Command {
+    /// The control request for a management command (None for `daemon` and `version`, which the
+    /// CLI handles itself).
+    pub fn request(&self) -> Option<Request> {
+        Some(match self {
+            Command::Daemon { .. } | Command::Version => return None,
+            Command::StartCache {
+                device,
+                id,
+                mode,
+                line_size,
+                force,
+                load,
+            } => Request::StartCache {
+                device: device.clone(),
+                id: *id,
+                mode: mode.map(|m| m.to_string()),
+                line_size_kib: *line_size,
+                force: *force,
+                load: *load,
+            },
+            Command::StopCache { id, no_data_flush } => Request::StopCache {
+                id: *id,
+                no_data_flush: *no_data_flush,
+            },
+            Command::AddCore { id, device, core } => Request::AddCore {
+                cache: *id,
+                device: device.clone(),
+                core: *core,
+            },
+            Command::RemoveCore { id, core, force } => Request::RemoveCore {
+                cache: *id,
+                core: *core,
+                force: *force,
+            },
+            Command::ListCaches { .. } => Request::List,
+            Command::Stats { id, core, .. } => Request::Stats {
+                cache: *id,
+                core: *core,
+            },
+            Command::ResetCounters { id, core } => Request::ResetCounters {
+                cache: *id,
+                core: *core,
+            },
+            Command::SetCacheMode { mode, id, flush } => Request::SetCacheMode {
+                cache: *id,
+                mode: mode.to_string(),
+                flush: flush.unwrap_or(false),
+            },
+            Command::FlushCache { id, core } => Request::Flush {
+                cache: *id,
+                core: *core,
+            },
+            Command::SetParam {
+                name,
+                id,
+                core,
+                value,
+            } => Request::SetParam {
+                cache: *id,
+                core: *core,
+                name: name.clone(),
+                value: value.clone(),
+            },
+            Command::GetParam { name, id, core, .. } => Request::GetParam {
+                cache: *id,
+                core: *core,
+                name: name.clone(),
+            },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::error::ErrorKind;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("hybridcache").chain(args.iter().copied()))
+    }
+
+    fn req(args: &[&str]) -> Request {
+        parse(args)
+            .unwrap_or_else(|e| panic!("{args:?}: {e}"))
+            .command
+            .request()
+            .expect("a management command")
+    }
+
+    #[test]
+    fn short_and_long_verbs_agree() {
+        let want = Request::StartCache {
+            device: "ram:1G".into(),
+            id: Some(3),
+            mode: Some("wb".into()),
+            line_size_kib: Some(16),
+            force: true,
+            load: false,
+        };
+        assert_eq!(
+            req(&["-S", "-d", "ram:1G", "-i", "3", "-c", "wb", "-x", "16", "--force"]),
+            want
+        );
+        assert_eq!(
+            req(&[
+                "--start-cache",
+                "--cache-device",
+                "ram:1G",
+                "--cache-id",
+                "3",
+                "--cache-mode",
+                "write-back",
+                "--cache-line-size",
+                "16",
+                "-f"
+            ]),
+            want
+        );
+        assert_eq!(
+            req(&["start-cache", "-d", "ram:1G", "-i3", "-cwb", "-x16", "-f"]),
+            want
+        );
+    }
+
+    #[test]
+    fn every_verb_maps_to_its_request() {
+        assert_eq!(
+            req(&["-T", "-i", "1", "-n"]),
+            Request::StopCache {
+                id: 1,
+                no_data_flush: true
+            }
+        );
+        assert_eq!(
+            req(&["-A", "-i", "1", "-d", "/dev/sdb", "-j", "2"]),
+            Request::AddCore {
+                cache: 1,
+                device: "/dev/sdb".into(),
+                core: Some(2)
+            }
+        );
+        assert_eq!(
+            req(&["-R", "-i", "1", "-j", "2", "--force"]),
+            Request::RemoveCore {
+                cache: 1,
+                core: 2,
+                force: true
+            }
+        );
+        assert_eq!(req(&["-L"]), Request::List);
+        assert_eq!(
+            req(&["-P", "-i", "1", "-j", "1", "-o", "json"]),
+            Request::Stats {
+                cache: 1,
+                core: Some(1)
+            }
+        );
+        assert_eq!(
+            req(&["-Z", "-i", "1"]),
+            Request::ResetCounters {
+                cache: 1,
+                core: None
+            }
+        );
+        assert_eq!(
+            req(&["-Q", "-c", "pt", "-i", "1", "-f", "yes"]),
+            Request::SetCacheMode {
+                cache: 1,
+                mode: "pt".into(),
+                flush: true
+            }
+        );
+        assert_eq!(
+            req(&["-F", "-i", "1", "-j", "4"]),
+            Request::Flush {
+                cache: 1,
+                core: Some(4)
+            }
+        );
+        assert_eq!(
+            req(&["-X", "-n", "cache-mode", "-i", "1", "-v", "wa"]),
+            Request::SetParam {
+                cache: 1,
+                core: None,
+                name: "cache-mode".into(),
+                value: "wa".into()
+            }
+        );
+        assert_eq!(
+            req(&["-G", "-n", "cache-line-size", "-i", "1"]),
+            Request::GetParam {
+                cache: 1,
+                core: None,
+                name: "cache-line-size".into()
+            }
+        );
+        assert!(parse(&["-V"]).unwrap().command.request().is_none());
+    }
+
+    #[test]
+    fn control_socket_before_or_after_the_verb() {
+        let a = parse(&["--control", "/x.sock", "-L"]).unwrap();
+        let b = parse(&["-L", "--control", "/x.sock"]).unwrap();
+        assert_eq!(a.control, Some(PathBuf::from("/x.sock")));
+        assert_eq!(b.control, a.control);
+    }
+
+    #[test]
+    fn bad_arguments_are_refused_clearly() {
+        let msg = |args: &[&str]| parse(args).unwrap_err().to_string();
+        assert!(msg(&["-S", "-d", "x", "-c", "fast"]).contains("unknown cache mode 'fast'"));
+        assert!(msg(&["-S", "-d", "x", "-x", "12"]).contains("not supported"));
+        assert!(msg(&["-S", "-d", "x", "-i", "0"]).contains("not a cache id"));
+        assert!(msg(&["-S", "-d", "x", "-i", "99999"]).contains("not a cache id"));
+        assert!(msg(&["-A", "-i", "1", "-d", "x", "-j", "4096"]).contains("not a core id"));
+        assert!(msg(&["-Q", "-c", "wt", "-i", "1", "-f", "maybe"]).contains("expected yes or no"));
+        assert!(msg(&["-P", "-i", "1", "-o", "xml"]).contains("xml"));
+        assert_eq!(
+            parse(&["-S"]).unwrap_err().kind(),
+            ErrorKind::MissingRequiredArgument
+        );
+        assert_eq!(
+            parse(&["-T", "-i", "1", "--bogus"]).unwrap_err().kind(),
+            ErrorKind::UnknownArgument
+        );
+        assert_eq!(parse(&["-H"]).unwrap_err().kind(), ErrorKind::DisplayHelp);
+        assert_eq!(
+            parse(&["--frobnicate"]).unwrap_err().kind(),
+            ErrorKind::UnknownArgument
+        );
+    }
+}

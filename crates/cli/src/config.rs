@@ -1,0 +1,167 @@
+//! The daemon's configuration file (TOML): daemon options, caches, cores and their parameters.
+//!
+//! ```toml
+//! [daemon]
+//! control = "/run/hybridcache/control.sock"
+//! nbd_socket = "/run/hybridcache/nbd.sock"
+//! nbd_listen = "127.0.0.1:10809"   # optional; TCP is off without it
+//! nbd_workers = 4                  # requests in flight per NBD connection
+//! save_config = true               # write setup changes back to this file
+//!
+//! [[cache]]
+//! id = 1
+//! device = "/dev/nvme0n1p1"
+//! line_size = 4                    # KiB
+//! mode = "wb"
+//! [cache.params]                   # any settable parameter by name (see get-param)
+//!
+//! [[core]]
+//! cache = 1
+//! id = 1
+//! device = "/dev/sdb"
+//! ```
+//!
+//! Unknown keys are errors, so a typo never silently changes nothing. Saving writes a new file
+//! next to the old one and renames it over, so a crash leaves either the old or the new file.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigFile {
+    #[serde(default)]
+    pub daemon: DaemonSection,
+    #[serde(default, rename = "cache", skip_serializing_if = "Vec::is_empty")]
+    pub caches: Vec<CacheSection>,
+    #[serde(default, rename = "core", skip_serializing_if = "Vec::is_empty")]
+    pub cores: Vec<CoreSection>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DaemonSection {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub control: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbd_socket: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbd_listen: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbd_workers: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub save_config: Option<bool>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CacheSection {
+    pub id: u16,
+    pub device: String,
+    /// Cache line size in KiB (4, 8, 16, 32, 64); default 4.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub line_size: Option<u32>,
+    /// Cache mode; default wt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+    /// Further parameters by their `get-param` names, applied after the cache starts.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub params: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CoreSection {
+    pub cache: u16,
+    pub id: u16,
+    pub device: String,
+}
+
+impl ConfigFile {
+    pub fn load(path: &Path) -> Result<ConfigFile> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read configuration file {}", path.display()))?;
+        Self::parse(&text).with_context(|| format!("configuration file {}", path.display()))
+    }
+
+    pub fn parse(text: &str) -> Result<ConfigFile> {
+        // toml's messages span several lines (a source excerpt); the first says what is wrong.
+        toml::from_str(text).map_err(|e| {
+            let msg = e.to_string();
+            let first = msg.lines().next().unwrap_or("").trim();
+            match e.span() {
+                Some(span) => {
+                    let line = text[..span.start.min(text.len())].matches('\n').count() + 1;
+                    anyhow::anyhow!("line {line}: {}", e.message().trim())
+                }
+                None => anyhow::anyhow!("{first}"),
+            }
+        })
+    }
+
+    pub fn to_toml(&self) -> Result<String> {
+        Ok(toml::to_string_pretty(self)?)
+    }
+
+    /// Write atomically: a temporary file in the same directory, fsync, rename.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        use std::io::Write;
+        let text = format!(
+            "# Written by hybridcache; edits are kept only while the daemon is stopped.\n{}",
+            self.to_toml()?
+        );
+        let tmp = path.with_extension("toml.tmp");
+        let mut f = std::fs::File::create(&tmp)
+            .with_context(|| format!("cannot write {}", tmp.display()))?;
+        f.write_all(text.as_bytes())?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+            .with_context(|| format!("cannot replace {}", path.display()))?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_documented_example() {
+        let text = r#"
+[daemon]
+control = "/tmp/c.sock"
+nbd_listen = "127.0.0.1:10809"
+save_config = true
+
+[[cache]]
+id = 1
+device = "ram:64M"
+line_size = 8
+mode = "wb"
+
+[[core]]
+cache = 1
+id = 1
+device = "null:1G"
+"#;
+        let c = ConfigFile::parse(text).unwrap();
+        assert_eq!(c.caches.len(), 1);
+        assert_eq!(c.caches[0].line_size, Some(8));
+        assert_eq!(c.cores[0].device, "null:1G");
+        assert_eq!(c.daemon.save_config, Some(true));
+        let again = ConfigFile::parse(&c.to_toml().unwrap()).unwrap();
+        assert_eq!(again, c);
+    }
+
+    #[test]
+    fn unknown_keys_are_errors_with_a_line() {
+        let e = ConfigFile::parse("[[cache]]\nid = 1\ndevice = \"x\"\nmdoe = \"wb\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("line 4") && e.contains("mdoe"), "{e}");
+        assert!(!e.contains('\n'));
+    }
+}

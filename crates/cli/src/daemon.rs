@@ -1,0 +1,1084 @@
+//! The daemon: owns every cache, serves the exported volumes over NBD, and answers management
+//! requests on the control socket until SIGTERM/SIGINT.
+//!
+//! Threads: the main thread sets everything up and then waits for a signal (`sigwait`; the
+//! signals are blocked in every thread, so no handler runs in an arbitrary context); the control
+//! socket has an accept thread plus one thread per client connection; the NBD server has its own.
+//! Management requests that change the setup run one at a time under the state lock; long
+//! operations that only use a cache (flush, mode switch with flush) take a handle and release the
+//! lock, so statistics stay readable meanwhile.
+//!
+//! Every request validates everything it can before changing anything, so an error leaves the
+//! setup as it was.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use anyhow::{anyhow, bail, Context, Result};
+use hybridcache_engine::{
+    Cache, CacheConfig, CacheMode, CoreRecord, CoreStatus, EngineError, LineSize,
+};
+use hybridcache_nbd::{ExportRegistry, Server, ServerConfig};
+use parking_lot::Mutex;
+use serde_json::{json, Value};
+
+use crate::config::{CacheSection, ConfigFile, CoreSection, DaemonSection};
+use crate::devices::{device_key, open_device, DeviceKey};
+use crate::export::CoreExport;
+use crate::params;
+use crate::protocol::{self, CacheInfo, CoreInfo, Request, Response, StatsReport};
+use hybridcache_volume::VolumeRef;
+
+pub const DEFAULT_CONTROL: &str = "/run/hybridcache/control.sock";
+pub const DEFAULT_NBD_SOCKET: &str = "/run/hybridcache/nbd.sock";
+const MAX_CACHE_ID: u16 = 16384;
+/// A control request line longer than this is refused (a request is a few hundred bytes).
+const MAX_LINE: usize = 64 << 10;
+
+/// Daemon options from the command line; each overrides the configuration file's `[daemon]`.
+#[derive(Debug, Clone, Default)]
+pub struct DaemonOptions {
+    pub config: Option<PathBuf>,
+    pub control: Option<PathBuf>,
+    pub nbd_socket: Option<PathBuf>,
+    pub nbd_listen: Option<String>,
+    pub nbd_workers: Option<usize>,
+    pub save_config: bool,
+}
+
+struct CoreEntry {
+    device: String,
+    /// None for an inactive core (its device was missing at load) and for ram:/null: devices.
+    key: Option<DeviceKey>,
+    /// False while the core is inactive: no export, its dirty data waits on the cache device.
+    active: bool,
+}
+
+/// How `start-cache` gets its cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Start {
+    /// A new cache; `force` overwrites a cache the device holds.
+    Create { force: bool },
+    /// The cache the device holds (`--load`).
+    Load,
+    /// The configuration file: load the cache the device holds, create one otherwise.
+    LoadOrCreate,
+}
+
+/// Give up a cache just loaded: stop it keeping its dirty data, so it loads again later.
+fn abandon(cache: &Cache) {
+    if let Err(e) = cache.stop(false) {
+        eprintln!(
+            "hybridcache: warning: releasing cache {} again failed: {}",
+            cache.id(),
+            engine_err(e)
+        );
+    }
+}
+
+struct CacheEntry {
+    cache: Cache,
+    device: String,
+    key: Option<DeviceKey>,
+    cores: BTreeMap<u16, CoreEntry>,
+}
+
+#[derive(Default)]
+struct State {
+    caches: BTreeMap<u16, CacheEntry>,
+}
+
+struct Daemon {
+    state: Mutex<State>,
+    registry: ExportRegistry,
+    /// Where to save the setup after each change, and the `[daemon]` section to keep in it.
+    save_to: Option<(PathBuf, DaemonSection)>,
+    stopping: AtomicBool,
+}
+
+type Reply = std::result::Result<Value, String>;
+
+fn engine_err(e: EngineError) -> String {
+    match e {
+        EngineError::Volume(v) => crate::devices::volume_error_text(&v),
+        other => other.to_string(),
+    }
+}
+
+impl State {
+    fn cache(&self, id: u16) -> std::result::Result<&CacheEntry, String> {
+        self.caches
+            .get(&id)
+            .ok_or_else(|| format!("cache {id} does not exist"))
+    }
+
+    fn core(&self, cache: u16, core: u16) -> std::result::Result<&CoreEntry, String> {
+        self.cache(cache)?
+            .cores
+            .get(&core)
+            .ok_or_else(|| format!("core {core} does not exist in cache {cache}"))
+    }
+
+    /// A core that is attached; an inactive one is refused with how to bring it back.
+    fn active_core(&self, cache: u16, core: u16) -> std::result::Result<&CoreEntry, String> {
+        let entry = self.core(cache, core)?;
+        if !entry.active {
+            return Err(inactive_text(cache, core, &entry.device));
+        }
+        Ok(entry)
+    }
+
+    /// Who already uses the device with this identity, if anyone.
+    fn user_of(&self, key: &DeviceKey) -> Option<String> {
+        for (id, c) in &self.caches {
+            if c.key.as_ref() == Some(key) {
+                return Some(format!("the cache device of cache {id}"));
+            }
+            for (core_id, core) in &c.cores {
+                if core.key.as_ref() == Some(key) {
+                    return Some(format!("core {core_id} of cache {id}"));
+                }
+            }
+        }
+        None
+    }
+
+    fn check_free(&self, spec: &str) -> std::result::Result<Option<DeviceKey>, String> {
+        let key = device_key(spec);
+        if let Some(k) = &key {
+            if let Some(user) = self.user_of(k) {
+                return Err(format!("device {spec} is already in use as {user}"));
+            }
+        }
+        Ok(key)
+    }
+
+    fn to_config(&self, daemon: &DaemonSection) -> ConfigFile {
+        let mut cfg = ConfigFile {
+            daemon: daemon.clone(),
+            ..ConfigFile::default()
+        };
+        for (id, c) in &self.caches {
+            let params = params::PARAMS
+                .iter()
+                .filter(|p| p.in_config && p.set.is_some())
+                .map(|p| (p.name.to_string(), (p.get)(&c.cache)))
+                .collect();
+            cfg.caches.push(CacheSection {
+                id: *id,
+                device: c.device.clone(),
+                line_size: Some(c.cache.line_size().kib()),
+                mode: Some(c.cache.mode().to_string()),
+                params,
+            });
+            for (core_id, core) in &c.cores {
+                cfg.cores.push(CoreSection {
+                    cache: *id,
+                    id: *core_id,
+                    device: core.device.clone(),
+                });
+            }
+        }
+        cfg
+    }
+}
+
+fn cache_info(id: u16, c: &CacheEntry) -> CacheInfo {
+    let sizes: BTreeMap<u16, u64> = c.cache.cores().iter().map(|i| (i.id, i.size)).collect();
+    // As Open CAS: a cache with a core missing is "Incomplete".
+    let status = if c.cores.values().all(|core| core.active) {
+        "Running"
+    } else {
+        "Incomplete"
+    };
+    CacheInfo {
+        id,
+        device: c.device.clone(),
+        status: status.into(),
+        mode: c.cache.mode().to_string(),
+        line_size_kib: c.cache.line_size().kib(),
+        lines: c.cache.line_count(),
+        cores: c
+            .cores
+            .iter()
+            .map(|(core_id, core)| core_info(id, *core_id, core, sizes.get(core_id).copied()))
+            .collect(),
+    }
+}
+
+fn core_info(cache: u16, id: u16, core: &CoreEntry, size: Option<u64>) -> CoreInfo {
+    CoreInfo {
+        id,
+        device: core.device.clone(),
+        size: size.unwrap_or(0),
+        status: if core.active { "Active" } else { "Inactive" }.into(),
+        export: export_name(cache, id),
+    }
+}
+
+fn inactive_text(cache: u16, core: u16, device: &str) -> String {
+    format!(
+        "core {core} of cache {cache} is inactive (its device {device} was missing when the cache was loaded); attach it again with add-core -i {cache} -j {core} -d DEVICE"
+    )
+}
+
+fn export_name(cache: u16, core: u16) -> String {
+    format!("cas{cache}-{core}")
+}
+
+impl Daemon {
+    fn handle(&self, req: Request) -> Reply {
+        if self.stopping.load(Ordering::SeqCst) {
+            return Err("the daemon is shutting down".into());
+        }
+        match req {
+            Request::StartCache {
+                device,
+                id,
+                mode,
+                line_size_kib,
+                force,
+                load,
+            } => {
+                if load && force {
+                    return Err("--load and --force contradict each other: --force overwrites the cache that --load would load".into());
+                }
+                let how = if load {
+                    Start::Load
+                } else {
+                    Start::Create { force }
+                };
+                self.start_cache(&device, id, mode.as_deref(), line_size_kib, how)
+            }
+            Request::StopCache { id, no_data_flush } => self.stop_cache(id, no_data_flush),
+            Request::AddCore {
+                cache,
+                device,
+                core,
+            } => self.add_core(cache, &device, core),
+            Request::RemoveCore { cache, core, force } => self.remove_core(cache, core, force),
+            Request::List => {
+                let st = self.state.lock();
+                let caches: Vec<CacheInfo> =
+                    st.caches.iter().map(|(id, c)| cache_info(*id, c)).collect();
+                Ok(json!({ "caches": caches }))
+            }
+            Request::Stats { cache, core } => self.stats(cache, core),
+            Request::ResetCounters { cache, core } => {
+                let st = self.state.lock();
+                let c = st.cache(cache)?;
+                match core {
+                    Some(core) => {
+                        st.active_core(cache, core)?;
+                        c.cache.reset_core_stats(core).map_err(engine_err)?;
+                    }
+                    None => c.cache.reset_stats(),
+                }
+                Ok(json!({}))
+            }
+            Request::SetCacheMode { cache, mode, flush } => {
+                let mode: CacheMode = mode.parse()?;
+                let handle = self.state.lock().cache(cache)?.cache.clone();
+                handle.set_mode(mode, flush).map_err(engine_err)?;
+                self.save();
+                Ok(json!({}))
+            }
+            Request::Flush { cache, core } => {
+                let handle = {
+                    let st = self.state.lock();
+                    let c = st.cache(cache)?;
+                    if let Some(core) = core {
+                        st.active_core(cache, core)?;
+                    }
+                    c.cache.clone()
+                };
+                match core {
+                    Some(core) => handle.flush_core(core),
+                    None => handle.flush(),
+                }
+                .map_err(engine_err)?;
+                Ok(json!({}))
+            }
+            Request::SetParam {
+                cache,
+                core,
+                name,
+                value,
+            } => {
+                let p = params::find(&name)?;
+                let set = p
+                    .set
+                    .ok_or_else(|| format!("parameter '{name}' is read-only"))?;
+                let handle = self.checked(cache, core)?;
+                set(&handle, &value)?;
+                self.save();
+                Ok(json!({}))
+            }
+            Request::GetParam { cache, core, name } => {
+                let p = params::find(&name)?;
+                let handle = self.checked(cache, core)?;
+                Ok(serde_json::to_value(protocol::ParamValue {
+                    name: p.name.into(),
+                    value: (p.get)(&handle),
+                    read_only: p.set.is_none(),
+                })
+                .map_err(|e| e.to_string())?)
+            }
+            Request::Version => Ok(json!({ "version": env!("CARGO_PKG_VERSION") })),
+            Request::Shutdown => {
+                // The main thread's sigwait takes it from here, as for an operator's SIGTERM.
+                // SAFETY: kill(2) on our own pid with a valid signal number.
+                unsafe { libc::kill(libc::getpid(), libc::SIGTERM) };
+                Ok(json!({}))
+            }
+        }
+    }
+
+    /// A handle to cache `cache` after checking that `core` (if given) exists in it.
+    fn checked(&self, cache: u16, core: Option<u16>) -> std::result::Result<Cache, String> {
+        let st = self.state.lock();
+        let c = st.cache(cache)?;
+        if let Some(core) = core {
+            st.core(cache, core)?;
+        }
+        Ok(c.cache.clone())
+    }
+
+    fn start_cache(
+        &self,
+        device: &str,
+        id: Option<u16>,
+        mode: Option<&str>,
+        line_kib: Option<u32>,
+        how: Start,
+    ) -> Reply {
+        let mut st = self.state.lock();
+        if let Some(id) = id {
+            if id == 0 || id > MAX_CACHE_ID {
+                return Err(format!(
+                    "cache id {id} is out of range (1..={MAX_CACHE_ID})"
+                ));
+            }
+            if st.caches.contains_key(&id) {
+                return Err(format!("cache {id} already exists"));
+            }
+        }
+        // ram: and null: devices start empty every time: their metadata stays in RAM.
+        let volatile = device.starts_with("ram:") || device.starts_with("null:");
+        if how == Start::Load {
+            if mode.is_some() || line_kib.is_some() {
+                return Err("--load takes the cache mode and line size recorded on the device; omit -c and -x (switch the mode afterwards with set-cache-mode)".into());
+            }
+            if volatile {
+                return Err(format!(
+                    "{device} cannot hold a cache to load: ram: and null: devices start empty"
+                ));
+            }
+            let key = st.check_free(device)?;
+            let volume = open_device(device)?;
+            return self.load_locked(&mut st, device, key, id, volume);
+        }
+        let mode: CacheMode = mode.unwrap_or("wt").parse()?;
+        let line_size = LineSize::from_kib(line_kib.unwrap_or(4))?;
+        let id = match id {
+            Some(id) => id,
+            None => (1..=MAX_CACHE_ID)
+                .find(|i| !st.caches.contains_key(i))
+                .ok_or("every cache id is in use")?,
+        };
+        let key = st.check_free(device)?;
+        let volume = open_device(device)?;
+        let config = CacheConfig {
+            id,
+            line_size,
+            mode,
+        };
+        let created = if volatile {
+            Cache::new(volume, config)
+        } else {
+            let force = matches!(how, Start::Create { force: true });
+            match Cache::create(volume.clone(), config, force) {
+                Err(EngineError::ExistingCache { .. }) if how == Start::LoadOrCreate => {
+                    return self.load_locked(&mut st, device, key, Some(id), volume);
+                }
+                other => other,
+            }
+        };
+        let cache = created.map_err(|e| format!("{device}: {}", engine_err(e)))?;
+        let persistent = cache.persistent();
+        st.caches.insert(
+            id,
+            CacheEntry {
+                cache,
+                device: device.to_string(),
+                key,
+                cores: BTreeMap::new(),
+            },
+        );
+        self.save_locked(&st);
+        eprintln!(
+            "hybridcache: started {} cache {id} on {device} ({mode}, {} KiB lines)",
+            if persistent { "persistent" } else { "volatile" },
+            line_size.kib()
+        );
+        serde_json::to_value(protocol::Started {
+            id,
+            loaded: false,
+            inactive: Vec::new(),
+        })
+        .map_err(|e| e.to_string())
+    }
+
+    /// Load the cache `volume` holds (the device named `device`, not in use elsewhere), reopen
+    /// its cores from their recorded devices (missing ones stay inactive) and export them.
+    fn load_locked(
+        &self,
+        st: &mut State,
+        device: &str,
+        key: Option<DeviceKey>,
+        want_id: Option<u16>,
+        volume: VolumeRef,
+    ) -> Reply {
+        let mut notes = Vec::new();
+        let mut in_use: Option<String> = None;
+        let loaded = {
+            let st: &State = st;
+            let mut open_core = |rec: &CoreRecord| -> Option<VolumeRef> {
+                if let Some(user) = device_key(&rec.path).and_then(|k| st.user_of(&k)) {
+                    in_use.get_or_insert(format!(
+                        "core {} of the cache on {device} ({}) is already in use as {user}",
+                        rec.id, rec.path
+                    ));
+                    return None;
+                }
+                match open_device(&rec.path) {
+                    Ok(v) => Some(v),
+                    Err(e) => {
+                        notes.push(format!(
+                            "core {} is inactive: its device cannot be opened ({e})",
+                            rec.id
+                        ));
+                        None
+                    }
+                }
+            };
+            Cache::load(volume, &mut open_core)
+        };
+        let cache =
+            loaded.map_err(|e| format!("cannot load the cache on {device}: {}", engine_err(e)))?;
+        let id = cache.id();
+        let problem = if let Some(p) = in_use {
+            Some(p)
+        } else if want_id.is_some_and(|w| w != id) {
+            Some(format!(
+                "{device} holds cache {id}, not cache {}",
+                want_id.unwrap_or(0)
+            ))
+        } else if st.caches.contains_key(&id) {
+            Some(format!(
+                "{device} holds cache {id}, but cache {id} already exists; stop it first"
+            ))
+        } else {
+            None
+        };
+        if let Some(p) = problem {
+            abandon(&cache);
+            return Err(p);
+        }
+        let line = cache.line_size().bytes();
+        let mut cores = BTreeMap::new();
+        let mut exported: Vec<String> = Vec::new();
+        let mut inactive = Vec::new();
+        for info in cache.cores() {
+            let active = info.status == CoreStatus::Active;
+            if active {
+                let name = export_name(id, info.id);
+                let description = format!("core {} ({}) of cache {id}", info.id, info.name);
+                let added = cache.core(info.id).map_err(engine_err).and_then(|core| {
+                    self.registry
+                        .add_with_description(
+                            &name,
+                            &description,
+                            Arc::new(CoreExport::new(core, line)),
+                        )
+                        .map_err(|e| e.to_string())
+                });
+                if let Err(e) = added {
+                    for n in &exported {
+                        self.registry.remove(n);
+                    }
+                    abandon(&cache);
+                    return Err(format!("cannot export {name}: {e}"));
+                }
+                exported.push(name);
+            } else {
+                inactive.push(info.id);
+            }
+            cores.insert(
+                info.id,
+                CoreEntry {
+                    key: if active { device_key(&info.name) } else { None },
+                    device: info.name,
+                    active,
+                },
+            );
+        }
+        let mode = cache.mode();
+        let line_kib = cache.line_size().kib();
+        let count = cores.len();
+        st.caches.insert(
+            id,
+            CacheEntry {
+                cache,
+                device: device.to_string(),
+                key,
+                cores,
+            },
+        );
+        self.save_locked(st);
+        eprintln!(
+            "hybridcache: loaded cache {id} from {device} ({mode}, {line_kib} KiB lines, {count} cores, {} inactive)",
+            inactive.len()
+        );
+        for n in notes {
+            eprintln!("hybridcache: cache {id}: {n}");
+        }
+        serde_json::to_value(protocol::Started {
+            id,
+            loaded: true,
+            inactive,
+        })
+        .map_err(|e| e.to_string())
+    }
+
+    fn stop_cache(&self, id: u16, no_data_flush: bool) -> Reply {
+        let mut st = self.state.lock();
+        let entry = st.cache(id)?;
+        let cache = entry.cache.clone();
+        let device = entry.device.clone();
+        if no_data_flush && !cache.persistent() && cache.stats().usage.dirty_lines != 0 {
+            return Err(format!(
+                "cache {id} on {device} keeps its metadata in RAM only, so its dirty data cannot outlive a stop; stop it without --no-data-flush"
+            ));
+        }
+        // New connections must not reach a cache that is going away; established ones get
+        // errors once the engine stops it.
+        let removed: Vec<_> = entry
+            .cores
+            .iter()
+            .filter(|(_, c)| c.active)
+            .filter_map(|(c, _)| {
+                let name = export_name(id, *c);
+                self.registry.remove(&name).map(|e| (name, e))
+            })
+            .collect();
+        if !no_data_flush {
+            // Flush first while the cache still serves: a failure here changes nothing.
+            if let Err(e) = cache.flush() {
+                for (name, export) in &removed {
+                    let _ = self.registry.replace(name, "", export.clone());
+                }
+                return Err(format!(
+                    "cache {id} was not stopped: flushing failed: {}",
+                    engine_err(e)
+                ));
+            }
+        }
+        let stopped = cache.stop(!no_data_flush);
+        // From here on the engine refuses requests: the cache is gone either way.
+        st.caches.remove(&id);
+        self.save_locked(&st);
+        match stopped {
+            Ok(()) => {
+                let dirty = cache.stats().usage.dirty_lines;
+                eprintln!(
+                    "hybridcache: stopped cache {id}{}",
+                    if dirty > 0 {
+                        format!(" ({dirty} dirty lines kept on {device})")
+                    } else {
+                        String::new()
+                    }
+                );
+                Ok(json!({}))
+            }
+            Err(e) => {
+                let e = engine_err(e);
+                eprintln!("hybridcache: cache {id}: stopping failed: {e}");
+                if !no_data_flush && cache.persistent() && cache.stop(false).is_ok() {
+                    Err(format!("cache {id} was stopped without flushing all dirty data ({e}); the dirty data is kept on {device}: load it with start-cache --load"))
+                } else if cache.persistent() {
+                    Err(format!("cache {id} was stopped, but writing its metadata failed ({e}); the next start-cache --load recovers it as after a crash"))
+                } else {
+                    Err(format!("cache {id} was stopped with an error: {e}"))
+                }
+            }
+        }
+    }
+
+    fn add_core(&self, cache_id: u16, device: &str, core: Option<u16>) -> Reply {
+        let mut st = self.state.lock();
+        let c = st.cache(cache_id)?;
+        // An inactive core comes back by its id, or by the device it was recorded with.
+        let reattach = match core {
+            Some(j) => match c.cores.get(&j) {
+                Some(e) if !e.active => Some(j),
+                Some(_) => return Err(format!("core {j} already exists in cache {cache_id}")),
+                None => None,
+            },
+            None => c
+                .cores
+                .iter()
+                .find(|(_, e)| !e.active && e.device == device)
+                .map(|(j, _)| *j),
+        };
+        let key = st.check_free(device)?;
+        let volume = open_device(device)?;
+        let c = st.cache(cache_id)?;
+        let line = c.cache.line_size().bytes();
+        let core_id = match reattach {
+            Some(j) => {
+                c.cache
+                    .attach_core(j, volume)
+                    .map_err(|e| format!("cache {cache_id}: {}", engine_err(e)))?;
+                j
+            }
+            None => c.cache.add_core(volume, core).map_err(engine_err)?,
+        };
+        let name = export_name(cache_id, core_id);
+        let description = format!("core {core_id} ({device}) of cache {cache_id}");
+        let exported = c.cache.core(core_id).map_err(engine_err).and_then(|core| {
+            self.registry
+                .add_with_description(&name, &description, Arc::new(CoreExport::new(core, line)))
+                .map_err(|e| format!("cannot export {name}: {e}"))
+        });
+        if let Err(e) = &exported {
+            if reattach.is_none() {
+                // Undo, so a failure changes nothing.
+                let _ = c.cache.remove_core(core_id, true);
+                return Err(e.clone());
+            }
+            // An attached core cannot be detached again without losing its dirty data: keep
+            // it attached (flush or remove it to get rid of it) and say what failed.
+            eprintln!("hybridcache: cache {cache_id}: core {core_id} attached but {e}");
+        }
+        if let Some(c) = st.caches.get_mut(&cache_id) {
+            c.cores.insert(
+                core_id,
+                CoreEntry {
+                    device: device.to_string(),
+                    key,
+                    active: true,
+                },
+            );
+        }
+        self.save_locked(&st);
+        exported?;
+        eprintln!(
+            "hybridcache: cache {cache_id}: {} core {core_id} ({device}) as {name}",
+            if reattach.is_some() {
+                "attached again"
+            } else {
+                "added"
+            }
+        );
+        serde_json::to_value(protocol::CoreAdded {
+            cache: cache_id,
+            core: core_id,
+            export: name,
+            reattached: reattach.is_some(),
+        })
+        .map_err(|e| e.to_string())
+    }
+
+    fn remove_core(&self, cache_id: u16, core: u16, force: bool) -> Reply {
+        let mut st = self.state.lock();
+        let c = st.cache(cache_id)?;
+        if !c.cores.contains_key(&core) {
+            return Err(format!("core {core} does not exist in cache {cache_id}"));
+        }
+        c.cache
+            .remove_core(core, force)
+            .map_err(|e| format!("cache {cache_id}: {}", engine_err(e)))?;
+        self.registry.remove(&export_name(cache_id, core));
+        if let Some(c) = st.caches.get_mut(&cache_id) {
+            c.cores.remove(&core);
+        }
+        self.save_locked(&st);
+        eprintln!("hybridcache: cache {cache_id}: removed core {core}");
+        Ok(json!({}))
+    }
+
+    fn stats(&self, cache_id: u16, core: Option<u16>) -> Reply {
+        let st = self.state.lock();
+        let c = st.cache(cache_id)?;
+        let info = cache_info(cache_id, c);
+        let (core_info, stats) = match core {
+            Some(core) => {
+                let ci = info
+                    .cores
+                    .iter()
+                    .find(|i| i.id == core)
+                    .cloned()
+                    .ok_or_else(|| format!("core {core} does not exist in cache {cache_id}"))?;
+                st.active_core(cache_id, core)?;
+                (Some(ci), c.cache.core_stats(core).map_err(engine_err)?)
+            }
+            None => (None, c.cache.stats()),
+        };
+        serde_json::to_value(StatsReport {
+            cache: info,
+            core: core_info,
+            stats: stats.into(),
+        })
+        .map_err(|e| e.to_string())
+    }
+
+    fn save(&self) {
+        let st = self.state.lock();
+        self.save_locked(&st);
+    }
+
+    fn save_locked(&self, st: &State) {
+        if let Some((path, daemon)) = &self.save_to {
+            if let Err(e) = st.to_config(daemon).save(path) {
+                eprintln!("hybridcache: warning: saving the configuration failed: {e:#}");
+            }
+        }
+    }
+
+    /// Apply a configuration file's caches and cores, in file order. A cache whose device
+    /// already holds a cache is loaded (its recorded mode, line size and cores win); otherwise a
+    /// new one is created. A core the loaded cache already has is left as loaded, except that an
+    /// inactive one is attached from the file's device when that differs from the recorded one.
+    fn apply(&self, cfg: &ConfigFile) -> Result<()> {
+        for c in &cfg.caches {
+            self.start_cache(
+                &c.device,
+                Some(c.id),
+                c.mode.as_deref(),
+                c.line_size,
+                Start::LoadOrCreate,
+            )
+            .map_err(|e| anyhow!("cache {}: {e}", c.id))?;
+            for (name, value) in &c.params {
+                self.handle(Request::SetParam {
+                    cache: c.id,
+                    core: None,
+                    name: name.clone(),
+                    value: value.clone(),
+                })
+                .map_err(|e| anyhow!("cache {}: parameter {name}: {e}", c.id))?;
+            }
+        }
+        for core in &cfg.cores {
+            let known = {
+                let st = self.state.lock();
+                st.core(core.cache, core.id)
+                    .ok()
+                    .map(|e| e.active || e.device == core.device)
+            };
+            if known == Some(true) {
+                continue;
+            }
+            if let Err(e) = self.add_core(core.cache, &core.device, Some(core.id)) {
+                if known.is_some() {
+                    // An inactive core stays inactive; the daemon serves the rest.
+                    eprintln!(
+                        "hybridcache: core {} of cache {} stays inactive: {e}",
+                        core.id, core.cache
+                    );
+                    continue;
+                }
+                return Err(anyhow!("core {} of cache {}: {e}", core.id, core.cache));
+            }
+        }
+        Ok(())
+    }
+
+    /// Stop every cache, flushing its dirty data; returns false if some dirty data could not be
+    /// written (it is then kept on the cache device where the cache is persistent).
+    fn shutdown(&self) -> bool {
+        self.stopping.store(true, Ordering::SeqCst);
+        let mut st = self.state.lock();
+        let mut clean = true;
+        for (id, c) in &st.caches {
+            if let Err(e) = c.cache.stop(true) {
+                eprintln!(
+                    "hybridcache: cache {id}: stopping with a flush failed: {}",
+                    engine_err(e)
+                );
+                clean = false;
+                if c.cache.persistent() {
+                    match c.cache.stop(false) {
+                        Ok(()) => eprintln!(
+                            "hybridcache: cache {id}: its dirty data is kept on {}",
+                            c.device
+                        ),
+                        Err(e) => eprintln!(
+                            "hybridcache: cache {id}: writing the metadata failed too ({}); the next load recovers it as after a crash",
+                            engine_err(e)
+                        ),
+                    }
+                }
+            }
+        }
+        st.caches.clear();
+        clean
+    }
+}
+
+/// Block SIGINT and SIGTERM in the calling thread and every thread it starts afterwards, and
+/// return the set for `sigwait`.
+fn block_signals() -> libc::sigset_t {
+    // SAFETY: plain libc calls on a zero-initialised sigset_t we own.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
+}
+
+fn wait_for_signal(set: &libc::sigset_t) -> i32 {
+    let mut sig: libc::c_int = 0;
+    loop {
+        // SAFETY: `set` is a valid, initialised signal set; `sig` is a valid out pointer.
+        let rc = unsafe { libc::sigwait(set, &mut sig) };
+        if rc == 0 {
+            return sig;
+        }
+    }
+}
+
+/// Bind the control socket, readable and writable by the owner only. A socket file nobody
+/// listens on is left over from a crash and is replaced; a live one means another daemon.
+fn bind_control(path: &Path) -> Result<UnixListener> {
+    if path.exists() {
+        match UnixStream::connect(path) {
+            Ok(_) => bail!(
+                "another daemon is already listening on {} (stop it first)",
+                path.display()
+            ),
+            Err(_) => std::fs::remove_file(path)
+                .with_context(|| format!("cannot remove stale socket {}", path.display()))?,
+        }
+    }
+    // The umask makes the socket 0600 from the start; chmod afterwards would leave a window.
+    // SAFETY: umask only changes this process's file creation mask.
+    let old = unsafe { libc::umask(0o177) };
+    let bound = UnixListener::bind(path);
+    // SAFETY: as above, restoring the previous mask.
+    unsafe { libc::umask(old) };
+    bound.with_context(|| format!("cannot listen on {}", path.display()))
+}
+
+fn parse_listen(text: &str) -> Result<SocketAddr> {
+    if let Ok(port) = text.parse::<u16>() {
+        return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
+    }
+    if let Some(port) = text.strip_prefix(':') {
+        let port: u16 = port
+            .parse()
+            .map_err(|_| anyhow!("--nbd-listen {text}: bad port"))?;
+        return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
+    }
+    text.parse().map_err(|_| {
+        anyhow!("--nbd-listen {text}: expected PORT or ADDRESS:PORT (e.g. 127.0.0.1:10809)")
+    })
+}
+
+fn ensure_parent(path: &Path) -> Result<()> {
+    if let Some(dir) = path.parent() {
+        if !dir.as_os_str().is_empty() {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("cannot create directory {}", dir.display()))?;
+        }
+    }
+    Ok(())
+}
+
+fn serve_control_client(daemon: &Daemon, stream: UnixStream) {
+    let Ok(write_half) = stream.try_clone() else {
+        return;
+    };
+    let mut writer = write_half;
+    let mut reader = BufReader::new(stream);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        match (&mut reader).take(MAX_LINE as u64).read_line(&mut line) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        if !line.ends_with('\n') && line.len() >= MAX_LINE {
+            let _ = writeln!(writer, "{}", reply_text(Response::err("request too long")));
+            return;
+        }
+        if line.trim().is_empty() {
+            continue;
+        }
+        let response = match serde_json::from_str::<Request>(&line) {
+            Ok(req) => match daemon.handle(req) {
+                Ok(v) => Response::ok(v),
+                Err(e) => Response::err(e),
+            },
+            Err(e) => Response::err(format!("bad request: {e}")),
+        };
+        if writeln!(writer, "{}", reply_text(response)).is_err() {
+            return;
+        }
+    }
+}
+
+fn reply_text(r: Response) -> String {
+    serde_json::to_string(&r)
+        .unwrap_or_else(|_| r#"{"ok":false,"error":"cannot encode the reply"}"#.to_string())
+}
+
+use std::io::Read as _;
+
+/// Run the daemon in the foreground until SIGTERM/SIGINT (or a `shutdown` request).
+pub fn run(opts: DaemonOptions) -> Result<()> {
+    let file_cfg = match &opts.config {
+        Some(path) if !path.exists() && opts.save_config => ConfigFile::default(),
+        Some(path) => ConfigFile::load(path)?,
+        None => ConfigFile::default(),
+    };
+    let d = &file_cfg.daemon;
+    let control = opts
+        .control
+        .clone()
+        .or_else(|| d.control.clone())
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_CONTROL));
+    let nbd_socket = opts
+        .nbd_socket
+        .clone()
+        .or_else(|| d.nbd_socket.clone())
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_NBD_SOCKET));
+    let nbd_listen = opts.nbd_listen.clone().or_else(|| d.nbd_listen.clone());
+    let workers = opts.nbd_workers.or(d.nbd_workers).unwrap_or(4);
+    if workers == 0 || workers > 256 {
+        bail!("nbd workers must be between 1 and 256, not {workers}");
+    }
+    let save = opts.save_config || d.save_config.unwrap_or(false);
+    let save_to = match (&opts.config, save) {
+        (Some(path), true) => Some((path.clone(), file_cfg.daemon.clone())),
+        (None, true) => bail!("--save-config needs --config FILE to save to"),
+        _ => None,
+    };
+
+    let signals = block_signals();
+    ensure_parent(&control)?;
+    ensure_parent(&nbd_socket)?;
+    let listener = bind_control(&control)?;
+    let cleanup_control = || {
+        let _ = std::fs::remove_file(&control);
+    };
+
+    let registry = ExportRegistry::new();
+    let server = Server::with_config(
+        registry.clone(),
+        ServerConfig {
+            workers_per_connection: workers,
+            ..ServerConfig::default()
+        },
+    );
+    let started = (|| -> Result<Option<SocketAddr>> {
+        server
+            .serve_unix(&nbd_socket)
+            .with_context(|| format!("cannot serve NBD on {}", nbd_socket.display()))?;
+        match &nbd_listen {
+            Some(text) => {
+                let addr = parse_listen(text)?;
+                Ok(Some(
+                    server
+                        .serve_tcp(addr)
+                        .with_context(|| format!("cannot serve NBD on {addr}"))?,
+                ))
+            }
+            None => Ok(None),
+        }
+    })();
+    let tcp = match started {
+        Ok(tcp) => tcp,
+        Err(e) => {
+            server.shutdown();
+            cleanup_control();
+            return Err(e);
+        }
+    };
+
+    let daemon = Arc::new(Daemon {
+        state: Mutex::new(State::default()),
+        registry,
+        save_to,
+        stopping: AtomicBool::new(false),
+    });
+    if let Err(e) = daemon.apply(&file_cfg) {
+        daemon.shutdown();
+        server.shutdown();
+        cleanup_control();
+        return Err(e.context("applying the configuration"));
+    }
+
+    {
+        let daemon = daemon.clone();
+        std::thread::Builder::new()
+            .name("control-accept".into())
+            .spawn(move || {
+                for stream in listener.incoming() {
+                    let Ok(stream) = stream else { continue };
+                    let daemon = daemon.clone();
+                    let _ = std::thread::Builder::new()
+                        .name("control".into())
+                        .spawn(move || serve_control_client(&daemon, stream));
+                }
+            })
+            .context("cannot start the control thread")?;
+    }
+    eprintln!(
+        "hybridcache: daemon {} ready: control {}, NBD {}{}",
+        env!("CARGO_PKG_VERSION"),
+        control.display(),
+        nbd_socket.display(),
+        tcp.map(|a| format!(" and tcp {a}")).unwrap_or_default()
+    );
+
+    let sig = wait_for_signal(&signals);
+    eprintln!("hybridcache: signal {sig}: shutting down");
+    // Stop taking requests first: the management lock and the NBD connections, then flush.
+    daemon.stopping.store(true, Ordering::SeqCst);
+    cleanup_control();
+    server.shutdown();
+    let clean = daemon.shutdown();
+    if !clean {
+        bail!("some dirty data could not be flushed at shutdown");
+    }
+    eprintln!("hybridcache: stopped");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listen_addresses() {
+        assert_eq!(
+            parse_listen("10809").unwrap(),
+            "127.0.0.1:10809".parse().unwrap()
+        );
+        assert_eq!(
+            parse_listen("0.0.0.0:1").unwrap(),
+            "0.0.0.0:1".parse().unwrap()
+        );
+        assert!(parse_listen("localhost").is_err());
+    }
+}

@@ -1,0 +1,129 @@
+//! A core's exported volume as an NBD export.
+//!
+//! Everything the engine's `Core` does is advertised: flush, FUA (`Core::write_fua`), trim
+//! (discard), write-zeroes, cache (prefetch) and multi-conn. Multi-conn is sound because a flush
+//! on any connection flushes the cache volume and the core, which covers every write completed on
+//! any connection. The preferred block size is the cache line size: smaller writes still work,
+//! but a whole line is what the cache maps.
+
+use hybridcache_engine::{Core, EngineError, MAX_REQUEST, SECTOR};
+use hybridcache_nbd::{
+    BlockSizes, Capabilities, ErrorKind, Export, ExportError, ExportResult, ZeroFlags,
+};
+
+/// Prefetch reads this much at a time, so a large `NBD_CMD_CACHE` does not need a large buffer.
+const PREFETCH_CHUNK: u64 = 1 << 20;
+
+pub struct CoreExport {
+    core: Core,
+    line_size: u32,
+}
+
+impl CoreExport {
+    pub fn new(core: Core, line_size: u32) -> CoreExport {
+        CoreExport { core, line_size }
+    }
+}
+
+fn to_export_error(e: EngineError) -> ExportError {
+    let kind = match &e {
+        EngineError::Unaligned { .. }
+        | EngineError::OutOfRange { .. }
+        | EngineError::TooLarge { .. } => ErrorKind::Invalid,
+        EngineError::Volume(v) => match &v.kind {
+            hybridcache_volume::ErrorKind::Io(io) => {
+                let copy = match io.raw_os_error() {
+                    Some(errno) => std::io::Error::from_raw_os_error(errno),
+                    None => std::io::Error::from(io.kind()),
+                };
+                ExportError::from(copy).kind
+            }
+            hybridcache_volume::ErrorKind::Unaligned { .. }
+            | hybridcache_volume::ErrorKind::OutOfRange { .. } => ErrorKind::Invalid,
+            _ => ErrorKind::Io,
+        },
+        _ => ErrorKind::Io,
+    };
+    ExportError::new(kind, e.to_string())
+}
+
+impl Export for CoreExport {
+    fn size(&self) -> u64 {
+        self.core.size()
+    }
+
+    fn read(&self, buf: &mut [u8], offset: u64) -> ExportResult<()> {
+        self.core.read(buf, offset).map_err(to_export_error)
+    }
+
+    fn write(&self, buf: &[u8], offset: u64, fua: bool) -> ExportResult<()> {
+        if fua {
+            self.core.write_fua(buf, offset)
+        } else {
+            self.core.write(buf, offset)
+        }
+        .map_err(to_export_error)
+    }
+
+    fn flush(&self) -> ExportResult<()> {
+        self.core.flush().map_err(to_export_error)
+    }
+
+    fn trim(&self, offset: u64, len: u64) -> ExportResult<()> {
+        self.core.discard(offset, len).map_err(to_export_error)
+    }
+
+    fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> ExportResult<()> {
+        if flags.fast_zero {
+            // The engine zeroes by writing through the cache; never faster than a write.
+            return Err(ExportError::not_fast());
+        }
+        // The engine serves at most MAX_REQUEST per call.
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(MAX_REQUEST);
+            self.core
+                .write_zeroes(offset + done, n)
+                .map_err(to_export_error)?;
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Prefetch: reading through the exported volume inserts the range into the cache (in modes
+    /// that insert on read; elsewhere it is a harmless read).
+    fn cache(&self, offset: u64, len: u64) -> ExportResult<()> {
+        let mut buf = vec![0u8; PREFETCH_CHUNK.min(len) as usize];
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(PREFETCH_CHUNK) as usize;
+            self.core
+                .read(&mut buf[..n], offset + done)
+                .map_err(to_export_error)?;
+            done += n as u64;
+        }
+        Ok(())
+    }
+
+    fn block_sizes(&self) -> BlockSizes {
+        BlockSizes {
+            min: SECTOR as u32,
+            preferred: self.line_size,
+            max: MAX_REQUEST as u32,
+        }
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            read_only: false,
+            can_flush: true,
+            can_fua: true,
+            can_trim: true,
+            can_write_zeroes: true,
+            can_fast_zero: true,
+            can_cache: true,
+            can_multi_conn: true,
+            rotational: false,
+        }
+    }
+}

@@ -1,0 +1,528 @@
+//! Output for people and scripts: the cache list and statistics as casadm prints them (table),
+//! plus CSV and JSON.
+//!
+//! Statistics are rows of (section, name, count, percentage, unit) built once and rendered three
+//! ways, so the formats cannot disagree. Counts are in 4 KiB blocks or requests, as casadm reports
+//! them; percentages are of the cache size (usage), of all requests (requests), of the device's
+//! total traffic (blocks) and of all errors (errors).
+
+use std::fmt::Write as _;
+
+use serde_json::{json, Map, Value};
+
+use crate::protocol::{CacheInfo, StatsReport};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OutputFormat {
+    Table,
+    Csv,
+    Json,
+}
+
+/// `list`: cache rows, each followed by its indented core rows.
+pub fn list(caches: &[CacheInfo], format: OutputFormat) -> String {
+    let header = ["type", "id", "disk", "status", "write policy", "device"];
+    let mut rows: Vec<[String; 6]> = Vec::new();
+    for c in caches {
+        rows.push([
+            "cache".into(),
+            c.id.to_string(),
+            c.device.clone(),
+            c.status.clone(),
+            c.mode.clone(),
+            "-".into(),
+        ]);
+        let n = c.cores.len();
+        for (i, core) in c.cores.iter().enumerate() {
+            let branch = if i + 1 == n { "└core" } else { "├core" };
+            rows.push([
+                branch.into(),
+                core.id.to_string(),
+                core.device.clone(),
+                core.status.clone(),
+                "-".into(),
+                core.export.clone(),
+            ]);
+        }
+    }
+    match format {
+        OutputFormat::Table => {
+            if rows.is_empty() {
+                return "No caches running\n".into();
+            }
+            let mut width = header.map(|h| h.chars().count());
+            for r in &rows {
+                for (w, cell) in width.iter_mut().zip(r) {
+                    *w = (*w).max(cell.chars().count());
+                }
+            }
+            let mut out = String::new();
+            let line = |out: &mut String, cells: &[&str]| {
+                let mut s = String::new();
+                for (i, cell) in cells.iter().enumerate() {
+                    if i + 1 == cells.len() {
+                        s.push_str(cell);
+                    } else {
+                        let pad = width[i] - cell.chars().count();
+                        s.push_str(cell);
+                        s.push_str(&" ".repeat(pad + 3));
+                    }
+                }
+                out.push_str(s.trim_end());
+                out.push('\n');
+            };
+            line(&mut out, &header);
+            for r in &rows {
+                let cells: Vec<&str> = r.iter().map(String::as_str).collect();
+                line(&mut out, &cells);
+            }
+            out
+        }
+        OutputFormat::Csv => {
+            let mut out = header.join(",") + "\n";
+            for r in &rows {
+                let cells: Vec<String> = r
+                    .iter()
+                    .map(|c| csv_cell(c.trim_start_matches(['├', '└'])))
+                    .collect();
+                out.push_str(&cells.join(","));
+                out.push('\n');
+            }
+            out
+        }
+        OutputFormat::Json => {
+            let v = json!({ "caches": caches });
+            serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
+        }
+    }
+}
+
+fn csv_cell(s: &str) -> String {
+    if s.contains([',', '"', '\n']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_string()
+    }
+}
+
+struct Row {
+    key: &'static str,
+    name: &'static str,
+    count: u64,
+    percent: Option<f64>,
+    unit: &'static str,
+}
+
+struct Section {
+    key: &'static str,
+    title: &'static str,
+    rows: Vec<Row>,
+}
+
+const BLOCKS: &str = "4KiB Blocks";
+const REQUESTS: &str = "Requests";
+
+fn pct(n: u64, of: u64) -> f64 {
+    if of == 0 {
+        0.0
+    } else {
+        n as f64 * 100.0 / of as f64
+    }
+}
+
+fn sections(r: &StatsReport) -> Vec<Section> {
+    let s = &r.stats;
+    let b4 = |bytes: u64| bytes / 4096;
+    let lines4 = |lines: u64| lines * (s.line_size as u64 / 4096);
+    let row = |key, name, count, percent, unit| Row {
+        key,
+        name,
+        count,
+        percent: Some(percent),
+        unit,
+    };
+
+    let total = s.total_lines;
+    let clean = s.occupancy_lines.saturating_sub(s.dirty_lines);
+    let usage = vec![
+        row(
+            "occupancy",
+            "Occupancy",
+            lines4(s.occupancy_lines),
+            pct(s.occupancy_lines, total),
+            BLOCKS,
+        ),
+        row(
+            "free",
+            "Free",
+            lines4(s.free_lines),
+            pct(s.free_lines, total),
+            BLOCKS,
+        ),
+        row("clean", "Clean", lines4(clean), pct(clean, total), BLOCKS),
+        row(
+            "dirty",
+            "Dirty",
+            lines4(s.dirty_lines),
+            pct(s.dirty_lines, total),
+            BLOCKS,
+        ),
+    ];
+
+    let reads = s.read_hits + s.read_partial_misses + s.read_full_misses;
+    let writes = s.write_hits + s.write_partial_misses + s.write_full_misses;
+    let serviced = reads + writes;
+    let all = serviced + s.pass_through_reads + s.pass_through_writes;
+    let req = |key, name, n| row(key, name, n, pct(n, all), REQUESTS);
+    let requests = vec![
+        req("read_hits", "Read hits", s.read_hits),
+        req(
+            "read_partial_misses",
+            "Read partial misses",
+            s.read_partial_misses,
+        ),
+        req("read_full_misses", "Read full misses", s.read_full_misses),
+        req("read_total", "Read total", reads),
+        req("write_hits", "Write hits", s.write_hits),
+        req(
+            "write_partial_misses",
+            "Write partial misses",
+            s.write_partial_misses,
+        ),
+        req(
+            "write_full_misses",
+            "Write full misses",
+            s.write_full_misses,
+        ),
+        req("write_total", "Write total", writes),
+        req(
+            "pass_through_reads",
+            "Pass-Through reads",
+            s.pass_through_reads,
+        ),
+        req(
+            "pass_through_writes",
+            "Pass-Through writes",
+            s.pass_through_writes,
+        ),
+        req("serviced_requests", "Serviced requests", serviced),
+        req("total_requests", "Total requests", all),
+    ];
+
+    let trio = |rk, rn, r: u64, wk, wn, w: u64, tk, tn| {
+        let (r, w) = (b4(r), b4(w));
+        let t = r + w;
+        [
+            row(rk, rn, r, pct(r, t), BLOCKS),
+            row(wk, wn, w, pct(w, t), BLOCKS),
+            row(tk, tn, t, pct(t, t), BLOCKS),
+        ]
+    };
+    let mut blocks = Vec::new();
+    blocks.extend(trio(
+        "core_reads",
+        "Reads from core(s)",
+        s.core_read_bytes,
+        "core_writes",
+        "Writes to core(s)",
+        s.core_written_bytes,
+        "core_total",
+        "Total to/from core(s)",
+    ));
+    blocks.extend(trio(
+        "cache_reads",
+        "Reads from cache",
+        s.cache_read_bytes,
+        "cache_writes",
+        "Writes to cache",
+        s.cache_written_bytes,
+        "cache_total",
+        "Total to/from cache",
+    ));
+    blocks.extend(trio(
+        "exported_reads",
+        "Reads from exported object(s)",
+        s.exported_read_bytes,
+        "exported_writes",
+        "Writes to exported object(s)",
+        s.exported_written_bytes,
+        "exported_total",
+        "Total to/from exported object(s)",
+    ));
+
+    let cache_err = s.cache_read_errors + s.cache_write_errors;
+    let core_err = s.core_read_errors + s.core_write_errors;
+    let all_err = cache_err + core_err;
+    let err = |key, name, n| row(key, name, n, pct(n, all_err), REQUESTS);
+    let errors = vec![
+        err(
+            "cache_read_errors",
+            "Cache read errors",
+            s.cache_read_errors,
+        ),
+        err(
+            "cache_write_errors",
+            "Cache write errors",
+            s.cache_write_errors,
+        ),
+        err("cache_total_errors", "Cache total errors", cache_err),
+        err("core_read_errors", "Core read errors", s.core_read_errors),
+        err(
+            "core_write_errors",
+            "Core write errors",
+            s.core_write_errors,
+        ),
+        err("core_total_errors", "Core total errors", core_err),
+        err("total_errors", "Total errors", all_err),
+    ];
+
+    vec![
+        Section {
+            key: "usage",
+            title: "Usage statistics",
+            rows: usage,
+        },
+        Section {
+            key: "requests",
+            title: "Request statistics",
+            rows: requests,
+        },
+        Section {
+            key: "blocks",
+            title: "Block statistics",
+            rows: blocks,
+        },
+        Section {
+            key: "errors",
+            title: "Error statistics",
+            rows: errors,
+        },
+    ]
+}
+
+/// The key/value lines casadm prints above the tables.
+fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
+    let c = &r.cache;
+    let line_kib = c.line_size_kib as u64;
+    let cache_blocks = c.lines * line_kib / 4;
+    let gib = |bytes: u64| format!("{:.2}", bytes as f64 / (1u64 << 30) as f64);
+    let mut v = vec![];
+    if let Some(core) = &r.core {
+        v.push(("core_id", "Core Id", core.id.to_string()));
+        v.push(("core_device", "Core Device", core.device.clone()));
+        v.push(("exported_object", "Exported Object", core.export.clone()));
+        v.push((
+            "core_size_blocks",
+            "Core Size [4KiB Blocks]",
+            (core.size / 4096).to_string(),
+        ));
+        v.push(("core_size_gib", "Core Size [GiB]", gib(core.size)));
+        v.push(("status", "Status", core.status.clone()));
+        v.push(("cache_id", "Cache Id", c.id.to_string()));
+    } else {
+        v.push(("cache_id", "Cache Id", c.id.to_string()));
+        v.push((
+            "cache_size_blocks",
+            "Cache Size [4KiB Blocks]",
+            cache_blocks.to_string(),
+        ));
+        v.push((
+            "cache_size_gib",
+            "Cache Size [GiB]",
+            gib(c.lines * line_kib * 1024),
+        ));
+        v.push(("cache_device", "Cache Device", c.device.clone()));
+        v.push(("core_devices", "Core Devices", c.cores.len().to_string()));
+        v.push(("write_policy", "Write Policy", c.mode.clone()));
+        v.push((
+            "cache_line_size_kib",
+            "Cache line size [KiB]",
+            line_kib.to_string(),
+        ));
+        v.push(("status", "Status", c.status.clone()));
+    }
+    v
+}
+
+/// `stats` in the chosen format.
+pub fn stats(r: &StatsReport, format: OutputFormat) -> String {
+    let info = info(r);
+    let secs = sections(r);
+    match format {
+        OutputFormat::Table => {
+            let mut out = String::new();
+            let kw = info.iter().map(|(_, k, _)| k.len()).max().unwrap_or(0);
+            for (_, k, v) in &info {
+                let _ = writeln!(out, "{k:<kw$}  {v}");
+            }
+            for s in &secs {
+                out.push('\n');
+                table(&mut out, s);
+            }
+            out
+        }
+        OutputFormat::Csv => {
+            let mut names = Vec::new();
+            let mut values = Vec::new();
+            for (_, k, v) in &info {
+                names.push(csv_cell(k));
+                values.push(csv_cell(v));
+            }
+            for s in &secs {
+                for row in &s.rows {
+                    names.push(csv_cell(&format!("{} [{}]", row.name, row.unit)));
+                    values.push(row.count.to_string());
+                    if let Some(p) = row.percent {
+                        names.push(csv_cell(&format!("{} [%]", row.name)));
+                        values.push(format!("{p:.1}"));
+                    }
+                }
+            }
+            format!("{}\n{}\n", names.join(","), values.join(","))
+        }
+        OutputFormat::Json => {
+            let mut top = Map::new();
+            let mut inf = Map::new();
+            for (key, _, v) in &info {
+                // Numbers stay numbers for scripts.
+                let val = v
+                    .parse::<u64>()
+                    .map(Value::from)
+                    .unwrap_or_else(|_| Value::from(v.clone()));
+                inf.insert((*key).into(), val);
+            }
+            top.insert("info".into(), Value::Object(inf));
+            for s in &secs {
+                let mut m = Map::new();
+                for row in &s.rows {
+                    m.insert(
+                        row.key.into(),
+                        json!({
+                            "count": row.count,
+                            "percent": row.percent.map(|p| (p * 10.0).round() / 10.0),
+                            "unit": row.unit,
+                        }),
+                    );
+                }
+                top.insert(s.key.into(), Value::Object(m));
+            }
+            top.insert(
+                "raw".into(),
+                serde_json::to_value(r.stats).unwrap_or(Value::Null),
+            );
+            serde_json::to_string_pretty(&Value::Object(top)).unwrap_or_default() + "\n"
+        }
+    }
+}
+
+/// One casadm-style box table.
+fn table(out: &mut String, s: &Section) {
+    let w0 = s
+        .rows
+        .iter()
+        .map(|r| r.name.len())
+        .chain([s.title.len()])
+        .max()
+        .unwrap_or(0);
+    let counts: Vec<String> = s.rows.iter().map(|r| r.count.to_string()).collect();
+    let w1 = counts.iter().map(String::len).chain([5]).max().unwrap_or(5);
+    let w2 = 5;
+    let w3 = s
+        .rows
+        .iter()
+        .map(|r| r.unit.len())
+        .chain([5])
+        .max()
+        .unwrap_or(5);
+    let bar = |l: &str, m: &str, r: &str| {
+        format!(
+            "{l}{}{m}{}{m}{}{m}{}{r}\n",
+            "═".repeat(w0 + 2),
+            "═".repeat(w1 + 2),
+            "═".repeat(w2 + 2),
+            "═".repeat(w3 + 2)
+        )
+    };
+    out.push_str(&bar("╔", "╤", "╗"));
+    let _ = writeln!(
+        out,
+        "║ {:<w0$} │ {:>w1$} │ {:>w2$} │ {:<w3$} ║",
+        s.title, "Count", "%", "Units"
+    );
+    out.push_str(&bar("╠", "╪", "╣"));
+    for (r, c) in s.rows.iter().zip(&counts) {
+        let p = r.percent.map(|p| format!("{p:.1}")).unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "║ {:<w0$} │ {:>w1$} │ {:>w2$} │ {:<w3$} ║",
+            r.name, c, p, r.unit
+        );
+    }
+    out.push_str(&bar("╚", "╧", "╝"));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{CoreInfo, StatsData};
+
+    fn report() -> StatsReport {
+        StatsReport {
+            cache: CacheInfo {
+                id: 1,
+                device: "ram:16M".into(),
+                status: "Running".into(),
+                mode: "wb".into(),
+                line_size_kib: 4,
+                lines: 4096,
+                cores: vec![CoreInfo {
+                    id: 1,
+                    device: "/x".into(),
+                    size: 1 << 30,
+                    status: "Active".into(),
+                    export: "cas1-1".into(),
+                }],
+            },
+            core: None,
+            stats: StatsData {
+                line_size: 4096,
+                total_lines: 4096,
+                occupancy_lines: 1024,
+                free_lines: 3072,
+                dirty_lines: 512,
+                read_hits: 3,
+                read_full_misses: 1,
+                core_read_bytes: 8192,
+                ..StatsData::default()
+            },
+        }
+    }
+
+    #[test]
+    fn table_csv_json_agree() {
+        let r = report();
+        let t = stats(&r, OutputFormat::Table);
+        assert!(t.contains("║ Occupancy"), "{t}");
+        assert!(t.contains("25.0"), "{t}");
+        let csv = stats(&r, OutputFormat::Csv);
+        let lines: Vec<&str> = csv.lines().collect();
+        assert_eq!(lines.len(), 2);
+        assert_eq!(lines[0].split(',').count(), lines[1].split(',').count());
+        let j: Value = serde_json::from_str(&stats(&r, OutputFormat::Json)).unwrap();
+        assert_eq!(j["usage"]["occupancy"]["count"], 1024);
+        assert_eq!(j["usage"]["dirty"]["percent"], 12.5);
+        assert_eq!(j["requests"]["read_hits"]["percent"], 75.0);
+        assert_eq!(j["blocks"]["core_reads"]["count"], 2);
+    }
+
+    #[test]
+    fn list_indents_cores() {
+        let r = report();
+        let t = list(std::slice::from_ref(&r.cache), OutputFormat::Table);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[0].starts_with("type"));
+        assert!(lines[1].starts_with("cache"));
+        assert!(lines[2].starts_with("└core") && lines[2].ends_with("cas1-1"));
+        assert_eq!(list(&[], OutputFormat::Table), "No caches running\n");
+    }
+}

@@ -1,0 +1,185 @@
+//! `hybridcache`: the daemon (`hybridcache daemon`) and the casadm-style management CLI that
+//! talks to it over the control socket.
+//!
+//! Exit codes: 0 on success, 1 when the daemon refuses or fails a command (or cannot be
+//! reached), 2 for a bad command line. Errors are one line on stderr.
+
+mod cli;
+mod config;
+mod daemon;
+mod devices;
+mod export;
+mod format;
+mod nbd_volume;
+mod params;
+mod protocol;
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{anyhow, Context, Result};
+use clap::Parser;
+use serde::de::DeserializeOwned;
+
+use cli::{Cli, Command};
+use protocol::{CacheList, ParamValue, Request, Response, StatsReport, VersionInfo};
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion)
+                || e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+            {
+                let _ = e.print();
+                return if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+                    ExitCode::from(2)
+                } else {
+                    ExitCode::SUCCESS
+                };
+            }
+            // clap's own report spans several lines (usage, tips); keep its first line.
+            let text = e.to_string();
+            let first = text
+                .lines()
+                .next()
+                .unwrap_or("invalid arguments")
+                .trim_start_matches("error: ");
+            eprintln!("hybridcache: {first} (see 'hybridcache -H')");
+            return ExitCode::from(2);
+        }
+    };
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let msg = format!("{e:#}").replace('\n', " ");
+            eprintln!("hybridcache: {msg}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn control_path(cli: &Cli) -> PathBuf {
+    cli.control
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(daemon::DEFAULT_CONTROL))
+}
+
+fn run(cli: Cli) -> Result<()> {
+    let control = control_path(&cli);
+    match &cli.command {
+        Command::Daemon {
+            config,
+            nbd_socket,
+            nbd_listen,
+            nbd_workers,
+            save_config,
+        } => {
+            return daemon::run(daemon::DaemonOptions {
+                config: config.clone(),
+                control: cli.control.clone(),
+                nbd_socket: nbd_socket.clone(),
+                nbd_listen: nbd_listen.clone(),
+                nbd_workers: *nbd_workers,
+                save_config: *save_config,
+            })
+        }
+        Command::Version => {
+            println!("hybridcache CLI {}", env!("CARGO_PKG_VERSION"));
+            match call::<VersionInfo>(&control, &Request::Version) {
+                Ok(v) => println!("hybridcache daemon {}", v.version),
+                Err(e) => println!("hybridcache daemon: not reachable ({e:#})"),
+            }
+            return Ok(());
+        }
+        _ => {}
+    }
+    let Some(req) = cli.command.request() else {
+        return Ok(());
+    };
+    match &cli.command {
+        Command::ListCaches { output } => {
+            let list: CacheList = call(&control, &req)?;
+            print!("{}", format::list(&list.caches, *output));
+        }
+        Command::Stats { output, .. } => {
+            let report: StatsReport = call(&control, &req)?;
+            print!("{}", format::stats(&report, *output));
+        }
+        Command::GetParam { output, .. } => {
+            let p: ParamValue = call(&control, &req)?;
+            match output {
+                format::OutputFormat::Table => println!("{}", p.value),
+                format::OutputFormat::Csv => println!("name,value\n{},{}", p.name, p.value),
+                format::OutputFormat::Json => println!(
+                    "{}",
+                    serde_json::to_string_pretty(&p).context("encoding the parameter")?
+                ),
+            }
+        }
+        Command::StartCache { .. } => {
+            let v: protocol::Started = call(&control, &req)?;
+            if v.loaded {
+                println!("cache {} loaded", v.id);
+                for core in &v.inactive {
+                    println!(
+                        "core {core} of cache {} is inactive: its device is missing (attach it with add-core -i {} -j {core} -d DEVICE)",
+                        v.id, v.id
+                    );
+                }
+            } else {
+                println!("cache {} started", v.id);
+            }
+        }
+        Command::AddCore { .. } => {
+            let v: protocol::CoreAdded = call(&control, &req)?;
+            let verb = if v.reattached {
+                "attached again"
+            } else {
+                "added"
+            };
+            println!(
+                "core {} {verb} to cache {}, exported as {}",
+                v.core, v.cache, v.export
+            );
+        }
+        _ => {
+            let _: serde_json::Value = call(&control, &req)?;
+        }
+    }
+    Ok(())
+}
+
+/// Send one request to the daemon and decode the result.
+fn call<T: DeserializeOwned>(control: &Path, req: &Request) -> Result<T> {
+    let mut stream = UnixStream::connect(control).map_err(|e| {
+        anyhow!(
+            "cannot reach the daemon at {}: {e} (is 'hybridcache daemon' running? use --control or HYBRIDCACHE_CONTROL)",
+            control.display()
+        )
+    })?;
+    let mut line = serde_json::to_string(req).context("encoding the request")?;
+    line.push('\n');
+    stream
+        .write_all(line.as_bytes())
+        .context("sending the request")?;
+    let mut reply = String::new();
+    BufReader::new(&stream)
+        .read_line(&mut reply)
+        .context("reading the reply")?;
+    if reply.is_empty() {
+        return Err(anyhow!("the daemon closed the connection without a reply"));
+    }
+    let resp: Response = serde_json::from_str(&reply).context("decoding the reply")?;
+    if !resp.ok {
+        return Err(anyhow!(
+            "{}",
+            resp.error.unwrap_or_else(|| "request failed".into())
+        ));
+    }
+    let value = resp.result.unwrap_or(serde_json::Value::Null);
+    serde_json::from_value(value).context("decoding the reply")
+}

@@ -1,0 +1,282 @@
+//! The control protocol between the CLI and the daemon: newline-delimited JSON over a Unix socket.
+//!
+//! One request per line, one response per line, in order; a connection may carry any number of
+//! them. A request is an object tagged by `"cmd"` (see [`Request`]); a response is
+//! `{"ok":true,"result":{...}}` or `{"ok":false,"error":"one-line message"}`. The daemon returns
+//! raw numbers (bytes, lines, counters) and the CLI formats them, so scripts can talk to the
+//! socket directly and get exact values.
+
+use serde::{Deserialize, Serialize};
+
+/// A management request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "cmd", rename_all = "kebab-case")]
+pub enum Request {
+    StartCache {
+        device: String,
+        #[serde(default)]
+        id: Option<u16>,
+        /// `wt`, `wb`, `wa`, `wi`, `wo` or `pt`; default `wt`.
+        #[serde(default)]
+        mode: Option<String>,
+        /// Cache line size in KiB; default 4.
+        #[serde(default)]
+        line_size_kib: Option<u32>,
+        #[serde(default)]
+        force: bool,
+        #[serde(default)]
+        load: bool,
+    },
+    StopCache {
+        id: u16,
+        #[serde(default)]
+        no_data_flush: bool,
+    },
+    AddCore {
+        cache: u16,
+        device: String,
+        #[serde(default)]
+        core: Option<u16>,
+    },
+    RemoveCore {
+        cache: u16,
+        core: u16,
+        #[serde(default)]
+        force: bool,
+    },
+    List,
+    Stats {
+        cache: u16,
+        #[serde(default)]
+        core: Option<u16>,
+    },
+    ResetCounters {
+        cache: u16,
+        #[serde(default)]
+        core: Option<u16>,
+    },
+    SetCacheMode {
+        cache: u16,
+        mode: String,
+        /// Flush dirty data before leaving wb/wo.
+        #[serde(default)]
+        flush: bool,
+    },
+    Flush {
+        cache: u16,
+        #[serde(default)]
+        core: Option<u16>,
+    },
+    SetParam {
+        cache: u16,
+        #[serde(default)]
+        core: Option<u16>,
+        name: String,
+        value: String,
+    },
+    GetParam {
+        cache: u16,
+        #[serde(default)]
+        core: Option<u16>,
+        name: String,
+    },
+    Version,
+    /// Stop the daemon as SIGTERM would (flush every cache, remove the sockets).
+    Shutdown,
+}
+
+/// The reply to one request.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Response {
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl Response {
+    pub fn ok(result: serde_json::Value) -> Response {
+        Response {
+            ok: true,
+            result: Some(result),
+            error: None,
+        }
+    }
+
+    pub fn err(message: impl Into<String>) -> Response {
+        // Keep the promise of one line per message, whatever the error text holds.
+        let message: String = message.into();
+        Response {
+            ok: false,
+            result: None,
+            error: Some(message.replace('\n', " ")),
+        }
+    }
+}
+
+/// Result of `start-cache`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Started {
+    pub id: u16,
+    /// Loaded from the device (`--load`, or a configuration file naming a device with a cache).
+    #[serde(default)]
+    pub loaded: bool,
+    /// Cores of a loaded cache whose device was missing: inactive until attached again.
+    #[serde(default)]
+    pub inactive: Vec<u16>,
+}
+
+/// Result of `add-core`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CoreAdded {
+    pub cache: u16,
+    pub core: u16,
+    pub export: String,
+    /// An inactive core brought back rather than a new core.
+    #[serde(default)]
+    pub reattached: bool,
+}
+
+/// Result of `list`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CacheList {
+    pub caches: Vec<CacheInfo>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CacheInfo {
+    pub id: u16,
+    pub device: String,
+    pub status: String,
+    pub mode: String,
+    pub line_size_kib: u32,
+    pub lines: u64,
+    pub cores: Vec<CoreInfo>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CoreInfo {
+    pub id: u16,
+    pub device: String,
+    pub size: u64,
+    pub status: String,
+    /// NBD export name (`cas<cache>-<core>`).
+    pub export: String,
+}
+
+/// Result of `stats`: what the statistics describe plus the raw counters.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StatsReport {
+    pub cache: CacheInfo,
+    /// Set when the statistics are of one core.
+    pub core: Option<CoreInfo>,
+    pub stats: StatsData,
+}
+
+/// Mirror of the engine's `Stats`, in the engine's units (lines and bytes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatsData {
+    pub line_size: u32,
+    pub total_lines: u64,
+    pub occupancy_lines: u64,
+    pub free_lines: u64,
+    pub dirty_lines: u64,
+    pub read_hits: u64,
+    pub read_partial_misses: u64,
+    pub read_full_misses: u64,
+    pub write_hits: u64,
+    pub write_partial_misses: u64,
+    pub write_full_misses: u64,
+    pub pass_through_reads: u64,
+    pub pass_through_writes: u64,
+    pub core_read_bytes: u64,
+    pub core_written_bytes: u64,
+    pub cache_read_bytes: u64,
+    pub cache_written_bytes: u64,
+    pub exported_read_bytes: u64,
+    pub exported_written_bytes: u64,
+    pub cache_read_errors: u64,
+    pub cache_write_errors: u64,
+    pub core_read_errors: u64,
+    pub core_write_errors: u64,
+}
+
+impl From<hybridcache_engine::Stats> for StatsData {
+    fn from(s: hybridcache_engine::Stats) -> Self {
+        StatsData {
+            line_size: s.usage.line_size,
+            total_lines: s.usage.total_lines,
+            occupancy_lines: s.usage.occupancy_lines,
+            free_lines: s.usage.free_lines,
+            dirty_lines: s.usage.dirty_lines,
+            read_hits: s.requests.read_hits,
+            read_partial_misses: s.requests.read_partial_misses,
+            read_full_misses: s.requests.read_full_misses,
+            write_hits: s.requests.write_hits,
+            write_partial_misses: s.requests.write_partial_misses,
+            write_full_misses: s.requests.write_full_misses,
+            pass_through_reads: s.requests.pass_through_reads,
+            pass_through_writes: s.requests.pass_through_writes,
+            core_read_bytes: s.blocks.core_read_bytes,
+            core_written_bytes: s.blocks.core_written_bytes,
+            cache_read_bytes: s.blocks.cache_read_bytes,
+            cache_written_bytes: s.blocks.cache_written_bytes,
+            exported_read_bytes: s.blocks.exported_read_bytes,
+            exported_written_bytes: s.blocks.exported_written_bytes,
+            cache_read_errors: s.errors.cache_read,
+            cache_write_errors: s.errors.cache_write,
+            core_read_errors: s.errors.core_read,
+            core_write_errors: s.errors.core_write,
+        }
+    }
+}
+
+/// Result of `get-param`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ParamValue {
+    pub name: String,
+    pub value: String,
+    pub read_only: bool,
+}
+
+/// Result of `version`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VersionInfo {
+    pub version: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_round_trip_and_defaults_apply() {
+        let r: Request =
+            serde_json::from_str(r#"{"cmd":"start-cache","device":"ram:1G"}"#).unwrap();
+        assert_eq!(
+            r,
+            Request::StartCache {
+                device: "ram:1G".into(),
+                id: None,
+                mode: None,
+                line_size_kib: None,
+                force: false,
+                load: false
+            }
+        );
+        let line = serde_json::to_string(&Request::Flush {
+            cache: 1,
+            core: Some(2),
+        })
+        .unwrap();
+        assert_eq!(line, r#"{"cmd":"flush","cache":1,"core":2}"#);
+        assert!(serde_json::from_str::<Request>(r#"{"cmd":"explode"}"#).is_err());
+    }
+
+    #[test]
+    fn error_responses_are_one_line() {
+        let r = Response::err("a\nb");
+        assert_eq!(r.error.as_deref(), Some("a b"));
+    }
+}

@@ -1,0 +1,454 @@
+//! End to end through the daemon: every management verb, output formats, exact errors that
+//! change nothing, the configuration file, and data written over NBD surviving a flush.
+
+mod common;
+
+use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
+use std::process::Command;
+
+use common::{sparse_file, workdir, Daemon, BIN};
+
+#[test]
+fn management_verbs_end_to_end() {
+    let dir = workdir();
+    let cache = dir.path().join("cache.img");
+    let core = dir.path().join("core.img");
+    let core2 = dir.path().join("core2.img");
+    sparse_file(&cache, 16 << 20);
+    sparse_file(&core, 256 << 20);
+    sparse_file(&core2, 64 << 20);
+    let d = Daemon::start(dir.path());
+    let mode = std::fs::metadata(&d.control).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "control socket mode");
+
+    let cache_spec = format!("file:{}", cache.display());
+    let core_s = core.to_str().unwrap();
+    assert_eq!(
+        d.ok(&["-S", "-d", &cache_spec, "-c", "wb"]),
+        "cache 1 started\n"
+    );
+    assert_eq!(
+        d.ok(&["--add-core", "-i", "1", "-d", core_s]),
+        "core 1 added to cache 1, exported as cas1-1\n"
+    );
+    let list = d.ok(&["-L"]);
+    let lines: Vec<&str> = list.lines().collect();
+    assert_eq!(lines.len(), 3, "{list}");
+    assert!(
+        lines[1].starts_with("cache") && lines[1].contains("wb") && lines[1].contains("Running"),
+        "{list}"
+    );
+    assert!(
+        lines[2].starts_with("└core") && lines[2].ends_with("cas1-1"),
+        "{list}"
+    );
+
+    // Write through the export with a real client so the statistics have something to count.
+    {
+        let mut c = hybridcache_nbd::Client::connect_unix(&d.nbd, "cas1-1").expect("connect");
+        assert!(c.can_multi_conn());
+        c.write(&[0xab; 65536], 0, false).expect("write");
+        c.disconnect().unwrap();
+    }
+
+    let table = d.ok(&["-P", "-i", "1"]);
+    for section in [
+        "Usage statistics",
+        "Request statistics",
+        "Block statistics",
+        "Error statistics",
+    ] {
+        assert!(table.contains(section), "{table}");
+    }
+    let csv = d.ok(&["--stats", "-i", "1", "-j", "1", "-o", "csv"]);
+    let rows: Vec<&str> = csv.lines().collect();
+    assert_eq!(rows.len(), 2, "{csv}");
+    assert_eq!(rows[0].split(',').count(), rows[1].split(',').count());
+    let json: serde_json::Value =
+        serde_json::from_str(&d.ok(&["stats", "-i", "1", "-o", "json"])).expect("stats JSON");
+    assert_eq!(json["info"]["cache_id"], 1);
+    assert_eq!(json["info"]["write_policy"], "wb");
+    {
+        assert_eq!(json["blocks"]["exported_writes"]["count"], 16, "{json}");
+        assert!(
+            json["usage"]["dirty"]["count"].as_u64().unwrap() > 0,
+            "{json}"
+        );
+        // A core with dirty data is not removed without --force, and stays.
+        let err = d.fails(&["-R", "-i", "1", "-j", "1"]);
+        assert!(err.contains("dirty"), "{err}");
+        assert!(d.ok(&["-L"]).contains("cas1-1"));
+    }
+
+    // Parameters.
+    assert_eq!(d.ok(&["-G", "-n", "cache-mode", "-i", "1"]), "wb\n");
+    assert_eq!(d.ok(&["-G", "-n", "cache-line-size", "-i", "1"]), "4\n");
+    let err = d.fails(&["-X", "-n", "cache-line-size", "-i", "1", "-v", "8"]);
+    assert!(err.contains("read-only"), "{err}");
+    let err = d.fails(&["-G", "-n", "nope", "-i", "1"]);
+    assert!(err.contains("unknown parameter 'nope'"), "{err}");
+
+    // Flush, then the mode switch and the data survive.
+    d.ok(&["-F", "-i", "1"]);
+    let json: serde_json::Value =
+        serde_json::from_str(&d.ok(&["-P", "-i", "1", "-o", "json"])).unwrap();
+    assert_eq!(json["usage"]["dirty"]["count"], 0, "{json}");
+    d.ok(&["-Q", "-c", "wt", "-i", "1", "-f", "yes"]);
+    assert_eq!(d.ok(&["-G", "-n", "cache-mode", "-i", "1"]), "wt\n");
+    d.ok(&["-X", "-n", "cache-mode", "-i", "1", "-v", "wa"]);
+    assert_eq!(d.ok(&["-G", "-n", "cache-mode", "-i", "1"]), "wa\n");
+    d.ok(&["-Z", "-i", "1", "-j", "1"]);
+    let json: serde_json::Value =
+        serde_json::from_str(&d.ok(&["-P", "-i", "1", "-j", "1", "-o", "json"])).unwrap();
+    assert_eq!(json["requests"]["total_requests"]["count"], 0, "{json}");
+    d.ok(&["-Z", "-i", "1"]);
+    let json: serde_json::Value =
+        serde_json::from_str(&d.ok(&["-P", "-i", "1", "-o", "json"])).unwrap();
+    assert_eq!(json["requests"]["total_requests"]["count"], 0, "{json}");
+    {
+        let data = std::fs::read(&core).unwrap();
+        assert!(
+            data[..65536].iter().all(|&b| b == 0xab),
+            "flushed data on the core"
+        );
+    }
+
+    // Exact errors, each leaving the setup as it was.
+    let before = d.ok(&["-L"]);
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            vec![
+                "-S".into(),
+                "-d".into(),
+                "ram:16M".into(),
+                "-i".into(),
+                "1".into(),
+            ],
+            "cache 1 already exists",
+        ),
+        (
+            vec!["-S".into(), "-d".into(), cache.display().to_string()],
+            "is already in use as the cache device of cache 1",
+        ),
+        (
+            vec![
+                "-A".into(),
+                "-i".into(),
+                "1".into(),
+                "-d".into(),
+                format!("file:{core_s}"),
+            ],
+            "is already in use as core 1 of cache 1",
+        ),
+        (
+            vec![
+                "-A".into(),
+                "-i".into(),
+                "1".into(),
+                "-d".into(),
+                core2.display().to_string(),
+                "-j".into(),
+                "1".into(),
+            ],
+            "core 1 already exists in cache 1",
+        ),
+        (
+            vec![
+                "-A".into(),
+                "-i".into(),
+                "7".into(),
+                "-d".into(),
+                "ram:1M".into(),
+            ],
+            "cache 7 does not exist",
+        ),
+        (
+            vec![
+                "-R".into(),
+                "-i".into(),
+                "1".into(),
+                "-j".into(),
+                "9".into(),
+            ],
+            "core 9 does not exist in cache 1",
+        ),
+        (
+            vec![
+                "-A".into(),
+                "-i".into(),
+                "1".into(),
+                "-d".into(),
+                dir.path().join("missing.img").display().to_string(),
+            ],
+            "no such file",
+        ),
+        (
+            vec![
+                "-S".into(),
+                "-d".into(),
+                "ram:2K".into(),
+                "-x".into(),
+                "4".into(),
+            ],
+            "too small",
+        ),
+        (
+            vec![
+                "-A".into(),
+                "-i".into(),
+                "1".into(),
+                "-d".into(),
+                "null:1000".into(),
+            ],
+            "multiple of 512",
+        ),
+        (
+            vec!["-S".into(), "-d".into(), "ram:16M".into(), "--load".into()],
+            "cannot hold a cache to load",
+        ),
+        (
+            vec![
+                "-S".into(),
+                "-d".into(),
+                cache_spec.clone(),
+                "--load".into(),
+            ],
+            "is already in use as the cache device of cache 1",
+        ),
+        (
+            vec![
+                "-S".into(),
+                "-d".into(),
+                core2.display().to_string(),
+                "--load".into(),
+            ],
+            "no hybridcache cache found",
+        ),
+        (
+            vec![
+                "-S".into(),
+                "-d".into(),
+                core2.display().to_string(),
+                "--load".into(),
+                "--force".into(),
+            ],
+            "contradict",
+        ),
+        (
+            vec![
+                "-Z".into(),
+                "-i".into(),
+                "1".into(),
+                "-j".into(),
+                "3".into(),
+            ],
+            "core 3 does not exist in cache 1",
+        ),
+        (
+            vec![
+                "-F".into(),
+                "-i".into(),
+                "1".into(),
+                "-j".into(),
+                "3".into(),
+            ],
+            "core 3 does not exist in cache 1",
+        ),
+    ];
+    for (args, want) in cases {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let err = d.fails(&args);
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert_eq!(d.ok(&["-L"]), before, "{args:?} changed the setup");
+    }
+
+    // A second core by its own id, then removal of both, then stop.
+    d.ok(&["-A", "-i", "1", "-d", "ram:32M", "-j", "5"]);
+    assert!(d.ok(&["-L"]).contains("cas1-5"));
+    d.ok(&["-R", "-i", "1", "-j", "5"]);
+    d.ok(&["-R", "-i", "1", "-j", "1"]);
+    d.ok(&["-T", "-i", "1"]);
+    assert_eq!(d.ok(&["-L"]), "No caches running\n");
+    // Freed devices can be used again; the stopped cache is still on its device, so a new one
+    // needs --force.
+    let err = d.fails(&["-S", "-d", cache.to_str().unwrap(), "-i", "2"]);
+    assert!(err.contains("holds cache 1"), "{err}");
+    d.ok(&["-S", "-d", cache.to_str().unwrap(), "-i", "2", "--force"]);
+    d.ok(&["-T", "-i", "2"]);
+    let v = d.ok(&["-V"]);
+    assert!(v.contains("daemon 0.") || v.contains("daemon 1."), "{v}");
+}
+
+#[test]
+fn cli_errors_without_daemon() {
+    let dir = workdir();
+    let sock = dir.path().join("none.sock");
+    let out = Command::new(BIN)
+        .args(["-L", "--control"])
+        .arg(&sock)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot reach the daemon"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+
+    // The environment variable names the socket too.
+    let out = Command::new(BIN)
+        .arg("-L")
+        .env("HYBRIDCACHE_CONTROL", &sock)
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains(&*sock.to_string_lossy()));
+
+    // Usage errors exit 2 with one line.
+    let out = Command::new(BIN)
+        .args(["-S", "-d", "x", "-c", "fast"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("unknown cache mode 'fast'"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+}
+
+#[test]
+fn config_file_applied_and_saved() {
+    let dir = workdir();
+    let core = dir.path().join("core.img");
+    sparse_file(&core, 64 << 20);
+    let cfg = dir.path().join("hybridcache.toml");
+    let mut f = std::fs::File::create(&cfg).unwrap();
+    write!(
+        f,
+        "[[cache]]\nid = 3\ndevice = \"ram:16M\"\nline_size = 8\nmode = \"wb\"\n\n\
+         [[core]]\ncache = 3\nid = 2\ndevice = \"{}\"\n",
+        core.display()
+    )
+    .unwrap();
+    drop(f);
+    let cfg_s = cfg.to_str().unwrap();
+    let mut d = Daemon::start_with(dir.path(), &["--config", cfg_s, "--save-config"]);
+    let list = d.ok(&["-L"]);
+    assert!(list.contains("cas3-2") && list.contains("wb"), "{list}");
+    assert_eq!(d.ok(&["-G", "-n", "cache-line-size", "-i", "3"]), "8\n");
+    d.ok(&["-A", "-i", "3", "-d", "ram:8M", "-j", "4"]);
+    d.ok(&["-Q", "-c", "wt", "-i", "3"]);
+    let saved = std::fs::read_to_string(&cfg).unwrap();
+    assert!(
+        saved.contains("id = 4") && saved.contains("ram:8M"),
+        "{saved}"
+    );
+    assert!(saved.contains("mode = \"wt\""), "{saved}");
+    assert!(d.stop(), "clean shutdown: {}", d.log_text());
+    assert!(!d.control.exists() && !d.nbd.exists(), "sockets removed");
+
+    // The saved file starts the same setup again.
+    let d = Daemon::start_with(dir.path(), &["--config", cfg_s]);
+    let list = d.ok(&["-L"]);
+    assert!(list.contains("cas3-2") && list.contains("cas3-4"), "{list}");
+
+    // A broken file stops the daemon from starting, with the line of the mistake.
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(
+        &bad,
+        "[[cache]]\nid = 1\ndevice = \"ram:1M\"\nmdoe = \"wb\"\n",
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .args(["daemon", "--config", bad.to_str().unwrap(), "--control"])
+        .arg(dir.path().join("x.sock"))
+        .arg("--nbd-socket")
+        .arg(dir.path().join("y.sock"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("line 4") && err.contains("mdoe"), "{err}");
+}
+
+#[test]
+fn second_daemon_on_the_same_socket_is_refused() {
+    let dir = workdir();
+    let d = Daemon::start(dir.path());
+    let out = Command::new(BIN)
+        .args(["daemon", "--control"])
+        .arg(&d.control)
+        .arg("--nbd-socket")
+        .arg(dir.path().join("other.sock"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("another daemon"), "{err}");
+    // The first one still answers.
+    d.ok(&["-L"]);
+}
+
+#[test]
+fn sigterm_flushes_dirty_data_and_removes_sockets() {
+    let dir = workdir();
+    let core = dir.path().join("core.img");
+    sparse_file(&core, 32 << 20);
+    let mut d = Daemon::start(dir.path());
+    d.ok(&["-S", "-d", "ram:8M", "-c", "wb"]);
+    d.ok(&["-A", "-i", "1", "-d", core.to_str().unwrap()]);
+    let mut c = hybridcache_nbd::Client::connect_unix(&d.nbd, "cas1-1").unwrap();
+    c.write(&[0x5a; 1 << 20], 4 << 20, false).unwrap();
+    c.disconnect().unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&d.ok(&["-P", "-i", "1", "-o", "json"])).unwrap();
+    assert!(json["usage"]["dirty"]["count"].as_u64().unwrap() > 0);
+    assert!(d.stop(), "clean exit: {}", d.log_text());
+    assert!(!d.control.exists() && !d.nbd.exists());
+    let data = std::fs::read(&core).unwrap();
+    assert!(data[4 << 20..5 << 20].iter().all(|&b| b == 0x5a));
+}
+
+#[test]
+fn remote_nbd_export_as_core() {
+    if !common::have("nbdkit") {
+        eprintln!("skipped: nbdkit is not installed (make deps)");
+        return;
+    }
+    let dir = workdir();
+    let sock = dir.path().join("nbdkit.sock");
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _nbdkit = Kill(
+        Command::new("nbdkit")
+            .args(["-f", "-U"])
+            .arg(&sock)
+            .args(["memory", "64M"])
+            .spawn()
+            .expect("nbdkit"),
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !sock.exists() {
+        assert!(std::time::Instant::now() < deadline, "nbdkit did not start");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let d = Daemon::start(dir.path());
+    d.ok(&["-S", "-d", "ram:4M", "-c", "wb"]);
+    let remote = format!("nbd+unix:///?socket={}", sock.display());
+    d.ok(&["-A", "-i", "1", "-d", &remote]);
+    let err = d.fails(&["-A", "-i", "1", "-d", &remote]);
+    assert!(err.contains("already in use as core 1"), "{err}");
+    let mut c = hybridcache_nbd::Client::connect_unix(&d.nbd, "cas1-1").unwrap();
+    assert_eq!(c.size(), 64 << 20);
+    let data: Vec<u8> = (0..8 << 20).map(|i: u32| (i % 251) as u8).collect();
+    c.write(&data, 1 << 20, false).unwrap();
+    c.disconnect().unwrap();
+    d.ok(&["-F", "-i", "1"]);
+    // Read the remote export directly: the flushed data is there.
+    let mut r = hybridcache_nbd::Client::connect_unix(&sock, "").unwrap();
+    let mut back = vec![0u8; data.len()];
+    r.read(&mut back, 1 << 20).unwrap();
+    assert!(back == data, "remote core holds the data");
+}

@@ -1,0 +1,241 @@
+//! Shared test harness: a daemon per test on sockets in a private directory, the CLI against it,
+//! and helpers for the external tools (fio, qemu-img, nbdfuse) the tests drive.
+//!
+//! Everything lives under the target directory (not /tmp, which may be tmpfs without O_DIRECT),
+//! and the daemon is stopped by a Drop guard, so a failing test leaves no process behind.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_hybridcache");
+
+/// A private directory under the target directory.
+pub fn workdir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("hc")
+        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .expect("create a work directory")
+}
+
+/// Whether an external program is installed; tests that need one print a reason and return.
+pub fn have(tool: &str) -> bool {
+    Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {tool}"))
+        .stdout(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+/// Make a sparse file of `size` bytes.
+pub fn sparse_file(path: &Path, size: u64) {
+    let f = std::fs::File::create(path).expect("create file");
+    f.set_len(size).expect("size file");
+}
+
+/// A running daemon; stopped (SIGTERM, then SIGKILL after 20 s) when dropped.
+pub struct Daemon {
+    child: Option<Child>,
+    pub control: PathBuf,
+    pub nbd: PathBuf,
+    pub log: PathBuf,
+}
+
+impl Daemon {
+    pub fn start(dir: &Path) -> Daemon {
+        Self::start_with(dir, &[])
+    }
+
+    pub fn start_with(dir: &Path, extra: &[&str]) -> Daemon {
+        let control = dir.join("control.sock");
+        let nbd = dir.join("nbd.sock");
+        let log = dir.join("daemon.log");
+        let logf = std::fs::File::create(&log).expect("daemon log");
+        let child = Command::new(BIN)
+            .arg("daemon")
+            .arg("--control")
+            .arg(&control)
+            .arg("--nbd-socket")
+            .arg(&nbd)
+            .args(extra)
+            .env_remove("HYBRIDCACHE_CONTROL")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(logf)
+            .spawn()
+            .expect("spawn daemon");
+        let mut d = Daemon {
+            child: Some(child),
+            control,
+            nbd,
+            log,
+        };
+        d.wait_ready();
+        d
+    }
+
+    fn wait_ready(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(c) = self.child.as_mut() {
+                if let Ok(Some(status)) = c.try_wait() {
+                    panic!("daemon exited early ({status}): {}", self.log_text());
+                }
+            }
+            // The daemon prints "ready" once it accepts control requests.
+            if self.log_text().contains(" ready: ") {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "daemon not ready: {}",
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Run the CLI against this daemon.
+    pub fn cli(&self, args: &[&str]) -> Output {
+        Command::new(BIN)
+            .args(args)
+            .arg("--control")
+            .arg(&self.control)
+            .env_remove("HYBRIDCACHE_CONTROL")
+            .output()
+            .expect("run the CLI")
+    }
+
+    /// Run the CLI and require success; returns stdout.
+    pub fn ok(&self, args: &[&str]) -> String {
+        let out = self.cli(args);
+        assert!(
+            out.status.success(),
+            "hybridcache {args:?} failed: {}{}",
+            String::from_utf8_lossy(&out.stderr),
+            self.log_text()
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Run the CLI and require failure with exit code 1; returns the one-line stderr.
+    pub fn fails(&self, args: &[&str]) -> String {
+        let out = self.cli(args);
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "hybridcache {args:?} should fail: stdout {} stderr {err}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        assert_eq!(err.lines().count(), 1, "one line expected: {err}");
+        err
+    }
+
+    /// The NBD URI of an export.
+    pub fn uri(&self, export: &str) -> String {
+        format!("nbd+unix:///{export}?socket={}", self.nbd.display())
+    }
+
+    /// Stop with SIGTERM and wait; returns whether it exited successfully.
+    pub fn stop(&mut self) -> bool {
+        let Some(mut child) = self.child.take() else {
+            return true;
+        };
+        // SAFETY: signalling our own child by its pid.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                return status.success();
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Daemon {
+    /// Kill with SIGKILL, as a crash would, and wait for the process to go.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// The statistics of a cache (or one core) as JSON.
+    pub fn stats_json(&self, cache: u16, core: Option<u16>) -> serde_json::Value {
+        let cache = cache.to_string();
+        let mut args = vec!["-P", "-i", &cache, "-o", "json"];
+        let core = core.map(|c| c.to_string());
+        if let Some(c) = &core {
+            args.extend(["-j", c]);
+        }
+        serde_json::from_str(&self.ok(&args)).expect("stats JSON")
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Run fio with a job description and return its JSON report; panics on any job error.
+pub fn fio(dir: &Path, name: &str, args: &[String]) -> serde_json::Value {
+    let out_file = dir.join(format!("{name}.json"));
+    let out = Command::new("fio")
+        .arg(format!("--output={}", out_file.display()))
+        .arg("--output-format=json")
+        .args(args)
+        .output()
+        .expect("run fio");
+    let report = std::fs::read_to_string(&out_file).unwrap_or_default();
+    assert!(
+        out.status.success(),
+        "fio {name} failed: {}\n{}\n{report}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // fio may print non-JSON lines before the report even in the file; start at the first '{'.
+    let start = report.find('{').unwrap_or(0);
+    let v: serde_json::Value =
+        serde_json::from_str(&report[start..]).unwrap_or_else(|e| panic!("fio {name}: {e}"));
+    for job in v["jobs"].as_array().expect("fio jobs") {
+        assert_eq!(
+            job["error"].as_i64(),
+            Some(0),
+            "fio {name} job {} failed: {job}",
+            job["jobname"]
+        );
+    }
+    v
+}
+
+/// Total IOPS of a fio report (reads plus writes over all jobs).
+pub fn fio_iops(v: &serde_json::Value) -> f64 {
+    v["jobs"]
+        .as_array()
+        .map(|jobs| {
+            jobs.iter()
+                .map(|j| {
+                    j["read"]["iops"].as_f64().unwrap_or(0.0)
+                        + j["write"]["iops"].as_f64().unwrap_or(0.0)
+                })
+                .sum()
+        })
+        .unwrap_or(0.0)
+}
