@@ -104,6 +104,20 @@ impl Geometry {
         }
     }
 
+    /// How many lines block `block` describes (the last block may be short).
+    pub(crate) fn lines_in_block(&self, block: u64) -> usize {
+        let epb = self.entries_per_block as u64;
+        (self.lines as u64 - block * epb).min(epb) as usize
+    }
+
+    /// The metadata blocks in runs of at most `max`: (first block, count). Both copies of a run's
+    /// blocks are contiguous on the device, `2 × count × 512` bytes from `slot_offset(first, 0)`.
+    pub(crate) fn block_runs(&self, max: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
+        (0..self.meta_blocks)
+            .step_by(max as usize)
+            .map(move |b| (b, (self.meta_blocks - b).min(max)))
+    }
+
     pub(crate) fn slot_offset(&self, block: u64, slot: u32) -> u64 {
         META_OFFSET + (block * 2 + slot as u64) * BLOCK as u64
     }

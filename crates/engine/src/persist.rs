@@ -360,20 +360,17 @@ pub(crate) fn format_volume(
     volume.write_at(&zero, 0)?;
     volume.write_at(&zero, CONFIG_SLOT_BYTES)?;
     volume.flush()?;
-    let epb = geometry.entries_per_block as u64;
     // Write slot 0 of every block, a few MiB at a time; slot 1 stays as it is (it fails its
     // checksum or carries a foreign nonce, and loses to slot 0 either way).
     const CHUNK_BLOCKS: u64 = 4096;
     let mut buf = vec![0u8; (CHUNK_BLOCKS * 2) as usize * BLOCK];
-    let mut b = 0;
-    while b < geometry.meta_blocks {
-        let n = (geometry.meta_blocks - b).min(CHUNK_BLOCKS);
+    for (b, n) in geometry.block_runs(CHUNK_BLOCKS) {
         // Each block's slot 1 is read back first so the chunk write leaves it unchanged.
         let len = (n * 2) as usize * BLOCK;
         volume.read_at(&mut buf[..len], geometry.slot_offset(b, 0))?;
         for i in 0..n {
             let block = b + i;
-            let count = (geometry.lines as u64 - block * epb).min(epb) as usize;
+            let count = geometry.lines_in_block(block);
             let entries = vec![
                 Entry {
                     key: None,
@@ -393,7 +390,6 @@ pub(crate) fn format_volume(
             );
         }
         volume.write_at(&buf[..len], geometry.slot_offset(b, 0))?;
-        b += n;
     }
     volume.flush()?;
     write_config(volume, sb, 1)?;
@@ -441,14 +437,12 @@ pub(crate) fn restore(
     let mut buf = vec![0u8; (CHUNK_BLOCKS * 2) as usize * BLOCK];
     let mut entries = Vec::with_capacity(epb as usize);
     let mut other_entries = Vec::with_capacity(epb as usize);
-    let mut b = 0;
-    while b < geometry.meta_blocks {
-        let n = (geometry.meta_blocks - b).min(CHUNK_BLOCKS);
+    for (b, n) in geometry.block_runs(CHUNK_BLOCKS) {
         let len = (n * 2) as usize * BLOCK;
         volume.read_at(&mut buf[..len], geometry.slot_offset(b, 0))?;
         for i in 0..n {
             let block = b + i;
-            let count = (geometry.lines as u64 - block * epb).min(epb) as usize;
+            let count = geometry.lines_in_block(block);
             let at = (i * 2) as usize * BLOCK;
             let copies = [
                 decode_block(
@@ -569,7 +563,6 @@ pub(crate) fn restore(
                 }
             }
         }
-        b += n;
     }
     p.state.lock().seq = max_seq;
     for (id, (occupancy, dirty)) in gauges.into_iter().enumerate() {
