@@ -12,12 +12,20 @@
 use std::fmt;
 use std::sync::Arc;
 
+mod emul;
 mod fault;
 mod file;
 mod null;
 mod ram;
 mod uri;
 
+pub use emul::{
+    calibration_cells, calibration_table, nanos, simulate, Backing, Cell, Clock, ClockRef,
+    EmulConfig, EmulatedVolume, HddConfig, IoKind, Nanos, ParityEngine, Pattern, RaidConfig,
+    RaidLevel, RealClock, SimResult, SplitMix64, ThrottleConfig, ThrottledVolume, VirtualClock,
+    Workload, STARVATION_LIMIT, STUDY_DEPTHS, STUDY_RANDOM_WRITE_IOPS, STUDY_SEQ_WRITE_MBS,
+    STUDY_SPAN,
+};
 pub use fault::{CrashVolume, FaultConfig, FaultyVolume, WriteFate};
 pub use file::{FileVolume, IoPath};
 pub use null::NullVolume;

@@ -1,0 +1,917 @@
+//! RAID arrays of emulated disks: [`RaidConfig`] describes one, `Array` is the timing model of the
+//! controller and its disks (a single disk is the array with one member, so both device kinds
+//! share this code).
+//!
+//! Layout. Levels 0, 1, 5 and 6 are one group of `disks` disks; levels 10, 50 and 60 are a RAID 0
+//! over `groups` groups of RAID 1, 5 or 6 with `disks` disks each. RAID 0, 5 and 6 cut a group into
+//! strips of `strip` bytes, one per disk per row; RAID 5 rotates the parity disk per row
+//! (left-symmetric), RAID 6 puts Q on the disk after P. The outer RAID 0 of a nested level gives
+//! each group a whole inner stripe in turn (`strip` for RAID 10), so one full stripe is one group's.
+//!
+//! Controller. Reads go to the data disks (the least busy mirror for RAID 1). Writes on parity
+//! levels:
+//! - a full-stripe write writes every data and parity strip at once, reading nothing;
+//! - a partial-stripe write is a read-modify-write: read the old data and parity ranges, then
+//!   write the new data and parity;
+//! - with a stripe cache (`stripe_cache` stripes, least recently used out), the controller keeps
+//!   the stripes it has touched in memory: a partial write to a cached stripe reads nothing, and
+//!   new parity stays in the cache (dirty) until the stripe is evicted, when it is written in the
+//!   background. That is what lets a sequential stream of small writes run at the data disk's
+//!   speed instead of rewriting (and waiting a revolution for) the same parity sectors each time;
+//!   random writes still pay every read and, on eviction, every parity write;
+//! - with a merge window, a partial-stripe write first waits up to `merge_window` (from the first
+//!   waiting write of that stripe) for other writes to complete the stripe: if they do, all are
+//!   written as one full stripe; if not, each is written as a partial write. With `n` writes of
+//!   `b` bytes in flight, a sequential stream fills stripes only when `n * b` reaches the stripe's
+//!   data width, which is the jump in the study's sequential-write table.
+//!
+//! Every request also pays a fixed controller latency.
+//!
+//! The model is driven lazily with explicit times (see [`super::hdd`]): `start` and `poll` move it
+//! to a time, make every decision due by then, and say when the request completes or when to look
+//! again. It holds no data; the emulated volume keeps the data in a backing volume.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::clock::{nanos, Nanos};
+use super::hdd::{Disk, HddConfig, HddModel};
+
+/// A RAID level.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RaidLevel {
+    Raid0,
+    Raid1,
+    Raid10,
+    Raid5,
+    Raid6,
+    Raid50,
+    Raid60,
+}
+
+impl RaidLevel {
+    /// From its number: 0, 1, 10, 5, 6, 50 or 60.
+    pub fn from_number(n: u32) -> Option<RaidLevel> {
+        Some(match n {
+            0 => RaidLevel::Raid0,
+            1 => RaidLevel::Raid1,
+            10 => RaidLevel::Raid10,
+            5 => RaidLevel::Raid5,
+            6 => RaidLevel::Raid6,
+            50 => RaidLevel::Raid50,
+            60 => RaidLevel::Raid60,
+            _ => return None,
+        })
+    }
+
+    pub fn number(self) -> u32 {
+        match self {
+            RaidLevel::Raid0 => 0,
+            RaidLevel::Raid1 => 1,
+            RaidLevel::Raid10 => 10,
+            RaidLevel::Raid5 => 5,
+            RaidLevel::Raid6 => 6,
+            RaidLevel::Raid50 => 50,
+            RaidLevel::Raid60 => 60,
+        }
+    }
+
+    /// Whether this is a RAID 0 over groups.
+    pub fn nested(self) -> bool {
+        matches!(
+            self,
+            RaidLevel::Raid10 | RaidLevel::Raid50 | RaidLevel::Raid60
+        )
+    }
+
+    fn inner(self) -> Inner {
+        match self {
+            RaidLevel::Raid0 => Inner::Stripe,
+            RaidLevel::Raid1 | RaidLevel::Raid10 => Inner::Mirror,
+            RaidLevel::Raid5 | RaidLevel::Raid50 => Inner::Parity(1),
+            RaidLevel::Raid6 | RaidLevel::Raid60 => Inner::Parity(2),
+        }
+    }
+}
+
+/// An array of emulated disks and its controller.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RaidConfig {
+    pub level: RaidLevel,
+    /// Groups under the outer RAID 0 (1 for the non-nested levels).
+    pub groups: u32,
+    /// Disks per group.
+    pub disks: u32,
+    /// Bytes per disk per stripe row (what controllers call the strip or stripe size).
+    pub strip: u64,
+    /// Every member disk.
+    pub disk: HddConfig,
+    /// How long a partial-stripe write waits for the rest of its stripe (parity levels only).
+    pub merge_window: Option<Duration>,
+    /// Stripes whose old data and parity the controller keeps (parity levels only).
+    pub stripe_cache: usize,
+    /// Fixed controller latency added to every request.
+    pub ctrl_latency: Duration,
+    /// The controller's parity computation for partial-stripe writes (parity levels only).
+    pub parity_engine: Option<ParityEngine>,
+}
+
+/// A RAID controller's parity engine: it handles one partial-stripe write at a time, for a
+/// fixed cost plus the write's length at `rate` bytes per second. It caps the small sequential
+/// writes of the study's array (a few thousand IOPS, falling with the block size) while leaving
+/// full-stripe writes, which it does not handle, free to go faster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParityEngine {
+    pub per_request: Duration,
+    pub rate: u64,
+}
+
+impl RaidConfig {
+    /// An array with no merge window, no stripe cache and no controller latency.
+    pub fn new(level: RaidLevel, groups: u32, disks: u32, strip: u64, disk: HddConfig) -> Self {
+        RaidConfig {
+            level,
+            groups,
+            disks,
+            strip,
+            disk,
+            merge_window: None,
+            stripe_cache: 0,
+            ctrl_latency: Duration::ZERO,
+            parity_engine: None,
+        }
+    }
+
+    /// The study's array (domain.md §10), with the parameters tuned to reproduce its no-cache
+    /// baselines: RAID 60, 4 groups of 10 disks of `disk_size` bytes (8 data + 2 parity),
+    /// 7200 rpm, 64 KiB strips, NCQ 32, a 0.5 ms merge window, a 256-stripe stripe cache and a
+    /// parity engine of 100 µs + 200 MB/s per partial-stripe write.
+    pub fn study_raid60(disk_size: u64) -> RaidConfig {
+        let mut disk = HddConfig::new(disk_size, 7200);
+        disk.ncq = 32;
+        RaidConfig {
+            merge_window: Some(Duration::from_micros(500)),
+            stripe_cache: 256,
+            parity_engine: Some(ParityEngine {
+                per_request: Duration::from_micros(100),
+                rate: 200_000_000,
+            }),
+            ..RaidConfig::new(RaidLevel::Raid60, 4, 10, 64 << 10, disk)
+        }
+    }
+
+    /// Data disks per group.
+    pub fn data_disks(&self) -> u32 {
+        match self.level.inner() {
+            Inner::Stripe => self.disks,
+            Inner::Mirror => 1,
+            Inner::Parity(p) => self.disks.saturating_sub(p),
+        }
+    }
+
+    /// Usable bytes of the array.
+    pub fn capacity(&self) -> u64 {
+        let per_disk = self.disk.size / self.strip.max(1) * self.strip;
+        per_disk * self.data_disks() as u64 * self.groups as u64
+    }
+
+    /// Check the parameters; the message names the parameter and what it accepts.
+    pub fn validate(&self) -> Result<(), String> {
+        self.disk.validate()?;
+        let level = self.level.number();
+        let min_disks = match self.level.inner() {
+            Inner::Stripe => 1,
+            Inner::Mirror => 2,
+            Inner::Parity(p) => p + 2,
+        };
+        if !(min_disks..=64).contains(&self.disks) {
+            return Err(format!(
+                "disks {} out of range {min_disks}..=64 for RAID {level}",
+                self.disks
+            ));
+        }
+        if self.level.nested() {
+            if !(2..=64).contains(&self.groups) {
+                return Err(format!(
+                    "groups {} out of range 2..=64 for RAID {level}",
+                    self.groups
+                ));
+            }
+        } else if self.groups != 1 {
+            return Err(format!(
+                "groups {} must be 1 for RAID {level} (use level {level}0 for several groups)",
+                self.groups
+            ));
+        }
+        if self.strip < 4096 || self.strip > (64 << 20) || self.strip % 4096 != 0 {
+            return Err(format!(
+                "strip {} must be a multiple of 4 KiB in 4K..=64M",
+                self.strip
+            ));
+        }
+        if self.disk.size < self.strip {
+            return Err(format!(
+                "disk_size {} is smaller than one strip ({})",
+                self.disk.size, self.strip
+            ));
+        }
+        if self.stripe_cache > 1 << 20 {
+            return Err(format!(
+                "stripe_cache {} out of range 0..=1048576",
+                self.stripe_cache
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Inner {
+    Stripe,
+    Mirror,
+    Parity(u32),
+}
+
+/// Where requests land; derived from a config.
+#[derive(Debug, Clone)]
+struct Geometry {
+    inner: Inner,
+    groups: u64,
+    disks: u64,
+    strip: u64,
+    data_disks: u64,
+    /// Bytes of the logical volume given to one group before moving to the next.
+    chunk: u64,
+    capacity: u64,
+}
+
+/// One disk request of a step.
+#[derive(Debug, Clone, Copy)]
+struct SubIo {
+    disk: usize,
+    offset: u64,
+    len: u64,
+}
+
+/// A partial-stripe write, kept whole until it is issued (it may wait in a merge window).
+#[derive(Debug, Clone)]
+struct Partial {
+    key: (u64, u64),
+    data: Vec<SubIo>,
+    parity: Vec<SubIo>,
+}
+
+#[derive(Debug)]
+enum PieceState {
+    /// Waiting for disk requests (`inflight`), then issuing the remaining steps in order.
+    Steps {
+        pending: VecDeque<Vec<SubIo>>,
+        inflight: Vec<(usize, u64)>,
+    },
+    /// In a merge window.
+    Merging(Partial),
+    Finished(Nanos),
+}
+
+#[derive(Debug)]
+struct OpState {
+    pieces: Vec<PieceState>,
+    done_at: Option<Nanos>,
+}
+
+/// A stripe in the controller's stripe cache, with the parity ranges not yet written.
+#[derive(Debug)]
+struct CachedStripe {
+    key: (u64, u64),
+    dirty: Vec<SubIo>,
+}
+
+#[derive(Debug)]
+struct MergeGroup {
+    deadline: Nanos,
+    members: Vec<(u64, usize)>,
+    /// Covered byte ranges within the stripe's data, sorted and merged.
+    covered: Vec<(u64, u64)>,
+}
+
+/// Whether a request reads or writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoKind {
+    Read,
+    Write,
+}
+
+/// What a poll says about a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Poll {
+    /// It completes at this time (perhaps in the future).
+    Done(Nanos),
+    /// Unknown yet; look again at this time.
+    Pending(Nanos),
+}
+
+/// The timing model of an array (or of one disk): see the module documentation.
+#[derive(Debug)]
+pub struct Array {
+    geo: Geometry,
+    disks: Vec<Disk>,
+    merge_window: Option<Nanos>,
+    ctrl: Nanos,
+    cache_cap: usize,
+    cache: VecDeque<CachedStripe>,
+    /// Disk requests nobody waits for (parity written back on eviction).
+    background: Vec<(usize, u64)>,
+    /// Index in `disks` of the parity engine, if modelled.
+    engine: Option<usize>,
+    merges: HashMap<(u64, u64), MergeGroup>,
+    ops: HashMap<u64, OpState>,
+    next_op: u64,
+    now: Nanos,
+}
+
+impl Array {
+    /// The model of a validated RAID config.
+    pub fn raid(cfg: &RaidConfig) -> Array {
+        let inner = cfg.level.inner();
+        let data_disks = cfg.data_disks() as u64;
+        let chunk = match inner {
+            Inner::Mirror => cfg.strip,
+            _ => cfg.strip * data_disks,
+        };
+        let geo = Geometry {
+            inner,
+            groups: cfg.groups as u64,
+            disks: cfg.disks as u64,
+            strip: cfg.strip,
+            data_disks,
+            chunk,
+            capacity: cfg.capacity(),
+        };
+        let merge = matches!(inner, Inner::Parity(_))
+            .then_some(())
+            .and(cfg.merge_window);
+        let mut a = Self::build(geo, &cfg.disk, merge, cfg.stripe_cache, cfg.ctrl_latency);
+        if let (Some(e), Inner::Parity(_)) = (cfg.parity_engine, inner) {
+            a.engine = Some(a.disks.len());
+            let model = Arc::new(HddModel::seekless(e.per_request, e.rate));
+            a.disks.push(Disk::new(model));
+        }
+        a
+    }
+
+    /// The model of one validated disk.
+    pub fn single(cfg: &HddConfig) -> Array {
+        let geo = Geometry {
+            inner: Inner::Stripe,
+            groups: 1,
+            disks: 1,
+            strip: cfg.size,
+            data_disks: 1,
+            chunk: cfg.size,
+            capacity: cfg.size,
+        };
+        Self::build(geo, cfg, None, 0, Duration::ZERO)
+    }
+
+    fn build(
+        geo: Geometry,
+        disk: &HddConfig,
+        merge: Option<Duration>,
+        cache_cap: usize,
+        ctrl: Duration,
+    ) -> Array {
+        let model = Arc::new(HddModel::new(disk.clone()));
+        let n = (geo.groups * geo.disks) as usize;
+        Array {
+            disks: (0..n).map(|_| Disk::new(model.clone())).collect(),
+            geo,
+            merge_window: merge.map(nanos),
+            ctrl: nanos(ctrl),
+            cache_cap,
+            cache: VecDeque::new(),
+            background: Vec::new(),
+            engine: None,
+            merges: HashMap::new(),
+            ops: HashMap::new(),
+            next_op: 0,
+            now: 0,
+        }
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.geo.capacity
+    }
+
+    /// Total time each disk's actuator has been busy.
+    pub fn disk_busy(&self) -> Vec<Duration> {
+        self.disks
+            .iter()
+            .map(|d| Duration::from_nanos(d.busy_total))
+            .collect()
+    }
+
+    /// Begin a request at `now`; returns its handle for [`poll`](Self::poll).
+    pub fn start(&mut self, now: Nanos, kind: IoKind, offset: u64, len: u64) -> u64 {
+        self.advance(now);
+        let now = self.now;
+        let id = self.next_op;
+        self.next_op += 1;
+        self.ops.insert(
+            id,
+            OpState {
+                pieces: Vec::new(),
+                done_at: None,
+            },
+        );
+        for (group, inner_off, n) in self.geo.split_outer(offset, len) {
+            self.plan(id, now, kind, group, inner_off, n);
+        }
+        self.finalize();
+        id
+    }
+
+    /// Move to `now` and say whether request `op` is done. A done request is forgotten.
+    pub fn poll(&mut self, now: Nanos, op: u64) -> Poll {
+        self.advance(now);
+        match self.ops.get(&op).and_then(|o| o.done_at) {
+            Some(t) => {
+                self.ops.remove(&op);
+                Poll::Done(t)
+            }
+            None => Poll::Pending(
+                self.next_event()
+                    .unwrap_or(self.now + 1_000_000)
+                    .max(self.now),
+            ),
+        }
+    }
+
+    /// Add the pieces of one group's part of a request.
+    fn plan(&mut self, op: u64, now: Nanos, kind: IoKind, group: u64, off: u64, len: u64) {
+        let base = (group * self.geo.disks) as usize;
+        match self.geo.inner {
+            Inner::Stripe => {
+                let ios = self.geo.split_strips(base, off, len);
+                self.issue_piece(op, now, vec![ios]);
+            }
+            Inner::Mirror => {
+                let members = base..base + self.geo.disks as usize;
+                let ios = if kind == IoKind::Read {
+                    // The mirror that will be free soonest, then the one whose head is nearest.
+                    let disk = members
+                        .min_by_key(|&d| (self.disks[d].backlog(), self.disks[d].distance(off)))
+                        .unwrap_or(base);
+                    vec![SubIo {
+                        disk,
+                        offset: off,
+                        len,
+                    }]
+                } else {
+                    members
+                        .map(|disk| SubIo {
+                            disk,
+                            offset: off,
+                            len,
+                        })
+                        .collect()
+                };
+                self.issue_piece(op, now, vec![ios]);
+            }
+            Inner::Parity(p) => {
+                let row_bytes = self.geo.strip * self.geo.data_disks;
+                let mut o = off;
+                while o < off + len {
+                    let row = o / row_bytes;
+                    let end = ((row + 1) * row_bytes).min(off + len);
+                    let (a, b) = (o - row * row_bytes, end - row * row_bytes);
+                    self.plan_row(op, now, kind, group, row, p, a, b);
+                    o = end;
+                }
+            }
+        }
+    }
+
+    /// One stripe row's part of a request on a parity group: bytes `[a, b)` of the row's data.
+    #[allow(clippy::too_many_arguments)]
+    fn plan_row(
+        &mut self,
+        op: u64,
+        now: Nanos,
+        kind: IoKind,
+        group: u64,
+        row: u64,
+        parity: u32,
+        a: u64,
+        b: u64,
+    ) {
+        let g = &self.geo;
+        let n = g.disks;
+        let base = group * n;
+        let p_disk = (n - 1) - row % n;
+        let disk_of = |slot: u64| (base + (p_disk + parity as u64 + slot) % n) as usize;
+        let mut data = Vec::new();
+        let (mut lo, mut hi) = (g.strip, 0);
+        let mut s = a;
+        while s < b {
+            let slot = s / g.strip;
+            let e = ((slot + 1) * g.strip).min(b);
+            let in_strip = s - slot * g.strip;
+            lo = lo.min(in_strip);
+            hi = hi.max(in_strip + (e - s));
+            data.push(SubIo {
+                disk: disk_of(slot),
+                offset: row * g.strip + in_strip,
+                len: e - s,
+            });
+            s = e;
+        }
+        if kind == IoKind::Read {
+            self.issue_piece(op, now, vec![data]);
+            return;
+        }
+        let full = a == 0 && b == g.strip * g.data_disks;
+        let (span_lo, span_hi) = if full { (0, g.strip) } else { (lo, hi) };
+        let parity_ios: Vec<SubIo> = (0..parity as u64)
+            .map(|i| SubIo {
+                disk: (base + (p_disk + i) % n) as usize,
+                offset: row * g.strip + span_lo,
+                len: span_hi - span_lo,
+            })
+            .collect();
+        let key = (group, row);
+        if full {
+            self.touch_cache(now, key, None);
+            let mut ios = data;
+            ios.extend(parity_ios);
+            self.issue_piece(op, now, vec![ios]);
+            return;
+        }
+        let partial = Partial {
+            key,
+            data,
+            parity: parity_ios,
+        };
+        let Some(window) = self.merge_window else {
+            let steps = self.partial_steps(now, &partial);
+            self.issue_piece(op, now, steps);
+            return;
+        };
+        let op_state = self.ops.get_mut(&op).expect("op exists");
+        let piece = op_state.pieces.len();
+        op_state.pieces.push(PieceState::Merging(partial));
+        let row_bytes = g.strip * g.data_disks;
+        let m = self.merges.entry(key).or_insert_with(|| MergeGroup {
+            deadline: now + window,
+            members: Vec::new(),
+            covered: Vec::new(),
+        });
+        m.members.push((op, piece));
+        add_range(&mut m.covered, a, b);
+        if m.covered == [(0, row_bytes)] {
+            self.write_full_stripe(now, key);
+        }
+    }
+
+    /// The steps of a partial-stripe write. Without a stripe cache: read old data and parity,
+    /// then write new data and parity. With one, the new parity stays in the controller's cache
+    /// (written when the stripe is evicted), and a cached stripe needs no reads either.
+    fn partial_steps(&mut self, now: Nanos, w: &Partial) -> Vec<Vec<SubIo>> {
+        let mut both = w.data.clone();
+        both.extend(w.parity.iter().copied());
+        let mut steps = if self.cache_cap == 0 {
+            vec![both.clone(), both]
+        } else {
+            // A write that starts a stripe right after a cached one continues a sequential
+            // stream: the controller expects the rest of the stripe and reads nothing.
+            let (group, row) = w.key;
+            let starts_row = w.data.first().is_some_and(|io| {
+                io.offset == row * self.geo.strip
+                    && (io.disk as u64 - group * self.geo.disks)
+                        == ((self.geo.disks - 1) - row % self.geo.disks + self.geo.parity())
+                            % self.geo.disks
+            });
+            let stream =
+                starts_row && row > 0 && self.cache.iter().any(|e| e.key == (group, row - 1));
+            if self.touch_cache(now, w.key, Some(&w.parity)) || stream {
+                vec![w.data.clone()]
+            } else {
+                vec![both, w.data.clone()]
+            }
+        };
+        if let Some(engine) = self.engine {
+            let len = w.data.iter().map(|io| io.len).sum();
+            let head = self.disks[engine].distance(0);
+            let at = steps.len() - 1;
+            steps.insert(
+                at,
+                vec![SubIo {
+                    disk: engine,
+                    offset: head,
+                    len,
+                }],
+            );
+        }
+        steps
+    }
+
+    /// Note a stripe as cached (most recently used), with new dirty parity ranges or, for a
+    /// full-stripe write, clean. Returns whether it already was cached. Evicting a stripe with
+    /// dirty parity writes that parity in the background.
+    fn touch_cache(&mut self, now: Nanos, key: (u64, u64), dirty: Option<&[SubIo]>) -> bool {
+        if self.cache_cap == 0 {
+            return false;
+        }
+        let (mut entry, hit) = match self.cache.iter().position(|e| e.key == key) {
+            Some(i) => (self.cache.remove(i).expect("index from position"), true),
+            None => (
+                CachedStripe {
+                    key,
+                    dirty: Vec::new(),
+                },
+                false,
+            ),
+        };
+        match dirty {
+            None => entry.dirty.clear(),
+            Some(parity) => {
+                for io in parity {
+                    match entry.dirty.iter_mut().find(|d| d.disk == io.disk) {
+                        Some(d) => {
+                            let end = (d.offset + d.len).max(io.offset + io.len);
+                            d.offset = d.offset.min(io.offset);
+                            d.len = end - d.offset;
+                        }
+                        None => entry.dirty.push(*io),
+                    }
+                }
+            }
+        }
+        self.cache.push_back(entry);
+        if self.cache.len() > self.cache_cap {
+            if let Some(old) = self.cache.pop_front() {
+                let ids = self.submit_all(now, &old.dirty);
+                self.background.extend(ids);
+            }
+        }
+        hit
+    }
+
+    /// The merge group of `key` covers its stripe: write it whole for all its members.
+    fn write_full_stripe(&mut self, now: Nanos, key: (u64, u64)) {
+        let Some(m) = self.merges.remove(&key) else {
+            return;
+        };
+        let (group, row) = key;
+        let base = group * self.geo.disks;
+        let ios: Vec<SubIo> = (0..self.geo.disks)
+            .map(|d| SubIo {
+                disk: (base + d) as usize,
+                offset: row * self.geo.strip,
+                len: self.geo.strip,
+            })
+            .collect();
+        self.touch_cache(now, key, None);
+        let refs = m.members.len() as u32;
+        let ids: Vec<(usize, u64)> = ios
+            .iter()
+            .map(|io| {
+                (
+                    io.disk,
+                    self.disks[io.disk].submit(now, io.offset, io.len, refs),
+                )
+            })
+            .collect();
+        for (op, piece) in m.members {
+            if let Some(o) = self.ops.get_mut(&op) {
+                o.pieces[piece] = PieceState::Steps {
+                    pending: VecDeque::new(),
+                    inflight: ids.clone(),
+                };
+            }
+        }
+    }
+
+    /// The merge window of `key` expired: write each member as a partial write.
+    fn expire_merge(&mut self, now: Nanos, key: (u64, u64)) {
+        let Some(m) = self.merges.remove(&key) else {
+            return;
+        };
+        for (op, piece) in m.members {
+            let partial = match self.ops.get(&op).map(|o| &o.pieces[piece]) {
+                Some(PieceState::Merging(p)) => p.clone(),
+                _ => continue,
+            };
+            let mut steps: VecDeque<Vec<SubIo>> = self.partial_steps(now, &partial).into();
+            let first = steps.pop_front().unwrap_or_default();
+            let inflight = self.submit_all(now, &first);
+            self.ops.get_mut(&op).expect("op exists").pieces[piece] = PieceState::Steps {
+                pending: steps,
+                inflight,
+            };
+        }
+    }
+
+    fn submit_all(&mut self, now: Nanos, ios: &[SubIo]) -> Vec<(usize, u64)> {
+        ios.iter()
+            .map(|io| {
+                (
+                    io.disk,
+                    self.disks[io.disk].submit(now, io.offset, io.len, 1),
+                )
+            })
+            .collect()
+    }
+
+    fn issue_piece(&mut self, op: u64, now: Nanos, steps: Vec<Vec<SubIo>>) {
+        let mut steps: VecDeque<Vec<SubIo>> = steps.into();
+        let first = steps.pop_front().unwrap_or_default();
+        let inflight = self.submit_all(now, &first);
+        self.ops
+            .get_mut(&op)
+            .expect("op exists")
+            .pieces
+            .push(PieceState::Steps {
+                pending: steps,
+                inflight,
+            });
+    }
+
+    /// When all of `inflight` complete, if known.
+    fn step_done(&self, inflight: &[(usize, u64)]) -> Option<Nanos> {
+        inflight.iter().try_fold(0, |acc: Nanos, &(d, id)| {
+            self.disks[d].completion(id).map(|t| acc.max(t))
+        })
+    }
+
+    /// The earliest time something is due: a dispatch, a merge deadline, or a next step.
+    fn next_event(&self) -> Option<Nanos> {
+        let disks = self.disks.iter().filter_map(|d| d.next_event());
+        let merges = self.merges.values().map(|m| m.deadline);
+        let steps = self
+            .ops
+            .values()
+            .flat_map(|o| &o.pieces)
+            .filter_map(|p| match p {
+                PieceState::Steps { pending, inflight } if !pending.is_empty() => {
+                    self.step_done(inflight)
+                }
+                _ => None,
+            });
+        disks.chain(merges).chain(steps).min()
+    }
+
+    /// Make every decision due up to `now`, in time order.
+    fn advance(&mut self, now: Nanos) {
+        let now = now.max(self.now);
+        while let Some(t) = self.next_event().filter(|&t| t <= now) {
+            let t = t.max(self.now);
+            self.now = t;
+            for d in &mut self.disks {
+                d.advance(t);
+            }
+            let expired: Vec<(u64, u64)> = self
+                .merges
+                .iter()
+                .filter(|(_, m)| m.deadline <= t)
+                .map(|(&k, _)| k)
+                .collect();
+            for key in expired {
+                self.expire_merge(t, key);
+            }
+            // Pieces whose current step has completed issue their next one.
+            let mut ready = Vec::new();
+            for (&op, o) in &self.ops {
+                for (i, p) in o.pieces.iter().enumerate() {
+                    if let PieceState::Steps { pending, inflight } = p {
+                        if !pending.is_empty() && self.step_done(inflight).is_some_and(|c| c <= t) {
+                            ready.push((op, i));
+                        }
+                    }
+                }
+            }
+            for (op, i) in ready {
+                let (step, old) = match &mut self.ops.get_mut(&op).expect("op").pieces[i] {
+                    PieceState::Steps { pending, inflight } => (
+                        pending.pop_front().unwrap_or_default(),
+                        std::mem::take(inflight),
+                    ),
+                    _ => continue,
+                };
+                for (d, id) in old {
+                    self.disks[d].forget(id);
+                }
+                let new = self.submit_all(t, &step);
+                if let PieceState::Steps { inflight, .. } =
+                    &mut self.ops.get_mut(&op).expect("op").pieces[i]
+                {
+                    *inflight = new;
+                }
+            }
+        }
+        self.now = now;
+        for d in &mut self.disks {
+            d.advance(now);
+        }
+        self.finalize();
+    }
+
+    /// Settle pieces whose last step's completion is known, and requests whose pieces all are.
+    fn finalize(&mut self) {
+        let disks = &mut self.disks;
+        self.background.retain(|&(d, id)| {
+            let done = disks[d].completion(id).is_some();
+            if done {
+                disks[d].forget(id);
+            }
+            !done
+        });
+        let ids: Vec<u64> = self
+            .ops
+            .iter()
+            .filter(|(_, o)| o.done_at.is_none())
+            .map(|(&k, _)| k)
+            .collect();
+        for op in ids {
+            let n = self.ops[&op].pieces.len();
+            for i in 0..n {
+                let finished = match &self.ops[&op].pieces[i] {
+                    PieceState::Steps { pending, inflight } if pending.is_empty() => {
+                        self.step_done(inflight).map(|t| (t, inflight.clone()))
+                    }
+                    _ => None,
+                };
+                if let Some((t, inflight)) = finished {
+                    for (d, id) in inflight {
+                        self.disks[d].forget(id);
+                    }
+                    self.ops.get_mut(&op).expect("op").pieces[i] = PieceState::Finished(t);
+                }
+            }
+            let o = self.ops.get_mut(&op).expect("op");
+            let all = o.pieces.iter().try_fold(0, |acc: Nanos, p| match p {
+                PieceState::Finished(t) => Some(acc.max(*t)),
+                _ => None,
+            });
+            if let Some(t) = all {
+                o.done_at = Some(t + self.ctrl);
+            }
+        }
+    }
+}
+
+/// Add `[a, b)` to a sorted list of disjoint ranges, merging neighbours.
+fn add_range(ranges: &mut Vec<(u64, u64)>, a: u64, b: u64) {
+    ranges.push((a, b));
+    ranges.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+    for &(s, e) in ranges.iter() {
+        match out.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => out.push((s, e)),
+        }
+    }
+    *ranges = out;
+}
+
+impl Geometry {
+    fn parity(&self) -> u64 {
+        match self.inner {
+            Inner::Parity(p) => p as u64,
+            _ => 0,
+        }
+    }
+
+    /// Split a logical range by group: (group, offset inside the group, length).
+    fn split_outer(&self, offset: u64, len: u64) -> Vec<(u64, u64, u64)> {
+        let mut out = Vec::new();
+        let mut o = offset;
+        while o < offset + len {
+            let chunk = o / self.chunk;
+            let end = ((chunk + 1) * self.chunk).min(offset + len);
+            let group = chunk % self.groups;
+            let inner = (chunk / self.groups) * self.chunk + (o - chunk * self.chunk);
+            out.push((group, inner, end - o));
+            o = end;
+        }
+        out
+    }
+
+    /// Disk requests of a plain striped group starting at disk index `base`.
+    fn split_strips(&self, base: usize, offset: u64, len: u64) -> Vec<SubIo> {
+        let mut out = Vec::new();
+        let mut o = offset;
+        while o < offset + len {
+            let strip = o / self.strip;
+            let end = ((strip + 1) * self.strip).min(offset + len);
+            let row = strip / self.data_disks;
+            out.push(SubIo {
+                disk: base + (strip % self.data_disks) as usize,
+                offset: row * self.strip + (o - strip * self.strip),
+                len: end - o,
+            });
+            o = end;
+        }
+        out
+    }
+}
