@@ -1,0 +1,233 @@
+//! The study's scenarios (domain.md §9-10) with the RAID 60 profile, and the outputs.
+
+mod common;
+
+use common::{blkparse, JobSpec};
+use hybridcache_analyze::*;
+
+fn analyse(jobs: &[JobSpec]) -> (Trace, Signature, Recommendation) {
+    let text = blkparse(jobs);
+    let t = parse_trace(text.as_bytes(), Format::Auto).unwrap();
+    let s = Signature::from_trace(&t);
+    let r = recommend(&s, &DeviceProfile::raid60_study());
+    (t, s, r)
+}
+
+fn random_4k_qd1() -> JobSpec {
+    JobSpec::new(100, "db")
+}
+
+fn seq_64k_qd32() -> JobSpec {
+    let mut b = JobSpec::new(200, "backup");
+    b.size = 65536;
+    b.qd = 32;
+    b.sequential = true;
+    b.base = 100 << 30;
+    b.service_ns = 100_000;
+    b.requests = 8000;
+    b
+}
+
+#[test]
+fn random_4k_writes_at_low_depth_go_write_back_with_aggressive_cleaning() {
+    let (_, _, r) = analyse(&[random_4k_qd1()]);
+    let j = &r.jobs[0];
+    assert_eq!(j.decision, Decision::Cache);
+    assert_eq!(j.mode, CacheMode::Wb);
+    let w = j.writes.as_ref().unwrap();
+    assert!((w.core_iops - 63.0).abs() < 0.5);
+    assert!(w.gain > 10.0, "{}", w.gain);
+    assert!(j.reason.contains("63 IOPS at iodepth 1"), "{}", j.reason);
+    assert!(j.reason.starts_with(
+        "write-back: 100% of requests are writes and 100% of writes are random 4 KiB"
+    ));
+    assert_eq!(r.config.mode, CacheMode::Wb);
+    assert!(r.config.cleaning.is_aggressive(), "{:?}", r.config.cleaning);
+    assert_eq!(r.config.line_size_kib, 4);
+    assert!(r.config.io_classes.is_empty());
+    // Every setting has a reason.
+    assert_eq!(r.reasons.len(), 7);
+    assert!(r.reasons.iter().all(|x| !x.text.is_empty()));
+}
+
+#[test]
+fn large_sequential_writes_at_high_depth_bypass() {
+    let (_, _, r) = analyse(&[seq_64k_qd32()]);
+    let j = &r.jobs[0];
+    assert_eq!(j.decision, Decision::Bypass);
+    let w = j.writes.as_ref().unwrap();
+    assert!((w.core_mb_s - 5415.0).abs() < 1.0, "{}", w.core_mb_s);
+    assert!(w.gain < 1.0);
+    assert!(j.reason.contains("5415 MB/s"), "{}", j.reason);
+    assert_eq!(r.config.mode, CacheMode::Pt);
+    assert_eq!(r.config.seq_cutoff.policy, SeqCutoffPolicy::Always);
+}
+
+#[test]
+fn large_sequential_writes_at_depth_1_are_cached() {
+    // The same 64 KiB stream at iodepth 1 runs at 64 MB/s on the RAID: low depth benefits.
+    let mut s = seq_64k_qd32();
+    s.qd = 1;
+    s.requests = 2000;
+    let (_, _, r) = analyse(&[s]);
+    assert_eq!(r.jobs[0].decision, Decision::Cache);
+    assert_eq!(r.config.line_size_kib, 64);
+    assert_eq!(r.config.seq_cutoff.policy, SeqCutoffPolicy::Never);
+}
+
+#[test]
+fn mixed_random_read_write_goes_write_only() {
+    let mut m = JobSpec::new(300, "mix");
+    m.read_share = 0.5;
+    m.qd = 32;
+    m.requests = 6000;
+    let (_, _, r) = analyse(&[m]);
+    let j = &r.jobs[0];
+    assert_eq!(j.mode, CacheMode::Wo, "{}", j.reason);
+    assert!(!j.reads.as_ref().unwrap().cache);
+    assert!(j.writes.as_ref().unwrap().cache);
+    assert_eq!(r.config.mode, CacheMode::Wo);
+    assert!(
+        r.config.cleaning.is_aggressive()
+            || matches!(r.config.cleaning, Cleaning::Alru(_) | Cleaning::Acp(_))
+    );
+    assert_eq!(r.config.promotion, Promotion::Always);
+}
+
+#[test]
+fn reread_data_goes_write_through() {
+    // Reads cycling over a small region: almost every read hits.
+    let mut m = JobSpec::new(400, "reader");
+    m.read_share = 1.0;
+    m.span = 4 << 20;
+    m.requests = 6000;
+    let (_, _, r) = analyse(&[m]);
+    assert_eq!(r.jobs[0].mode, CacheMode::Wt, "{}", r.jobs[0].reason);
+    assert_eq!(r.config.cleaning, Cleaning::Nop);
+    // The working set is 1024 blocks: the curve sizes the cache at about that.
+    assert!(
+        r.config.cache_size_bytes >= 4 << 20 && r.config.cache_size_bytes <= 8 << 20,
+        "{}",
+        r.config.cache_size_bytes
+    );
+}
+
+#[test]
+fn two_jobs_cache_one_bypass_the_other() {
+    let (t, s, r) = analyse(&[random_4k_qd1(), seq_64k_qd32()]);
+    let db = r.jobs.iter().find(|j| j.job.starts_with("db")).unwrap();
+    let bk = r.jobs.iter().find(|j| j.job.starts_with("backup")).unwrap();
+    assert_eq!((db.decision, db.mode), (Decision::Cache, CacheMode::Wb));
+    assert_eq!(bk.decision, Decision::Bypass);
+    let c = &r.config;
+    assert_eq!(c.mode, CacheMode::Wb);
+    assert!(c.cleaning.is_aggressive());
+    assert_eq!(
+        c.seq_cutoff,
+        SeqCutoff {
+            policy: SeqCutoffPolicy::Always,
+            threshold: 16
+        }
+    );
+    assert_eq!(c.line_size_kib, 4);
+    let lines: Vec<String> = c.io_classes.iter().map(IoClass::csv_line).collect();
+    assert_eq!(
+        lines,
+        vec![
+            "0,unclassified,22,0".to_string(),
+            "1,request_size:le:32768,1,1".to_string()
+        ]
+    );
+
+    let cmds = r.commands(1);
+    assert!(
+        cmds.contains(&"hybridcache -Q -c wb -i 1".to_string()),
+        "{cmds:?}"
+    );
+    assert!(cmds.contains(&"hybridcache -X -n seq-cutoff -i 1 -p always -t 16".to_string()));
+    assert!(cmds.contains(&"hybridcache -C -C -i 1 -f ioclass.csv".to_string()));
+    assert!(cmds
+        .iter()
+        .any(|c| c.starts_with("hybridcache -X -n cleaning -i 1 -p ")));
+    assert!(r.io_class_csv().starts_with(
+        "IO class id,IO class name,Eviction priority,Allocation\n0,unclassified,22,0\n"
+    ));
+
+    // TOML fragment parses back and carries the settings.
+    let frag = r.toml_fragment(1);
+    let v: toml::Value = toml::from_str(&frag).unwrap();
+    let cache = &v["cache"][0];
+    assert_eq!(cache["mode"].as_str(), Some("wb"));
+    assert_eq!(cache["line_size"].as_integer(), Some(4));
+    assert_eq!(
+        cache["params"]["seq-cutoff"]["policy"].as_str(),
+        Some("always")
+    );
+    assert_eq!(
+        cache["params"]["ioclass"][1].as_str(),
+        Some("1,request_size:le:32768,1,1")
+    );
+    assert!(frag.contains("# cache mode wb: "));
+
+    // Reports.
+    let rep = Report::new(&t, &s, &r, 1);
+    let text = rep.render_text();
+    let md = rep.render_markdown();
+    for needle in [
+        "Recommended configuration",
+        "Miss-ratio curve",
+        "Request sizes",
+        "hybridcache -Q -c wb -i 1",
+        "db (pid 100)",
+    ] {
+        assert!(text.contains(needle), "text lacks {needle}");
+        assert!(md.contains(needle), "markdown lacks {needle}");
+    }
+    assert!(md.contains("| job | requests |"));
+    assert!(md.contains("```sh\n"));
+}
+
+#[test]
+fn alru_preset_commands() {
+    let (_, _, r) = analyse(&[random_4k_qd1()]);
+    let cmds = r.commands(3);
+    match r.config.cleaning {
+        Cleaning::Alru(p) if p == AlruParams::VERY_AGGRESSIVE => {
+            assert!(
+                cmds.contains(
+                    &"hybridcache -X -n cleaning-alru -i 3 -w 0 -s 1 -b 8192 -t 0".to_string()
+                ),
+                "{cmds:?}"
+            )
+        }
+        Cleaning::Acp(p) if p == AcpParams::VERY_AGGRESSIVE => {
+            assert!(
+                cmds.contains(&"hybridcache -X -n cleaning-acp -i 3 -w 1 -b 8192".to_string()),
+                "{cmds:?}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn profile_from_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("p.toml");
+    std::fs::write(&p, DeviceProfile::raid60_study().to_toml_string()).unwrap();
+    assert_eq!(
+        DeviceProfile::load(&p).unwrap(),
+        DeviceProfile::raid60_study()
+    );
+    let j = dir.path().join("p.json");
+    std::fs::write(
+        &j,
+        serde_json::to_string(&DeviceProfile::raid60_study()).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        DeviceProfile::load(&j).unwrap().name,
+        DeviceProfile::raid60_study().name
+    );
+    assert!(DeviceProfile::load(&dir.path().join("missing.toml")).is_err());
+}
