@@ -77,13 +77,13 @@ rows = [l.split() for l in open(sys.argv[1])]
 med = {}
 for s, rw, qd, iops, p99, p9999 in rows:
     med.setdefault((s, rw, int(qd)), []).append((int(iops), float(p99), float(p9999)))
-print(f"{'pattern':<14}{'server':<15}{'IOPS':>9}{'p99 ms':>9}{'p99.99 ms':>11}{'vs memory':>11}{'vs cache':>10}")
+print(f"{'pattern':<16}{'server':<15}{'IOPS':>9}{'p99 ms':>9}{'p99.99 ms':>11}{'vs memory':>11}{'vs cache':>10}")
 for rw in ("randwrite", "randread"):
     for qd in (1, 32):
         base = {s: statistics.median(v[0] for v in med[(s, rw, qd)]) for s in ("nbdkit-memory", "nbdkit-cache")}
         for s in ("hybridcache", "nbdkit-memory", "nbdkit-cache"):
             v = med[(s, rw, qd)]
             iops = statistics.median(x[0] for x in v)
-            print(f"{rw + ' qd' + str(qd):<14}{s:<15}{iops:>9.0f}{statistics.median(x[1] for x in v):>9.3f}"
+            print(f"{rw + ' qd' + str(qd):<16}{s:<15}{iops:>9.0f}{statistics.median(x[1] for x in v):>9.3f}"
                   f"{statistics.median(x[2] for x in v):>11.3f}{iops / base['nbdkit-memory']:>10.2f}x{iops / base['nbdkit-cache']:>9.2f}x")
 EOF
