@@ -438,7 +438,9 @@ impl CacheInner {
     /// Clean up to `want` of the oldest dirty lines so that eviction finds clean ones. Caller holds
     /// no stripe.
     fn make_room(&self, want: usize) -> Result<()> {
-        let want = want.max(8);
+        // Each round ends in a commit (device flushes), so clean enough lines to spread that
+        // cost over many writes; these are the oldest dirty lines, due for cleaning anyway.
+        let want = want.max(64);
         let n = self.lists.shard_count();
         let home = home_shard(n);
         let mut picked = Vec::with_capacity(want);
