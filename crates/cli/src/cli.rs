@@ -39,7 +39,7 @@ pub struct Cli {
     pub command: Command,
 }
 
-fn cache_id(s: &str) -> Result<u16, String> {
+pub(crate) fn cache_id(s: &str) -> Result<u16, String> {
     match s.parse::<u32>() {
         Ok(n @ 1..=16384) => Ok(n as u16),
         _ => Err(format!("'{s}' is not a cache id (1..=16384)")),
@@ -244,14 +244,17 @@ pub enum Command {
     /// Print the version of this program and of the running daemon.
     #[command(short_flag = 'V', long_flag = "version")]
     Version,
+
+    /// Analyse a block trace and recommend a cache configuration (no daemon needed).
+    Analyze(crate::analyze::AnalyzeArgs),
 }
 
 impl Command {
-    /// The control request for a management command (None for `daemon` and `version`, which the
-    /// CLI handles itself).
+    /// The control request for a management command (None for `daemon`, `version` and
+    /// `analyze`, which the CLI handles itself).
     pub fn request(&self) -> Option<Request> {
         Some(match self {
-            Command::Daemon { .. } | Command::Version => return None,
+            Command::Daemon { .. } | Command::Version | Command::Analyze(_) => return None,
             Command::StartCache {
                 device,
                 id,
@@ -444,6 +447,53 @@ mod tests {
             }
         );
         assert!(parse(&["-V"]).unwrap().command.request().is_none());
+    }
+
+    #[test]
+    fn analyze_parses_its_options() {
+        let cli = parse(&[
+            "analyze",
+            "t.blk",
+            "--format",
+            "fio",
+            "--profile",
+            "nvme",
+            "--markdown",
+            "-o",
+            "r.md",
+            "--commands",
+            "c.sh",
+            "--config-out",
+            "c.toml",
+            "-i",
+            "7",
+        ])
+        .unwrap();
+        let Command::Analyze(a) = &cli.command else {
+            panic!("not analyze: {:?}", cli.command)
+        };
+        assert_eq!(a.trace, PathBuf::from("t.blk"));
+        assert_eq!(a.format, crate::analyze::TraceFormat::Fio);
+        assert_eq!(a.profile.as_deref(), Some("nvme"));
+        assert!(a.markdown && !a.apply);
+        assert_eq!(a.output, Some(PathBuf::from("r.md")));
+        assert_eq!(a.commands, Some(PathBuf::from("c.sh")));
+        assert_eq!(a.config_out, Some(PathBuf::from("c.toml")));
+        assert_eq!(a.id, Some(7));
+        assert!(cli.command.request().is_none());
+        let a = match parse(&["analyze", "t"]).unwrap().command {
+            Command::Analyze(a) => a,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(a.format, crate::analyze::TraceFormat::Auto);
+        assert_eq!(a.id, None);
+        let msg = |args: &[&str]| parse(args).unwrap_err().to_string();
+        assert!(msg(&["analyze", "t", "--format", "xml"]).contains("unknown trace format"));
+        assert!(msg(&["analyze", "t", "--apply"]).contains("--cache-id"));
+        assert_eq!(
+            parse(&["analyze"]).unwrap_err().kind(),
+            ErrorKind::MissingRequiredArgument
+        );
     }
 
     #[test]

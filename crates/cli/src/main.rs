@@ -2,8 +2,10 @@
 //! talks to it over the control socket.
 //!
 //! Exit codes: 0 on success, 1 when the daemon refuses or fails a command (or cannot be
-//! reached), 2 for a bad command line. Errors are one line on stderr.
+//! reached), 2 for a bad command line. Errors are one line on stderr. `analyze` needs no daemon
+//! and also exits 2 for an unreadable trace or a bad profile (see analyze.rs).
 
+mod analyze;
 mod cli;
 mod config;
 mod daemon;
@@ -43,15 +45,31 @@ fn main() -> ExitCode {
             }
             // clap's own report spans several lines (usage, tips); keep its first line.
             let text = e.to_string();
-            let first = text
-                .lines()
+            let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
+            let mut first = lines
                 .next()
                 .unwrap_or("invalid arguments")
-                .trim_start_matches("error: ");
+                .trim_start_matches("error: ")
+                .to_string();
+            // "the following required arguments were not provided:" names them on the next line.
+            if first.ends_with(':') {
+                if let Some(next) = lines.next() {
+                    first = format!("{first} {next}");
+                }
+            }
             eprintln!("hybridcache: {first} (see 'hybridcache -H')");
             return ExitCode::from(2);
         }
     };
+    if let Command::Analyze(args) = &cli.command {
+        return match analyze::run(args, &control_path(&cli)) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(f) => {
+                eprintln!("hybridcache: {}", f.message);
+                ExitCode::from(f.code)
+            }
+        };
+    }
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
