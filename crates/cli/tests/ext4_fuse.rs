@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{have, sparse_file, workdir, Daemon};
+use common::{file_cache, have, Daemon, FileCache};
 
 fn sh(cmd: &str, args: &[&str]) -> Result<String, String> {
     let out = Command::new(cmd)
@@ -192,15 +192,12 @@ fn ext4_on_nbdfuse_loop_device() {
             return;
         }
     }
-    let dir = workdir();
-    let cache = dir.path().join("cache.img");
-    let core = dir.path().join("core.img");
-    sparse_file(&cache, 32 << 20);
-    sparse_file(&core, 256 << 20);
-    let cache_s = cache.to_str().unwrap();
-    let mut d = Daemon::start(dir.path());
-    d.ok(&["-S", "-d", cache_s, "-c", "wb"]);
-    d.ok(&["-A", "-i", "1", "-d", core.to_str().unwrap()]);
+    let FileCache {
+        dir,
+        spec,
+        daemon: mut d,
+        ..
+    } = file_cache(32 << 20, 256 << 20, &["-c", "wb"]);
 
     let mnt = dir.path().join("mnt");
     std::fs::create_dir_all(&mnt).unwrap();
@@ -229,7 +226,7 @@ fn ext4_on_nbdfuse_loop_device() {
     assert!(d.stop(), "clean shutdown: {}", d.log_text());
     let d = Daemon::start(dir.path());
     assert_eq!(
-        d.ok(&["-S", "-d", cache_s, "--load"]),
+        d.ok(&["-S", "-d", &spec, "--load"]),
         "cache 1 loaded\n",
         "{}",
         d.log_text()

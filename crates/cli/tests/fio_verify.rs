@@ -7,21 +7,19 @@
 
 mod common;
 
-use common::{fio, have, sparse_file, workdir, Daemon};
+use common::{file_cache, fio, have, FileCache};
 
 fn run_mode(mode: &str) {
     if !have("fio") {
         eprintln!("skipped: fio is not installed (make deps)");
         return;
     }
-    let dir = workdir();
-    let cache = dir.path().join("cache.img");
-    let core = dir.path().join("core.img");
-    sparse_file(&cache, 16 << 20);
-    sparse_file(&core, 256 << 20);
-    let d = Daemon::start(dir.path());
-    d.ok(&["-S", "-d", &format!("file:{}", cache.display()), "-c", mode]);
-    d.ok(&["-A", "-i", "1", "-d", core.to_str().unwrap()]);
+    let FileCache {
+        dir,
+        core,
+        daemon: d,
+        ..
+    } = file_cache(16 << 20, 256 << 20, &["-c", mode]);
     let uri = d.uri("cas1-1");
 
     let mut args: Vec<String> = [

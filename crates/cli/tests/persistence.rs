@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{fio, have, sparse_file, workdir, Daemon};
+use common::{file_cache, fio, have, sparse_file, workdir, Daemon, FileCache};
 use hybridcache_nbd::Client;
 
 /// Deterministic bytes for one test region.
@@ -97,15 +97,13 @@ fn start_over_an_existing_cache_needs_force() {
 
 #[test]
 fn stop_without_flush_keeps_dirty_data() {
-    let dir = workdir();
-    let cache = dir.path().join("cache.img");
-    let core = dir.path().join("core.img");
-    sparse_file(&cache, 16 << 20);
-    sparse_file(&core, 64 << 20);
-    let spec = format!("file:{}", cache.display());
-    let mut d = Daemon::start(dir.path());
-    d.ok(&["-S", "-d", &spec, "-c", "wb", "-x", "8"]);
-    d.ok(&["-A", "-i", "1", "-d", core.to_str().unwrap()]);
+    let FileCache {
+        dir,
+        core,
+        spec,
+        daemon: mut d,
+        ..
+    } = file_cache(16 << 20, 64 << 20, &["-c", "wb", "-x", "8"]);
     let data = pattern(3, 4 << 20);
     write_flush(&d, "cas1-1", &data, 1 << 20);
     let before = dirty(&d, 1);
@@ -298,15 +296,12 @@ fn kill_after_fsync(mode: &str) {
         eprintln!("skipped: fio is not installed (make deps)");
         return;
     }
-    let dir = workdir();
-    let cache = dir.path().join("cache.img");
-    let core = dir.path().join("core.img");
-    sparse_file(&cache, 16 << 20);
-    sparse_file(&core, 128 << 20);
-    let spec = format!("file:{}", cache.display());
-    let mut d = Daemon::start(dir.path());
-    d.ok(&["-S", "-d", &spec, "-c", mode]);
-    d.ok(&["-A", "-i", "1", "-d", core.to_str().unwrap()]);
+    let FileCache {
+        dir,
+        spec,
+        daemon: mut d,
+        ..
+    } = file_cache(16 << 20, 128 << 20, &["-c", mode]);
     let job = crash_job(&d.uri("cas1-1"), mode);
     let mut write = job.clone();
     write.extend(["--do_verify=0".into(), "--end_fsync=1".into()]);
@@ -353,15 +348,12 @@ fn kill9_mid_write_loads_and_reads() {
         eprintln!("skipped: fio is not installed (make deps)");
         return;
     }
-    let dir = workdir();
-    let cache = dir.path().join("cache.img");
-    let core = dir.path().join("core.img");
-    sparse_file(&cache, 16 << 20);
-    sparse_file(&core, 128 << 20);
-    let spec = format!("file:{}", cache.display());
-    let mut d = Daemon::start(dir.path());
-    d.ok(&["-S", "-d", &spec, "-c", "wb"]);
-    d.ok(&["-A", "-i", "1", "-d", core.to_str().unwrap()]);
+    let FileCache {
+        dir,
+        spec,
+        daemon: mut d,
+        ..
+    } = file_cache(16 << 20, 128 << 20, &["-c", "wb"]);
     let mut job = crash_job(&d.uri("cas1-1"), "mid");
     job.retain(|a| !a.starts_with("--verify"));
     job.extend([

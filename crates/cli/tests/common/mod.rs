@@ -37,6 +37,39 @@ pub fn sparse_file(path: &Path, size: u64) {
     f.set_len(size).expect("size file");
 }
 
+/// What most tests start from, in a fresh work directory: sparse files `cache.img` and
+/// `core.img`, a daemon, cache 1 started on the cache file (`spec`) with `start_args` such as
+/// `["-c", "wb"]`, and the core added, exported as `cas1-1`. Destructure it with the daemon last,
+/// so that it stops before the directory goes.
+pub struct FileCache {
+    pub dir: tempfile::TempDir,
+    pub cache: PathBuf,
+    pub core: PathBuf,
+    pub spec: String,
+    pub daemon: Daemon,
+}
+
+pub fn file_cache(cache_bytes: u64, core_bytes: u64, start_args: &[&str]) -> FileCache {
+    let dir = workdir();
+    let cache = dir.path().join("cache.img");
+    let core = dir.path().join("core.img");
+    sparse_file(&cache, cache_bytes);
+    sparse_file(&core, core_bytes);
+    let spec = format!("file:{}", cache.display());
+    let daemon = Daemon::start(dir.path());
+    let mut args = vec!["-S", "-d", spec.as_str()];
+    args.extend_from_slice(start_args);
+    daemon.ok(&args);
+    daemon.ok(&["-A", "-i", "1", "-d", core.to_str().expect("UTF-8 path")]);
+    FileCache {
+        dir,
+        cache,
+        core,
+        spec,
+        daemon,
+    }
+}
+
 /// A running daemon; stopped (SIGTERM, then SIGKILL after 20 s) when dropped.
 pub struct Daemon {
     child: Option<Child>,
