@@ -1363,8 +1363,16 @@ impl Cache {
         if let Some(p) = &self.inner.persist {
             // The device must record the lines free before the core leaves the superblock, or a
             // crash in between would leave lines of an unknown core.
-            self.inner.commit()?;
-            p.update_superblock(&*self.inner.volume, |sb| sb.cores.retain(|c| c.id != id))?;
+            let recorded = self.inner.commit().and_then(|()| {
+                p.update_superblock(&*self.inner.volume, |sb| sb.cores.retain(|c| c.id != id))
+            });
+            if let Err(e) = recorded {
+                // The core stays attached, only its cached lines are gone, so a retry can work.
+                if let Some(core) = &core {
+                    core.removed.store(false, Ordering::SeqCst);
+                }
+                return Err(e);
+            }
         }
         self.inner.cores.write().remove(&id);
         self.inner.inactive.write().remove(&id);

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use hybridcache_engine::{Cache, CacheConfig, CacheMode, CoreStatus, EngineError, LineSize};
-use hybridcache_volume::{RamVolume, Volume, VolumeRef};
+use hybridcache_volume::{FaultConfig, FaultyVolume, RamVolume, Volume, VolumeRef};
 
 mod durability;
 use durability::{decode, fill, SECTOR};
@@ -285,4 +285,27 @@ fn mode_and_cores_survive_restart() {
     assert_eq!(cache.mode(), CacheMode::Wo);
     let ids: Vec<u16> = cache.cores().iter().map(|c| c.id).collect();
     assert_eq!(ids, vec![1, 3]);
+}
+
+#[test]
+fn a_core_removal_that_cannot_be_recorded_leaves_the_core_attached() {
+    let cache_vol = Arc::new(FaultyVolume::new(ram("cache", CACHE_BYTES)));
+    let core_vol = ram("core", CORE_BYTES);
+    let cache = Cache::create(cache_vol.clone(), config(CacheMode::Wt), false).unwrap();
+    cache.add_core(core_vol.clone(), Some(3)).unwrap();
+    write_stamp(&cache, 3, 0, 8, 4);
+    cache_vol.set_config(FaultConfig {
+        fail_flushes: true,
+        ..FaultConfig::default()
+    });
+    assert!(
+        cache.remove_core(3, false).is_err(),
+        "the commit cannot complete"
+    );
+    // Still attached and serving; only its cached lines were dropped.
+    assert!(stamps(&cache, 3, 0, 8).iter().all(|s| *s == Some(4)));
+    cache_vol.set_config(FaultConfig::default());
+    cache.remove_core(3, false).unwrap();
+    assert!(cache.cores().is_empty());
+    cache.check_invariants();
 }
