@@ -9,19 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use hybridcache_engine::{Cache, CacheConfig, CacheMode, LineSize};
-use hybridcache_volume::{FileVolume, NullVolume, RamVolume, Volume, VolumeRef};
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        // splitmix64: cheap and good enough to scatter offsets.
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-}
+use hybridcache_volume::{FileVolume, NullVolume, RamVolume, SplitMix64 as Rng, Volume, VolumeRef};
 
 fn env(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -75,7 +63,7 @@ fn run(test: &str, cache_bytes: u64, line_kib: u32) -> (u64, u64, f64) {
             let buf = vec![0xabu8; 4096];
             let mut order: Vec<u64> = (0..n).collect();
             for i in (1..order.len()).rev() {
-                order.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+                order.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
             }
             let t = Instant::now();
             for &i in &order {
@@ -93,7 +81,7 @@ fn run(test: &str, cache_bytes: u64, line_kib: u32) -> (u64, u64, f64) {
             let mut buf = vec![0u8; 4096];
             let t = Instant::now();
             for _ in 0..n {
-                core.read(&mut buf, rng.next() % (region / 4096) * 4096)
+                core.read(&mut buf, rng.next_u64() % (region / 4096) * 4096)
                     .expect("read");
             }
             (n, n * 4096, t.elapsed().as_secs_f64())
@@ -130,7 +118,7 @@ fn randwrite_flush64(cache_bytes: u64, persistent: bool) -> f64 {
     let buf = vec![0x42u8; 4096];
     let t = Instant::now();
     for i in 0..n {
-        core.write(&buf, rng.next() % (cache_bytes * 4 / 4096) * 4096)
+        core.write(&buf, rng.next_u64() % (cache_bytes * 4 / 4096) * 4096)
             .expect("write");
         if i % 64 == 63 {
             core.flush().expect("flush");

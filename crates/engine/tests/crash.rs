@@ -232,8 +232,8 @@ fn crash_round(seed: u64) -> usize {
     drop(core);
     drop(cache);
     // Power cut: each device keeps an arbitrary part of what it had not flushed.
-    rig.cache_media.crash(rng.next()).unwrap();
-    rig.core_media.crash(rng.next()).unwrap();
+    rig.cache_media.crash(rng.next_u64()).unwrap();
+    rig.core_media.crash(rng.next_u64()).unwrap();
 
     let core_media = rig.core_media.clone();
     let cache = Cache::load(rig.cache_media.clone(), &mut |_| {

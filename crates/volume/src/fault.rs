@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
-use crate::{check_range, ErrorKind, Op, Result, Volume, VolumeError, VolumeRef};
+use crate::{check_range, ErrorKind, Op, Result, SplitMix64, Volume, VolumeError, VolumeRef};
 
 /// Which requests a [`FaultyVolume`] fails. The default fails nothing.
 ///
@@ -243,7 +243,7 @@ impl CrashVolume {
         let block = u64::from(self.inner.logical_block_size());
         let mut fates = Vec::with_capacity(log.len());
         for p in &log {
-            let fate = match rng.next() % 3 {
+            let fate = match rng.next_u64() % 3 {
                 0 => WriteFate::Applied,
                 1 => WriteFate::Lost,
                 _ => WriteFate::Torn,
@@ -254,7 +254,7 @@ impl CrashVolume {
                 WriteFate::Torn => {
                     let mut at = 0;
                     while at < p.len() {
-                        if rng.next() & 1 == 1 {
+                        if rng.next_u64() & 1 == 1 {
                             p.apply(&*self.inner, at, at + block)?;
                         }
                         at += block;
@@ -347,19 +347,6 @@ impl fmt::Debug for CrashVolume {
             .field("inner", &self.inner.name())
             .field("volatile_writes", &self.volatile_writes())
             .finish()
-    }
-}
-
-/// splitmix64: tiny, deterministic, and good enough to pick fates.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
     }
 }
 
