@@ -17,14 +17,20 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use hybridcache_volume::{Volume, VolumeError, VolumeRef};
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 
 use crate::bits::{self, Mask};
+use crate::cleaner::{CleaningCounters, CleaningStats, Pacer};
+use crate::cleaning::{CleanerState, CleanerThread, CleaningTick, ACP_CHUNK_BYTES};
 use crate::format::{ConfigSlot, CoreRecord, Geometry, Superblock};
 use crate::lists::{ListKind, Lists, RUN};
 use crate::locks::{StripeGuard, StripedLocks};
 use crate::meta::{Key, LineTable, MAX_CORE_LINES, NONE};
 use crate::persist::{self, new_uuid, Persist};
+use crate::policy::{
+    CleaningConfig, PolicyRecord, Promotion, PromotionPolicy, PromotionState, SeqCutoff, SeqState,
+    FLUSH_BUFFERS,
+};
 use crate::stats::{thread_slot, Counter, Counters, Stats, Usage, SLOTS};
 use crate::{
     CacheConfig, CacheMode, CoreId, EngineError, LineSize, Result, MAX_CORES, MAX_REQUEST, SECTOR,
@@ -87,12 +93,23 @@ pub(crate) struct CacheInner {
     pub(crate) persist: Option<Persist>,
     /// Cores recorded in the superblock whose device was missing at load.
     inactive: RwLock<BTreeMap<CoreId, CoreRecord>>,
+    pub(crate) cleaning: RwLock<CleaningConfig>,
+    pub(crate) cleaner: Mutex<CleanerState>,
+    cleaner_thread: Mutex<Option<CleanerThread>>,
+    pub(crate) pacer: Pacer,
+    pub(crate) cleaning_counters: CleaningCounters,
+    pub(crate) promotion: PromotionState,
+    /// Sequential cutoff settings of cores recorded but not attached (inactive), kept so that
+    /// the superblock keeps them.
+    seq_cutoff_inactive: RwLock<BTreeMap<CoreId, SeqCutoff>>,
 }
 
 #[derive(Default)]
 pub(crate) struct CoreGauges {
     pub(crate) occupancy: AtomicU64,
     pub(crate) dirty: AtomicU64,
+    /// Dirty lines per 100 MiB chunk of the core, for acp. Sized when the core is attached.
+    pub(crate) chunks: RwLock<Box<[std::sync::atomic::AtomicU32]>>,
 }
 
 #[repr(align(128))]
@@ -108,6 +125,7 @@ pub(crate) struct CoreState {
     stopped: AtomicBool,
     /// Requests in progress, per thread slot; removal waits for these to drain.
     in_flight: Box<[InFlight]>,
+    pub(crate) seq: SeqState,
 }
 
 /// Held by a request for its duration; see [`CoreState::enter`].
@@ -291,6 +309,38 @@ impl CacheInner {
         }
     }
 
+    /// Count a line of `key` becoming dirty (+1) or clean (-1) in its acp chunk.
+    fn chunk_dirty(&self, key: Key, up: bool) {
+        let chunks = self.gauges[key.core() as usize].chunks.read();
+        let i = key.line() * self.line_bytes / ACP_CHUNK_BYTES;
+        if let Some(c) = chunks.get(i as usize) {
+            if up {
+                c.fetch_add(1, Ordering::Relaxed);
+            } else {
+                c.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Size a core's acp chunk counters and count its dirty lines into them.
+    pub(crate) fn rebuild_chunks(&self, id: CoreId, core_size: u64) {
+        let n = core_size.div_ceil(ACP_CHUNK_BYTES) as usize;
+        let counts: Box<[std::sync::atomic::AtomicU32]> = (0..n)
+            .map(|_| std::sync::atomic::AtomicU32::new(0))
+            .collect();
+        for line in 0..self.lines {
+            if let Some(key) = self.table.key(line) {
+                if key.core() == id && self.table.dirty(line) != 0 {
+                    let i = (key.line() * self.line_bytes / ACP_CHUNK_BYTES) as usize;
+                    if let Some(c) = counts.get(i) {
+                        c.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+        *self.gauges[id as usize].chunks.write() = counts;
+    }
+
     fn list_of(dirty: Mask) -> ListKind {
         if dirty == 0 {
             ListKind::Clean
@@ -332,6 +382,7 @@ impl CacheInner {
             gauges.occupancy.fetch_sub(1, Ordering::Relaxed);
             if old_dirty != 0 {
                 gauges.dirty.fetch_sub(1, Ordering::Relaxed);
+                self.chunk_dirty(key, false);
             }
             return;
         }
@@ -350,9 +401,11 @@ impl CacheInner {
         match (old_dirty != 0, dirty != 0) {
             (false, true) => {
                 gauges.dirty.fetch_add(1, Ordering::Relaxed);
+                self.chunk_dirty(key, true);
             }
             (true, false) => {
                 gauges.dirty.fetch_sub(1, Ordering::Relaxed);
+                self.chunk_dirty(key, false);
             }
             _ => {}
         }
@@ -371,6 +424,7 @@ impl CacheInner {
         g.occupancy.fetch_add(1, Ordering::Relaxed);
         if dirty != 0 {
             g.dirty.fetch_add(1, Ordering::Relaxed);
+            self.chunk_dirty(key, true);
         }
     }
 
@@ -458,12 +512,44 @@ impl CacheInner {
                 break;
             }
         }
-        self.clean_lines(picked)?;
+        self.clean_lines(picked, FLUSH_BUFFERS as usize)?;
         if self.persist.is_some() {
             // Cleaned lines (and lines in limbo) become reusable once the device records them.
             self.commit()?;
         }
         Ok(())
+    }
+
+    /// Whether sequential cutoff sends this request around the cache (and records it in the
+    /// core's streams).
+    fn cut_off(&self, core: &CoreState, offset: u64, len: u64, write: bool) -> bool {
+        core.seq.cut_off(offset, len, write, || {
+            // "Nearly full", as Open CAS: free lines at most 512 plus what this request needs.
+            let need = len.div_ceil(self.line_bytes) + 1;
+            self.free_lines.load(Ordering::Relaxed) <= 512 + need
+        })
+    }
+
+    /// Whether nhit declines to insert the request's unmapped lines: some has not yet been
+    /// accessed `threshold` times, and occupancy has passed `trigger`. Every unmapped line's
+    /// access is counted, so the counts grow before the trigger is reached too.
+    fn promotion_declines(&self, segs: &[Seg]) -> bool {
+        let p = self.promotion.params();
+        if p.policy != PromotionPolicy::Nhit {
+            return false;
+        }
+        let Some(table) = self.promotion.table.get() else {
+            return false;
+        };
+        let mut short = false;
+        for s in segs.iter().filter(|s| !s.mapped()) {
+            short |= table.access(s.key.raw()) < p.threshold;
+        }
+        if !short {
+            return false;
+        }
+        let occupied = (self.lines as u64).saturating_sub(self.free_lines.load(Ordering::Relaxed));
+        occupied * 100 >= p.trigger_pct as u64 * self.lines as u64
     }
 
     fn core_by_id(&self, id: CoreId) -> Result<Arc<CoreState>> {
@@ -483,11 +569,14 @@ impl CacheInner {
         }
         let _entered = core.enter()?;
         let mode = self.mode();
-        // In wo and pt only dirty sectors come from the cache and nothing is inserted.
-        let bypass = matches!(mode, CacheMode::Wo | CacheMode::Pt);
+        // In wo and pt, and for a request sequential cutoff or promotion turns away, only dirty
+        // sectors come from the cache and nothing is inserted.
+        let mut bypass = matches!(mode, CacheMode::Wo | CacheMode::Pt)
+            || self.cut_off(core, offset, buf.len() as u64, false);
         let mut segs = self.segments(core.id, offset, buf.len() as u64);
         let _locks = self.lock_keys(segs.iter().map(|s| s.key));
         self.lookup(&mut segs);
+        bypass = bypass || self.promotion_declines(&segs);
 
         let mut core_runs = Vec::new();
         let mut cache_runs = Vec::new();
@@ -599,10 +688,15 @@ impl CacheInner {
         let mode = self.mode();
         core.counters
             .add(Counter::ExportedWrittenBytes, buf.len() as u64);
+        // A write sequential cutoff turns away goes to the core; the cache drops its copy of
+        // those sectors, dirty or not (the core now has newer data). wa inserts nothing anyway
+        // and keeps its mapped copies up to date instead.
+        let cut = mode != CacheMode::Pt && self.cut_off(core, offset, buf.len() as u64, true);
         match mode {
+            CacheMode::Wa => self.write_through(core, buf, offset, false),
+            _ if cut => self.write_invalidate(core, buf, offset, CacheMode::Pt),
             CacheMode::Wb | CacheMode::Wo => self.write_back(core, buf, offset),
             CacheMode::Wt => self.write_through(core, buf, offset, true),
-            CacheMode::Wa => self.write_through(core, buf, offset, false),
             CacheMode::Wi | CacheMode::Pt => self.write_invalidate(core, buf, offset, mode),
         }
     }
@@ -630,10 +724,20 @@ impl CacheInner {
         // Lines taken in an earlier round stay ours across rounds.
         let mut spare: Vec<u32> = Vec::new();
         let mut round = 0;
+        let mut declined = false;
         let locks = loop {
             let locks = self.lock_keys(segs.iter().map(|s| s.key));
             self.lookup(&mut segs);
-            let needed = segs.iter().filter(|s| !s.mapped()).count();
+            // Promotion is asked once: a retry after making room must not count accesses again.
+            if round == 0 {
+                declined = self.promotion_declines(&segs);
+            }
+            // Declined: unmapped segments go to the core, mapped ones are still updated here.
+            let needed = if declined {
+                0
+            } else {
+                segs.iter().filter(|s| !s.mapped()).count()
+            };
             while spare.len() < needed {
                 match self.alloc_line() {
                     Some(line) => spare.push(line),
@@ -653,7 +757,11 @@ impl CacheInner {
                 return Err(e);
             }
         };
-        self.count_write(core, &segs);
+        if declined {
+            core.counters.add(Counter::PassThroughWrites, 1);
+        } else {
+            self.count_write(core, &segs);
+        }
 
         // Decide each segment's home: its mapped line, a new line, or (no line) the core.
         let mut targets: Vec<(usize, u32, bool)> = Vec::with_capacity(segs.len());
@@ -722,7 +830,13 @@ impl CacheInner {
         let mut segs = self.segments(core.id, offset, buf.len() as u64);
         let _locks = self.lock_keys(segs.iter().map(|s| s.key));
         self.lookup(&mut segs);
-        self.count_write(core, &segs);
+        let declined = insert && self.promotion_declines(&segs);
+        let insert = insert && !declined;
+        if declined {
+            core.counters.add(Counter::PassThroughWrites, 1);
+        } else {
+            self.count_write(core, &segs);
+        }
         let whole = [Run {
             dev_off: offset,
             buf_off: 0,
@@ -892,7 +1006,7 @@ impl CacheInner {
 
     // ---- statistics ----------------------------------------------------------------------
 
-    fn usage(&self, core: Option<CoreId>) -> Usage {
+    pub(crate) fn usage(&self, core: Option<CoreId>) -> Usage {
         let (occupancy, dirty) = match core {
             Some(id) => {
                 let g = &self.gauges[id as usize];
@@ -955,10 +1069,19 @@ impl CacheInner {
             free_lines: AtomicU64::new(lines as u64),
             persist,
             inactive: RwLock::new(BTreeMap::new()),
+            cleaning: RwLock::new(CleaningConfig::default()),
+            cleaner: Mutex::new(CleanerState::default()),
+            cleaner_thread: Mutex::new(None),
+            pacer: Pacer::default(),
+            cleaning_counters: CleaningCounters::default(),
+            promotion: PromotionState::new(Promotion::default()),
+            seq_cutoff_inactive: RwLock::new(BTreeMap::new()),
         }
     }
 
-    fn new_core_state(id: CoreId, volume: VolumeRef) -> Arc<CoreState> {
+    /// A core's state; its acp chunk counters are sized (and counted) here too.
+    fn new_core_state(&self, id: CoreId, volume: VolumeRef, seq: SeqCutoff) -> Arc<CoreState> {
+        self.rebuild_chunks(id, volume.size());
         Arc::new(CoreState {
             id,
             size: volume.size(),
@@ -967,7 +1090,36 @@ impl CacheInner {
             removed: AtomicBool::new(false),
             stopped: AtomicBool::new(false),
             in_flight: (0..SLOTS).map(|_| InFlight(AtomicU64::new(0))).collect(),
+            seq: SeqState::new(seq),
         })
+    }
+
+    /// The policies as the superblock records them.
+    fn policy_record(&self) -> PolicyRecord {
+        let mut seq_cutoff = self.seq_cutoff_inactive.read().clone();
+        for (id, c) in self.cores.read().iter() {
+            seq_cutoff.insert(*id, c.seq.params());
+        }
+        PolicyRecord {
+            cleaning: *self.cleaning.read(),
+            promotion: self.promotion.params(),
+            seq_cutoff,
+            io_classes: None,
+        }
+    }
+
+    /// Record the policies in the superblock (persistent caches), so a load restores them.
+    fn save_policies(&self) -> Result<()> {
+        let Some(p) = &self.persist else {
+            return Ok(());
+        };
+        let record = self.policy_record();
+        let serde_json::Value::Object(map) =
+            serde_json::to_value(&record).expect("policies serialise")
+        else {
+            unreachable!("a struct serialises to an object");
+        };
+        p.update_superblock(&*self.volume, |sb| sb.params = map)
     }
 
     /// Stop new requests on a core and wait for those in flight.
@@ -1019,15 +1171,20 @@ impl Cache {
                 NONE - 1
             )));
         }
-        Ok(Cache {
-            inner: Arc::new(CacheInner::build(
-                cache_volume,
-                &config,
-                lines as u32,
-                0,
-                None,
-            )),
-        })
+        Ok(Cache::started(CacheInner::build(
+            cache_volume,
+            &config,
+            lines as u32,
+            0,
+            None,
+        )))
+    }
+
+    /// Wrap a built cache and start its cleaner thread.
+    fn started(inner: CacheInner) -> Cache {
+        let inner = Arc::new(inner);
+        *inner.cleaner_thread.lock() = Some(CleanerThread::start(&inner));
+        Cache { inner }
     }
 
     /// Create a new persistent cache on `cache_volume` (docs/format.md). A volume that already
@@ -1072,15 +1229,15 @@ impl Cache {
         };
         let mask_bytes = config.line_size.sectors() as usize / 8;
         let persist = persist::format_volume(&*cache_volume, geometry, &sb, mask_bytes)?;
-        Ok(Cache {
-            inner: Arc::new(CacheInner::build(
-                cache_volume,
-                &config,
-                geometry.lines,
-                geometry.data_offset,
-                Some(persist),
-            )),
-        })
+        let inner = CacheInner::build(
+            cache_volume,
+            &config,
+            geometry.lines,
+            geometry.data_offset,
+            Some(persist),
+        );
+        inner.save_policies()?;
+        Ok(Cache::started(inner))
     }
 
     /// Load the cache held by `cache_volume`, after a clean stop or a crash. `open_core` opens
@@ -1162,6 +1319,19 @@ impl Cache {
             line_size,
             mode,
         };
+        let policies: PolicyRecord =
+            serde_json::from_value(serde_json::Value::Object(sb.params.clone())).map_err(|e| {
+                EngineError::Corrupt(format!("superblock: unreadable policy parameters: {e}"))
+            })?;
+        let valid = policies.cleaning.validate().and_then(|()| {
+            policies.promotion.validate()?;
+            policies.seq_cutoff.values().try_for_each(|s| s.validate())
+        });
+        if let Err(e) = valid {
+            return Err(EngineError::Corrupt(format!(
+                "superblock: impossible policy parameters: {e}"
+            )));
+        }
         let mask_bytes = line_size.sectors() as usize / 8;
         let persist = Persist::new(recorded, sb.nonce, mask_bytes, sb.clone(), 0, sb_seq);
         let mut inner = CacheInner::build(
@@ -1176,18 +1346,21 @@ impl Cache {
             .persist
             .as_ref()
             .expect("a loaded cache is persistent");
-        {
-            let mut cores = inner.cores.write();
-            for (id, vol) in active {
-                cores.insert(id, CacheInner::new_core_state(id, vol));
-            }
+        *inner.cleaning.write() = policies.cleaning;
+        inner.promotion.set_params(policies.promotion, inner.lines);
+        let seq_of = |id: CoreId| policies.seq_cutoff.get(&id).copied().unwrap_or_default();
+        for (id, vol) in active {
+            let state = inner.new_core_state(id, vol, seq_of(id));
+            inner.cores.write().insert(id, state);
+        }
+        for (id, rec) in &inactive {
+            inner.rebuild_chunks(*id, rec.size);
+            inner.seq_cutoff_inactive.write().insert(*id, seq_of(*id));
         }
         *inner.inactive.write() = inactive;
         // From here on the device changes: a crash must be recovered as a crash.
         p.update_superblock(&*inner.volume, |sb| sb.clean_shutdown = false)?;
-        Ok(Cache {
-            inner: Arc::new(inner),
-        })
+        Ok(Cache::started(inner))
     }
 
     /// Read the superblock of the cache `cache_volume` holds, without loading it or writing
@@ -1227,6 +1400,7 @@ impl Cache {
                 "a volatile cache cannot keep dirty data across a stop; flush it".into(),
             ));
         }
+        self.stop_background_cleaner();
         let cores: Vec<Arc<CoreState>> = self.inner.cores.read().values().cloned().collect();
         for c in &cores {
             c.stopped.store(true, Ordering::SeqCst);
@@ -1331,7 +1505,12 @@ impl Cache {
             };
             p.update_superblock(&*self.inner.volume, |sb| sb.cores.push(record))?;
         }
-        cores.insert(id, CacheInner::new_core_state(id, volume));
+        let state = self.inner.new_core_state(id, volume, SeqCutoff::default());
+        cores.insert(id, state);
+        drop(cores);
+        // A new core starts with the default seq cutoff; the superblock forgets a removed
+        // core's settings. A failure here leaves the old record, which a load reads as default.
+        self.inner.save_policies()?;
         Ok(id)
     }
 
@@ -1376,6 +1555,8 @@ impl Cache {
         }
         self.inner.cores.write().remove(&id);
         self.inner.inactive.write().remove(&id);
+        self.inner.seq_cutoff_inactive.write().remove(&id);
+        self.inner.save_policies()?;
         Ok(())
     }
 
@@ -1412,10 +1593,14 @@ impl Cache {
             })?;
         }
         inactive.remove(&id);
-        self.inner
-            .cores
+        let seq = self
+            .inner
+            .seq_cutoff_inactive
             .write()
-            .insert(id, CacheInner::new_core_state(id, volume));
+            .remove(&id)
+            .unwrap_or_default();
+        let state = self.inner.new_core_state(id, volume, seq);
+        self.inner.cores.write().insert(id, state);
         Ok(())
     }
 
@@ -1468,6 +1653,103 @@ impl Cache {
         self.inner.flush_core_dirty(&core)
     }
 
+    // ---- policies (policy.rs; docs/policies.md) ----------------------------------------------
+
+    /// The cleaning policy and every policy's tunables.
+    pub fn cleaning(&self) -> CleaningConfig {
+        *self.inner.cleaning.read()
+    }
+
+    /// Change the cleaning configuration at run time; recorded in the superblock. Invalid values
+    /// are refused and change nothing.
+    pub fn set_cleaning(&self, config: CleaningConfig) -> Result<()> {
+        config.validate()?;
+        let old = std::mem::replace(&mut *self.inner.cleaning.write(), config);
+        if let Err(e) = self.inner.save_policies() {
+            *self.inner.cleaning.write() = old;
+            return Err(e);
+        }
+        // The new policy's wake-up counts from now, not from the old policy's schedule.
+        self.inner.cleaner.lock().reset_schedule();
+        Ok(())
+    }
+
+    /// A core's sequential cutoff settings.
+    pub fn seq_cutoff(&self, core: CoreId) -> Result<SeqCutoff> {
+        if let Some(s) = self.inner.seq_cutoff_inactive.read().get(&core) {
+            return Ok(*s);
+        }
+        Ok(self.inner.core_by_id(core)?.seq.params())
+    }
+
+    /// Set sequential cutoff for one core, or for every core when `core` is None.
+    pub fn set_seq_cutoff(&self, core: Option<CoreId>, params: SeqCutoff) -> Result<()> {
+        params.validate()?;
+        let targets: Vec<Arc<CoreState>> = match core {
+            Some(id) => {
+                if let Some(s) = self.inner.seq_cutoff_inactive.write().get_mut(&id) {
+                    *s = params;
+                    return self.inner.save_policies();
+                }
+                vec![self.inner.core_by_id(id)?]
+            }
+            None => {
+                for s in self.inner.seq_cutoff_inactive.write().values_mut() {
+                    *s = params;
+                }
+                self.inner.cores.read().values().cloned().collect()
+            }
+        };
+        let old: Vec<SeqCutoff> = targets.iter().map(|c| c.seq.params()).collect();
+        for c in &targets {
+            c.seq.set_params(params);
+        }
+        if let Err(e) = self.inner.save_policies() {
+            for (c, o) in targets.iter().zip(old) {
+                c.seq.set_params(o);
+            }
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// The promotion policy and nhit's tunables.
+    pub fn promotion(&self) -> Promotion {
+        self.inner.promotion.params()
+    }
+
+    /// Change promotion at run time; recorded in the superblock.
+    pub fn set_promotion(&self, params: Promotion) -> Result<()> {
+        params.validate()?;
+        let old = self.inner.promotion.params();
+        self.inner.promotion.set_params(params, self.inner.lines);
+        if let Err(e) = self.inner.save_policies() {
+            self.inner.promotion.set_params(old, self.inner.lines);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// What cleaning (background, eviction and flushes) has written since the cache started.
+    pub fn cleaning_stats(&self) -> CleaningStats {
+        self.inner.cleaning_counters.snapshot()
+    }
+
+    /// Stop the background cleaner thread (it is not restarted). For tests that drive the
+    /// cleaner with their own clock through [`cleaner_tick`](Cache::cleaner_tick), and for stop.
+    pub fn stop_background_cleaner(&self) {
+        let thread = self.inner.cleaner_thread.lock().take();
+        if let Some(t) = thread {
+            t.stop();
+        }
+    }
+
+    /// Run the cleaner once as if the time were `now_ms` (milliseconds from any fixed origin,
+    /// never decreasing): the injected clock of the cleaning tests.
+    pub fn cleaner_tick(&self, now_ms: u64) -> CleaningTick {
+        self.inner.cleaner_tick(now_ms)
+    }
+
     pub fn stats(&self) -> Stats {
         let mut total = Stats {
             usage: self.inner.usage(None),
@@ -1504,6 +1786,7 @@ impl Cache {
         self.inner.table.bytes()
             + self.inner.lists.bytes()
             + self.inner.persist.as_ref().map_or(0, |p| p.bytes())
+            + self.inner.promotion.table.get().map_or(0, |t| t.bytes())
     }
 
     /// Check internal invariants (list membership, counters, hash chains); panics with a

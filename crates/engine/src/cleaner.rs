@@ -3,19 +3,31 @@
 //! One mechanism serves the user's flush, eviction under dirty pressure, and (later) background
 //! cleaning policies: take a batch of dirty lines, sort them by core address, lock their stripes
 //! in ascending order, and write their dirty sectors to the core with neighbouring sectors merged
-//! into writes of up to [`MAX_MERGE`] bytes. A 1 MiB sequential write that was cached as 256 lines
-//! of 4 KiB therefore goes back to the core as one 1 MiB write, not 256 small ones.
+//! into writes of up to merge-max bytes (1 MiB by default), and keep up to `depth` of those writes
+//! in flight at once (the policy's flush-max-buffers, [`FLUSH_BUFFERS`] for flushes). A 1 MiB
+//! sequential write cached as 256 lines of 4 KiB goes back to the core as one 1 MiB write, not
+//! 256 small ones; scattered dirty lines go back as many writes in parallel, so a disk array
+//! sees a queue it can reorder instead of one write at a time.
+//!
+//! [`FLUSH_BUFFERS`]: crate::policy::FLUSH_BUFFERS
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
 
 use crate::bits;
 use crate::cache::{push_run, CacheInner, CoreState, Run};
 use crate::meta::Key;
+use crate::policy::FLUSH_BUFFERS;
 use crate::{Result, SECTOR};
 
-/// Largest single core write cleaning issues.
-pub(crate) const MAX_MERGE: usize = 1 << 20;
 /// Dirty data cleaned under one set of locks by a flush; bounds how long client requests to
 /// those lines wait.
-const BATCH_BYTES: u64 = 4 << 20;
+const BATCH_BYTES: u64 = 64 << 20;
+/// Most core writes cleaning keeps in flight at once, whatever flush-max-buffers allows: beyond
+/// this, threads cost more than any device's queue gains.
+const MAX_IN_FLIGHT: usize = 32;
 
 /// A dirty run of one line: where it lives on the core and in the cache.
 struct Piece {
@@ -25,10 +37,89 @@ struct Piece {
     len: usize,
 }
 
+/// Core writes by size, for the cleaning statistics: bucket i counts writes of at most 4 KiB << i
+/// (the last bucket takes everything larger).
+pub const WRITE_SIZE_BUCKETS: usize = 12;
+
+/// What cleaning has done since the cache started (not reset with the request counters).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CleaningStats {
+    /// Dirty lines written to their core and marked clean.
+    pub cleaned_lines: u64,
+    /// Core writes issued by cleaning, and their bytes.
+    pub core_writes: u64,
+    pub core_write_bytes: u64,
+    /// `core_writes` by size; see [`WRITE_SIZE_BUCKETS`].
+    pub write_sizes: [u64; WRITE_SIZE_BUCKETS],
+    /// Most core writes cleaning had in flight at once.
+    pub max_in_flight: u64,
+}
+
+#[derive(Default)]
+pub(crate) struct CleaningCounters {
+    lines: AtomicU64,
+    writes: AtomicU64,
+    bytes: AtomicU64,
+    sizes: [AtomicU64; WRITE_SIZE_BUCKETS],
+    in_flight: AtomicU64,
+    max_in_flight: AtomicU64,
+}
+
+impl CleaningCounters {
+    pub(crate) fn snapshot(&self) -> CleaningStats {
+        CleaningStats {
+            cleaned_lines: self.lines.load(Relaxed),
+            core_writes: self.writes.load(Relaxed),
+            core_write_bytes: self.bytes.load(Relaxed),
+            write_sizes: std::array::from_fn(|i| self.sizes[i].load(Relaxed)),
+            max_in_flight: self.max_in_flight.load(Relaxed),
+        }
+    }
+
+    fn record(&self, len: usize) {
+        self.writes.fetch_add(1, Relaxed);
+        self.bytes.fetch_add(len as u64, Relaxed);
+        let bucket = (len
+            .div_ceil(4096)
+            .max(1)
+            .next_power_of_two()
+            .trailing_zeros() as usize)
+            .min(WRITE_SIZE_BUCKETS - 1);
+        self.sizes[bucket].fetch_add(1, Relaxed);
+    }
+}
+
+/// Paces cleaning's core writes to a bandwidth cap: each write reserves its share of time.
+#[derive(Default)]
+pub(crate) struct Pacer {
+    next: Mutex<Option<Instant>>,
+}
+
+impl Pacer {
+    fn wait(&self, bytes: usize, mib_per_s: u32) {
+        if mib_per_s == 0 {
+            return;
+        }
+        let cost = Duration::from_secs_f64(bytes as f64 / (mib_per_s as f64 * 1048576.0));
+        let now = Instant::now();
+        let start = {
+            let mut next = self.next.lock();
+            // Unused time is not banked beyond one write's worth, so a long idle spell does not
+            // turn into a burst.
+            let start = next.map_or(now, |n| n.max(now.checked_sub(cost).unwrap_or(now)));
+            *next = Some(start + cost);
+            start
+        };
+        if start > now {
+            std::thread::sleep(start - now);
+        }
+    }
+}
+
 impl CacheInner {
     /// Clean the given lines (those still dirty when locked). Caller holds no stripe.
     /// Returns how many lines were cleaned.
-    pub(crate) fn clean_lines(&self, lines: Vec<u32>) -> Result<usize> {
+    pub(crate) fn clean_lines(&self, lines: Vec<u32>, depth: usize) -> Result<usize> {
         let mut items: Vec<(Key, u32)> = lines
             .into_iter()
             .filter_map(|l| self.table.key(l).map(|k| (k, l)))
@@ -54,7 +145,7 @@ impl CacheInner {
                 // Its lines are being dropped by core removal.
                 None => continue,
             };
-            match self.clean_group(&core, group) {
+            match self.clean_group(&core, group, depth) {
                 Ok(n) => cleaned += n,
                 Err(e) => {
                     first_error.get_or_insert(e);
@@ -68,7 +159,7 @@ impl CacheInner {
     }
 
     /// Clean lines of one core, sorted by core line. Caller holds their stripes.
-    fn clean_group(&self, core: &CoreState, items: &[(Key, u32)]) -> Result<usize> {
+    fn clean_group(&self, core: &CoreState, items: &[(Key, u32)], depth: usize) -> Result<usize> {
         let mut pieces = Vec::new();
         for (i, &(key, line)) in items.iter().enumerate() {
             for (first, n) in bits::runs(self.table.dirty(line)) {
@@ -82,53 +173,88 @@ impl CacheInner {
                 });
             }
         }
-        let mut failed = vec![false; items.len()];
-        let mut first_error = None;
-        let mut buf = Vec::new();
+        let io = self.cleaning.read().io;
+        let merge_max = io.merge_max_kib as usize * 1024;
+        // Each core write: a range of `pieces` whose core addresses continue.
+        let mut writes: Vec<(usize, usize, usize)> = Vec::new();
         let mut start = 0;
         while start < pieces.len() {
-            // Extend the write while the core addresses continue and it stays under MAX_MERGE.
             let mut end = start + 1;
             let mut len = pieces[start].len;
             while end < pieces.len()
                 && pieces[end].core_off == pieces[end - 1].core_off + pieces[end - 1].len as u64
-                && len + pieces[end].len <= MAX_MERGE
+                && len + pieces[end].len <= merge_max
             {
                 len += pieces[end].len;
                 end += 1;
             }
-            let group = &pieces[start..end];
-            buf.resize(len, 0);
-            let mut reads = Vec::new();
-            let mut at = 0;
-            for p in group {
-                push_run(&mut reads, p.cache_off, at, p.len);
-                at += p.len;
-            }
-            let write = [Run {
-                dev_off: group[0].core_off,
-                buf_off: 0,
-                len,
-            }];
-            let result = self
-                .cache_read(core, &mut buf, &reads)
-                .and_then(|()| self.core_write(core, &buf, &write));
-            if let Err(e) = result {
-                for p in group {
-                    failed[p.item] = true;
-                }
-                first_error.get_or_insert(e);
-            }
+            writes.push((start, end, len));
             start = end;
+        }
+        let failed: Vec<AtomicBool> = items.iter().map(|_| AtomicBool::new(false)).collect();
+        let first_error = Mutex::new(None);
+        let next = AtomicUsize::new(0);
+        let worker = || {
+            let mut buf = Vec::new();
+            loop {
+                let w = next.fetch_add(1, Relaxed);
+                let Some(&(start, end, len)) = writes.get(w) else {
+                    break;
+                };
+                let group = &pieces[start..end];
+                buf.resize(len, 0);
+                let mut reads = Vec::new();
+                let mut at = 0;
+                for p in group {
+                    push_run(&mut reads, p.cache_off, at, p.len);
+                    at += p.len;
+                }
+                let write = [Run {
+                    dev_off: group[0].core_off,
+                    buf_off: 0,
+                    len,
+                }];
+                self.pacer.wait(len, io.max_bandwidth_mib_s);
+                let c = &self.cleaning_counters;
+                let now = c.in_flight.fetch_add(1, Relaxed) + 1;
+                c.max_in_flight.fetch_max(now, Relaxed);
+                let result = self
+                    .cache_read(core, &mut buf, &reads)
+                    .and_then(|()| self.core_write(core, &buf, &write));
+                c.in_flight.fetch_sub(1, Relaxed);
+                match result {
+                    Ok(()) => c.record(len),
+                    Err(e) => {
+                        for p in group {
+                            failed[p.item].store(true, Relaxed);
+                        }
+                        first_error.lock().get_or_insert(e);
+                    }
+                }
+            }
+        };
+        let threads = writes.len().min(depth).clamp(1, MAX_IN_FLIGHT);
+        if threads == 1 {
+            worker();
+        } else {
+            std::thread::scope(|s| {
+                for _ in 1..threads {
+                    s.spawn(worker);
+                }
+                worker();
+            });
         }
         let mut cleaned = 0;
         for (i, &(key, line)) in items.iter().enumerate() {
-            if !failed[i] {
+            if !failed[i].load(Relaxed) {
                 self.update_line(line, key, self.table.valid(line), 0, false);
                 cleaned += 1;
             }
         }
-        match first_error {
+        self.cleaning_counters
+            .lines
+            .fetch_add(cleaned as u64, Relaxed);
+        match first_error.into_inner() {
             Some(e) => Err(e),
             None => Ok(cleaned),
         }
@@ -143,9 +269,12 @@ impl CacheInner {
             })
             .collect();
         items.sort_unstable();
-        let batch = (BATCH_BYTES / self.line_bytes).max(1) as usize;
+        let batch = (BATCH_BYTES / self.line_bytes).clamp(1, FLUSH_BUFFERS as u64) as usize;
         for chunk in items.chunks(batch) {
-            self.clean_lines(chunk.iter().map(|&(_, l)| l).collect())?;
+            self.clean_lines(
+                chunk.iter().map(|&(_, l)| l).collect(),
+                FLUSH_BUFFERS as usize,
+            )?;
         }
         // The flush is done when the core has the data durably and, for a persistent cache, the
         // device records the lines clean.

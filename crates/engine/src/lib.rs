@@ -16,15 +16,23 @@
 mod bits;
 mod cache;
 mod cleaner;
+mod cleaning;
 mod format;
 mod lists;
 mod locks;
 mod meta;
 mod persist;
+pub mod policy;
 mod stats;
 
 pub use cache::{Cache, Core, CoreInfo, CoreStatus};
+pub use cleaner::{CleaningStats, WRITE_SIZE_BUCKETS};
+pub use cleaning::CleaningTick;
 pub use format::{CoreRecord, Superblock};
+pub use policy::{
+    AcpParams, AlruParams, CleaningConfig, CleaningIo, CleaningPolicy, Promotion, PromotionPolicy,
+    SeqCutoff, SeqCutoffPolicy,
+};
 pub use stats::{BlockStats, ErrorStats, RequestStats, Stats, Usage};
 
 use std::fmt;

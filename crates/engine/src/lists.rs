@@ -31,6 +31,11 @@ struct Head {
 
 pub(crate) struct Shard {
     heads: [Head; 4],
+    /// alru's age marks on the dirty list, oldest first: `(line, t)` says that the line and every
+    /// line before it in the dirty list were last written at or before time `t` (ms). The dirty
+    /// list is in last-write order, so a few marks give every line's age to within the marks'
+    /// spacing, without a timestamp per line. Empty unless alru is the cleaning policy.
+    pub(crate) fences: Vec<(u32, u64)>,
 }
 
 impl Shard {
@@ -70,7 +75,12 @@ impl Lists {
             prev: (0..n).map(|_| AtomicU32::new(NONE)).collect(),
             next: (0..n).map(|_| AtomicU32::new(NONE)).collect(),
             shards: (0..shards)
-                .map(|_| Padded(Mutex::new(Shard { heads: [empty; 4] })))
+                .map(|_| {
+                    Padded(Mutex::new(Shard {
+                        heads: [empty; 4],
+                        fences: Vec::new(),
+                    }))
+                })
                 .collect(),
         };
         lists.rebuild(|_| ListKind::Free);
@@ -88,6 +98,7 @@ impl Lists {
         let Lists { prev, next, shards } = self;
         for s in shards.iter_mut() {
             s.0.get_mut().heads = [empty; 4];
+            s.0.get_mut().fences.clear();
         }
         let mut free = 0;
         for line in 0..prev.len() as u32 {
@@ -145,8 +156,11 @@ impl Lists {
     }
 
     pub(crate) fn remove(&self, s: &mut Shard, kind: ListKind, line: u32) {
-        let h = &mut s.heads[kind as usize];
         let p = self.prev[line as usize].load(Relaxed);
+        if kind == ListKind::Dirty && !s.fences.is_empty() {
+            Self::fence_leaves(s, line, p);
+        }
+        let h = &mut s.heads[kind as usize];
         let n = self.next[line as usize].load(Relaxed);
         if p == NONE {
             debug_assert_eq!(h.first, line);
@@ -163,6 +177,53 @@ impl Lists {
         self.prev[line as usize].store(NONE, Relaxed);
         self.next[line as usize].store(NONE, Relaxed);
         h.len -= 1;
+    }
+
+    /// A dirty line is leaving its place: a fence on it moves to the line before it (written no
+    /// later), or goes when nothing is before it or an older fence already marks that line.
+    fn fence_leaves(s: &mut Shard, line: u32, prev: u32) {
+        let Some(i) = s.fences.iter().position(|&(l, _)| l == line) else {
+            return;
+        };
+        if prev == NONE || (i > 0 && s.fences[i - 1].0 == prev) {
+            s.fences.remove(i);
+        } else {
+            s.fences[i].0 = prev;
+        }
+    }
+
+    /// Mark the dirty list's newest line as written at or before `now` (ms). At most `cap` marks
+    /// are kept: when full, the oldest goes if the next one is itself at or before `stale` (its
+    /// lines stay old enough), otherwise no mark is added (lines get the next mark's later time:
+    /// cleaned a little later, never too early).
+    pub(crate) fn place_fence(&self, s: &mut Shard, now: u64, stale: u64, cap: usize) {
+        let Some(last) = (match s.heads[ListKind::Dirty as usize].last {
+            NONE => None,
+            l => Some(l),
+        }) else {
+            return;
+        };
+        if s.fences.last().is_some_and(|&(l, _)| l == last) {
+            return;
+        }
+        if s.fences.len() >= cap {
+            if s.fences.len() >= 2 && s.fences[1].1 <= stale {
+                s.fences.remove(0);
+            } else {
+                return;
+            }
+        }
+        s.fences.push((last, now));
+    }
+
+    /// The newest dirty line last written at or before `stale` (ms), per the fences: it and every
+    /// dirty line before it are old enough to clean.
+    pub(crate) fn stale_end(&self, s: &Shard, stale: u64) -> Option<u32> {
+        s.fences
+            .iter()
+            .rev()
+            .find(|&&(_, t)| t <= stale)
+            .map(|&(l, _)| l)
     }
 
     pub(crate) fn pop_front(&self, s: &mut Shard, kind: ListKind) -> Option<u32> {

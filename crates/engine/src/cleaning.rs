@@ -1,0 +1,331 @@
+//! Background cleaning: the policies that decide which dirty lines to clean, and when.
+//!
+//! One cleaner thread per cache calls [`CacheInner::cleaner_tick`] about ten times a second (at
+//! once again while a policy has more work). Everything time-dependent goes through the tick's
+//! `now` argument, in milliseconds, so tests drive the same code with an injected clock
+//! ([`crate::Cache::cleaner_tick`] after [`crate::Cache::stop_background_cleaner`]).
+//!
+//! - alru: lines are old enough when the dirty list's age marks (`Shard::fences` in `lists.rs`)
+//!   say they were last written `staleness-time` ago; nothing is cleaned until the cache has seen
+//!   no request for `activity-threshold`, except when the dirty share passes
+//!   `dirty-ratio-threshold` (then the oldest lines go whatever their age, until dirty falls
+//!   below the threshold minus `dirty-ratio-inertia`).
+//! - acp: the core's address space is cut into 100 MiB chunks with a dirty-line count each; every
+//!   `wake-up` ms the cleaner takes the dirtiest chunk (the highest of 11 buckets by dirty share)
+//!   and cleans up to `flush-max-buffers` of its lines, busy or not.
+//!
+//! Either way the chosen lines go through `clean_lines` (cleaner.rs): sorted by core address,
+//! merged into large writes, `flush-max-buffers` in flight. A persistent cache then commits, so
+//! the cleaned lines become reusable.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::cache::CacheInner;
+use crate::lists::ListKind;
+use crate::meta::Key;
+use crate::policy::CleaningPolicy;
+use crate::Result;
+
+/// Size of an acp chunk of core address space.
+pub(crate) const ACP_CHUNK_BYTES: u64 = 100 << 20;
+/// How often the cleaner looks, at most, when it has nothing to do.
+const TICK: Duration = Duration::from_millis(100);
+/// Age marks kept per shard (see `Lists::place_fence`).
+const FENCES: usize = 40;
+
+/// What one tick did; for tests and logs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CleaningTick {
+    /// The policy ran (its wake-up time had come and its conditions held).
+    pub ran: bool,
+    /// Lines cleaned.
+    pub cleaned: u64,
+    /// The policy found more work than one run may do: the next tick runs at once.
+    pub more: bool,
+}
+
+#[derive(Default)]
+pub(crate) struct CleanerState {
+    /// Requests seen so far (sum of the cores' exported bytes: any change is activity).
+    io_marker: u64,
+    last_activity_ms: u64,
+    next_run_ms: u64,
+    last_fence_ms: Option<u64>,
+    /// alru's dirty-ratio trigger is on (hysteresis between threshold and threshold - inertia).
+    ratio_active: bool,
+    /// Where alru's next run starts among the shards, so every shard gets its turn.
+    next_shard: usize,
+}
+
+impl CleanerState {
+    /// Forget when the policy should next run (after a change of policy or tunables).
+    pub(crate) fn reset_schedule(&mut self) {
+        self.next_run_ms = 0;
+        self.ratio_active = false;
+    }
+}
+
+/// The cleaner thread of a cache.
+pub(crate) struct CleanerThread {
+    stop: Arc<(Mutex<bool>, Condvar)>,
+    handle: JoinHandle<()>,
+}
+
+impl CleanerThread {
+    pub(crate) fn start(cache: &Arc<CacheInner>) -> CleanerThread {
+        let stop = Arc::new((Mutex::new(false), Condvar::new()));
+        let weak: Weak<CacheInner> = Arc::downgrade(cache);
+        let stop2 = stop.clone();
+        let epoch = Instant::now();
+        let handle = std::thread::Builder::new()
+            .name(format!("hc-cleaner-{}", cache.id))
+            .spawn(move || loop {
+                let tick = match weak.upgrade() {
+                    Some(cache) => cache.cleaner_tick(epoch.elapsed().as_millis() as u64),
+                    None => return,
+                };
+                let (lock, cv) = &*stop2;
+                let mut stopped = lock.lock();
+                if *stopped {
+                    return;
+                }
+                if !tick.more {
+                    cv.wait_for(&mut stopped, TICK);
+                    if *stopped {
+                        return;
+                    }
+                }
+            })
+            .expect("spawning the cleaner thread");
+        CleanerThread { stop, handle }
+    }
+
+    pub(crate) fn stop(self) {
+        let (lock, cv) = &*self.stop;
+        *lock.lock() = true;
+        cv.notify_all();
+        let _ = self.handle.join();
+    }
+}
+
+impl CacheInner {
+    /// Any request since the last look changes this.
+    fn io_marker(&self) -> u64 {
+        self.cores
+            .read()
+            .values()
+            .map(|c| {
+                let (_, b, _) = c.counters.snapshot();
+                b.exported_read_bytes.wrapping_add(b.exported_written_bytes)
+            })
+            .fold(0u64, u64::wrapping_add)
+    }
+
+    /// One look by the cleaner at time `now` (ms since any fixed origin, never decreasing).
+    pub(crate) fn cleaner_tick(&self, now: u64) -> CleaningTick {
+        let cfg = *self.cleaning.read();
+        let mut st = self.cleaner.lock();
+        let marker = self.io_marker();
+        if marker != st.io_marker {
+            st.io_marker = marker;
+            st.last_activity_ms = now;
+        }
+        if cfg.policy != CleaningPolicy::Alru && st.last_fence_ms.take().is_some() {
+            for i in 0..self.lists.shard_count() {
+                self.lists.lock(i).fences.clear();
+            }
+        }
+        let result = match cfg.policy {
+            CleaningPolicy::Nop => Ok(CleaningTick::default()),
+            CleaningPolicy::Alru => self.alru_tick(&mut st, now),
+            CleaningPolicy::Acp => self.acp_tick(&mut st, now),
+        };
+        // A failed clean leaves its lines dirty; the next run tries again. The error is already
+        // counted in the core's error statistics.
+        result.unwrap_or(CleaningTick {
+            ran: true,
+            cleaned: 0,
+            more: false,
+        })
+    }
+
+    fn alru_tick(&self, st: &mut CleanerState, now: u64) -> Result<CleaningTick> {
+        let p = self.cleaning.read().alru;
+        let staleness = p.staleness_time_s as u64 * 1000;
+        let stale = now.saturating_sub(staleness);
+        // Marks spaced by a sixteenth of the staleness time: ages are known to within that.
+        let spacing = (staleness / 16).max(TICK.as_millis() as u64);
+        if st.last_fence_ms.map_or(true, |t| now >= t + spacing) {
+            for i in 0..self.lists.shard_count() {
+                let mut s = self.lists.lock(i);
+                self.lists.place_fence(&mut s, now, stale, FENCES);
+            }
+            st.last_fence_ms = Some(now);
+        }
+        if now < st.next_run_ms {
+            return Ok(CleaningTick::default());
+        }
+        let usage = self.usage(None);
+        if p.dirty_ratio_threshold >= 100 {
+            st.ratio_active = false;
+        } else {
+            let threshold = self.lines as u64 * p.dirty_ratio_threshold as u64 / 100;
+            let inertia = (p.dirty_ratio_inertia_mib as u64) << 20;
+            let inertia_lines = inertia.div_ceil(self.line_bytes);
+            if usage.dirty_lines > 0 && usage.dirty_lines >= threshold {
+                st.ratio_active = true;
+            } else if usage.dirty_lines + inertia_lines < threshold || usage.dirty_lines == 0 {
+                st.ratio_active = false;
+            }
+        }
+        let idle_for = now.saturating_sub(st.last_activity_ms);
+        if !st.ratio_active && idle_for < p.activity_threshold_ms as u64 {
+            // Look again when the cache would have been idle long enough.
+            st.next_run_ms = st.last_activity_ms + p.activity_threshold_ms as u64;
+            return Ok(CleaningTick::default());
+        }
+        let budget = p.flush_max_buffers as usize;
+        let picked = self.alru_pick(st, budget, (!st.ratio_active).then_some(stale));
+        let more = picked.len() >= budget;
+        let cleaned = self.clean_and_commit(picked, budget)?;
+        st.next_run_ms = if more {
+            now
+        } else {
+            now + p.wake_up_s as u64 * 1000
+        };
+        Ok(CleaningTick {
+            ran: true,
+            cleaned,
+            more,
+        })
+    }
+
+    /// Up to `budget` dirty lines from the old ends of the shards' dirty lists: with `stale`,
+    /// only lines the age marks say were last written at or before it.
+    fn alru_pick(&self, st: &mut CleanerState, budget: usize, stale: Option<u64>) -> Vec<u32> {
+        let n = self.lists.shard_count();
+        let mut picked = Vec::new();
+        // Several passes, each taking an even share from every shard, so the oldest of all shards
+        // go first rather than all of one shard.
+        let share = budget.div_ceil(n).max(1);
+        let mut progress = true;
+        let mut taken = vec![0usize; n];
+        while picked.len() < budget && progress {
+            progress = false;
+            for i in 0..n {
+                let shard = (st.next_shard + i) % n;
+                let s = self.lists.lock(shard);
+                let end = match stale {
+                    Some(t) => match self.lists.stale_end(&s, t) {
+                        Some(l) => Some(l),
+                        None => continue,
+                    },
+                    None => None,
+                };
+                let mut cur = s.first(ListKind::Dirty);
+                let mut skip = taken[shard];
+                let mut got = 0;
+                while let Some(line) = cur {
+                    if picked.len() >= budget || got >= share {
+                        break;
+                    }
+                    if skip > 0 {
+                        skip -= 1;
+                    } else {
+                        picked.push(line);
+                        got += 1;
+                    }
+                    if Some(line) == end {
+                        break;
+                    }
+                    cur = self.lists.next(line);
+                }
+                taken[shard] += got;
+                progress |= got > 0;
+            }
+        }
+        st.next_shard = (st.next_shard + 1) % n;
+        picked
+    }
+
+    fn acp_tick(&self, st: &mut CleanerState, now: u64) -> Result<CleaningTick> {
+        if now < st.next_run_ms {
+            return Ok(CleaningTick::default());
+        }
+        let p = self.cleaning.read().acp;
+        st.next_run_ms = now + p.wake_up_ms as u64;
+        let budget = p.flush_max_buffers as usize;
+        let Some((core, chunk, dirty)) = self.dirtiest_chunk() else {
+            return Ok(CleaningTick {
+                ran: true,
+                cleaned: 0,
+                more: false,
+            });
+        };
+        let picked = self.chunk_dirty_lines(core, chunk, budget.min(dirty as usize));
+        let cleaned = self.clean_and_commit(picked, budget)?;
+        Ok(CleaningTick {
+            ran: true,
+            cleaned,
+            more: false,
+        })
+    }
+
+    /// The chunk with the highest dirty share (of 11 buckets: 0%, 10%, ... 100%), as
+    /// (core, chunk index, dirty lines). Ties go to the lowest core and address.
+    pub(crate) fn dirtiest_chunk(&self) -> Option<(u16, u64, u64)> {
+        let per_chunk = (ACP_CHUNK_BYTES / self.line_bytes).max(1);
+        let mut best: Option<(u64, u64, u16, u64)> = None; // (bucket, dirty, core, chunk)
+        let cores: Vec<u16> = self.cores.read().keys().copied().collect();
+        for id in cores {
+            let chunks = self.gauges[id as usize].chunks.read();
+            for (i, c) in chunks.iter().enumerate() {
+                let dirty = c.load(Ordering::Relaxed) as u64;
+                if dirty == 0 {
+                    continue;
+                }
+                let bucket = dirty * 10 / per_chunk;
+                if best.map_or(true, |(b, d, _, _)| (bucket, dirty) > (b, d)) {
+                    best = Some((bucket, dirty, id, i as u64));
+                }
+            }
+        }
+        best.map(|(_, dirty, core, chunk)| (core, chunk, dirty))
+    }
+
+    /// Up to `want` dirty lines of one chunk, found by looking its core lines up in order.
+    fn chunk_dirty_lines(&self, core: u16, chunk: u64, want: usize) -> Vec<u32> {
+        let per_chunk = (ACP_CHUNK_BYTES / self.line_bytes).max(1);
+        let mut out = Vec::with_capacity(want);
+        for core_line in chunk * per_chunk..(chunk + 1) * per_chunk {
+            if out.len() >= want {
+                break;
+            }
+            let key = Key::new(core, core_line);
+            let _stripe = self.locks.lock_sorted(vec![self.table.stripe(key)]);
+            if let Some(line) = self.table.lookup(key) {
+                if self.table.dirty(line) != 0 {
+                    out.push(line);
+                }
+            }
+        }
+        out
+    }
+
+    fn clean_and_commit(&self, lines: Vec<u32>, depth: usize) -> Result<u64> {
+        if lines.is_empty() {
+            return Ok(0);
+        }
+        let cleaned = self.clean_lines(lines, depth)?;
+        if cleaned > 0 && self.persist.is_some() {
+            // Cleaned lines are reusable only once the device records them clean.
+            self.commit()?;
+        }
+        Ok(cleaned as u64)
+    }
+}

@@ -1,0 +1,788 @@
+//! Policy parameters: cleaning (nop, alru, acp), sequential cutoff and promotion (always, nhit).
+//!
+//! Names, units, defaults and ranges are Open CAS's (domain.md §4-6), so that a configuration
+//! written for Open CAS means the same here. This module only holds and checks values and the
+//! small per-request state the routing decisions need (sequential streams, nhit counters); the
+//! engine applies them in `cache.rs` (routing) and `cleaning.rs` (the background cleaner).
+//! Everything here is serialised into the superblock's `params`, so a loaded cache keeps it.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+
+use crate::{EngineError, Result};
+
+fn check_range(name: &str, value: u64, min: u64, max: u64, unit: &str) -> Result<()> {
+    if value < min || value > max {
+        let unit = if unit.is_empty() {
+            String::new()
+        } else {
+            format!(" {unit}")
+        };
+        return Err(EngineError::Invalid(format!(
+            "{name} {value} is out of range {min}..{max}{unit}"
+        )));
+    }
+    Ok(())
+}
+
+/// Background cleaning policy (domain.md §4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum CleaningPolicy {
+    /// No background cleaning: dirty data leaves by flush or when eviction needs a line.
+    Nop,
+    /// Approximately LRU: clean lines not written for `staleness-time`, when the cache is idle.
+    #[default]
+    Alru,
+    /// Aggressive: clean the dirtiest 100 MiB chunk of the core, busy or not.
+    Acp,
+}
+
+impl CleaningPolicy {
+    pub const ALL: [CleaningPolicy; 3] = [
+        CleaningPolicy::Nop,
+        CleaningPolicy::Alru,
+        CleaningPolicy::Acp,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CleaningPolicy::Nop => "nop",
+            CleaningPolicy::Alru => "alru",
+            CleaningPolicy::Acp => "acp",
+        }
+    }
+}
+
+impl fmt::Display for CleaningPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for CleaningPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        CleaningPolicy::ALL
+            .into_iter()
+            .find(|p| p.as_str() == s)
+            .ok_or_else(|| format!("unknown cleaning policy '{s}' (expected nop, alru or acp)"))
+    }
+}
+
+/// alru's tunables (`-X -n cleaning-alru`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct AlruParams {
+    /// Seconds between cleaner runs when there is nothing to do (0..3600).
+    pub wake_up_s: u32,
+    /// Seconds a dirty line must go unwritten before it is cleaned (1..3600).
+    pub staleness_time_s: u32,
+    /// Lines cleaned per run: the cleaning queue depth (1..10000).
+    pub flush_max_buffers: u32,
+    /// Milliseconds without client IO before cleaning starts (0..1000000).
+    pub activity_threshold_ms: u32,
+    /// Dirty share (%) above which cleaning starts whatever staleness and activity say
+    /// (0..100; 100 = off).
+    pub dirty_ratio_threshold: u32,
+    /// MiB below the threshold at which that forced cleaning stops again.
+    pub dirty_ratio_inertia_mib: u32,
+}
+
+impl Default for AlruParams {
+    fn default() -> Self {
+        AlruParams {
+            wake_up_s: 20,
+            staleness_time_s: 120,
+            flush_max_buffers: 100,
+            activity_threshold_ms: 10_000,
+            dirty_ratio_threshold: 100,
+            dirty_ratio_inertia_mib: 128,
+        }
+    }
+}
+
+impl AlruParams {
+    pub fn validate(&self) -> Result<()> {
+        check_range("wake-up", self.wake_up_s as u64, 0, 3600, "s")?;
+        check_range("staleness-time", self.staleness_time_s as u64, 1, 3600, "s")?;
+        check_range(
+            "flush-max-buffers",
+            self.flush_max_buffers as u64,
+            1,
+            10_000,
+            "",
+        )?;
+        check_range(
+            "activity-threshold",
+            self.activity_threshold_ms as u64,
+            0,
+            1_000_000,
+            "ms",
+        )?;
+        check_range(
+            "dirty-ratio-threshold",
+            self.dirty_ratio_threshold as u64,
+            0,
+            100,
+            "%",
+        )?;
+        check_range(
+            "dirty-ratio-inertia",
+            self.dirty_ratio_inertia_mib as u64,
+            0,
+            u32::MAX as u64 / 2,
+            "MiB",
+        )
+    }
+}
+
+/// acp's tunables (`-X -n cleaning-acp`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct AcpParams {
+    /// Milliseconds the cleaner sleeps between runs (0..10000).
+    pub wake_up_ms: u32,
+    /// Lines cleaned per run (1..10000).
+    pub flush_max_buffers: u32,
+}
+
+impl Default for AcpParams {
+    fn default() -> Self {
+        AcpParams {
+            wake_up_ms: 10,
+            flush_max_buffers: 128,
+        }
+    }
+}
+
+impl AcpParams {
+    pub fn validate(&self) -> Result<()> {
+        check_range("wake-up", self.wake_up_ms as u64, 0, 10_000, "ms")?;
+        check_range(
+            "flush-max-buffers",
+            self.flush_max_buffers as u64,
+            1,
+            10_000,
+            "",
+        )
+    }
+}
+
+/// How cleaning talks to the core, whatever the policy (`-X -n cleaning-io`): hybridcache's own
+/// knobs, which Open CAS does not have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CleaningIo {
+    /// Largest core write cleaning issues, KiB: neighbouring dirty lines merge up to this
+    /// (4..4096).
+    pub merge_max_kib: u32,
+    /// Cap on cleaning's core write bandwidth, MiB/s (0 = no cap), so cleaning does not starve
+    /// client IO to the same core.
+    pub max_bandwidth_mib_s: u32,
+}
+
+impl Default for CleaningIo {
+    fn default() -> Self {
+        CleaningIo {
+            merge_max_kib: 1024,
+            max_bandwidth_mib_s: 0,
+        }
+    }
+}
+
+impl CleaningIo {
+    pub fn validate(&self) -> Result<()> {
+        check_range("merge-max", self.merge_max_kib as u64, 4, 4096, "KiB")?;
+        check_range(
+            "max-bandwidth",
+            self.max_bandwidth_mib_s as u64,
+            0,
+            1 << 20,
+            "MiB/s",
+        )
+    }
+}
+
+/// The whole cleaning configuration. The tunables of every policy are kept when another policy
+/// is selected, as Open CAS does, so switching back restores them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CleaningConfig {
+    pub policy: CleaningPolicy,
+    pub alru: AlruParams,
+    pub acp: AcpParams,
+    pub io: CleaningIo,
+}
+
+impl CleaningConfig {
+    pub fn validate(&self) -> Result<()> {
+        self.alru.validate()?;
+        self.acp.validate()?;
+        self.io.validate()
+    }
+}
+
+/// Lines a user flush or a make-room clean keeps in flight at most. Flushes are what users wait
+/// for, so they get a deep queue whatever the background policy's flush-max-buffers says.
+pub(crate) const FLUSH_BUFFERS: u32 = 4096;
+
+/// The presets users apply by name (domain.md §4); `-X -n cleaning -p NAME`.
+pub const CLEANING_PRESETS: [&str; 3] =
+    ["alru-very-aggressive", "acp-very-aggressive", "alru-lazy"];
+
+impl CleaningConfig {
+    /// Apply a preset: select its policy and set its tunables, keeping the other policy's.
+    pub fn apply_preset(&mut self, name: &str) -> Result<()> {
+        match name {
+            "alru-very-aggressive" => {
+                self.policy = CleaningPolicy::Alru;
+                self.alru.wake_up_s = 0;
+                self.alru.staleness_time_s = 1;
+                self.alru.flush_max_buffers = 8192;
+                self.alru.activity_threshold_ms = 0;
+            }
+            "acp-very-aggressive" => {
+                self.policy = CleaningPolicy::Acp;
+                self.acp.wake_up_ms = 1;
+                self.acp.flush_max_buffers = 8192;
+            }
+            "alru-lazy" => {
+                self.policy = CleaningPolicy::Alru;
+                self.alru.wake_up_s = 2;
+                self.alru.staleness_time_s = 5;
+                self.alru.flush_max_buffers = 256;
+                self.alru.activity_threshold_ms = 500;
+            }
+            _ => {
+                return Err(EngineError::Invalid(format!(
+                    "unknown cleaning policy or preset '{name}' (expected nop, alru, acp, {})",
+                    CLEANING_PRESETS.join(", ")
+                )))
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Sequential cutoff policy (domain.md §5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum SeqCutoffPolicy {
+    /// Cut sequential streams off whatever the cache's state.
+    Always,
+    /// Cut them off only when the cache is nearly full (Open CAS's default).
+    #[default]
+    Full,
+    /// Cache sequential IO like any other.
+    Never,
+}
+
+impl SeqCutoffPolicy {
+    pub const ALL: [SeqCutoffPolicy; 3] = [
+        SeqCutoffPolicy::Always,
+        SeqCutoffPolicy::Full,
+        SeqCutoffPolicy::Never,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SeqCutoffPolicy::Always => "always",
+            SeqCutoffPolicy::Full => "full",
+            SeqCutoffPolicy::Never => "never",
+        }
+    }
+}
+
+impl fmt::Display for SeqCutoffPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for SeqCutoffPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        SeqCutoffPolicy::ALL
+            .into_iter()
+            .find(|p| p.as_str() == s)
+            .ok_or_else(|| {
+                format!("unknown seq cutoff policy '{s}' (expected always, full or never)")
+            })
+    }
+}
+
+/// A core's sequential cutoff settings (`-X -n seq-cutoff`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SeqCutoff {
+    pub policy: SeqCutoffPolicy,
+    /// Bytes a stream must have moved before it is cut off, in KiB (1..4194181).
+    pub threshold_kib: u32,
+    /// Sequential requests a stream needs before it counts as sequential (1..65535).
+    pub promotion_count: u32,
+}
+
+impl Default for SeqCutoff {
+    fn default() -> Self {
+        SeqCutoff {
+            policy: SeqCutoffPolicy::Full,
+            threshold_kib: 1024,
+            promotion_count: 8,
+        }
+    }
+}
+
+impl SeqCutoff {
+    pub fn validate(&self) -> Result<()> {
+        // Open CAS: threshold 1..4194181 KiB (4 GiB - 1 sector... its own limit).
+        check_range("threshold", self.threshold_kib as u64, 1, 4_194_181, "KiB")?;
+        check_range(
+            "promotion-count",
+            self.promotion_count as u64,
+            1,
+            65_535,
+            "",
+        )
+    }
+
+    fn pack(&self) -> u64 {
+        (self.policy as u64)
+            | (self.threshold_kib as u64) << 8
+            | (self.promotion_count as u64) << 40
+    }
+
+    fn unpack(v: u64) -> SeqCutoff {
+        SeqCutoff {
+            policy: SeqCutoffPolicy::ALL[(v & 0xff) as usize % 3],
+            threshold_kib: ((v >> 8) & 0xffff_ffff) as u32,
+            promotion_count: (v >> 40) as u32,
+        }
+    }
+}
+
+/// Streams tracked per core, as Open CAS does.
+pub(crate) const SEQ_STREAMS: usize = 128;
+
+#[derive(Clone, Copy, Default)]
+struct Stream {
+    /// Where the stream's next request would start (bytes); 0 with `requests` 0 = unused.
+    next: u64,
+    bytes: u64,
+    requests: u32,
+    write: bool,
+    /// Last use, for replacing the least recently used stream.
+    stamp: u64,
+}
+
+/// One core's sequential cutoff: its settings (read on every request, so packed in an atomic)
+/// and the streams it tracks.
+pub(crate) struct SeqState {
+    params: AtomicU64,
+    streams: Mutex<StreamTable>,
+}
+
+struct StreamTable {
+    streams: [Stream; SEQ_STREAMS],
+    clock: u64,
+}
+
+impl SeqState {
+    pub(crate) fn new(params: SeqCutoff) -> SeqState {
+        SeqState {
+            params: AtomicU64::new(params.pack()),
+            streams: Mutex::new(StreamTable {
+                streams: [Stream::default(); SEQ_STREAMS],
+                clock: 0,
+            }),
+        }
+    }
+
+    pub(crate) fn params(&self) -> SeqCutoff {
+        SeqCutoff::unpack(self.params.load(Ordering::Relaxed))
+    }
+
+    pub(crate) fn set_params(&self, p: SeqCutoff) {
+        self.params.store(p.pack(), Ordering::Relaxed);
+    }
+
+    /// Record a request and say whether it is cut off. `nearly_full` is asked only under the
+    /// full policy (it costs a little).
+    pub(crate) fn cut_off(
+        &self,
+        offset: u64,
+        len: u64,
+        write: bool,
+        nearly_full: impl FnOnce() -> bool,
+    ) -> bool {
+        let p = self.params();
+        if p.policy == SeqCutoffPolicy::Never {
+            return false;
+        }
+        let (bytes, requests) = self.track(offset, len, write);
+        if bytes < p.threshold_kib as u64 * 1024 || requests < p.promotion_count {
+            return false;
+        }
+        match p.policy {
+            SeqCutoffPolicy::Always => true,
+            SeqCutoffPolicy::Full => nearly_full(),
+            SeqCutoffPolicy::Never => false,
+        }
+    }
+
+    /// Extend the stream this request continues, or start one in the least recently used slot.
+    /// Returns the stream's bytes and requests including this one.
+    fn track(&self, offset: u64, len: u64, write: bool) -> (u64, u32) {
+        let mut t = self.streams.lock();
+        t.clock += 1;
+        let clock = t.clock;
+        if let Some(s) = t
+            .streams
+            .iter_mut()
+            .find(|s| s.requests > 0 && s.next == offset && s.write == write)
+        {
+            s.next = offset + len;
+            s.bytes = s.bytes.saturating_add(len);
+            s.requests = s.requests.saturating_add(1);
+            s.stamp = clock;
+            return (s.bytes, s.requests);
+        }
+        let oldest = t
+            .streams
+            .iter_mut()
+            .min_by_key(|s| s.stamp)
+            .expect("SEQ_STREAMS > 0");
+        *oldest = Stream {
+            next: offset + len,
+            bytes: len,
+            requests: 1,
+            write,
+            stamp: clock,
+        };
+        (len, 1)
+    }
+}
+
+/// Promotion policy (domain.md §6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum PromotionPolicy {
+    /// Every miss is inserted.
+    #[default]
+    Always,
+    /// A core line is inserted only after `threshold` accesses, once occupancy passes `trigger`.
+    Nhit,
+}
+
+impl PromotionPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PromotionPolicy::Always => "always",
+            PromotionPolicy::Nhit => "nhit",
+        }
+    }
+}
+
+impl fmt::Display for PromotionPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for PromotionPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "always" => Ok(PromotionPolicy::Always),
+            "nhit" => Ok(PromotionPolicy::Nhit),
+            _ => Err(format!(
+                "unknown promotion policy '{s}' (expected always or nhit)"
+            )),
+        }
+    }
+}
+
+/// Promotion settings (`-X -n promotion`, `-X -n promotion-nhit`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Promotion {
+    pub policy: PromotionPolicy,
+    /// Accesses a core line needs before it is inserted (2..1000).
+    pub threshold: u32,
+    /// Occupancy (%) above which nhit starts declining (0..100).
+    pub trigger_pct: u32,
+}
+
+impl Default for Promotion {
+    fn default() -> Self {
+        Promotion {
+            policy: PromotionPolicy::Always,
+            threshold: 3,
+            trigger_pct: 80,
+        }
+    }
+}
+
+impl Promotion {
+    pub fn validate(&self) -> Result<()> {
+        check_range("threshold", self.threshold as u64, 2, 1000, "")?;
+        check_range("trigger", self.trigger_pct as u64, 0, 100, "%")
+    }
+
+    fn pack(&self) -> u64 {
+        (self.policy as u64) | (self.threshold as u64) << 8 | (self.trigger_pct as u64) << 40
+    }
+
+    fn unpack(v: u64) -> Promotion {
+        Promotion {
+            policy: if v & 0xff == 1 {
+                PromotionPolicy::Nhit
+            } else {
+                PromotionPolicy::Always
+            },
+            threshold: ((v >> 8) & 0xffff_ffff) as u32,
+            trigger_pct: (v >> 40) as u32,
+        }
+    }
+}
+
+/// Access counts of core lines for nhit, in a fixed table of packed words: a 48-bit tag (a hash
+/// of the core line's key) and a 16-bit count. A collision replaces the older entry: a line may
+/// then need a few more accesses than the threshold, never fewer (unless two keys share a tag
+/// and a slot, which 48 bits make negligible).
+pub(crate) struct NhitTable {
+    slots: Box<[AtomicU64]>,
+}
+
+const COUNT_MASK: u64 = 0xffff;
+
+impl NhitTable {
+    pub(crate) fn new(entries: usize) -> NhitTable {
+        NhitTable {
+            slots: (0..entries.max(1024)).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    pub(crate) fn bytes(&self) -> u64 {
+        self.slots.len() as u64 * 8
+    }
+
+    /// Count an access to the core line `key` and return its count including this one
+    /// (saturating at 65535).
+    pub(crate) fn access(&self, key: u64) -> u32 {
+        let h = (key ^ key >> 29).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let slot = &self.slots[(h as u32) as usize % self.slots.len()];
+        // Never 0, so an empty slot matches no key.
+        let tag = (h & !COUNT_MASK).max(1 << 16);
+        let mut cur = slot.load(Ordering::Relaxed);
+        loop {
+            let count = if cur & !COUNT_MASK == tag {
+                ((cur & COUNT_MASK) + 1).min(COUNT_MASK)
+            } else {
+                1
+            };
+            match slot.compare_exchange_weak(cur, tag | count, Ordering::Relaxed, Ordering::Relaxed)
+            {
+                Ok(_) => return count as u32,
+                Err(now) => cur = now,
+            }
+        }
+    }
+}
+
+/// Cache-wide promotion state.
+pub(crate) struct PromotionState {
+    params: AtomicU64,
+    pub(crate) table: std::sync::OnceLock<NhitTable>,
+}
+
+impl PromotionState {
+    pub(crate) fn new(p: Promotion) -> PromotionState {
+        PromotionState {
+            params: AtomicU64::new(p.pack()),
+            table: std::sync::OnceLock::new(),
+        }
+    }
+
+    pub(crate) fn params(&self) -> Promotion {
+        Promotion::unpack(self.params.load(Ordering::Relaxed))
+    }
+
+    pub(crate) fn set_params(&self, p: Promotion, lines: u32) {
+        if p.policy == PromotionPolicy::Nhit {
+            // Twice the lines: the candidates for insertion are the lines not in the cache.
+            self.table
+                .get_or_init(|| NhitTable::new((lines as usize * 2).min(1 << 24)));
+        }
+        self.params.store(p.pack(), Ordering::Relaxed);
+    }
+}
+
+/// Everything of this module as the superblock records it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PolicyRecord {
+    pub cleaning: CleaningConfig,
+    pub promotion: Promotion,
+    /// Per core id.
+    pub seq_cutoff: std::collections::BTreeMap<u16, SeqCutoff>,
+    /// The loaded IO class file, as CSV (None: the default single class).
+    pub io_classes: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_open_cas_defaults() {
+        let a = AlruParams::default();
+        assert_eq!(
+            (
+                a.wake_up_s,
+                a.staleness_time_s,
+                a.flush_max_buffers,
+                a.activity_threshold_ms
+            ),
+            (20, 120, 100, 10_000)
+        );
+        let c = AcpParams::default();
+        assert_eq!((c.wake_up_ms, c.flush_max_buffers), (10, 128));
+        let s = SeqCutoff::default();
+        assert_eq!(
+            (s.policy, s.threshold_kib, s.promotion_count),
+            (SeqCutoffPolicy::Full, 1024, 8)
+        );
+        let p = Promotion::default();
+        assert_eq!(
+            (p.policy, p.threshold, p.trigger_pct),
+            (PromotionPolicy::Always, 3, 80)
+        );
+        assert_eq!(CleaningConfig::default().policy, CleaningPolicy::Alru);
+    }
+
+    #[test]
+    fn ranges_are_checked_and_named() {
+        let mut a = AlruParams {
+            flush_max_buffers: 0,
+            ..AlruParams::default()
+        };
+        let e = a.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("flush-max-buffers 0 is out of range 1..10000"),
+            "{e}"
+        );
+        a.flush_max_buffers = 10_000;
+        a.staleness_time_s = 3601;
+        assert!(a
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("staleness-time"));
+        let p = Promotion {
+            threshold: 1,
+            ..Promotion::default()
+        };
+        assert!(p.validate().is_err());
+        let s = SeqCutoff {
+            promotion_count: 0,
+            ..SeqCutoff::default()
+        };
+        assert!(s.validate().is_err());
+    }
+
+    #[test]
+    fn packed_params_round_trip() {
+        let s = SeqCutoff {
+            policy: SeqCutoffPolicy::Always,
+            threshold_kib: 4_194_181,
+            promotion_count: 65_535,
+        };
+        assert_eq!(SeqCutoff::unpack(s.pack()), s);
+        let p = Promotion {
+            policy: PromotionPolicy::Nhit,
+            threshold: 1000,
+            trigger_pct: 100,
+        };
+        assert_eq!(Promotion::unpack(p.pack()), p);
+    }
+
+    #[test]
+    fn presets_set_the_documented_values() {
+        let mut c = CleaningConfig::default();
+        c.apply_preset("acp-very-aggressive").unwrap();
+        assert_eq!(c.policy, CleaningPolicy::Acp);
+        assert_eq!((c.acp.wake_up_ms, c.acp.flush_max_buffers), (1, 8192));
+        c.apply_preset("alru-lazy").unwrap();
+        assert_eq!(c.policy, CleaningPolicy::Alru);
+        assert_eq!(
+            (
+                c.alru.wake_up_s,
+                c.alru.staleness_time_s,
+                c.alru.flush_max_buffers,
+                c.alru.activity_threshold_ms
+            ),
+            (2, 5, 256, 500)
+        );
+        // acp's tunables were kept.
+        assert_eq!(c.acp.flush_max_buffers, 8192);
+        assert!(c.apply_preset("fast").is_err());
+    }
+
+    #[test]
+    fn streams_are_tracked_separately_and_replaced_lru() {
+        let s = SeqState::new(SeqCutoff {
+            policy: SeqCutoffPolicy::Always,
+            threshold_kib: 64,
+            promotion_count: 2,
+        });
+        // Two interleaved streams of 16 KiB requests: each is cut off from its 4th request.
+        let mut cut = Vec::new();
+        for i in 0..6u64 {
+            cut.push(s.cut_off(i * 16384, 16384, true, || false));
+            cut.push(s.cut_off((1 << 30) + i * 16384, 16384, true, || false));
+        }
+        assert_eq!(
+            cut,
+            [false, false, false, false, false, false, true, true, true, true, true, true]
+        );
+        // A read continuing a write stream is a new stream.
+        assert!(!s.cut_off(6 * 16384, 16384, false, || false));
+        // 128 other streams push the first out.
+        for i in 0..SEQ_STREAMS as u64 {
+            s.cut_off((i + 2) << 32, 4096, true, || false);
+        }
+        assert!(!s.cut_off(6 * 16384, 16384, true, || false));
+    }
+
+    #[test]
+    fn full_policy_asks_about_free_space_only_when_a_stream_qualifies() {
+        let s = SeqState::new(SeqCutoff {
+            policy: SeqCutoffPolicy::Full,
+            threshold_kib: 8,
+            promotion_count: 1,
+        });
+        assert!(!s.cut_off(0, 4096, false, || panic!("not yet")));
+        assert!(!s.cut_off(4096, 4096, false, || false));
+        assert!(s.cut_off(8192, 4096, false, || true));
+    }
+
+    #[test]
+    fn nhit_counts_per_key_and_saturates() {
+        let t = NhitTable::new(1024);
+        assert_eq!(t.access(5 << 8), 1);
+        assert_eq!(t.access(5 << 8), 2);
+        assert_eq!(t.access(6 << 8), 1);
+        assert_eq!(t.access(5 << 8), 3);
+        assert_eq!(t.access(0), 1);
+        assert_eq!(t.access(0), 2);
+        for _ in 0..300 {
+            t.access(7 << 8);
+        }
+        assert_eq!(t.access(7 << 8), 301);
+    }
+}
