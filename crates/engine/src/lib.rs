@@ -17,6 +17,7 @@ mod bits;
 mod cache;
 mod cleaner;
 mod format;
+pub mod ioclass;
 mod lists;
 mod locks;
 mod meta;
