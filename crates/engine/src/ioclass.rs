@@ -738,15 +738,15 @@ fn compile_rule(
             };
             return Err(error(line_no, column + start, message));
         }
-        match parse_condition(piece, column + start, line_no, opts)? {
+        let parsed = parse_condition(piece, column + start, line_no, opts)?;
+        // Counted even after `done`, so the caller knows a strict reload would refuse the rule.
+        unsupported |= matches!(parsed, Parsed::Unsupported);
+        match parsed {
             // Open CAS never evaluates what follows `done` in a rule, but still parses it.
             _ if done => {}
             Parsed::Done => done = true,
             Parsed::Cond(c) => conds.push(c),
-            Parsed::Unsupported => {
-                unsupported = true;
-                conds.push(Cond::Never);
-            }
+            Parsed::Unsupported => conds.push(Cond::Never),
         }
         if end == name.len() {
             break;

@@ -251,6 +251,11 @@ fn file_system_rules_are_refused_by_default_and_never_true_when_ignored() {
         );
         let t = IoClasses::parse(&text, &LENIENT).unwrap_or_else(|e| panic!("{rule}: {e}"));
         assert!(t.get(1).unwrap().has_unsupported_conditions());
+        let after_done = format!("{HEADER}\n1,done&{rule},1,1\n");
+        let t2 = IoClasses::parse(&after_done, &LENIENT).unwrap();
+        assert!(t2.get(1).unwrap().has_unsupported_conditions());
+        assert_eq!(t2.classify(&req(512, 0)), 1);
+        assert!(IoClasses::parse(&after_done, &STRICT).is_err());
         // Under `&` the class never matches; under `|` the condition just drops out.
         assert_eq!(t.classify(&req(512, 0)), 2, "{rule}");
         assert_eq!(t.classify(&req(8192, 0)), 0, "{rule}");
