@@ -18,6 +18,7 @@ mod cache;
 mod cleaner;
 mod cleaning;
 mod format;
+pub mod ioclass;
 mod lists;
 mod locks;
 mod meta;
