@@ -20,9 +20,11 @@ use hybridcache_volume::{Volume, VolumeError, VolumeRef};
 use parking_lot::{Mutex, RwLock};
 
 use crate::bits::{self, Mask};
+use crate::classes::{ClassState, ReqClass};
 use crate::cleaner::{CleaningCounters, CleaningStats, Pacer};
 use crate::cleaning::{CleanerState, CleanerThread, CleaningTick, ACP_CHUNK_BYTES};
 use crate::format::{ConfigSlot, CoreRecord, Geometry, Superblock};
+use crate::ioclass::{ClassId, IoClasses};
 use crate::lists::{ListKind, Lists, RUN};
 use crate::locks::{StripeGuard, StripedLocks};
 use crate::meta::{Key, LineTable, MAX_CORE_LINES, NONE};
@@ -99,6 +101,7 @@ pub(crate) struct CacheInner {
     pub(crate) pacer: Pacer,
     pub(crate) cleaning_counters: CleaningCounters,
     pub(crate) promotion: PromotionState,
+    pub(crate) classes: ClassState,
     /// Sequential cutoff settings of cores recorded but not attached (inactive), kept so that
     /// the superblock keeps them.
     seq_cutoff_inactive: RwLock<BTreeMap<CoreId, SeqCutoff>>,
@@ -359,6 +362,7 @@ impl CacheInner {
         let from = Self::list_of(old_dirty);
         let gauges = &self.gauges[key.core() as usize];
         if valid == 0 {
+            self.classes.unmapped(line, old_dirty != 0);
             self.table.unmap(line, key);
             // The device may still map this line to `key` as dirty: it waits in limbo until a
             // commit records it free (asked after the unmap; see `Persist::durably_dirty`).
@@ -402,18 +406,22 @@ impl CacheInner {
             (false, true) => {
                 gauges.dirty.fetch_add(1, Ordering::Relaxed);
                 self.chunk_dirty(key, true);
+                self.classes.dirtied(line, true);
             }
             (true, false) => {
                 gauges.dirty.fetch_sub(1, Ordering::Relaxed);
                 self.chunk_dirty(key, false);
+                self.classes.dirtied(line, false);
             }
             _ => {}
         }
     }
 
     /// Map an owned free line. Caller holds `key`'s stripe.
-    fn insert_line(&self, line: u32, key: Key, valid: Mask, dirty: Mask) {
+    fn insert_line(&self, line: u32, key: Key, valid: Mask, dirty: Mask, class: Option<ReqClass>) {
         self.table.map(line, key, valid, dirty);
+        self.classes
+            .mapped(line, class.map_or(0, |c| c.id), dirty != 0);
         if let Some(p) = &self.persist {
             p.touch(line);
         }
@@ -437,9 +445,20 @@ impl CacheInner {
 
     /// Take a line: a free one, or else evict the least recently used clean line whose stripe is
     /// free right now. Never waits for a stripe, so it is safe while holding others.
-    fn alloc_line(&self) -> Option<u32> {
+    fn alloc_line(&self, class: Option<ReqClass>) -> Option<u32> {
         let n = self.lists.shard_count();
         let home = home_shard(n);
+        if let Some(c) = class {
+            // A class at its allocation replaces one of its own lines rather than grow.
+            let table = self.classes.table();
+            let own = self.classes.full(c);
+            if !own && self.free_lines.load(Ordering::Relaxed) > 0 {
+                if let Some(line) = self.alloc_free(home, n) {
+                    return Some(line);
+                }
+            }
+            return (0..n).find_map(|i| self.evict_from((home + i) % n, Some((&table, c.id, own))));
+        }
         if self.free_lines.load(Ordering::Relaxed) > 0 {
             for i in 0..n {
                 let shard = (home + i) % n;
@@ -450,17 +469,60 @@ impl CacheInner {
                 }
             }
         }
-        (0..n).find_map(|i| self.evict_from((home + i) % n))
+        (0..n).find_map(|i| self.evict_from((home + i) % n, None))
     }
 
-    fn evict_from(&self, shard: usize) -> Option<u32> {
+    fn alloc_free(&self, home: usize, n: usize) -> Option<u32> {
+        for i in 0..n {
+            let shard = (home + i) % n;
+            let mut s = self.lists.lock(shard);
+            if let Some(line) = self.lists.pop_front(&mut s, ListKind::Free) {
+                self.free_lines.fetch_sub(1, Ordering::Relaxed);
+                return Some(line);
+            }
+        }
+        None
+    }
+
+    /// Evict one of the oldest clean lines of a shard. With IO classes, `classes` is (table,
+    /// requesting class, own lines only): candidates are ranked by their class' eviction
+    /// priority (highest number first, oldest first among equals), pinned classes' lines are
+    /// left to their own class.
+    fn evict_from(
+        &self,
+        shard: usize,
+        classes: Option<(&IoClasses, ClassId, bool)>,
+    ) -> Option<u32> {
         // Looking a little past the oldest line keeps one busy stripe from blocking eviction.
         const SCAN: usize = 16;
         let mut s = self.lists.lock(shard);
         let mut cur = s.first(ListKind::Clean);
+        let mut order = [(0u16, NONE); SCAN];
+        let mut candidates = 0;
         for _ in 0..SCAN {
-            let line = cur?;
+            let Some(line) = cur else { break };
             cur = self.lists.next(line);
+            order[candidates] = (0, line);
+            if let Some((table, class, own)) = classes {
+                if own && self.classes.class_of(line) != class {
+                    continue;
+                }
+                match self.classes.rank(table, line, class) {
+                    Some(rank) => order[candidates].0 = rank,
+                    None => {
+                        // Pinned for another class: send it to the back so that pinned lines
+                        // gathering at the old end do not hide every other line from eviction.
+                        self.lists
+                            .move_back(&mut s, ListKind::Clean, ListKind::Clean, line);
+                        continue;
+                    }
+                }
+            }
+            candidates += 1;
+        }
+        // Stable: the oldest first among lines of equal rank.
+        order[..candidates].sort_by_key(|&(rank, _)| std::cmp::Reverse(rank));
+        for &(_, line) in &order[..candidates] {
             let Some(key) = self.table.key(line) else {
                 continue;
             };
@@ -477,6 +539,7 @@ impl CacheInner {
             }
             self.lists.remove(&mut s, ListKind::Clean, line);
             drop(s);
+            self.classes.unmapped(line, false);
             self.table.unmap(line, key);
             if let Some(p) = &self.persist {
                 p.touch(line);
@@ -571,7 +634,11 @@ impl CacheInner {
         let mode = self.mode();
         // In wo and pt, and for a request sequential cutoff or promotion turns away, only dirty
         // sectors come from the cache and nothing is inserted.
+        let class = self
+            .classes
+            .classify(core.id, offset, buf.len() as u64, false);
         let mut bypass = matches!(mode, CacheMode::Wo | CacheMode::Pt)
+            || class.is_some_and(|c| c.cap == 0)
             || self.cut_off(core, offset, buf.len() as u64, false);
         let mut segs = self.segments(core.id, offset, buf.len() as u64);
         let _locks = self.lock_keys(segs.iter().map(|s| s.key));
@@ -598,21 +665,22 @@ impl CacheInner {
         }
         let c = &core.counters;
         let total = buf.len() as u64 / SECTOR;
-        c.add(
-            if bypass {
-                Counter::PassThroughReads
-            } else {
-                classify(
-                    cached_sectors,
-                    total,
-                    Counter::ReadHits,
-                    Counter::ReadPartialMisses,
-                    Counter::ReadFullMisses,
-                )
-            },
-            1,
-        );
+        let outcome = if bypass {
+            Counter::PassThroughReads
+        } else {
+            classify(
+                cached_sectors,
+                total,
+                Counter::ReadHits,
+                Counter::ReadPartialMisses,
+                Counter::ReadFullMisses,
+            )
+        };
+        c.add(outcome, 1);
         c.add(Counter::ExportedReadBytes, buf.len() as u64);
+        self.classes.count(class, outcome, 1);
+        self.classes
+            .count(class, Counter::ExportedReadBytes, buf.len() as u64);
 
         self.core_read(core, buf, &core_runs)?;
         if let Err(e) = self.cache_read(core, buf, &cache_runs) {
@@ -635,7 +703,7 @@ impl CacheInner {
             }
             return Ok(());
         }
-        self.insert_after_read(core, buf, &segs);
+        self.insert_after_read(core, buf, &segs, class);
         Ok(())
     }
 
@@ -647,7 +715,13 @@ impl CacheInner {
 
     /// Put what a read fetched from the core into the cache: missing sectors of mapped lines, and
     /// new lines for unmapped ones when a line can be had.
-    fn insert_after_read(&self, core: &CoreState, buf: &[u8], segs: &[Seg]) {
+    fn insert_after_read(
+        &self,
+        core: &CoreState,
+        buf: &[u8],
+        segs: &[Seg],
+        class: Option<ReqClass>,
+    ) {
         // Once no line can be had, later unmapped segments are just served from the core; mapped
         // ones still get their missing sectors.
         let mut lines_left = true;
@@ -665,12 +739,12 @@ impl CacheInner {
             if !lines_left {
                 continue;
             }
-            let Some(line) = self.alloc_line() else {
+            let Some(line) = self.alloc_line(class) else {
                 lines_left = false;
                 continue;
             };
             if self.cache_write_mask(core, buf, s, line, m).is_ok() {
-                self.insert_line(line, s.key, m, 0);
+                self.insert_line(line, s.key, m, 0, class);
             } else {
                 self.release_line(line);
             }
@@ -688,38 +762,56 @@ impl CacheInner {
         let mode = self.mode();
         core.counters
             .add(Counter::ExportedWrittenBytes, buf.len() as u64);
+        let class = self
+            .classes
+            .classify(core.id, offset, buf.len() as u64, true);
+        self.classes
+            .count(class, Counter::ExportedWrittenBytes, buf.len() as u64);
         // A write sequential cutoff turns away goes to the core; the cache drops its copy of
         // those sectors, dirty or not (the core now has newer data). wa inserts nothing anyway
         // and keeps its mapped copies up to date instead.
-        let cut = mode != CacheMode::Pt && self.cut_off(core, offset, buf.len() as u64, true);
+        // A class with allocation 0 is never cached: its writes are pass-through too.
+        let cut = mode != CacheMode::Pt
+            && (class.is_some_and(|c| c.cap == 0)
+                || self.cut_off(core, offset, buf.len() as u64, true));
         match mode {
-            CacheMode::Wa => self.write_through(core, buf, offset, false),
-            _ if cut => self.write_invalidate(core, buf, offset, CacheMode::Pt),
-            CacheMode::Wb | CacheMode::Wo => self.write_back(core, buf, offset),
-            CacheMode::Wt => self.write_through(core, buf, offset, true),
-            CacheMode::Wi | CacheMode::Pt => self.write_invalidate(core, buf, offset, mode),
+            CacheMode::Wa => self.write_through(core, buf, offset, false, class),
+            _ if cut => self.write_invalidate(core, buf, offset, CacheMode::Pt, class),
+            CacheMode::Wb | CacheMode::Wo => self.write_back(core, buf, offset, class),
+            CacheMode::Wt => self.write_through(core, buf, offset, true, class),
+            CacheMode::Wi | CacheMode::Pt => self.write_invalidate(core, buf, offset, mode, class),
         }
     }
 
-    fn count_write(&self, core: &CoreState, segs: &[Seg]) {
+    fn count_write(&self, core: &CoreState, segs: &[Seg], class: Option<ReqClass>) {
         let total: u64 = segs.iter().map(|s| s.count as u64).sum();
         let valid: u64 = segs
             .iter()
             .map(|s| (s.mask() & s.valid).count_ones() as u64)
             .sum();
-        core.counters.add(
-            classify(
-                valid,
-                total,
-                Counter::WriteHits,
-                Counter::WritePartialMisses,
-                Counter::WriteFullMisses,
-            ),
-            1,
+        let outcome = classify(
+            valid,
+            total,
+            Counter::WriteHits,
+            Counter::WritePartialMisses,
+            Counter::WriteFullMisses,
         );
+        core.counters.add(outcome, 1);
+        self.classes.count(class, outcome, 1);
     }
 
-    fn write_back(&self, core: &CoreState, buf: &[u8], offset: u64) -> Result<()> {
+    fn count_pass_through_write(&self, core: &CoreState, class: Option<ReqClass>) {
+        core.counters.add(Counter::PassThroughWrites, 1);
+        self.classes.count(class, Counter::PassThroughWrites, 1);
+    }
+
+    fn write_back(
+        &self,
+        core: &CoreState,
+        buf: &[u8],
+        offset: u64,
+        class: Option<ReqClass>,
+    ) -> Result<()> {
         let mut segs = self.segments(core.id, offset, buf.len() as u64);
         // Lines taken in an earlier round stay ours across rounds.
         let mut spare: Vec<u32> = Vec::new();
@@ -739,7 +831,7 @@ impl CacheInner {
                 segs.iter().filter(|s| !s.mapped()).count()
             };
             while spare.len() < needed {
-                match self.alloc_line() {
+                match self.alloc_line(class) {
                     Some(line) => spare.push(line),
                     None => break,
                 }
@@ -758,9 +850,9 @@ impl CacheInner {
             }
         };
         if declined {
-            core.counters.add(Counter::PassThroughWrites, 1);
+            self.count_pass_through_write(core, class);
         } else {
-            self.count_write(core, &segs);
+            self.count_write(core, &segs, class);
         }
 
         // Decide each segment's home: its mapped line, a new line, or (no line) the core.
@@ -801,7 +893,7 @@ impl CacheInner {
             let s = &segs[i];
             let m = s.mask();
             match (cache_ok, new) {
-                (true, true) => self.insert_line(line, s.key, m, m),
+                (true, true) => self.insert_line(line, s.key, m, m, class),
                 (true, false) => self.update_line(line, s.key, s.valid | m, s.dirty | m, true),
                 (false, new) => {
                     // The cache copy of these sectors may be torn: the core gets the data and
@@ -826,16 +918,23 @@ impl CacheInner {
     }
 
     /// wt (insert) and wa (no insert): the core first, then the cache copy of mapped lines.
-    fn write_through(&self, core: &CoreState, buf: &[u8], offset: u64, insert: bool) -> Result<()> {
+    fn write_through(
+        &self,
+        core: &CoreState,
+        buf: &[u8],
+        offset: u64,
+        insert: bool,
+        class: Option<ReqClass>,
+    ) -> Result<()> {
         let mut segs = self.segments(core.id, offset, buf.len() as u64);
         let _locks = self.lock_keys(segs.iter().map(|s| s.key));
         self.lookup(&mut segs);
         let declined = insert && self.promotion_declines(&segs);
         let insert = insert && !declined;
         if declined {
-            core.counters.add(Counter::PassThroughWrites, 1);
+            self.count_pass_through_write(core, class);
         } else {
-            self.count_write(core, &segs);
+            self.count_write(core, &segs, class);
         }
         let whole = [Run {
             dev_off: offset,
@@ -852,11 +951,11 @@ impl CacheInner {
                     self.update_line(s.line, s.key, s.valid & !m, s.dirty & !m, false);
                 }
             } else if insert {
-                let Some(line) = self.alloc_line() else {
+                let Some(line) = self.alloc_line(class) else {
                     continue;
                 };
                 if self.cache_write_mask(core, buf, s, line, m).is_ok() {
-                    self.insert_line(line, s.key, m, 0);
+                    self.insert_line(line, s.key, m, 0, class);
                 } else {
                     self.release_line(line);
                 }
@@ -872,14 +971,15 @@ impl CacheInner {
         buf: &[u8],
         offset: u64,
         mode: CacheMode,
+        class: Option<ReqClass>,
     ) -> Result<()> {
         let mut segs = self.segments(core.id, offset, buf.len() as u64);
         let _locks = self.lock_keys(segs.iter().map(|s| s.key));
         self.lookup(&mut segs);
         if mode == CacheMode::Pt {
-            core.counters.add(Counter::PassThroughWrites, 1);
+            self.count_pass_through_write(core, class);
         } else {
-            self.count_write(core, &segs);
+            self.count_write(core, &segs, class);
         }
         let whole = [Run {
             dev_off: offset,
@@ -1075,6 +1175,7 @@ impl CacheInner {
             pacer: Pacer::default(),
             cleaning_counters: CleaningCounters::default(),
             promotion: PromotionState::new(Promotion::default()),
+            classes: ClassState::new(lines),
             seq_cutoff_inactive: RwLock::new(BTreeMap::new()),
         }
     }
@@ -1104,7 +1205,7 @@ impl CacheInner {
             cleaning: *self.cleaning.read(),
             promotion: self.promotion.params(),
             seq_cutoff,
-            io_classes: None,
+            io_classes: self.classes.active().then(|| self.classes.table().to_csv()),
         }
     }
 
@@ -1346,6 +1447,19 @@ impl Cache {
             .persist
             .as_ref()
             .expect("a loaded cache is persistent");
+        if let Some(csv) = &policies.io_classes {
+            // Loaded leniently: a file accepted with file-system rules ignored reads back.
+            let opts = crate::ioclass::LoadOptions {
+                ignore_unsupported: true,
+            };
+            let table = IoClasses::parse(csv, &opts).map_err(|e| {
+                EngineError::Corrupt(format!("superblock: unreadable IO class table: {e}"))
+            })?;
+            let table_ref = &inner.table;
+            inner.classes.install(table, |line| {
+                (table_ref.key(line).is_some(), table_ref.dirty(line) != 0)
+            });
+        }
         *inner.cleaning.write() = policies.cleaning;
         inner.promotion.set_params(policies.promotion, inner.lines);
         let seq_of = |id: CoreId| policies.seq_cutoff.get(&id).copied().unwrap_or_default();
@@ -1730,6 +1844,59 @@ impl Cache {
         Ok(())
     }
 
+    /// The IO classes in force (the default single class until a file is loaded).
+    pub fn io_classes(&self) -> Arc<IoClasses> {
+        self.inner.classes.table()
+    }
+
+    /// Replace the IO classes; recorded in the superblock. Lines keep the class they were
+    /// inserted with. The caller parses the file, so a refused file never gets here.
+    pub fn load_io_classes(&self, classes: IoClasses) -> Result<()> {
+        let old = self
+            .inner
+            .classes
+            .active()
+            .then(|| self.inner.classes.table());
+        let table = &self.inner.table;
+        self.inner.classes.install(classes, |line| {
+            (table.key(line).is_some(), table.dirty(line) != 0)
+        });
+        if let Err(e) = self.inner.save_policies() {
+            if let Some(old) = old {
+                self.inner
+                    .classes
+                    .install((*old).clone(), |_| (false, false));
+            }
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Statistics of one IO class: its lines (occupancy, dirty) and the requests classified
+    /// into it, across cores. Device byte counts are per core only; a class has exported bytes.
+    pub fn io_class_stats(&self, id: ClassId) -> Result<Stats> {
+        let table = self.inner.classes.table();
+        if table.get(id).is_none() {
+            return Err(EngineError::Invalid(format!(
+                "IO class {id} is not configured"
+            )));
+        }
+        let c = &self.inner.classes;
+        let (requests, blocks, errors) = c.counters(id).map(|k| k.snapshot()).unwrap_or_default();
+        Ok(Stats {
+            usage: Usage {
+                line_size: self.inner.line_bytes as u32,
+                total_lines: self.inner.lines as u64,
+                occupancy_lines: c.occupancy[id as usize].load(Ordering::Relaxed),
+                free_lines: self.inner.free_lines.load(Ordering::Relaxed),
+                dirty_lines: c.dirty[id as usize].load(Ordering::Relaxed),
+            },
+            requests,
+            blocks,
+            errors,
+        })
+    }
+
     /// What cleaning (background, eviction and flushes) has written since the cache started.
     pub fn cleaning_stats(&self) -> CleaningStats {
         self.inner.cleaning_counters.snapshot()
@@ -1779,6 +1946,7 @@ impl Cache {
         for core in self.inner.cores.read().values() {
             core.counters.reset();
         }
+        self.inner.classes.reset();
     }
 
     /// Bytes of RAM the per-line metadata takes, over the whole cache.
@@ -1787,6 +1955,7 @@ impl Cache {
             + self.inner.lists.bytes()
             + self.inner.persist.as_ref().map_or(0, |p| p.bytes())
             + self.inner.promotion.table.get().map_or(0, |t| t.bytes())
+            + self.inner.classes.bytes()
     }
 
     /// Check internal invariants (list membership, counters, hash chains); panics with a

@@ -15,6 +15,7 @@
 
 mod bits;
 mod cache;
+mod classes;
 mod cleaner;
 mod cleaning;
 mod format;

@@ -1,0 +1,125 @@
+//! IO classes applied by the engine: allocation 0 is never cached, a class at its allocation
+//! replaces its own lines, pinned lines survive other classes' pressure, eviction priority
+//! orders eviction, per-class statistics, and the table survives a stop and load.
+
+mod common;
+
+use common::*;
+use hybridcache_engine::ioclass::{IoClasses, LoadOptions};
+use hybridcache_engine::{Cache, CacheConfig, CacheMode, LineSize};
+
+fn classes(csv: &str) -> IoClasses {
+    IoClasses::parse(csv, &LoadOptions::default()).expect("valid class file")
+}
+
+const HEADER: &str = "IO class id,IO class name,Eviction priority,Allocation\n";
+
+#[test]
+fn allocation_zero_is_never_cached_and_counted_as_pass_through() {
+    let (cache, _) = new_cache(4, 64, CacheMode::Wb);
+    let c = add_core(&cache, 1 << 20);
+    // Requests of 64 KiB or more are class 1, never cached.
+    cache
+        .load_io_classes(classes(&format!(
+            "{HEADER}0,unclassified,22,1\n1,request_size:ge:65536,1,0\n"
+        )))
+        .unwrap();
+    let big = stamped(65536, 1, 0);
+    c.core.write(&big, 0).unwrap();
+    assert_eq!(
+        read_vol(&*c.vol, 0, 65536),
+        big,
+        "written through to the core"
+    );
+    assert_eq!(cache.stats().usage.occupancy_lines, 0);
+    let small = stamped(4096, 2, 256);
+    c.core.write(&small, 131072).unwrap();
+    assert_eq!(cache.stats().usage.occupancy_lines, 1);
+    let s1 = cache.io_class_stats(1).unwrap();
+    assert_eq!(s1.requests.pass_through_writes, 1);
+    assert_eq!(s1.usage.occupancy_lines, 0);
+    let s0 = cache.io_class_stats(0).unwrap();
+    assert_eq!(s0.requests.write_full_misses, 1);
+    assert_eq!((s0.usage.occupancy_lines, s0.usage.dirty_lines), (1, 1));
+    let mut buf = vec![0; 65536];
+    c.core.read(&mut buf, 0).unwrap();
+    assert_eq!(buf, big);
+    assert_eq!(
+        cache.io_class_stats(1).unwrap().requests.pass_through_reads,
+        1
+    );
+    assert!(cache.io_class_stats(2).is_err());
+    cache.check_invariants();
+}
+
+#[test]
+fn a_class_at_its_allocation_replaces_its_own_lines() {
+    let (cache, _) = new_cache(4, 100, CacheMode::Wt);
+    let c = add_core(&cache, 8 << 20);
+    // LBA (sector) 8192 and up = the second 4 MiB: class 1, at most 20% of the cache.
+    cache
+        .load_io_classes(classes(&format!(
+            "{HEADER}0,unclassified,22,1\n1,lba:ge:8192,5,0.2\n"
+        )))
+        .unwrap();
+    let mut buf = vec![0; 4096];
+    for i in 0..60u64 {
+        c.core.read(&mut buf, (4 << 20) + i * 4096).unwrap();
+        assert!(cache.io_class_stats(1).unwrap().usage.occupancy_lines <= 20);
+    }
+    assert_eq!(cache.io_class_stats(1).unwrap().usage.occupancy_lines, 20);
+    // The rest of the cache is still free for class 0.
+    for i in 0..70u64 {
+        c.core.read(&mut buf, i * 4096).unwrap();
+    }
+    assert_eq!(cache.io_class_stats(0).unwrap().usage.occupancy_lines, 70);
+    cache.check_invariants();
+}
+
+#[test]
+fn pinned_lines_survive_other_classes_and_priority_orders_eviction() {
+    let (cache, _) = new_cache(4, 64, CacheMode::Wt);
+    let c = add_core(&cache, 8 << 20);
+    // Class 1 (first MiB) pinned; class 2 (second MiB) evicted first (255); class 0 in between.
+    cache
+        .load_io_classes(classes(&format!(
+            "{HEADER}0,unclassified,100,1\n1,lba:lt:2048,,1\n2,lba:ge:2048&lba:lt:4096,255,1\n"
+        )))
+        .unwrap();
+    let mut buf = vec![0; 4096];
+    for i in 0..16u64 {
+        c.core.read(&mut buf, i * 4096).unwrap(); // class 1, pinned
+        c.core.read(&mut buf, (1 << 20) + i * 4096).unwrap(); // class 2
+    }
+    // Class 0 streams through the rest of the cache and keeps going.
+    for i in 0..200u64 {
+        c.core.read(&mut buf, (4 << 20) + i * 4096).unwrap();
+    }
+    let pinned = cache.io_class_stats(1).unwrap().usage.occupancy_lines;
+    let low = cache.io_class_stats(2).unwrap().usage.occupancy_lines;
+    assert_eq!(pinned, 16, "pinned lines were evicted");
+    assert_eq!(low, 0, "priority 255 lines should go before class 0's");
+    cache.check_invariants();
+}
+
+#[test]
+fn io_classes_survive_stop_and_load() {
+    let vol = ram("ram:cache", 64 << 20);
+    let core = ram("ram:core", 16 << 20);
+    let config = CacheConfig {
+        id: 3,
+        line_size: LineSize::from_kib(4).unwrap(),
+        mode: CacheMode::Wb,
+    };
+    let cache = Cache::create(as_ref(&vol), config, false).unwrap();
+    cache.add_core(as_ref(&core), Some(1)).unwrap();
+    let table = classes(&format!(
+        "{HEADER}0,unclassified,22,1\n1,request_size:le:4096&done,1,0.5\n2,core_id:eq:1|io_direction:write,,0.70\n"
+    ));
+    cache.load_io_classes(table.clone()).unwrap();
+    cache.stop(true).unwrap();
+    drop(cache);
+    let loaded = Cache::load(as_ref(&vol), &mut |_| Some(as_ref(&core))).unwrap();
+    assert_eq!(*loaded.io_classes(), table);
+    loaded.stop(true).unwrap();
+}
