@@ -170,6 +170,9 @@ pub enum Command {
         id: u16,
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: Option<u16>,
+        /// Statistics of one IO class (usage and requests of that class, across cores).
+        #[arg(short = 'd', long = "io-class-id", value_parser = clap::value_parser!(u8).range(0..=32))]
+        io_class: Option<u8>,
         #[arg(
             short = 'o',
             long = "output-format",
@@ -209,21 +212,58 @@ pub enum Command {
         core: Option<u16>,
     },
 
-    /// Set a parameter (names: cache-mode; see get-param).
+    /// Set parameters of a group: cache-mode (-v), cleaning (-p), cleaning-alru (-w -s -b -t -d),
+    /// cleaning-acp (-w -b), cleaning-io, seq-cutoff (-j; -p -t), promotion (-p),
+    /// promotion-nhit (-t -o). See docs/policies.md.
     #[command(short_flag = 'X', long_flag = "set-param")]
     SetParam {
         #[arg(short = 'n', long = "name")]
         name: String,
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
         id: u16,
+        /// Core (seq-cutoff; all cores when omitted).
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: Option<u16>,
-        /// New value.
+        /// New value (cache-mode).
         #[arg(short = 'v', long = "value")]
-        value: String,
+        value: Option<String>,
+        /// Policy: cleaning nop|alru|acp|alru-very-aggressive|acp-very-aggressive|alru-lazy;
+        /// seq-cutoff always|full|never; promotion always|nhit.
+        #[arg(short = 'p', long = "policy")]
+        policy: Option<String>,
+        /// Wake-up: seconds (alru) or milliseconds (acp).
+        #[arg(short = 'w', long = "wake-up")]
+        wake_up: Option<String>,
+        /// alru staleness time, seconds.
+        #[arg(short = 's', long = "staleness-time")]
+        staleness_time: Option<String>,
+        /// Lines cleaned per run (alru, acp).
+        #[arg(short = 'b', long = "flush-max-buffers")]
+        flush_max_buffers: Option<String>,
+        /// alru activity threshold (ms); seq-cutoff threshold (KiB); nhit threshold (accesses).
+        #[arg(short = 't', long = "threshold", visible_alias = "activity-threshold")]
+        threshold: Option<String>,
+        /// alru dirty ratio threshold, percent (100 = off).
+        #[arg(short = 'd', long = "dirty-ratio-threshold")]
+        dirty_ratio_threshold: Option<String>,
+        /// alru dirty ratio inertia, MiB.
+        #[arg(long = "dirty-ratio-inertia")]
+        dirty_ratio_inertia: Option<String>,
+        /// nhit trigger: occupancy percent above which nhit applies.
+        #[arg(short = 'o', long = "trigger")]
+        trigger: Option<String>,
+        /// seq-cutoff: sequential requests before a stream counts.
+        #[arg(long = "promotion-count")]
+        promotion_count: Option<String>,
+        /// cleaning-io: largest cleaning write, KiB.
+        #[arg(long = "merge-max")]
+        merge_max: Option<String>,
+        /// cleaning-io: cleaning bandwidth cap, MiB/s (0 = none).
+        #[arg(long = "max-bandwidth")]
+        max_bandwidth: Option<String>,
     },
 
-    /// Print a parameter (names: cache-mode, cache-line-size).
+    /// Print a parameter group (names as for set-param, and cache-line-size).
     #[command(short_flag = 'G', long_flag = "get-param")]
     GetParam {
         #[arg(short = 'n', long = "name")]
@@ -232,6 +272,44 @@ pub enum Command {
         id: u16,
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: Option<u16>,
+        #[arg(
+            short = 'o',
+            long = "output-format",
+            value_enum,
+            default_value = "table"
+        )]
+        output: OutputFormat,
+    },
+
+    /// IO classes: load Open CAS's CSV class file (`-C -C -i ID -f FILE`) or list the classes
+    /// in force (`-C -L -i ID`). See docs/io-classes.md.
+    #[command(short_flag = 'C', long_flag = "io-class")]
+    IoClass {
+        /// Load a class file (replaces the classes in force; a refused file changes nothing).
+        #[arg(
+            short = 'C',
+            long = "load-config",
+            conflicts_with = "list",
+            required_unless_present = "list"
+        )]
+        load: bool,
+        /// List the classes in force.
+        #[arg(short = 'L', long = "list")]
+        list: bool,
+        #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
+        id: u16,
+        /// The CSV file (with --load-config).
+        #[arg(
+            short = 'f',
+            long = "file",
+            value_name = "FILE",
+            required_if_eq("load", "true")
+        )]
+        file: Option<PathBuf>,
+        /// Accept rules that need file-system knowledge (metadata, file_size, ...); they never
+        /// match on a block export. Without it such a file is refused.
+        #[arg(long)]
+        ignore_unsupported: bool,
         #[arg(
             short = 'o',
             long = "output-format",
@@ -254,7 +332,10 @@ impl Command {
     /// `analyze`, which the CLI handles itself).
     pub fn request(&self) -> Option<Request> {
         Some(match self {
-            Command::Daemon { .. } | Command::Version | Command::Analyze(_) => return None,
+            Command::Daemon { .. }
+            | Command::Version
+            | Command::Analyze(_)
+            | Command::IoClass { .. } => return None,
             Command::StartCache {
                 device,
                 id,
@@ -285,9 +366,12 @@ impl Command {
                 force: *force,
             },
             Command::ListCaches { .. } => Request::List,
-            Command::Stats { id, core, .. } => Request::Stats {
+            Command::Stats {
+                id, core, io_class, ..
+            } => Request::Stats {
                 cache: *id,
                 core: *core,
+                io_class: *io_class,
             },
             Command::ResetCounters { id, core } => Request::ResetCounters {
                 cache: *id,
@@ -307,12 +391,51 @@ impl Command {
                 id,
                 core,
                 value,
-            } => Request::SetParam {
-                cache: *id,
-                core: *core,
-                name: name.clone(),
-                value: value.clone(),
-            },
+                policy,
+                wake_up,
+                staleness_time,
+                flush_max_buffers,
+                threshold,
+                dirty_ratio_threshold,
+                dirty_ratio_inertia,
+                trigger,
+                promotion_count,
+                merge_max,
+                max_bandwidth,
+            } => {
+                let given = [
+                    ("-v", value),
+                    ("-p", policy),
+                    ("-w", wake_up),
+                    ("-s", staleness_time),
+                    ("-b", flush_max_buffers),
+                    ("-t", threshold),
+                    ("-d", dirty_ratio_threshold),
+                    ("--dirty-ratio-inertia", dirty_ratio_inertia),
+                    ("-o", trigger),
+                    ("--promotion-count", promotion_count),
+                    ("--merge-max", merge_max),
+                    ("--max-bandwidth", max_bandwidth),
+                ];
+                let group = crate::params::find(name).ok();
+                let mut values = std::collections::BTreeMap::new();
+                for (flag, v) in given {
+                    let Some(v) = v else { continue };
+                    // A flag the group does not have goes as itself; the daemon names it in
+                    // its refusal.
+                    let key = group
+                        .and_then(|g| g.fields.iter().find(|f| f.flag == flag))
+                        .map_or(flag.to_string(), |f| f.key.to_string());
+                    values.insert(key, v.clone());
+                }
+                Request::SetParam {
+                    cache: *id,
+                    core: *core,
+                    name: name.clone(),
+                    value: String::new(),
+                    values,
+                }
+            }
             Command::GetParam { name, id, core, .. } => Request::GetParam {
                 cache: *id,
                 core: *core,
@@ -404,7 +527,8 @@ mod tests {
             req(&["-P", "-i", "1", "-j", "1", "-o", "json"]),
             Request::Stats {
                 cache: 1,
-                core: Some(1)
+                core: Some(1),
+                io_class: None
             }
         );
         assert_eq!(
@@ -435,7 +559,8 @@ mod tests {
                 cache: 1,
                 core: None,
                 name: "cache-mode".into(),
-                value: "wa".into()
+                value: String::new(),
+                values: [("mode".to_string(), "wa".to_string())].into()
             }
         );
         assert_eq!(

@@ -164,11 +164,17 @@ impl State {
             ..ConfigFile::default()
         };
         for (id, c) in &self.caches {
-            let params = params::PARAMS
+            let mut params = BTreeMap::new();
+            for g in params::GROUPS
                 .iter()
-                .filter(|p| p.in_config && p.set.is_some())
-                .map(|p| (p.name.to_string(), (p.get)(&c.cache)))
-                .collect();
+                .filter(|g| g.in_config && g.set.is_some())
+            {
+                if let Ok(values) = (g.get)(&c.cache, None) {
+                    for (f, v) in g.fields.iter().zip(values) {
+                        params.insert(format!("{}.{}", g.name, f.key), v);
+                    }
+                }
+            }
             cfg.caches.push(CacheSection {
                 id: *id,
                 device: c.device.clone(),
@@ -268,7 +274,33 @@ impl Daemon {
                     st.caches.iter().map(|(id, c)| cache_info(*id, c)).collect();
                 Ok(json!({ "caches": caches }))
             }
-            Request::Stats { cache, core } => self.stats(cache, core),
+            Request::Stats {
+                cache,
+                core,
+                io_class,
+            } => self.stats(cache, core, io_class),
+            Request::LoadIoClasses {
+                cache,
+                csv,
+                ignore_unsupported,
+            } => {
+                let handle = self.checked(cache, None)?;
+                let opts = hybridcache_engine::ioclass::LoadOptions { ignore_unsupported };
+                let classes =
+                    hybridcache_engine::ioclass::IoClasses::parse(&csv, &opts).map_err(|e| {
+                        format!("IO class file refused, nothing changed: {e}").replace(
+                            "load with ignore_unsupported",
+                            "load with --ignore-unsupported",
+                        )
+                    })?;
+                handle.load_io_classes(classes).map_err(engine_err)?;
+                Ok(json!({}))
+            }
+            Request::ListIoClasses { cache } => {
+                let handle = self.checked(cache, None)?;
+                let classes = handle.io_classes().iter().map(io_class_info).collect();
+                serde_json::to_value(protocol::IoClassList { classes }).map_err(|e| e.to_string())
+            }
             Request::ResetCounters { cache, core } => {
                 let st = self.state.lock();
                 let c = st.cache(cache)?;
@@ -309,23 +341,71 @@ impl Daemon {
                 core,
                 name,
                 value,
+                mut values,
             } => {
-                let p = params::find(&name)?;
-                let set = p
+                let g = params::find(&name)?;
+                let set = g
                     .set
                     .ok_or_else(|| format!("parameter '{name}' is read-only"))?;
+                if !value.is_empty() {
+                    values.insert(g.fields[0].key.to_string(), value);
+                }
+                if values.is_empty() {
+                    return Err(format!(
+                        "nothing to set for '{name}': give {}",
+                        g.fields
+                            .iter()
+                            .map(|f| format!("{} ({})", f.flag, f.key))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ));
+                }
+                if core.is_some() && !g.per_core {
+                    return Err(format!("parameter '{name}' is per cache; drop -j"));
+                }
                 let handle = self.checked(cache, core)?;
-                set(&handle, &value)?;
+                set(&handle, core, &values)?;
                 self.save();
                 Ok(json!({}))
             }
             Request::GetParam { cache, core, name } => {
-                let p = params::find(&name)?;
+                let g = params::find(&name)?;
                 let handle = self.checked(cache, core)?;
+                let fields =
+                    |core: Option<u16>| -> std::result::Result<Vec<protocol::ParamField>, String> {
+                        Ok((g.get)(&handle, core)?
+                            .into_iter()
+                            .zip(g.fields)
+                            .map(|(value, f)| protocol::ParamField {
+                                key: f.key.into(),
+                                label: f.label.into(),
+                                value,
+                            })
+                            .collect())
+                    };
+                let (fields, cores) = if g.per_core && core.is_none() {
+                    let mut cores = Vec::new();
+                    for info in handle.cores() {
+                        cores.push(protocol::CoreParams {
+                            core: info.id,
+                            fields: fields(Some(info.id))?,
+                        });
+                    }
+                    (Vec::new(), cores)
+                } else {
+                    (fields(core)?, Vec::new())
+                };
+                let first = fields
+                    .first()
+                    .or_else(|| cores.first().and_then(|c| c.fields.first()))
+                    .map(|f| f.value.clone())
+                    .unwrap_or_default();
                 Ok(serde_json::to_value(protocol::ParamValue {
-                    name: p.name.into(),
-                    value: (p.get)(&handle),
-                    read_only: p.set.is_none(),
+                    name: g.name.into(),
+                    value: first,
+                    read_only: g.set.is_none(),
+                    fields,
+                    cores,
                 })
                 .map_err(|e| e.to_string())?)
             }
@@ -713,10 +793,24 @@ impl Daemon {
         Ok(json!({}))
     }
 
-    fn stats(&self, cache_id: u16, core: Option<u16>) -> Reply {
+    fn stats(&self, cache_id: u16, core: Option<u16>, io_class: Option<u8>) -> Reply {
         let st = self.state.lock();
         let c = st.cache(cache_id)?;
         let info = cache_info(cache_id, c);
+        if let Some(id) = io_class {
+            if core.is_some() {
+                return Err("IO class statistics cover every core; drop -j".into());
+            }
+            let stats = c.cache.io_class_stats(id).map_err(engine_err)?;
+            let class = c.cache.io_classes().get(id).map(io_class_info);
+            return serde_json::to_value(StatsReport {
+                cache: info,
+                core: None,
+                io_class: class,
+                stats: stats.into(),
+            })
+            .map_err(|e| e.to_string());
+        }
         let (core_info, stats) = match core {
             Some(core) => {
                 let ci = info
@@ -733,6 +827,7 @@ impl Daemon {
         serde_json::to_value(StatsReport {
             cache: info,
             core: core_info,
+            io_class: None,
             stats: stats.into(),
         })
         .map_err(|e| e.to_string())
@@ -765,12 +860,23 @@ impl Daemon {
                 Start::LoadOrCreate,
             )
             .map_err(|e| anyhow!("cache {}: {e}", c.id))?;
-            for (name, value) in &c.params {
+            // One request per group, so each group's fields are applied together.
+            let mut groups: BTreeMap<&str, BTreeMap<String, String>> = BTreeMap::new();
+            for (key, value) in &c.params {
+                let (g, field) = params::split_key(key)
+                    .map_err(|e| anyhow!("cache {}: parameter {key}: {e}", c.id))?;
+                groups
+                    .entry(g.name)
+                    .or_default()
+                    .insert(field, value.clone());
+            }
+            for (name, values) in groups {
                 self.handle(Request::SetParam {
                     cache: c.id,
                     core: None,
-                    name: name.clone(),
-                    value: value.clone(),
+                    name: name.to_string(),
+                    value: String::new(),
+                    values,
                 })
                 .map_err(|e| anyhow!("cache {}: parameter {name}: {e}", c.id))?;
             }
@@ -1063,6 +1169,17 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
     }
     eprintln!("hybridcache: stopped");
     Ok(())
+}
+
+fn io_class_info(c: &hybridcache_engine::ioclass::IoClass) -> protocol::IoClassInfo {
+    protocol::IoClassInfo {
+        id: c.id,
+        name: c.name.clone(),
+        eviction_priority: c
+            .eviction_priority
+            .map_or("Pinned".to_string(), |p| p.to_string()),
+        allocation: c.allocation_str(),
+    }
 }
 
 #[cfg(test)]

@@ -97,6 +97,164 @@ pub fn list(caches: &[CacheInfo], format: OutputFormat) -> String {
     }
 }
 
+/// `-C -L`: the IO classes in force.
+pub fn io_classes(l: &crate::protocol::IoClassList, format: OutputFormat) -> String {
+    match format {
+        OutputFormat::Json => serde_json::to_string_pretty(l).unwrap_or_default() + "\n",
+        OutputFormat::Csv => {
+            let mut out = String::from("IO class id,IO class name,Eviction priority,Allocation\n");
+            for c in &l.classes {
+                let prio = if c.eviction_priority == "Pinned" {
+                    ""
+                } else {
+                    c.eviction_priority.as_str()
+                };
+                let _ = writeln!(
+                    out,
+                    "{},{},{},{}",
+                    c.id,
+                    csv_cell(&c.name),
+                    prio,
+                    c.allocation
+                );
+            }
+            out
+        }
+        OutputFormat::Table => {
+            let heads = [
+                "IO class id",
+                "IO class name",
+                "Eviction priority",
+                "Allocation",
+            ];
+            let rows: Vec<[String; 4]> = l
+                .classes
+                .iter()
+                .map(|c| {
+                    [
+                        c.id.to_string(),
+                        c.name.clone(),
+                        c.eviction_priority.clone(),
+                        c.allocation.clone(),
+                    ]
+                })
+                .collect();
+            let w: Vec<usize> = (0..4)
+                .map(|i| {
+                    rows.iter()
+                        .map(|r| r[i].len())
+                        .chain([heads[i].len()])
+                        .max()
+                        .unwrap_or(0)
+                })
+                .collect();
+            let bar = |l: &str, m: &str, r: &str| {
+                let cells: Vec<String> = w.iter().map(|w| "═".repeat(w + 2)).collect();
+                format!("{l}{}{r}\n", cells.join(m))
+            };
+            let line = |cells: [&str; 4]| {
+                format!(
+                    "║ {:<w0$} │ {:<w1$} │ {:<w2$} │ {:<w3$} ║\n",
+                    cells[0],
+                    cells[1],
+                    cells[2],
+                    cells[3],
+                    w0 = w[0],
+                    w1 = w[1],
+                    w2 = w[2],
+                    w3 = w[3]
+                )
+            };
+            let mut out = bar("╔", "╤", "╗");
+            out.push_str(&line(heads));
+            out.push_str(&bar("╠", "╪", "╣"));
+            for r in &rows {
+                out.push_str(&line([&r[0], &r[1], &r[2], &r[3]]));
+            }
+            out.push_str(&bar("╚", "╧", "╝"));
+            out
+        }
+    }
+}
+
+/// `get-param`: casadm's two-column table ("Parameter name", "Value"), CSV, or JSON. A per-core
+/// group shown for every core gets a "Core" column.
+pub fn params(p: &crate::protocol::ParamValue, format: OutputFormat) -> String {
+    let mut rows: Vec<(Option<u16>, &str, &str)> = p
+        .fields
+        .iter()
+        .map(|f| (None, f.label.as_str(), f.value.as_str()))
+        .collect();
+    for c in &p.cores {
+        rows.extend(
+            c.fields
+                .iter()
+                .map(|f| (Some(c.core), f.label.as_str(), f.value.as_str())),
+        );
+    }
+    let per_core = !p.cores.is_empty();
+    match format {
+        OutputFormat::Json => serde_json::to_string_pretty(p).unwrap_or_default() + "\n",
+        OutputFormat::Csv => {
+            let mut out = String::from(if per_core {
+                "Core,Parameter name,Value\n"
+            } else {
+                "Parameter name,Value\n"
+            });
+            for (core, label, value) in rows {
+                if let Some(c) = core {
+                    let _ = write!(out, "{c},");
+                }
+                let _ = writeln!(out, "{},{}", csv_cell(label), csv_cell(value));
+            }
+            out
+        }
+        // A single value (cache-mode, cleaning, promotion...) prints bare, so that scripts can
+        // read it as `$(hybridcache -G -n cache-mode -i 1)`.
+        OutputFormat::Table if rows.len() == 1 && !per_core => format!("{}\n", rows[0].2),
+        OutputFormat::Table => {
+            let w0 = rows
+                .iter()
+                .map(|r| r.1.len())
+                .chain([14])
+                .max()
+                .unwrap_or(14);
+            let w1 = rows.iter().map(|r| r.2.len()).chain([5]).max().unwrap_or(5);
+            let wc = if per_core { 6 } else { 0 };
+            let bar = |l: &str, m: &str, r: &str| {
+                let core = if per_core {
+                    format!("{}{m}", "═".repeat(wc + 2))
+                } else {
+                    String::new()
+                };
+                format!(
+                    "{l}{core}{}{m}{}{r}\n",
+                    "═".repeat(w0 + 2),
+                    "═".repeat(w1 + 2)
+                )
+            };
+            let mut out = bar("╔", "╤", "╗");
+            let core_head = if per_core {
+                format!(" {:<wc$} │", "Core")
+            } else {
+                String::new()
+            };
+            let _ = writeln!(
+                out,
+                "║{core_head} {:<w0$} │ {:<w1$} ║",
+                "Parameter name", "Value"
+            );
+            out.push_str(&bar("╠", "╪", "╣"));
+            for (core, label, value) in rows {
+                let core = core.map(|c| format!(" {c:<wc$} │")).unwrap_or_default();
+                let _ = writeln!(out, "║{core} {label:<w0$} │ {value:<w1$} ║");
+            }
+            out.push_str(&bar("╚", "╧", "╝"));
+            out
+        }
+    }
+}
+
 fn csv_cell(s: &str) -> String {
     if s.contains([',', '"', '\n']) {
         format!("\"{}\"", s.replace('"', "\"\""))
@@ -319,6 +477,16 @@ fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
         v.push(("core_size_gib", "Core Size [GiB]", gib(core.size)));
         v.push(("status", "Status", core.status.clone()));
         v.push(("cache_id", "Cache Id", c.id.to_string()));
+    } else if let Some(k) = &r.io_class {
+        v.push(("io_class_id", "IO class ID", k.id.to_string()));
+        v.push(("io_class_name", "IO class name", k.name.clone()));
+        v.push((
+            "eviction_priority",
+            "Eviction priority",
+            k.eviction_priority.clone(),
+        ));
+        v.push(("allocation", "Allocation", k.allocation.clone()));
+        v.push(("cache_id", "Cache Id", c.id.to_string()));
     } else {
         v.push(("cache_id", "Cache Id", c.id.to_string()));
         v.push((
@@ -484,6 +652,7 @@ mod tests {
                 }],
             },
             core: None,
+            io_class: None,
             stats: StatsData {
                 line_size: 4096,
                 total_lines: 4096,

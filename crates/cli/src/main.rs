@@ -113,6 +113,33 @@ fn run(cli: Cli) -> Result<()> {
             }
             return Ok(());
         }
+        Command::IoClass {
+            load,
+            id,
+            file,
+            ignore_unsupported,
+            output,
+            ..
+        } => {
+            if *load {
+                let path = file.as_ref().context("--load-config needs -f FILE")?;
+                let csv = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading {}", path.display()))?;
+                let req = Request::LoadIoClasses {
+                    cache: *id,
+                    csv,
+                    ignore_unsupported: *ignore_unsupported,
+                };
+                let _: serde_json::Value =
+                    call(&control, &req).with_context(|| format!("{}", path.display()))?;
+                println!("IO classes of cache {id} loaded from {}", path.display());
+            } else {
+                let l: protocol::IoClassList =
+                    call(&control, &Request::ListIoClasses { cache: *id })?;
+                print!("{}", format::io_classes(&l, *output));
+            }
+            return Ok(());
+        }
         _ => {}
     }
     let Some(req) = cli.command.request() else {
@@ -129,14 +156,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::GetParam { output, .. } => {
             let p: ParamValue = call(&control, &req)?;
-            match output {
-                format::OutputFormat::Table => println!("{}", p.value),
-                format::OutputFormat::Csv => println!("name,value\n{},{}", p.name, p.value),
-                format::OutputFormat::Json => println!(
-                    "{}",
-                    serde_json::to_string_pretty(&p).context("encoding the parameter")?
-                ),
-            }
+            print!("{}", format::params(&p, *output));
         }
         Command::StartCache { .. } => {
             let v: protocol::Started = call(&control, &req)?;

@@ -1,66 +1,438 @@
-//! Named cache parameters for `set-param` / `get-param` and the configuration file.
+//! Named cache parameters for `set-param` (-X) / `get-param` (-G) and the configuration file.
 //!
-//! Each parameter is one row of [`PARAMS`]: a name (casadm-style, kebab-case), whether it is
-//! per core, a getter and an optional setter. New policy knobs (cleaning, sequential cutoff,
-//! promotion) are added as rows here; the CLI, the control protocol and the configuration file
-//! pick them up without further changes.
+//! Parameters come in casadm's groups: `-X -n cleaning-alru -i 1 -w 20 -s 120` sets two fields of
+//! the group `cleaning-alru` at once. Each group is one row of [`GROUPS`]: its fields (wire key,
+//! command-line flag, the label casadm prints with its unit), a getter for all of them, and a
+//! setter that applies a set of changed fields atomically: every value is parsed and the result
+//! validated before anything changes, so a bad value changes nothing.
+//!
+//! On the wire and in the configuration file a field is `GROUP.FIELD` (e.g.
+//! `cleaning-alru.wake-up`); a group's first field may be named by the group alone (`cache-mode`,
+//! `cleaning`, `promotion`).
 
-use hybridcache_engine::{Cache, CacheMode};
+use std::collections::BTreeMap;
 
-/// Applies a new value to a cache; the error is the one-line reason for the user.
-pub type Setter = fn(&Cache, &str) -> Result<(), String>;
+use hybridcache_engine::{Cache, CacheMode, CleaningPolicy, CoreId, PromotionPolicy};
 
-pub struct Param {
+/// One field of a group.
+pub struct Field {
+    /// Wire and configuration name within the group.
+    pub key: &'static str,
+    /// The command-line flag that sets it with `-X` (see cli.rs).
+    pub flag: &'static str,
+    /// What `-G` prints, with the unit.
+    pub label: &'static str,
+}
+
+/// Current values, in field order.
+pub type Getter = fn(&Cache, Option<CoreId>) -> Result<Vec<String>, String>;
+/// Apply changed fields (key -> value); all or nothing.
+pub type Setter = fn(&Cache, Option<CoreId>, &BTreeMap<String, String>) -> Result<(), String>;
+
+pub struct Group {
     pub name: &'static str,
     pub help: &'static str,
-    /// Saved in the configuration file's `params` table (false for those with their own key).
+    pub fields: &'static [Field],
+    /// Per core (`-j`): without one, `-X` sets every core and `-G` shows every core.
+    pub per_core: bool,
+    /// Saved in the configuration file's `params` table (the superblock keeps them anyway).
     pub in_config: bool,
-    pub get: fn(&Cache) -> String,
-    /// None for read-only parameters.
+    pub get: Getter,
+    /// None for read-only groups.
     pub set: Option<Setter>,
 }
 
-fn get_mode(c: &Cache) -> String {
-    c.mode().to_string()
+fn parse_u32(key: &str, v: &str) -> Result<u32, String> {
+    v.trim()
+        .parse::<u32>()
+        .map_err(|_| format!("{key}: '{v}' is not a whole number"))
 }
 
-fn set_mode(c: &Cache, v: &str) -> Result<(), String> {
-    let mode: CacheMode = v.parse()?;
+fn engine<T>(r: hybridcache_engine::Result<T>) -> Result<T, String> {
+    r.map_err(|e| e.to_string())
+}
+
+/// Apply `values` to `fields`, refusing keys the group does not have.
+fn each(
+    group: &str,
+    values: &BTreeMap<String, String>,
+    mut apply: impl FnMut(&str, &str) -> Result<bool, String>,
+) -> Result<(), String> {
+    for (k, v) in values {
+        if !apply(k, v)? {
+            return Err(format!("parameter group '{group}' has no field '{k}'"));
+        }
+    }
+    Ok(())
+}
+
+fn get_mode(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
+    Ok(vec![c.mode().to_string()])
+}
+
+fn set_mode(c: &Cache, _: Option<CoreId>, v: &BTreeMap<String, String>) -> Result<(), String> {
+    let mut mode = c.mode();
+    each("cache-mode", v, |k, v| {
+        Ok(k == "mode" && {
+            mode = v.parse::<CacheMode>()?;
+            true
+        })
+    })?;
     // As casadm's set-param: no flush; dirty data drains by cleaning (use set-cache-mode -f yes
     // to flush first).
-    c.set_mode(mode, false).map_err(|e| e.to_string())
+    engine(c.set_mode(mode, false))
 }
 
-fn get_line_size(c: &Cache) -> String {
-    c.line_size().kib().to_string()
+fn get_line_size(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
+    Ok(vec![c.line_size().kib().to_string()])
 }
 
-pub const PARAMS: &[Param] = &[
-    Param {
+fn get_cleaning(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
+    Ok(vec![c.cleaning().policy.to_string()])
+}
+
+fn set_cleaning(c: &Cache, _: Option<CoreId>, v: &BTreeMap<String, String>) -> Result<(), String> {
+    let mut cfg = c.cleaning();
+    each("cleaning", v, |k, v| {
+        if k != "policy" {
+            return Ok(false);
+        }
+        match v.parse::<CleaningPolicy>() {
+            Ok(p) => cfg.policy = p,
+            Err(_) => engine(cfg.apply_preset(v))?,
+        }
+        Ok(true)
+    })?;
+    engine(c.set_cleaning(cfg))
+}
+
+fn get_alru(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
+    let a = c.cleaning().alru;
+    Ok([
+        a.wake_up_s,
+        a.staleness_time_s,
+        a.flush_max_buffers,
+        a.activity_threshold_ms,
+        a.dirty_ratio_threshold,
+        a.dirty_ratio_inertia_mib,
+    ]
+    .iter()
+    .map(u32::to_string)
+    .collect())
+}
+
+fn set_alru(c: &Cache, _: Option<CoreId>, v: &BTreeMap<String, String>) -> Result<(), String> {
+    let mut cfg = c.cleaning();
+    let a = &mut cfg.alru;
+    each("cleaning-alru", v, |k, v| {
+        let slot = match k {
+            "wake-up" => &mut a.wake_up_s,
+            "staleness-time" => &mut a.staleness_time_s,
+            "flush-max-buffers" => &mut a.flush_max_buffers,
+            "activity-threshold" => &mut a.activity_threshold_ms,
+            "dirty-ratio-threshold" => &mut a.dirty_ratio_threshold,
+            "dirty-ratio-inertia" => &mut a.dirty_ratio_inertia_mib,
+            _ => return Ok(false),
+        };
+        *slot = parse_u32(k, v)?;
+        Ok(true)
+    })?;
+    engine(c.set_cleaning(cfg))
+}
+
+fn get_acp(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
+    let a = c.cleaning().acp;
+    Ok(vec![
+        a.wake_up_ms.to_string(),
+        a.flush_max_buffers.to_string(),
+    ])
+}
+
+fn set_acp(c: &Cache, _: Option<CoreId>, v: &BTreeMap<String, String>) -> Result<(), String> {
+    let mut cfg = c.cleaning();
+    let a = &mut cfg.acp;
+    each("cleaning-acp", v, |k, v| {
+        let slot = match k {
+            "wake-up" => &mut a.wake_up_ms,
+            "flush-max-buffers" => &mut a.flush_max_buffers,
+            _ => return Ok(false),
+        };
+        *slot = parse_u32(k, v)?;
+        Ok(true)
+    })?;
+    engine(c.set_cleaning(cfg))
+}
+
+fn get_cleaning_io(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
+    let io = c.cleaning().io;
+    Ok(vec![
+        io.merge_max_kib.to_string(),
+        io.max_bandwidth_mib_s.to_string(),
+    ])
+}
+
+fn set_cleaning_io(
+    c: &Cache,
+    _: Option<CoreId>,
+    v: &BTreeMap<String, String>,
+) -> Result<(), String> {
+    let mut cfg = c.cleaning();
+    let io = &mut cfg.io;
+    each("cleaning-io", v, |k, v| {
+        let slot = match k {
+            "merge-max" => &mut io.merge_max_kib,
+            "max-bandwidth" => &mut io.max_bandwidth_mib_s,
+            _ => return Ok(false),
+        };
+        *slot = parse_u32(k, v)?;
+        Ok(true)
+    })?;
+    engine(c.set_cleaning(cfg))
+}
+
+fn get_seq_cutoff(c: &Cache, core: Option<CoreId>) -> Result<Vec<String>, String> {
+    let core = core.ok_or("seq-cutoff is per core: name one with -j")?;
+    let s = engine(c.seq_cutoff(core))?;
+    Ok(vec![
+        s.policy.to_string(),
+        s.threshold_kib.to_string(),
+        s.promotion_count.to_string(),
+    ])
+}
+
+fn set_seq_cutoff(
+    c: &Cache,
+    core: Option<CoreId>,
+    v: &BTreeMap<String, String>,
+) -> Result<(), String> {
+    // Without -j every core gets the fields given, each keeping its other fields: start from
+    // the first core's values only when one is named.
+    let cores: Vec<CoreId> = match core {
+        Some(id) => vec![id],
+        None => c.cores().iter().map(|i| i.id).collect(),
+    };
+    let mut planned = Vec::new();
+    for id in &cores {
+        let mut s = engine(c.seq_cutoff(*id))?;
+        each("seq-cutoff", v, |k, v| {
+            match k {
+                "policy" => s.policy = v.parse()?,
+                "threshold" => s.threshold_kib = parse_u32(k, v)?,
+                "promotion-count" => s.promotion_count = parse_u32(k, v)?,
+                _ => return Ok(false),
+            }
+            Ok(true)
+        })?;
+        engine(s.validate())?;
+        planned.push((*id, s));
+    }
+    if cores.is_empty() {
+        // No core yet: still check the values, so a typo is not silently accepted.
+        let mut s = hybridcache_engine::SeqCutoff::default();
+        each("seq-cutoff", v, |k, v| {
+            match k {
+                "policy" => s.policy = v.parse()?,
+                "threshold" => s.threshold_kib = parse_u32(k, v)?,
+                "promotion-count" => s.promotion_count = parse_u32(k, v)?,
+                _ => return Ok(false),
+            }
+            Ok(true)
+        })?;
+        engine(s.validate())?;
+    }
+    for (id, s) in planned {
+        engine(c.set_seq_cutoff(Some(id), s))?;
+    }
+    Ok(())
+}
+
+fn get_promotion(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
+    Ok(vec![c.promotion().policy.to_string()])
+}
+
+fn set_promotion(c: &Cache, _: Option<CoreId>, v: &BTreeMap<String, String>) -> Result<(), String> {
+    let mut p = c.promotion();
+    each("promotion", v, |k, v| {
+        Ok(k == "policy" && {
+            p.policy = v.parse::<PromotionPolicy>()?;
+            true
+        })
+    })?;
+    engine(c.set_promotion(p))
+}
+
+fn get_nhit(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
+    let p = c.promotion();
+    Ok(vec![p.threshold.to_string(), p.trigger_pct.to_string()])
+}
+
+fn set_nhit(c: &Cache, _: Option<CoreId>, v: &BTreeMap<String, String>) -> Result<(), String> {
+    let mut p = c.promotion();
+    each("promotion-nhit", v, |k, v| {
+        let slot = match k {
+            "threshold" => &mut p.threshold,
+            "trigger" => &mut p.trigger_pct,
+            _ => return Ok(false),
+        };
+        *slot = parse_u32(k, v)?;
+        Ok(true)
+    })?;
+    engine(c.set_promotion(p))
+}
+
+const fn field(key: &'static str, flag: &'static str, label: &'static str) -> Field {
+    Field { key, flag, label }
+}
+
+pub const GROUPS: &[Group] = &[
+    Group {
         name: "cache-mode",
-        help: "cache mode: wt, wb, wa, wi, wo or pt",
+        help: "cache mode: wt, wb, wa, wi, wo or pt (-v)",
+        fields: &[field("mode", "-v", "Cache mode")],
+        per_core: false,
         in_config: false,
         get: get_mode,
         set: Some(set_mode),
     },
-    Param {
+    Group {
         name: "cache-line-size",
         help: "cache line size in KiB (fixed when the cache starts)",
+        fields: &[field("size", "", "Cache line size [KiB]")],
+        per_core: false,
         in_config: false,
         get: get_line_size,
         set: None,
     },
+    Group {
+        name: "cleaning",
+        help: "cleaning policy: nop, alru, acp, or a preset (-p)",
+        fields: &[field("policy", "-p", "Cleaning policy type")],
+        per_core: false,
+        in_config: true,
+        get: get_cleaning,
+        set: Some(set_cleaning),
+    },
+    Group {
+        name: "cleaning-alru",
+        help: "alru tunables (-w -s -b -t -d --dirty-ratio-inertia)",
+        fields: &[
+            field("wake-up", "-w", "Wake up time [s]"),
+            field("staleness-time", "-s", "Stale buffer time [s]"),
+            field("flush-max-buffers", "-b", "Flush max buffers"),
+            field("activity-threshold", "-t", "Activity threshold [ms]"),
+            field("dirty-ratio-threshold", "-d", "Dirty ratio threshold [%]"),
+            field(
+                "dirty-ratio-inertia",
+                "--dirty-ratio-inertia",
+                "Dirty ratio inertia [MiB]",
+            ),
+        ],
+        per_core: false,
+        in_config: true,
+        get: get_alru,
+        set: Some(set_alru),
+    },
+    Group {
+        name: "cleaning-acp",
+        help: "acp tunables (-w -b)",
+        fields: &[
+            field("wake-up", "-w", "Wake up time [ms]"),
+            field("flush-max-buffers", "-b", "Flush max buffers"),
+        ],
+        per_core: false,
+        in_config: true,
+        get: get_acp,
+        set: Some(set_acp),
+    },
+    Group {
+        name: "cleaning-io",
+        help: "cleaning's core writes (--merge-max --max-bandwidth)",
+        fields: &[
+            field("merge-max", "--merge-max", "Largest cleaning write [KiB]"),
+            field(
+                "max-bandwidth",
+                "--max-bandwidth",
+                "Cleaning bandwidth cap [MiB/s] (0 = none)",
+            ),
+        ],
+        per_core: false,
+        in_config: true,
+        get: get_cleaning_io,
+        set: Some(set_cleaning_io),
+    },
+    Group {
+        name: "seq-cutoff",
+        help: "sequential cutoff, per core (-j; -p -t --promotion-count)",
+        fields: &[
+            field("policy", "-p", "Sequential cutoff policy"),
+            field("threshold", "-t", "Sequential cutoff threshold [KiB]"),
+            field(
+                "promotion-count",
+                "--promotion-count",
+                "Sequential cutoff promotion request count threshold",
+            ),
+        ],
+        per_core: true,
+        in_config: false,
+        get: get_seq_cutoff,
+        set: Some(set_seq_cutoff),
+    },
+    Group {
+        name: "promotion",
+        help: "promotion policy: always or nhit (-p)",
+        fields: &[field("policy", "-p", "Promotion policy type")],
+        per_core: false,
+        in_config: true,
+        get: get_promotion,
+        set: Some(set_promotion),
+    },
+    Group {
+        name: "promotion-nhit",
+        help: "nhit tunables (-t threshold, -o trigger %)",
+        fields: &[
+            field("threshold", "-t", "Insertion threshold"),
+            field("trigger", "-o", "Policy trigger [%]"),
+        ],
+        per_core: false,
+        in_config: true,
+        get: get_nhit,
+        set: Some(set_nhit),
+    },
 ];
 
-/// The parameter called `name`, or an error listing the known names.
-pub fn find(name: &str) -> Result<&'static Param, String> {
-    PARAMS.iter().find(|p| p.name == name).ok_or_else(|| {
-        let known: Vec<String> = PARAMS
+/// The group called `name`, or an error listing the known names.
+pub fn find(name: &str) -> Result<&'static Group, String> {
+    GROUPS.iter().find(|p| p.name == name).ok_or_else(|| {
+        let known: Vec<String> = GROUPS
             .iter()
             .map(|p| format!("{}: {}", p.name, p.help))
             .collect();
         format!("unknown parameter '{name}'; known: {}", known.join("; "))
     })
+}
+
+/// Split a configuration-file key `GROUP.FIELD` (or a bare group name, meaning its first field).
+pub fn split_key(key: &str) -> Result<(&'static Group, String), String> {
+    let (group, field) = match key.split_once('.') {
+        Some((g, f)) => (find(g)?, f.to_string()),
+        None => {
+            let g = find(key)?;
+            (g, g.fields[0].key.to_string())
+        }
+    };
+    if !group.fields.iter().any(|f| f.key == field) {
+        return Err(format!(
+            "parameter group '{}' has no field '{field}' (fields: {})",
+            group.name,
+            group
+                .fields
+                .iter()
+                .map(|f| f.key)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    Ok((group, field))
 }
 
 #[cfg(test)]
@@ -71,9 +443,30 @@ mod tests {
     fn unknown_names_list_the_known_ones() {
         let e = find("cleaning-wakeup").err().unwrap();
         assert!(
-            e.contains("cache-mode") && e.contains("cache-line-size"),
+            e.contains("cache-mode") && e.contains("cleaning-alru") && e.contains("seq-cutoff"),
             "{e}"
         );
         assert!(find("cache-line-size").unwrap().set.is_none());
+    }
+
+    #[test]
+    fn config_keys_name_a_group_and_field() {
+        let (g, f) = split_key("cleaning-alru.wake-up").unwrap();
+        assert_eq!((g.name, f.as_str()), ("cleaning-alru", "wake-up"));
+        let (g, f) = split_key("cleaning").unwrap();
+        assert_eq!((g.name, f.as_str()), ("cleaning", "policy"));
+        let e = split_key("cleaning-alru.wakeup").err().unwrap();
+        assert!(e.contains("fields: wake-up"), "{e}");
+    }
+
+    #[test]
+    fn every_settable_field_has_a_flag_and_flags_are_unique_per_group() {
+        for g in GROUPS.iter().filter(|g| g.set.is_some()) {
+            let mut flags: Vec<&str> = g.fields.iter().map(|f| f.flag).collect();
+            assert!(flags.iter().all(|f| !f.is_empty()), "{}", g.name);
+            flags.sort();
+            flags.dedup();
+            assert_eq!(flags.len(), g.fields.len(), "{}", g.name);
+        }
     }
 }

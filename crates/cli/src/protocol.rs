@@ -49,6 +49,19 @@ pub enum Request {
         cache: u16,
         #[serde(default)]
         core: Option<u16>,
+        /// Statistics of one IO class instead of the cache or a core.
+        #[serde(default)]
+        io_class: Option<u8>,
+    },
+    /// Replace the IO classes with those of an Open CAS class file (its text).
+    LoadIoClasses {
+        cache: u16,
+        csv: String,
+        #[serde(default)]
+        ignore_unsupported: bool,
+    },
+    ListIoClasses {
+        cache: u16,
     },
     ResetCounters {
         cache: u16,
@@ -67,12 +80,17 @@ pub enum Request {
         #[serde(default)]
         core: Option<u16>,
     },
+    /// Set fields of the parameter group `name` (params.rs): `values` maps field names to
+    /// values; `value` alone sets the group's first field.
     SetParam {
         cache: u16,
         #[serde(default)]
         core: Option<u16>,
         name: String,
+        #[serde(default)]
         value: String,
+        #[serde(default)]
+        values: std::collections::BTreeMap<String, String>,
     },
     GetParam {
         cache: u16,
@@ -171,7 +189,26 @@ pub struct StatsReport {
     pub cache: CacheInfo,
     /// Set when the statistics are of one core.
     pub core: Option<CoreInfo>,
+    /// Set when the statistics are of one IO class.
+    #[serde(default)]
+    pub io_class: Option<IoClassInfo>,
     pub stats: StatsData,
+}
+
+/// One IO class as `-C -L` lists it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct IoClassInfo {
+    pub id: u8,
+    pub name: String,
+    /// 0..255, or "Pinned".
+    pub eviction_priority: String,
+    /// 0.00..1.00.
+    pub allocation: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct IoClassList {
+    pub classes: Vec<IoClassInfo>,
 }
 
 /// Mirror of the engine's `Stats`, in the engine's units (lines and bytes).
@@ -232,12 +269,30 @@ impl From<hybridcache_engine::Stats> for StatsData {
     }
 }
 
-/// Result of `get-param`.
+/// Result of `get-param`: a group's fields, for the cache or for each core.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ParamValue {
     pub name: String,
+    /// The first field's value (the whole value of single-field groups such as cache-mode).
     pub value: String,
     pub read_only: bool,
+    pub fields: Vec<ParamField>,
+    /// Per-core groups: one entry per core (then `fields` is empty).
+    #[serde(default)]
+    pub cores: Vec<CoreParams>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ParamField {
+    pub key: String,
+    pub label: String,
+    pub value: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CoreParams {
+    pub core: u16,
+    pub fields: Vec<ParamField>,
 }
 
 /// Result of `version`.
