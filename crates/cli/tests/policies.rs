@@ -1,0 +1,311 @@
+//! Policies from the command line: every `-X` group set and read back with `-G`, bad values
+//! refused without changing anything, settings kept across a daemon restart (the superblock
+//! holds them), background cleaning draining a cache written through NBD, and IO class files
+//! loaded, listed and refused.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+
+fn csv(d: &Daemon, name: &str) -> String {
+    d.ok(&["-G", "-n", name, "-i", "1", "-o", "csv"])
+}
+
+fn dirty_lines(d: &Daemon) -> u64 {
+    d.stats_json(1, None)["usage"]["dirty"]["count"]
+        .as_u64()
+        .expect("dirty count")
+}
+
+#[test]
+fn every_group_is_set_read_back_and_survives_a_restart() {
+    let FileCache {
+        dir,
+        spec,
+        daemon: mut d,
+        ..
+    } = file_cache(64 << 20, 256 << 20, &["-c", "wb"]);
+    // Open CAS's defaults first.
+    assert_eq!(d.ok(&["-G", "-n", "cleaning", "-i", "1"]), "alru\n");
+    assert_eq!(
+        csv(&d, "cleaning-alru"),
+        "Parameter name,Value\nWake up time [s],20\nStale buffer time [s],120\nFlush max buffers,100\n\
+         Activity threshold [ms],10000\nDirty ratio threshold [%],100\nDirty ratio inertia [MiB],128\n"
+    );
+    assert_eq!(
+        csv(&d, "cleaning-acp"),
+        "Parameter name,Value\nWake up time [ms],10\nFlush max buffers,128\n"
+    );
+    assert!(
+        csv(&d, "seq-cutoff").contains("1,Sequential cutoff policy,full"),
+        "{}",
+        csv(&d, "seq-cutoff")
+    );
+    assert_eq!(d.ok(&["-G", "-n", "promotion", "-i", "1"]), "always\n");
+
+    d.ok(&[
+        "-X",
+        "-n",
+        "cleaning-alru",
+        "-i",
+        "1",
+        "-w",
+        "5",
+        "-s",
+        "30",
+        "-b",
+        "64",
+    ]);
+    d.ok(&[
+        "-X",
+        "-n",
+        "cleaning-alru",
+        "-i",
+        "1",
+        "-t",
+        "250",
+        "-d",
+        "60",
+    ]);
+    d.ok(&[
+        "-X",
+        "-n",
+        "cleaning-acp",
+        "-i",
+        "1",
+        "-w",
+        "50",
+        "-b",
+        "256",
+    ]);
+    d.ok(&["-X", "-n", "cleaning-io", "-i", "1", "--merge-max", "256"]);
+    d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "acp"]);
+    d.ok(&[
+        "-X",
+        "-n",
+        "seq-cutoff",
+        "-i",
+        "1",
+        "-j",
+        "1",
+        "-p",
+        "always",
+        "-t",
+        "64",
+    ]);
+    d.ok(&[
+        "-X",
+        "-n",
+        "seq-cutoff",
+        "-i",
+        "1",
+        "--promotion-count",
+        "3",
+    ]);
+    d.ok(&["-X", "-n", "promotion", "-i", "1", "-p", "nhit"]);
+    d.ok(&[
+        "-X",
+        "-n",
+        "promotion-nhit",
+        "-i",
+        "1",
+        "-t",
+        "4",
+        "-o",
+        "50",
+    ]);
+    let expect = |d: &Daemon| {
+        assert_eq!(d.ok(&["-G", "-n", "cleaning", "-i", "1"]), "acp\n");
+        let alru = csv(d, "cleaning-alru");
+        for row in [
+            "Wake up time [s],5",
+            "Stale buffer time [s],30",
+            "Flush max buffers,64",
+            "Activity threshold [ms],250",
+            "Dirty ratio threshold [%],60",
+        ] {
+            assert!(alru.contains(row), "{row} in {alru}");
+        }
+        assert!(csv(d, "cleaning-acp").contains("Wake up time [ms],50\nFlush max buffers,256"));
+        assert!(csv(d, "cleaning-io").contains("Largest cleaning write [KiB],256"));
+        let seq = csv(d, "seq-cutoff");
+        assert!(seq.contains("1,Sequential cutoff policy,always"), "{seq}");
+        assert!(
+            seq.contains("1,Sequential cutoff threshold [KiB],64"),
+            "{seq}"
+        );
+        assert!(seq.contains("request count threshold,3"), "{seq}");
+        assert_eq!(d.ok(&["-G", "-n", "promotion", "-i", "1"]), "nhit\n");
+        assert!(csv(d, "promotion-nhit").contains("Insertion threshold,4\nPolicy trigger [%],50"));
+    };
+    expect(&d);
+
+    // Bad values: refused, named, nothing changed (not even the valid field given with them).
+    let err = d.fails(&["-X", "-n", "cleaning-alru", "-i", "1", "-w", "7", "-s", "0"]);
+    assert!(
+        err.contains("staleness-time 0 is out of range 1..3600"),
+        "{err}"
+    );
+    let err = d.fails(&["-X", "-n", "cleaning-acp", "-i", "1", "-b", "10001"]);
+    assert!(
+        err.contains("flush-max-buffers 10001 is out of range"),
+        "{err}"
+    );
+    let err = d.fails(&["-X", "-n", "cleaning-acp", "-i", "1", "-s", "3"]);
+    assert!(err.contains("no field '-s'"), "{err}");
+    let err = d.fails(&["-X", "-n", "cleaning", "-i", "1", "-p", "fast"]);
+    assert!(err.contains("alru-very-aggressive"), "{err}");
+    let err = d.fails(&["-X", "-n", "seq-cutoff", "-i", "1", "-p", "sometimes"]);
+    assert!(err.contains("always, full or never"), "{err}");
+    let err = d.fails(&["-X", "-n", "promotion-nhit", "-i", "1", "-t", "1"]);
+    assert!(err.contains("threshold 1 is out of range 2..1000"), "{err}");
+    let err = d.fails(&["-X", "-n", "cleaning-alru", "-i", "1", "-w", "soon"]);
+    assert!(err.contains("not a whole number"), "{err}");
+    let err = d.fails(&["-X", "-n", "cleaning", "-i", "1", "-j", "1", "-p", "nop"]);
+    assert!(err.contains("per cache"), "{err}");
+    let err = d.fails(&["-X", "-n", "cleaning-alru", "-i", "1"]);
+    assert!(err.contains("nothing to set"), "{err}");
+    expect(&d);
+
+    // Presets set their values and select their policy.
+    d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "alru-lazy"]);
+    assert_eq!(d.ok(&["-G", "-n", "cleaning", "-i", "1"]), "alru\n");
+    assert!(csv(&d, "cleaning-alru").contains("Wake up time [s],2\nStale buffer time [s],5\nFlush max buffers,256\nActivity threshold [ms],500"));
+    d.ok(&[
+        "-X",
+        "-n",
+        "cleaning-alru",
+        "-i",
+        "1",
+        "-w",
+        "5",
+        "-s",
+        "30",
+        "-b",
+        "64",
+        "-t",
+        "250",
+    ]);
+    d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "acp"]);
+
+    // A new daemon loading the cache finds everything as it was.
+    d.ok(&["-T", "-i", "1"]);
+    assert!(d.stop());
+    let d = Daemon::start(dir.path());
+    assert_eq!(d.ok(&["-S", "-d", &spec, "--load"]), "cache 1 loaded\n");
+    expect(&d);
+}
+
+#[test]
+fn background_cleaning_drains_what_nop_keeps() {
+    if !have("fio") {
+        eprintln!("skipped: fio is not installed (make deps)");
+        return;
+    }
+    let FileCache { dir, daemon: d, .. } = file_cache(64 << 20, 256 << 20, &["-c", "wb"]);
+    d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "nop"]);
+    let job: Vec<String> = [
+        "--name=w",
+        "--ioengine=nbd",
+        "--rw=randwrite",
+        "--bs=4k",
+        "--size=16m",
+        "--iodepth=4",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([format!("--uri={}", d.uri("cas1-1"))])
+    .collect();
+    fio(dir.path(), "fill", &job);
+    let dirty = dirty_lines(&d);
+    assert!(
+        dirty > 1000,
+        "{dirty} dirty lines after 16 MiB of random writes"
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(dirty_lines(&d), dirty, "nop cleaned something");
+
+    for preset in ["acp-very-aggressive", "alru-very-aggressive"] {
+        d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "nop"]);
+        fio(dir.path(), preset, &job);
+        assert!(dirty_lines(&d) > 1000);
+        d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", preset]);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while dirty_lines(&d) > 0 {
+            assert!(
+                Instant::now() < deadline,
+                "{preset} left {} dirty lines after 60 s",
+                dirty_lines(&d)
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+#[test]
+fn io_class_files_load_list_and_refuse() {
+    let FileCache { dir, daemon: d, .. } = file_cache(64 << 20, 64 << 20, &["-c", "wt"]);
+    let default = d.ok(&["-C", "-L", "-i", "1", "-o", "csv"]);
+    assert_eq!(
+        default,
+        "IO class id,IO class name,Eviction priority,Allocation\n0,unclassified,255,1.00\n"
+    );
+    let good = dir.path().join("classes.csv");
+    std::fs::write(
+        &good,
+        "IO class id,IO class name,Eviction priority,Allocation\n\
+         0,unclassified,22,1\n1,request_size:le:4096&done,1,1\n2,lba:ge:2000&lba:le:5000,5,0.2\n",
+    )
+    .unwrap();
+    d.ok(&["-C", "-C", "-i", "1", "-f", good.to_str().unwrap()]);
+    let listed = d.ok(&["-C", "-L", "-i", "1", "-o", "csv"]);
+    assert_eq!(
+        listed,
+        "IO class id,IO class name,Eviction priority,Allocation\n\
+         0,unclassified,22,1.00\n1,request_size:le:4096&done,1,1.00\n2,lba:ge:2000&lba:le:5000,5,0.20\n"
+    );
+    let table = d.ok(&["-C", "-L", "-i", "1"]);
+    assert!(
+        table.contains("│ lba:ge:2000&lba:le:5000   │ 5                 │ 0.20"),
+        "{table}"
+    );
+
+    // Refused files change nothing, and say where the problem is.
+    let bad = dir.path().join("bad.csv");
+    std::fs::write(
+        &bad,
+        "IO class id,IO class name,Eviction priority,Allocation\n0,unclassified,22,1\n1,request_size:lq:4096,1,1\n",
+    )
+    .unwrap();
+    let err = d.fails(&["-C", "-C", "-i", "1", "-f", bad.to_str().unwrap()]);
+    assert!(err.contains("line 3, column"), "{err}");
+    let fs_rule = dir.path().join("fs.csv");
+    std::fs::write(
+        &fs_rule,
+        "IO class id,IO class name,Eviction priority,Allocation\n0,unclassified,22,1\n1,metadata&done,0,1\n",
+    )
+    .unwrap();
+    let err = d.fails(&["-C", "-C", "-i", "1", "-f", fs_rule.to_str().unwrap()]);
+    assert!(err.contains("--ignore-unsupported"), "{err}");
+    let err = d.fails(&["-C", "-C", "-i", "1", "-f", "/nonexistent.csv"]);
+    assert!(err.contains("/nonexistent.csv"), "{err}");
+    assert_eq!(d.ok(&["-C", "-L", "-i", "1", "-o", "csv"]), listed);
+    d.ok(&[
+        "-C",
+        "-C",
+        "-i",
+        "1",
+        "-f",
+        fs_rule.to_str().unwrap(),
+        "--ignore-unsupported",
+    ]);
+    assert!(d.ok(&["-C", "-L", "-i", "1"]).contains("metadata&done"));
+
+    // Per-class statistics.
+    let stats = d.ok(&["-P", "-i", "1", "-d", "1", "-o", "csv"]);
+    assert!(stats.contains("metadata&done"), "{stats}");
+    let err = d.fails(&["-P", "-i", "1", "-d", "7"]);
+    assert!(err.contains("IO class 7 is not configured"), "{err}");
+}
