@@ -13,7 +13,7 @@
 //! device = "/dev/nvme0n1p1"
 //! line_size = 4                    # KiB
 //! mode = "wb"
-//! [cache.params]                   # any settable parameter by name (see get-param)
+//! [cache.params]                   # policy fields, "GROUP.FIELD" = "VALUE" (docs/policies.md)
 //!
 //! [[core]]
 //! cache = 1
