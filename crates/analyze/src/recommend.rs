@@ -1279,12 +1279,22 @@ impl Recommendation {
                 id,
                 line_size: self.config.line_size_kib,
                 mode: self.config.mode,
-                params: Params::from(&self.config),
+                params: config_params(&self.config),
             }],
         };
         let mut s = String::new();
         for r in &self.reasons {
             s += &format!("# {}: {}\n", r.setting, r.text);
+        }
+        let c = &self.config;
+        s += &format!(
+            "# recommended cache size: {} bytes\n# per core, after the cores are added: hybridcache -X -n seq-cutoff -i {id} -p {} -t {}\n",
+            c.cache_size_bytes,
+            c.seq_cutoff.policy.as_str(),
+            c.seq_cutoff.threshold
+        );
+        if !c.io_classes.is_empty() {
+            s += &format!("# IO classes: hybridcache -C -C -i {id} -f ioclass.csv\n");
         }
         s += &toml::to_string(&frag).unwrap_or_default();
         s
@@ -1303,57 +1313,51 @@ pub struct CacheSection {
     /// KiB
     pub line_size: u32,
     pub mode: CacheMode,
-    pub params: Params,
+    pub params: std::collections::BTreeMap<String, String>,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub struct Params {
-    pub cleaning: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cleaning_alru: Option<AlruParams>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cleaning_acp: Option<AcpParams>,
-    pub seq_cutoff: SeqCutoff,
-    pub promotion: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub promotion_nhit: Option<NhitParams>,
-    /// IO class CSV lines.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub ioclass: Vec<String>,
-    /// Recommended cache device size, bytes (informational).
-    pub recommended_size: u64,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct NhitParams {
-    pub threshold: u32,
-    pub trigger: u32,
-}
-
-impl From<&CacheConfig> for Params {
-    fn from(c: &CacheConfig) -> Params {
-        Params {
-            cleaning: c.cleaning.name().into(),
-            cleaning_alru: match c.cleaning {
-                Cleaning::Alru(p) => Some(p),
-                _ => None,
-            },
-            cleaning_acp: match c.cleaning {
-                Cleaning::Acp(p) => Some(p),
-                _ => None,
-            },
-            seq_cutoff: c.seq_cutoff,
-            promotion: match c.promotion {
-                Promotion::Always => "always".into(),
-                Promotion::Nhit { .. } => "nhit".into(),
-            },
-            promotion_nhit: match c.promotion {
-                Promotion::Nhit { threshold, trigger } => Some(NhitParams { threshold, trigger }),
-                Promotion::Always => None,
-            },
-            ioclass: c.io_classes.iter().map(IoClass::csv_line).collect(),
-            recommended_size: c.cache_size_bytes,
+/// The cache's `params` table as hybridcache's configuration file reads it: `"GROUP.FIELD"` to a
+/// value, for the cache-wide groups (docs/policies.md). Sequential cutoff (per core) and IO
+/// classes are not configuration-file settings: the fragment gives them as commands in comments.
+pub fn config_params(c: &CacheConfig) -> std::collections::BTreeMap<String, String> {
+    let mut m = std::collections::BTreeMap::new();
+    let mut put = |k: &str, v: String| {
+        m.insert(k.to_string(), v);
+    };
+    put("cleaning.policy", c.cleaning.name().into());
+    match c.cleaning {
+        Cleaning::Alru(p) => {
+            put("cleaning-alru.wake-up", p.wake_up.to_string());
+            put("cleaning-alru.staleness-time", p.staleness_time.to_string());
+            put(
+                "cleaning-alru.flush-max-buffers",
+                p.flush_max_buffers.to_string(),
+            );
+            put(
+                "cleaning-alru.activity-threshold",
+                p.activity_threshold.to_string(),
+            );
+            put(
+                "cleaning-alru.dirty-ratio-threshold",
+                p.dirty_ratio_threshold.to_string(),
+            );
+        }
+        Cleaning::Acp(p) => {
+            put("cleaning-acp.wake-up", p.wake_up.to_string());
+            put(
+                "cleaning-acp.flush-max-buffers",
+                p.flush_max_buffers.to_string(),
+            );
+        }
+        Cleaning::Nop => {}
+    }
+    match c.promotion {
+        Promotion::Always => put("promotion.policy", "always".into()),
+        Promotion::Nhit { threshold, trigger } => {
+            put("promotion.policy", "nhit".into());
+            put("promotion-nhit.threshold", threshold.to_string());
+            put("promotion-nhit.trigger", trigger.to_string());
         }
     }
+    m
 }

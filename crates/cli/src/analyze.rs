@@ -1,6 +1,7 @@
 //! `hybridcache analyze`: a block trace in, a workload report and a recommended cache
 //! configuration out (docs/analyzer.md). Pure analysis through `hybridcache-analyze`: no daemon
-//! is needed, except for `--apply`, which sets the recommended cache mode of a running cache.
+//! is needed, except for `--apply`, which applies the recommended configuration (mode, cleaning,
+//! seq cutoff, promotion, IO classes) to a running cache (apply.rs).
 //!
 //! Exit codes: 0 on success; 2 for a trace that cannot be read or holds nothing parseable, and
 //! for a bad profile (like a bad command line); 1 when an output file cannot be written or the
@@ -15,8 +16,6 @@ use hybridcache_analyze::{
     detect_format, parse_trace, recommend, DeviceProfile, Format, ParseError, ProfileError,
     Recommendation, Report, Signature, Trace,
 };
-
-use crate::protocol::Request;
 
 /// Built-in device profiles `--profile` accepts by name.
 pub const BUILTIN_PROFILES: &str = "raid60-study, nvme";
@@ -77,8 +76,8 @@ pub struct AnalyzeArgs {
     /// Cache id used in the commands and the TOML fragment [default: 1]; the cache --apply changes.
     #[arg(short = 'i', long = "cache-id", value_parser = crate::cli::cache_id)]
     pub id: Option<u16>,
-    /// Set the recommended cache mode of the running cache -i ID (the other settings need the
-    /// policy parameters, which do not exist yet: run the printed commands for them later).
+    /// Apply the recommended configuration (mode, cleaning, seq cutoff on every core, promotion,
+    /// IO classes) to the running cache -i ID.
     #[arg(long, requires = "id")]
     pub apply: bool,
 }
@@ -230,9 +229,8 @@ pub fn commands_script(args: &AnalyzeArgs, rec: &Recommendation) -> String {
     for r in &rec.reasons {
         s += &format!("# {}: {}\n", r.setting, r.text);
     }
-    s += "#\n# The cleaning, seq-cutoff, promotion and IO class commands need the policy parameters,\n\
-          # which hybridcache does not have yet: until they land only the cache mode (-Q) applies\n\
-          # and the script stops at the first command the daemon refuses.\n";
+    s += "#\n# Seq cutoff applies to the cores the cache has when it runs; the script stops at the\n\
+          # first command the daemon refuses.\n";
     s += "set -e\n";
     let csv = rec.io_class_csv();
     for line in rec.commands(id) {
@@ -300,23 +298,19 @@ pub fn run(args: &AnalyzeArgs, control: &Path) -> Result<(), Failure> {
     }
     if args.apply {
         let id = args.id.expect("clap requires -i with --apply");
-        let mode = a.recommendation.config.mode.as_str();
-        let req = Request::SetCacheMode {
-            cache: id,
-            mode: mode.to_string(),
-            flush: false,
-        };
-        crate::call::<serde_json::Value>(control, &req).map_err(|e| {
-            failed(format!(
-                "--apply: setting cache mode {mode} on cache {id}: {}",
-                format!("{e:#}").replace('\n', " ")
-            ))
-        })?;
-        eprintln!(
-            "hybridcache: applied cache mode {mode} to cache {id}; cleaning, seq-cutoff, promotion and \
-             IO classes are not applied (not supported until the policy parameters land): run the \
-             recommended commands for them then"
-        );
+        match crate::apply::apply(control, &a.recommendation, id) {
+            Ok(done) => eprintln!("hybridcache: applied to cache {id}: {}", done.join(", ")),
+            Err((done, why)) => {
+                let before = if done.is_empty() {
+                    "nothing was applied".to_string()
+                } else {
+                    format!("applied before it: {}", done.join(", "))
+                };
+                return Err(failed(format!(
+                    "--apply to cache {id} stopped at {why}; {before}"
+                )));
+            }
+        }
     }
     Ok(())
 }

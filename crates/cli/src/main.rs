@@ -6,6 +6,7 @@
 //! and also exits 2 for an unreadable trace or a bad profile (see analyze.rs).
 
 mod analyze;
+mod apply;
 mod cli;
 mod config;
 mod daemon;

@@ -159,9 +159,13 @@ fn output_commands_and_config_files() {
     assert_eq!(cache["mode"].as_str(), Some("wb"));
     assert_eq!(cache["line_size"].as_integer(), Some(4));
     let params = cache["params"].as_table().expect("[cache.params]");
-    assert_eq!(params["cleaning"].as_str(), Some("alru"));
-    assert_eq!(params["seq-cutoff"]["policy"].as_str(), Some("never"));
-    assert!(params["recommended-size"].as_integer().unwrap() > 0);
+    assert_eq!(params["cleaning.policy"].as_str(), Some("alru"));
+    assert!(params.contains_key("cleaning-alru.wake-up"), "{text}");
+    assert!(text.contains("# recommended cache size: "), "{text}");
+    assert!(
+        text.contains("hybridcache -X -n seq-cutoff -i 5 -p never -t 1024"),
+        "{text}"
+    );
     assert!(
         text.starts_with("# cache mode wb:"),
         "reasons as comments: {text}"
@@ -218,11 +222,13 @@ points = [
     );
     let syntax = Command::new("sh").arg("-n").arg(&script).status().unwrap();
     assert!(syntax.success());
-    let v: toml::Table = toml::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
-    let classes = v["cache"][0]["params"]["ioclass"]
-        .as_array()
-        .expect("ioclass");
-    assert!(!classes.is_empty());
+    // IO classes are not a configuration-file setting: the fragment names the command.
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let _: toml::Table = toml::from_str(&text).unwrap();
+    assert!(
+        text.contains("# IO classes: hybridcache -C -C -i 1 -f ioclass.csv"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -353,27 +359,43 @@ fn other_formats_and_stdin() {
 }
 
 #[test]
-fn apply_sets_the_cache_mode_of_a_running_cache() {
+fn apply_sets_the_recommended_configuration_of_a_running_cache() {
     let dir = workdir();
     let d = Daemon::start(dir.path());
     assert_eq!(
         d.ok(&["-S", "-d", "ram:16M", "-c", "wt"]),
         "cache 1 started\n"
     );
+    d.ok(&["-A", "-i", "1", "-d", "ram:64M"]);
     let control = d.control.to_str().unwrap();
     let out = run(&[&sample(), "--apply", "-i", "1", "--control", control]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     assert!(
-        err.contains("applied cache mode wb to cache 1")
-            && err.contains("not supported until the policy parameters land"),
+        err.contains("applied to cache 1: cache mode wb") && err.contains("cleaning policy"),
         "{err}"
     );
-    assert!(String::from_utf8_lossy(&out.stdout).contains("Mode wb"));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("Mode wb"));
     let mode = d.ok(&["-G", "-n", "cache-mode", "-i", "1"]);
+    assert!(mode.starts_with("wb"), "{mode}");
+    // The cache now has what the printed commands say.
+    let script = dir.path().join("apply.sh");
+    ok(&[&sample(), "--commands", script.to_str().unwrap(), "-i", "1"]);
+    let commands = std::fs::read_to_string(&script).unwrap();
+    let cleaning = d.ok(&["-G", "-n", "cleaning", "-i", "1"]);
     assert!(
-        mode.starts_with("wb") || mode.starts_with("write-back"),
-        "{mode}"
+        commands.contains(&format!("-X -n cleaning -i 1 -p {}", cleaning.trim())),
+        "{cleaning} vs {commands}"
+    );
+    let seq = d.ok(&["-G", "-n", "seq-cutoff", "-i", "1", "-j", "1", "-o", "csv"]);
+    let policy = seq
+        .lines()
+        .find_map(|l| l.strip_prefix("Sequential cutoff policy,"))
+        .expect("policy row");
+    assert!(
+        commands.contains(&format!("-X -n seq-cutoff -i 1 -p {policy}")),
+        "{seq} vs {commands}"
     );
 
     // A cache that does not exist: the daemon's refusal, exit 1, after the report.
@@ -381,7 +403,8 @@ fn apply_sets_the_cache_mode_of_a_running_cache() {
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.starts_with("hybridcache: --apply: setting cache mode wb on cache 9:"),
+        err.starts_with("hybridcache: --apply to cache 9 stopped at cache mode wb:")
+            && err.contains("nothing was applied"),
         "{err}"
     );
     assert_eq!(err.lines().count(), 1, "{err}");
