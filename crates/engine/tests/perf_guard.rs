@@ -16,7 +16,7 @@
 use std::time::Instant;
 
 use hybridcache_engine::bench::{self, Case, EngineBenchOptions, Test};
-use hybridcache_volume::{SplitMix64, Volume, VolumeRef};
+use hybridcache_volume::{SplitMix64, VolumeRef};
 
 const CACHE_BYTES: u64 = 256 << 20;
 const ATTEMPTS: usize = 5;
