@@ -13,6 +13,7 @@
 //! a table of striped locks, always in ascending stripe order, so overlapping requests run in some
 //! serial order and disjoint ones run in parallel. There is no global lock on the request path.
 
+pub mod bench;
 mod bits;
 mod cache;
 mod classes;
