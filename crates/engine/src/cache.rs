@@ -460,29 +460,24 @@ impl CacheInner {
             return (0..n).find_map(|i| self.evict_from((home + i) % n, Some((&table, c.id, own))));
         }
         if self.free_lines.load(Ordering::Relaxed) > 0 {
-            // Home first (one thread's lines stay neighbours), then every shard from the hint.
-            let start = self.lists.free_cursor();
-            for i in 0..=n {
-                let shard = if i == 0 { home } else { (start + i - 1) % n };
-                let mut s = self.lists.lock(shard);
-                if let Some(line) = self.lists.pop_front(&mut s, ListKind::Free) {
-                    self.free_lines.fetch_sub(1, Ordering::Relaxed);
-                    if i > 1 {
-                        self.lists.set_free_cursor(shard);
-                    }
-                    return Some(line);
-                }
+            if let Some(line) = self.alloc_free(home, n) {
+                return Some(line);
             }
         }
         (0..n).find_map(|i| self.evict_from((home + i) % n, None))
     }
 
     fn alloc_free(&self, home: usize, n: usize) -> Option<u32> {
-        for i in 0..n {
-            let shard = (home + i) % n;
+        // Home first (one thread's lines stay neighbours), then every shard from the hint.
+        let start = self.lists.free_cursor();
+        for i in 0..=n {
+            let shard = if i == 0 { home } else { (start + i - 1) % n };
             let mut s = self.lists.lock(shard);
             if let Some(line) = self.lists.pop_front(&mut s, ListKind::Free) {
                 self.free_lines.fetch_sub(1, Ordering::Relaxed);
+                if i > 1 {
+                    self.lists.set_free_cursor(shard);
+                }
                 return Some(line);
             }
         }
