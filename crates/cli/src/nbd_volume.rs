@@ -13,8 +13,10 @@ use hybridcache_nbd::{Client, ClientConfig, ClientError};
 use hybridcache_volume::{check_range, ErrorKind, Op, Result, Volume, VolumeError};
 use parking_lot::Mutex;
 
-/// Connections opened per remote volume.
-const POOL: usize = 4;
+/// Connections opened per remote volume: each carries one request at a time, so this is the
+/// queue depth the remote device sees. Cleaning keeps up to 32 core writes in flight (a disk
+/// array behind the export needs that depth), so fewer connections would cap it.
+const POOL: usize = 32;
 /// Largest piece sent in one request when the server states no limit.
 const DEFAULT_MAX: u64 = 32 << 20;
 

@@ -836,7 +836,10 @@ impl CacheInner {
                     None => break,
                 }
             }
-            if spare.len() >= needed || round == MAKE_ROOM_ROUNDS {
+            // A class at its allocation takes only its own clean lines: cleaning other lines
+            // would not make room for it, so what it cannot place goes to the core.
+            let capped = class.is_some_and(|c| self.classes.full(c));
+            if spare.len() >= needed || round == MAKE_ROOM_ROUNDS || capped {
                 break locks;
             }
             // Nothing has changed yet, so the locks can go while cleaning makes room.

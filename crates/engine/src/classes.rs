@@ -109,9 +109,10 @@ impl ClassState {
         })
     }
 
-    /// Whether the class holds as many lines as its allocation allows.
+    /// Whether the class holds as many lines as an allocation below 1.00 allows (a class
+    /// allowed the whole cache competes for lines like any other).
     pub(crate) fn full(&self, c: ReqClass) -> bool {
-        self.occupancy[c.id as usize].load(Relaxed) >= c.cap
+        c.cap < self.lines as u64 && self.occupancy[c.id as usize].load(Relaxed) >= c.cap
     }
 
     pub(crate) fn class_of(&self, line: u32) -> ClassId {
