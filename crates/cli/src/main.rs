@@ -6,6 +6,8 @@
 //! and also exits 2 for an unreadable trace or a bad profile (see analyze.rs).
 
 mod analyze;
+#[allow(dead_code)] // used by analyze --report-dir and bench, landing in later commits
+mod chart;
 mod cli;
 mod config;
 mod daemon;
