@@ -247,6 +247,12 @@ pub enum Command {
 
     /// Analyse a block trace and recommend a cache configuration (no daemon needed).
     Analyze(crate::analyze::AnalyzeArgs),
+
+    /// Export a device over NBD with no cache (a bare core, e.g. for benchmarks).
+    Serve(crate::serve::ServeArgs),
+
+    /// Benchmarks: fio over a matrix (run), the emulated RAID's calibration (calibration).
+    Bench(crate::bench::BenchArgs),
 }
 
 impl Command {
@@ -255,6 +261,7 @@ impl Command {
     pub fn request(&self) -> Option<Request> {
         Some(match self {
             Command::Daemon { .. } | Command::Version | Command::Analyze(_) => return None,
+            Command::Serve(_) | Command::Bench(_) => return None,
             Command::StartCache {
                 device,
                 id,

@@ -6,6 +6,7 @@
 //! and also exits 2 for an unreadable trace or a bad profile (see analyze.rs).
 
 mod analyze;
+mod bench;
 #[allow(dead_code)] // used by analyze --report-dir and bench, landing in later commits
 mod chart;
 mod cli;
@@ -17,6 +18,7 @@ mod format;
 mod nbd_volume;
 mod params;
 mod protocol;
+mod serve;
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -72,6 +74,15 @@ fn main() -> ExitCode {
             }
         };
     }
+    if let Command::Bench(args) = &cli.command {
+        return match bench::main(args) {
+            Ok(code) => ExitCode::from(code),
+            Err(e) => {
+                eprintln!("hybridcache: {}", format!("{e:#}").replace('\n', " "));
+                ExitCode::from(if bench::is_usage_error(&e) { 2 } else { 1 })
+            }
+        };
+    }
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -107,6 +118,7 @@ fn run(cli: Cli) -> Result<()> {
                 save_config: *save_config,
             })
         }
+        Command::Serve(args) => return serve::run(args),
         Command::Version => {
             println!("hybridcache CLI {}", env!("CARGO_PKG_VERSION"));
             match call::<VersionInfo>(&control, &Request::Version) {
