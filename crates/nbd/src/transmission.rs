@@ -21,6 +21,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::export::{BlockSizes, ErrorKind, Export, ExportError, ExportResult, ZeroFlags};
 use crate::handshake::{discard, Negotiated};
+use crate::observe::{self, ObserverSlot};
 use crate::proto::*;
 
 /// Largest write payload that is read and thrown away when the request is
@@ -282,6 +283,9 @@ pub(crate) struct Conn<'a, R, W> {
     write_gate: &'a parking_lot::RwLock<()>,
     p: Params,
     on_fatal: &'a (dyn Fn() + Sync),
+    /// Request observer hook (tracing) and this connection's id for it.
+    observer: &'a ObserverSlot,
+    conn_id: u64,
 }
 
 /// Serves requests until the client disconnects or the transport fails.
@@ -312,6 +316,8 @@ pub(crate) fn run<R: Read + Send, W: Write + Send>(
             block_size_negotiated: n.block_size_negotiated,
         },
         on_fatal,
+        observer: &n.entry.observer,
+        conn_id: observe::next_connection_id(),
     };
     let workers = workers.max(1);
     std::thread::scope(|s| {
@@ -411,6 +417,9 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
                 holding = self.finish_inline(token);
                 res
             };
+            if let Some(o) = self.observer.get() {
+                o.replied(&observe::observed(self.conn_id, handle, &job));
+            }
             if res.is_err() {
                 self.fail();
                 return;
@@ -567,6 +576,10 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
             return Ok(Next::Stop);
         }
         let checked = validate(&req, &self.p);
+        // Stamped on receipt, before the payload: the trace's queue time.
+        if let (Ok(job), Some(o)) = (&checked, self.observer.get()) {
+            o.received(&observe::observed(self.conn_id, req.handle, job));
+        }
         if req.typ == CMD_WRITE {
             let len = req.length as usize;
             if r.buffer().len() < len {
