@@ -248,6 +248,9 @@ pub enum Command {
     /// Analyse a block trace and recommend a cache configuration (no daemon needed).
     Analyze(crate::analyze::AnalyzeArgs),
 
+    /// Record the requests on exported volumes as a blkparse trace (start, stop, status).
+    Trace(crate::trace::TraceArgs),
+
     /// Export a device over NBD with no cache (a bare core, e.g. for benchmarks).
     Serve(crate::serve::ServeArgs),
 
@@ -261,6 +264,7 @@ impl Command {
     pub fn request(&self) -> Option<Request> {
         Some(match self {
             Command::Daemon { .. } | Command::Version | Command::Analyze(_) => return None,
+            Command::Trace(_) => return None,
             Command::Serve(_) | Command::Bench(_) => return None,
             Command::StartCache {
                 device,

@@ -19,6 +19,7 @@ mod nbd_volume;
 mod params;
 mod protocol;
 mod serve;
+mod trace;
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -119,6 +120,7 @@ fn run(cli: Cli) -> Result<()> {
             })
         }
         Command::Serve(args) => return serve::run(args),
+        Command::Trace(args) => return trace::run_cli(args, &control),
         Command::Version => {
             println!("hybridcache CLI {}", env!("CARGO_PKG_VERSION"));
             match call::<VersionInfo>(&control, &Request::Version) {

@@ -1,5 +1,5 @@
 //! Request observation: an optional hook per export, told about every request the server
-//! accepts when it is received and again when its reply is queued.
+//! accepts when it is received and again when it finished, just before its reply is queued.
 //!
 //! It exists for tracing (`hybridcache trace`): a block trace needs the time a request entered
 //! the system, which only the transport knows. Stamping it where a worker starts executing the
@@ -50,7 +50,8 @@ pub struct ObservedRequest {
 pub trait RequestObserver: Send + Sync {
     /// The request was received (header parsed and validated).
     fn received(&self, req: &ObservedRequest);
-    /// The request finished and its reply (success or error) was queued for sending.
+    /// The request finished; called just before its reply (success or error) is queued, so a
+    /// client's next request is never observed before this completion.
     fn replied(&self, req: &ObservedRequest);
 }
 

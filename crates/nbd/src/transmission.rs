@@ -417,9 +417,6 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
                 holding = self.finish_inline(token);
                 res
             };
-            if let Some(o) = self.observer.get() {
-                o.replied(&observe::observed(self.conn_id, handle, &job));
-            }
             if res.is_err() {
                 self.fail();
                 return;
@@ -759,6 +756,7 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
             } => self.write_zeroes(offset, u64::from(len), flags, fua, &mut bufs.block),
             Job::Cache { offset, len } => self.cache(offset, u64::from(len)),
         };
+        self.observe_replied(handle, &job);
         match res {
             Ok(()) => self.send_ok(handle, defer),
             Err(e) => {
@@ -784,6 +782,7 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
         let total = prefix + len as usize;
         let reply = grow(&mut bufs.reply, total);
         let res = self.read(offset, &mut reply[prefix..], &mut bufs.block);
+        self.observe_replied(handle, &Job::Read { offset, len });
         if let Err(e) = res {
             return self.send_export_error(handle, &e, false, defer);
         }
@@ -802,6 +801,13 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
             encode_simple_reply(reply, 0, handle);
         }
         self.send(reply, defer)
+    }
+
+    /// Before the reply goes out, so the client's next request is never observed first.
+    fn observe_replied(&self, handle: u64, job: &Job) {
+        if let Some(o) = self.observer.get() {
+            o.replied(&observe::observed(self.conn_id, handle, job));
+        }
     }
 
     fn min(&self) -> u32 {
