@@ -288,7 +288,9 @@ fn draw_bars(
     let n = bars.len().max(1);
     let root = BitMapBackend::new(path, SIZE).into_drawing_area();
     root.fill(&WHITE).map_err(plot_err)?;
-    let x: RangedCoordf64 = (-0.5..n as f64 - 0.5).into();
+    // At least five slots wide, so one or two bars do not fill the whole chart.
+    let pad = (5.0 - n as f64).max(0.0) / 2.0;
+    let x: RangedCoordf64 = (-0.5 - pad..n as f64 - 0.5 + pad).into();
     let mut ctx = ChartBuilder::on(&root)
         .caption(title, (FAMILY, 26))
         .margin(16)

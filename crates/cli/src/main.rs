@@ -7,7 +7,6 @@
 
 mod analyze;
 mod bench;
-#[allow(dead_code)] // used by analyze --report-dir and bench, landing in later commits
 mod chart;
 mod cli;
 mod config;
@@ -18,6 +17,7 @@ mod format;
 mod nbd_volume;
 mod params;
 mod protocol;
+mod report_charts;
 mod serve;
 mod trace;
 
