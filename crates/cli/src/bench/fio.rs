@@ -63,7 +63,10 @@ impl FioJob {
             a.push(format!("--rwmixread={mix}"));
         }
         if let Some(rt) = self.runtime {
-            a.push("--time_based".into());
+            // With a byte budget the runtime is only a cap: time_based would loop over io_size.
+            if self.io_size.is_none() {
+                a.push("--time_based".into());
+            }
             a.push(format!("--runtime={rt}"));
         }
         if self.ramp > 0 {
@@ -277,5 +280,12 @@ mod tests {
         assert!(a.contains(&"--offset_increment=524288".to_string()));
         assert!(a.contains(&"--output=/o.json".to_string()));
         assert!(a.contains(&"--time_based".to_string()));
+        let bounded = FioJob {
+            io_size: Some(1 << 20),
+            ..j
+        };
+        let a = bounded.args(Path::new("/o.json"), None);
+        assert!(!a.contains(&"--time_based".to_string()));
+        assert!(a.contains(&"--runtime=3".to_string()));
     }
 }

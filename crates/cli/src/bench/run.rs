@@ -226,7 +226,12 @@ pub fn run(a: &RunArgs) -> Result<u8> {
                 }
             }
         };
-        pb.println(summary(&record));
+        // Without a terminal indicatif draws nothing, println included: logs still get the line.
+        if pb.is_hidden() {
+            eprintln!("{}", summary(&record));
+        } else {
+            pb.println(summary(&record));
+        }
         results.cells.push(record);
         results.updated_unix = now_unix();
         results.save(&results_path)?;
