@@ -246,6 +246,11 @@ const MAX_PENDING: usize = 1 << 20;
 const WRITE_INTERVAL: Duration = Duration::from_millis(20);
 /// The writer is woken early when this many events are waiting.
 const WAKE_BATCH: usize = 8192;
+/// Events are written in time order, as blkparse's are and as the analyzer's Q/C matching
+/// needs. A queue event is stamped with its arrival but reported when the server parses it, at
+/// most a request's inline run later (the NBD server hands reading over after ~0.5 ms), so
+/// events are held this long before being written, and sorted.
+const HOLD: Duration = Duration::from_millis(200);
 
 /// One recorded event, as small as it can be: formatting happens on the writer thread.
 #[derive(Clone, Copy)]
@@ -294,9 +299,9 @@ impl Recorder {
             self.dropped.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        // The clock is read under the lock so the buffer (and so the file) is in time order,
-        // which the analyzer's Q/C matching relies on.
-        let time_ns = self.start.elapsed().as_nanos() as u64;
+        // Queue events carry their arrival time, which can precede events already buffered;
+        // the writer sorts (see HOLD).
+        let time_ns = req.time.saturating_duration_since(self.start).as_nanos() as u64;
         p.events.push(Ev {
             time_ns,
             connection: req.connection,
@@ -632,6 +637,8 @@ fn write_loop(rec: &Recorder, f: File, targets: &[Target], max_size: Option<u64>
     let mut totals = Totals::default();
     let mut line = String::with_capacity(128);
     let mut batch: Vec<Ev> = Vec::new();
+    // Received but not yet written: sorted by time, the newest held back (HOLD).
+    let mut held: Vec<Ev> = Vec::new();
     let mut full = false;
     let mut io_error: Option<String> = None;
     let why = loop {
@@ -640,9 +647,20 @@ fn write_loop(rec: &Recorder, f: File, targets: &[Target], max_size: Option<u64>
             if p.events.is_empty() && p.stop.is_none() {
                 rec.wake.wait_for(&mut p, WRITE_INTERVAL);
             }
+            // Fetched before the stop flag is read: the final pass takes every event.
             std::mem::swap(&mut batch, &mut p.events);
             p.stop.clone()
         };
+        held.append(&mut batch);
+        // Stable: events of equal time keep the order they were reported in (Q before its C).
+        held.sort_by_key(|e| e.time_ns);
+        let ready = if stop.is_some() {
+            held.len()
+        } else {
+            let horizon = rec.start.elapsed().saturating_sub(HOLD).as_nanos() as u64;
+            held.partition_point(|e| e.time_ns <= horizon)
+        };
+        batch.extend(held.drain(..ready));
         for e in batch.drain(..) {
             if full || io_error.is_some() {
                 break;
@@ -700,6 +718,7 @@ fn write_loop(rec: &Recorder, f: File, targets: &[Target], max_size: Option<u64>
             // Nothing more is recorded; wait for the stop without spinning.
             let mut p = rec.pending.lock();
             p.events.clear();
+            held.clear();
             if p.stop.is_none() {
                 rec.wake.wait_for(&mut p, Duration::from_millis(500));
             }
