@@ -91,9 +91,7 @@ pub fn format_tick(v: f64) -> String {
     } else {
         (v, "")
     };
-    let s = if scaled == scaled.round() {
-        format!("{scaled:.0}")
-    } else if scaled.abs() >= 100.0 {
+    let s = if scaled == scaled.round() || scaled.abs() >= 100.0 {
         format!("{scaled:.0}")
     } else if scaled.abs() >= 10.0 {
         format!("{scaled:.1}")
