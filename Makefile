@@ -32,8 +32,21 @@ test: deps lint
 	$(CARGO) build --workspace --all-targets
 	$(CARGO) test --workspace
 
-bench:
+# Speed (docs/bench.md): the engine's micro-benchmarks, the emulated RAID 60 next to the study's
+# no-cache table, and a steady-state fio matrix (random 4 KiB writes, iodepth 1..32) against the
+# core alone, hybridcache and nbdkit's cache filter over the very same emulated RAID, written to
+# bench-out/ (report.md, results.json, charts). BENCH_ARGS adds or overrides flags of `bench run`.
+BENCH_OUT ?= bench-out
+bench: deps
 	$(CARGO) bench -p hybridcache-engine
+	$(CARGO) build --release -p hybridcache
+	target/release/hybridcache bench calibration
+	rm -rf $(BENCH_OUT)
+	target/release/hybridcache bench run --out $(BENCH_OUT) \
+		--core 'raid:preset=study60,disk_size=64G,nodata' --cache ram:256M \
+		--pattern randwrite --bs 4K --iodepth 1,4,8,16,32 \
+		--configs core,cache,nbdkit-cache --protocol steady --settle 10 --runtime 10 --size 4G \
+		$(BENCH_ARGS)
 
 # A cache in front of an emulated HDD RAID 60, measured with and without it (scripts/demo.sh):
 # about a minute after the build; leaves demo-data/ for inspection.

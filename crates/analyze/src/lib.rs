@@ -34,6 +34,7 @@ mod msr;
 pub mod profile;
 pub mod recommend;
 pub mod report;
+pub mod series;
 pub mod signature;
 pub mod trace;
 pub mod units;
@@ -46,6 +47,7 @@ pub use recommend::{
     Recommendation, SeqCutoff, SeqCutoffPolicy,
 };
 pub use report::{Chart, Report, Section, Table};
+pub use series::{time_series, JobSeries, TimeSeries};
 pub use signature::{
     Bucket, DirStats, JobSignature, QueueDepth, Signature, SignatureOptions, Timeline, WorkingSet,
 };

@@ -70,6 +70,10 @@ pub struct AnalyzeArgs {
     /// Write the recommended commands as a shell script to FILE.
     #[arg(long, value_name = "FILE")]
     pub commands: Option<PathBuf>,
+    /// Also write DIR/report.md (Markdown) with PNG charts: request sizes, queue depth, IOPS and
+    /// throughput over time, miss-ratio curve.
+    #[arg(long = "report-dir", value_name = "DIR")]
+    pub report_dir: Option<PathBuf>,
     /// Write the recommended configuration as a TOML fragment ([[cache]]) to FILE.
     #[arg(long = "config-out", value_name = "FILE")]
     pub config_out: Option<PathBuf>,
@@ -101,6 +105,7 @@ fn failed(message: String) -> Failure {
 /// Everything one analysis produced.
 pub struct Analysis {
     pub trace: Trace,
+    pub signature: Signature,
     pub recommendation: Recommendation,
     pub report: Report,
 }
@@ -196,6 +201,7 @@ pub fn analyze(args: &AnalyzeArgs) -> Result<Analysis, Failure> {
     let report = Report::new(&trace, &sig, &recommendation, cache_id(args));
     Ok(Analysis {
         trace,
+        signature: sig,
         recommendation,
         report,
     })
@@ -283,6 +289,14 @@ pub fn run(args: &AnalyzeArgs, control: &Path) -> Result<(), Failure> {
             // A closed pipe (`| head`) is not an error worth reporting.
             let _ = out.write_all(text.as_bytes()).and_then(|()| out.flush());
         }
+    }
+    if let Some(dir) = &args.report_dir {
+        let path = crate::report_charts::write_report_dir(dir, &a.trace, &a.signature, &a.report)
+            .map_err(|e| failed(format!("--report-dir: {e:#}")))?;
+        eprintln!(
+            "hybridcache: report with charts written to {}",
+            path.display()
+        );
     }
     if let Some(path) = &args.commands {
         write_file(path, &commands_script(args, &a.recommendation), "commands")?;

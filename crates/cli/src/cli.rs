@@ -325,6 +325,15 @@ pub enum Command {
 
     /// Analyse a block trace and recommend a cache configuration (no daemon needed).
     Analyze(crate::analyze::AnalyzeArgs),
+
+    /// Record the requests on exported volumes as a blkparse trace (start, stop, status).
+    Trace(crate::trace::TraceArgs),
+
+    /// Export a device over NBD with no cache (a bare core, e.g. for benchmarks).
+    Serve(crate::serve::ServeArgs),
+
+    /// Benchmarks: fio over a matrix (run), the emulated RAID's calibration (calibration).
+    Bench(crate::bench::BenchArgs),
 }
 
 impl Command {
@@ -335,7 +344,10 @@ impl Command {
             Command::Daemon { .. }
             | Command::Version
             | Command::Analyze(_)
-            | Command::IoClass { .. } => return None,
+            | Command::IoClass { .. }
+            | Command::Trace(_)
+            | Command::Serve(_)
+            | Command::Bench(_) => return None,
             Command::StartCache {
                 device,
                 id,

@@ -99,6 +99,8 @@ struct Daemon {
     /// Where to save the setup after each change, and the `[daemon]` section to keep in it.
     save_to: Option<(PathBuf, DaemonSection)>,
     stopping: AtomicBool,
+    /// Active block traces (`hybridcache trace`).
+    traces: crate::trace::Tracers,
 }
 
 type Reply = std::result::Result<Value, String>;
@@ -416,7 +418,36 @@ impl Daemon {
                 unsafe { libc::kill(libc::getpid(), libc::SIGTERM) };
                 Ok(json!({}))
             }
+            Request::TraceStart {
+                cache,
+                core,
+                file,
+                max_size,
+            } => self.trace_start(cache, core, &file, max_size),
+            Request::TraceStop { cache, core } => self.traces.stop(&self.registry, cache, core),
+            Request::TraceStatus => self.traces.status(),
         }
+    }
+
+    /// `trace start`: the cores to trace are checked and the trace attached under the state
+    /// lock, so no core can be removed in between.
+    fn trace_start(&self, cache: u16, core: Option<u16>, file: &str, max: Option<u64>) -> Reply {
+        let st = self.state.lock();
+        let c = st.cache(cache)?;
+        let cores: Vec<(u16, String)> = match core {
+            Some(j) => {
+                st.active_core(cache, j)?;
+                vec![(j, export_name(cache, j))]
+            }
+            None => c
+                .cores
+                .iter()
+                .filter(|(_, e)| e.active)
+                .map(|(j, _)| (*j, export_name(cache, *j)))
+                .collect(),
+        };
+        self.traces
+            .start(&self.registry, cache, core, &cores, Path::new(file), max)
     }
 
     /// A handle to cache `cache` after checking that `core` (if given) exists in it.
@@ -646,6 +677,8 @@ impl Daemon {
                 "cache {id} on {device} keeps its metadata in RAM only, so its dirty data cannot outlive a stop; stop it without --no-data-flush"
             ));
         }
+        // Its traces end here, before the exports go (trace.rs); they stay listed.
+        self.traces.cache_stopped(&self.registry, id);
         // New connections must not reach a cache that is going away; established ones get
         // errors once the engine stops it.
         let removed: Vec<_> = entry
@@ -784,6 +817,7 @@ impl Daemon {
         c.cache
             .remove_core(core, force)
             .map_err(|e| format!("cache {cache_id}: {}", engine_err(e)))?;
+        self.traces.core_removed(&self.registry, cache_id, core);
         self.registry.remove(&export_name(cache_id, core));
         if let Some(c) = st.caches.get_mut(&cache_id) {
             c.cores.remove(&core);
@@ -910,6 +944,7 @@ impl Daemon {
     /// written (it is then kept on the cache device where the cache is persistent).
     fn shutdown(&self) -> bool {
         self.stopping.store(true, Ordering::SeqCst);
+        self.traces.stop_all(&self.registry);
         let mut st = self.state.lock();
         let mut clean = true;
         for (id, c) in &st.caches {
@@ -1126,6 +1161,7 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
         registry,
         save_to,
         stopping: AtomicBool::new(false),
+        traces: Default::default(),
     });
     if let Err(e) = daemon.apply(&file_cfg) {
         daemon.shutdown();

@@ -7,6 +7,8 @@
 
 mod analyze;
 mod apply;
+mod bench;
+mod chart;
 mod cli;
 mod config;
 mod daemon;
@@ -16,6 +18,9 @@ mod format;
 mod nbd_volume;
 mod params;
 mod protocol;
+mod report_charts;
+mod serve;
+mod trace;
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -71,6 +76,15 @@ fn main() -> ExitCode {
             }
         };
     }
+    if let Command::Bench(args) = &cli.command {
+        return match bench::main(args) {
+            Ok(code) => ExitCode::from(code),
+            Err(e) => {
+                eprintln!("hybridcache: {}", format!("{e:#}").replace('\n', " "));
+                ExitCode::from(if bench::is_usage_error(&e) { 2 } else { 1 })
+            }
+        };
+    }
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -106,6 +120,8 @@ fn run(cli: Cli) -> Result<()> {
                 save_config: *save_config,
             })
         }
+        Command::Serve(args) => return serve::run(args),
+        Command::Trace(args) => return trace::run_cli(args, &control),
         Command::Version => {
             println!("hybridcache CLI {}", env!("CARGO_PKG_VERSION"));
             match call::<VersionInfo>(&control, &Request::Version) {

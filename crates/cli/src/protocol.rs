@@ -101,6 +101,26 @@ pub enum Request {
     Version,
     /// Stop the daemon as SIGTERM would (flush every cache, remove the sockets).
     Shutdown,
+    /// Record every request on the exported volume(s) of a core (or of every active core) to a
+    /// blkparse-format file (trace.rs). Result: [`TraceInfo`].
+    TraceStart {
+        cache: u16,
+        #[serde(default)]
+        core: Option<u16>,
+        /// Absolute path, opened by the daemon.
+        file: String,
+        /// Stop recording when the file reaches this many bytes.
+        #[serde(default)]
+        max_size: Option<u64>,
+    },
+    /// End the traces of a cache (or the one of `core`). Result: [`TraceList`] of the stopped.
+    TraceStop {
+        cache: u16,
+        #[serde(default)]
+        core: Option<u16>,
+    },
+    /// Result: [`TraceList`] of every trace, recording or ended but not yet stopped.
+    TraceStatus,
 }
 
 /// The reply to one request.
@@ -293,6 +313,31 @@ pub struct ParamField {
 pub struct CoreParams {
     pub core: u16,
     pub fields: Vec<ParamField>,
+}
+
+/// One trace (`trace-start`, `trace-stop`, `trace-status`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TraceInfo {
+    pub cache: u16,
+    /// None: every active core of the cache.
+    pub core: Option<u16>,
+    /// The traced NBD exports.
+    pub exports: Vec<String>,
+    pub file: String,
+    pub max_size: Option<u64>,
+    /// `recording`, or `ended: <why>` (max size reached, core removed, cache stopped, ...).
+    pub state: String,
+    /// Events written to the file so far, and their bytes.
+    pub events: u64,
+    pub bytes: u64,
+    /// Events lost because the writer fell behind.
+    pub dropped: u64,
+    pub seconds: f64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TraceList {
+    pub traces: Vec<TraceInfo>,
 }
 
 /// Result of `version`.

@@ -48,6 +48,7 @@
 pub mod client;
 mod export;
 mod handshake;
+mod observe;
 pub mod proto;
 mod registry;
 mod server;
@@ -58,6 +59,7 @@ pub use export::{
     BlockSizes, Capabilities, ErrorKind, Export, ExportError, ExportResult, ZeroFlags,
     MAX_BLOCK_LIMIT,
 };
+pub use observe::{ObservedRequest, RequestKind, RequestObserver};
 pub use registry::{ExportRegistry, RegistryError};
 pub use server::{Server, ServerConfig, ShutdownHandle};
 pub use transmission::WRITE_DISCARD_LIMIT;

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 
 use crate::export::{BlockSizes, Export};
+use crate::observe::{ObserverSlot, RequestObserver};
 use crate::proto::MAX_STRING_LEN;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -31,6 +32,8 @@ pub(crate) struct ExportEntry {
     /// blocks it rewrites, on any connection. Unaligned writes are rare, so
     /// one lock (a shared acquire on the fast path) beats per-range locking.
     pub(crate) write_gate: RwLock<()>,
+    /// Optional request observer (tracing); see observe.rs.
+    pub(crate) observer: ObserverSlot,
 }
 
 #[derive(Default)]
@@ -113,7 +116,21 @@ impl ExportRegistry {
             export,
             block_sizes,
             write_gate: RwLock::new(()),
+            observer: ObserverSlot::default(),
         }))
+    }
+
+    /// Attaches `observer` to the export `name` (None detaches); connections already open see
+    /// the change. False if there is no such export. An export replaced under the same name
+    /// starts without an observer.
+    pub fn set_observer(&self, name: &str, observer: Option<Arc<dyn RequestObserver>>) -> bool {
+        match self.inner.read().exports.get(name) {
+            Some(e) => {
+                e.observer.set(observer);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Unregisters `name`; connections already using it keep working.

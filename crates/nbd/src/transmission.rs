@@ -21,6 +21,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::export::{BlockSizes, ErrorKind, Export, ExportError, ExportResult, ZeroFlags};
 use crate::handshake::{discard, Negotiated};
+use crate::observe::{self, ObserverSlot};
 use crate::proto::*;
 
 /// Largest write payload that is read and thrown away when the request is
@@ -282,6 +283,12 @@ pub(crate) struct Conn<'a, R, W> {
     write_gate: &'a parking_lot::RwLock<()>,
     p: Params,
     on_fatal: &'a (dyn Fn() + Sync),
+    /// Request observer hook (tracing) and this connection's id for it.
+    observer: &'a ObserverSlot,
+    conn_id: u64,
+    /// Time of the last socket read, while observed (requests found already buffered arrived
+    /// with it). Only touched under the reader lock.
+    last_fill: Mutex<Option<Instant>>,
 }
 
 /// Serves requests until the client disconnects or the transport fails.
@@ -312,6 +319,9 @@ pub(crate) fn run<R: Read + Send, W: Write + Send>(
             block_size_negotiated: n.block_size_negotiated,
         },
         on_fatal,
+        observer: &n.entry.observer,
+        conn_id: observe::next_connection_id(),
+        last_fill: Mutex::new(None),
     };
     let workers = workers.max(1);
     std::thread::scope(|s| {
@@ -558,15 +568,29 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
         if r.buffer().len() < REQUEST_LEN {
             self.flush_pending()?;
         }
+        let observer = self.observer.get();
+        let refill = r.buffer().len() < REQUEST_LEN;
         let mut hdr = [0u8; REQUEST_LEN];
         if !read_exact_or_eof(r, &mut hdr)? {
             return Ok(Next::Stop);
         }
+        // The header's arrival: now if it took a socket read, else that of the last read.
+        let arrived = observer.as_ref().map(|_| {
+            let mut last = self.last_fill.lock();
+            match *last {
+                Some(t) if !refill => t,
+                _ => *last.insert(Instant::now()),
+            }
+        });
         let req = parse_request(&hdr).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
         if req.typ == CMD_DISC {
             return Ok(Next::Stop);
         }
         let checked = validate(&req, &self.p);
+        // Stamped on receipt, before the payload: the trace's queue time.
+        if let (Ok(job), Some(o), Some(at)) = (&checked, &observer, arrived) {
+            o.received(&observe::observed(self.conn_id, req.handle, job, at));
+        }
         if req.typ == CMD_WRITE {
             let len = req.length as usize;
             if r.buffer().len() < len {
@@ -574,8 +598,13 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
             }
             match checked {
                 Ok(_) => {
+                    let refill = r.buffer().len() < len;
                     if !read_exact_or_eof(r, grow(&mut bufs.data, len))? {
                         return Ok(Next::Stop);
+                    }
+                    if refill && observer.is_some() {
+                        // Headers behind this payload may have come in with it.
+                        *self.last_fill.lock() = Some(Instant::now());
                     }
                 }
                 Err(_) => {
@@ -746,6 +775,7 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
             } => self.write_zeroes(offset, u64::from(len), flags, fua, &mut bufs.block),
             Job::Cache { offset, len } => self.cache(offset, u64::from(len)),
         };
+        self.observe_replied(handle, &job);
         match res {
             Ok(()) => self.send_ok(handle, defer),
             Err(e) => {
@@ -771,6 +801,7 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
         let total = prefix + len as usize;
         let reply = grow(&mut bufs.reply, total);
         let res = self.read(offset, &mut reply[prefix..], &mut bufs.block);
+        self.observe_replied(handle, &Job::Read { offset, len });
         if let Err(e) = res {
             return self.send_export_error(handle, &e, false, defer);
         }
@@ -789,6 +820,18 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
             encode_simple_reply(reply, 0, handle);
         }
         self.send(reply, defer)
+    }
+
+    /// Before the reply goes out, so the client's next request is never observed first.
+    fn observe_replied(&self, handle: u64, job: &Job) {
+        if let Some(o) = self.observer.get() {
+            o.replied(&observe::observed(
+                self.conn_id,
+                handle,
+                job,
+                Instant::now(),
+            ));
+        }
     }
 
     fn min(&self) -> u32 {
