@@ -568,12 +568,14 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
         if r.buffer().len() < REQUEST_LEN {
             self.flush_pending()?;
         }
-        let observer = self.observer.get();
         let refill = r.buffer().len() < REQUEST_LEN;
         let mut hdr = [0u8; REQUEST_LEN];
         if !read_exact_or_eof(r, &mut hdr)? {
             return Ok(Next::Stop);
         }
+        // Looked up after the read, which may have waited: an observer attached meanwhile
+        // sees this request.
+        let observer = self.observer.get();
         // The header's arrival: now if it took a socket read, else that of the last read.
         let arrived = observer.as_ref().map(|_| {
             let mut last = self.last_fill.lock();
