@@ -476,9 +476,14 @@ fn nonempty<T>(key: &str, v: Vec<T>) -> Result<Vec<T>> {
 }
 
 fn check_cleaning(key: &str, p: &str) -> Result<()> {
+    let presets = hybridcache_engine::policy::CLEANING_PRESETS;
     match p {
         "nop" | "alru" | "acp" => Ok(()),
-        other => bail!("{key}: '{other}' is not a cleaning policy (nop, alru, acp)"),
+        _ if presets.contains(&p) => Ok(()),
+        other => bail!(
+            "{key}: '{other}' is not a cleaning policy (nop, alru, acp) or preset ({})",
+            presets.join(", ")
+        ),
     }
 }
 

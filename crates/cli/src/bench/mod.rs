@@ -9,10 +9,12 @@
 //! - `bench calibration`: the emulated RAID 60's no-cache figures next to the study's
 //!   (docs/devices.md), from the in-process simulation and/or through fio and NBD for real.
 //!
-//! The engine micro-benchmark (`hybridcache_engine::bench`) joins this group as `bench engine`.
+//! - `bench engine`: the engine alone (`hybridcache_engine::bench`, also `cargo bench`) against
+//!   Open CAS's engine marks.
 //! docs/bench.md is the user's guide.
 
 pub mod calibration;
+pub mod engine;
 pub mod fio;
 pub mod matrix;
 pub mod procs;
@@ -40,6 +42,8 @@ pub enum BenchCommand {
     Run(Box<RunArgs>),
     /// Print the emulated RAID 60's no-cache figures next to the study's (domain.md §10).
     Calibration(calibration::CalibrationArgs),
+    /// The engine alone against Open CAS's engine marks (perf.md §1; docs/performance.md).
+    Engine(engine::EngineArgs),
 }
 
 /// `bench run`. Lists are comma-separated (`--bs 4K,64K`); every flag overrides the same key
@@ -119,6 +123,7 @@ pub fn main(args: &BenchArgs) -> Result<u8> {
     match &args.command {
         BenchCommand::Run(a) => run::run(a),
         BenchCommand::Calibration(a) => calibration::run(a).map(|()| 0),
+        BenchCommand::Engine(a) => engine::run(a).map(|()| 0),
     }
 }
 
