@@ -11,6 +11,7 @@
 //!
 //! - `bench engine`: the engine alone (`hybridcache_engine::bench`, also `cargo bench`) against
 //!   Open CAS's engine marks.
+//!
 //! docs/bench.md is the user's guide.
 
 pub mod calibration;
