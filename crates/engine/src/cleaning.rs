@@ -232,7 +232,8 @@ impl CacheInner {
                 st.ratio_active = false;
             }
         }
-        if now < st.next_run_ms && !(st.ratio_active && !was_active) {
+        let ratio_started = st.ratio_active && !was_active;
+        if now < st.next_run_ms && !ratio_started {
             return Ok(CleaningTick::default());
         }
         let idle_for = now.saturating_sub(st.last_activity_ms);

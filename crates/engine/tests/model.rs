@@ -168,8 +168,10 @@ fn describe(kind: Kind, core: usize, start: u64, len: u64) -> String {
 /// second) with or without an activity wait and a dirty-ratio trigger, acp with short wake-ups,
 /// flush-max-buffers from 1 up, merge-max from 4 KiB up. No bandwidth cap (it only costs time).
 fn cleaning_config(a: u32, b: u32) -> CleaningConfig {
-    let mut c = CleaningConfig::default();
-    c.policy = CleaningPolicy::ALL[a as usize % 3];
+    let mut c = CleaningConfig {
+        policy: CleaningPolicy::ALL[a as usize % 3],
+        ..CleaningConfig::default()
+    };
     c.alru.wake_up_s = [0, 0, 1][(a >> 4) as usize % 3];
     c.alru.staleness_time_s = 1;
     c.alru.activity_threshold_ms = [0, 0, 500][(a >> 8) as usize % 3];

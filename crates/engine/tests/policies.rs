@@ -1351,8 +1351,10 @@ fn switching_cleaning_policy_keeps_tunables() {
 }
 
 fn every_parameter() -> (CleaningConfig, Promotion, SeqCutoff, SeqCutoff) {
-    let mut c = CleaningConfig::default();
-    c.policy = CleaningPolicy::Acp;
+    let mut c = CleaningConfig {
+        policy: CleaningPolicy::Acp,
+        ..CleaningConfig::default()
+    };
     c.alru = AlruParams {
         wake_up_s: 7,
         staleness_time_s: 9,
