@@ -60,6 +60,8 @@ pub(crate) struct CleanerState {
     ratio_active: bool,
     /// Where alru's next run starts among the shards, so every shard gets its turn.
     next_shard: usize,
+    /// The previous tick's time: a tick with an earlier one is on a new clock.
+    last_now: Option<u64>,
 }
 
 impl CleanerState {
@@ -74,6 +76,7 @@ impl CleanerState {
 pub(crate) struct CleanerThread {
     stop: Arc<(Mutex<bool>, Condvar)>,
     handle: JoinHandle<()>,
+    cache: Weak<CacheInner>,
 }
 
 impl CleanerThread {
@@ -85,8 +88,12 @@ impl CleanerThread {
         let handle = std::thread::Builder::new()
             .name(format!("hc-cleaner-{}", cache.id))
             .spawn(move || loop {
-                let tick = match weak.upgrade() {
-                    Some(cache) => cache.cleaner_tick(epoch.elapsed().as_millis() as u64),
+                let (tick, wait) = match weak.upgrade() {
+                    Some(cache) => {
+                        let now = epoch.elapsed().as_millis() as u64;
+                        let tick = cache.cleaner_tick(now);
+                        (tick, cache.cleaner_wait(now, &tick))
+                    }
                     None => return,
                 };
                 let (lock, cv) = &*stop2;
@@ -95,21 +102,32 @@ impl CleanerThread {
                     return;
                 }
                 if !tick.more {
-                    cv.wait_for(&mut stopped, TICK);
+                    cv.wait_for(&mut stopped, wait);
                     if *stopped {
                         return;
                     }
                 }
             })
             .expect("spawning the cleaner thread");
-        CleanerThread { stop, handle }
+        CleanerThread {
+            stop,
+            handle,
+            cache: Arc::downgrade(cache),
+        }
     }
 
+    /// Stop the thread. Its clock goes with it: whoever ticks the cleaner next (a test with its
+    /// own clock) starts from a clean schedule.
     pub(crate) fn stop(self) {
         let (lock, cv) = &*self.stop;
         *lock.lock() = true;
         cv.notify_all();
         let _ = self.handle.join();
+        if let Some(cache) = self.cache.upgrade() {
+            let mut st = cache.cleaner.lock();
+            cache.restart_clock(&mut st, 0);
+            st.last_now = None;
+        }
     }
 }
 
@@ -126,10 +144,38 @@ impl CacheInner {
             .fold(0u64, u64::wrapping_add)
     }
 
+    /// Forget every time recorded on the old clock, which means nothing on the next one. Age
+    /// marks are dropped: lines get later marks (cleaned later, never too early).
+    fn restart_clock(&self, st: &mut CleanerState, now: u64) {
+        st.last_fence_ms = None;
+        st.next_run_ms = 0;
+        st.last_activity_ms = now;
+        for i in 0..self.lists.shard_count() {
+            self.lists.lock(i).fences.clear();
+        }
+    }
+
+    /// How long the cleaner thread sleeps after a tick at `now` that did not ask to run again
+    /// at once: until the policy's next run when the tick cleaned something (acp's wake-up is
+    /// in milliseconds, well below the thread's 100 ms look), else a tick's time, so an idle
+    /// cleaner never spins.
+    pub(crate) fn cleaner_wait(&self, now: u64, tick: &CleaningTick) -> Duration {
+        if tick.cleaned == 0 {
+            return TICK;
+        }
+        let next = self.cleaner.lock().next_run_ms;
+        Duration::from_millis(next.saturating_sub(now)).min(TICK)
+    }
+
     /// One look by the cleaner at time `now` (ms since any fixed origin, never decreasing).
     pub(crate) fn cleaner_tick(&self, now: u64) -> CleaningTick {
         let cfg = *self.cleaning.read();
         let mut st = self.cleaner.lock();
+        if st.last_now.is_some_and(|t| now < t) {
+            // Time went back: a new clock.
+            self.restart_clock(&mut st, now);
+        }
+        st.last_now = Some(now);
         let marker = self.io_marker();
         if marker != st.io_marker {
             st.io_marker = marker;
@@ -157,20 +203,23 @@ impl CacheInner {
     fn alru_tick(&self, st: &mut CleanerState, now: u64) -> Result<CleaningTick> {
         let p = self.cleaning.read().alru;
         let staleness = p.staleness_time_s as u64 * 1000;
-        let stale = now.saturating_sub(staleness);
+        // Nothing is old enough before `staleness` has passed on this clock (a mark at 0 says
+        // "written at or before 0", which is not staleness ago at time 0).
+        let stale = now.checked_sub(staleness);
         // Marks spaced by a sixteenth of the staleness time: ages are known to within that.
         let spacing = (staleness / 16).max(TICK.as_millis() as u64);
         if st.last_fence_ms.map_or(true, |t| now >= t + spacing) {
             for i in 0..self.lists.shard_count() {
                 let mut s = self.lists.lock(i);
-                self.lists.place_fence(&mut s, now, stale, FENCES);
+                self.lists
+                    .place_fence(&mut s, now, stale.unwrap_or(0), FENCES);
             }
             st.last_fence_ms = Some(now);
         }
-        if now < st.next_run_ms {
-            return Ok(CleaningTick::default());
-        }
+        // The dirty-ratio trigger is looked at on every tick: crossing the threshold starts
+        // cleaning at once, whatever wake-up or activity said at the last run.
         let usage = self.usage(None);
+        let was_active = st.ratio_active;
         if p.dirty_ratio_threshold >= 100 {
             st.ratio_active = false;
         } else {
@@ -183,14 +232,22 @@ impl CacheInner {
                 st.ratio_active = false;
             }
         }
+        let ratio_started = st.ratio_active && !was_active;
+        if now < st.next_run_ms && !ratio_started {
+            return Ok(CleaningTick::default());
+        }
         let idle_for = now.saturating_sub(st.last_activity_ms);
         if !st.ratio_active && idle_for < p.activity_threshold_ms as u64 {
-            // Look again when the cache would have been idle long enough.
-            st.next_run_ms = st.last_activity_ms + p.activity_threshold_ms as u64;
+            // Not idle long enough: look again at the next tick (not only once the cache could
+            // have been idle long enough, so that the dirty-ratio trigger is not missed).
             return Ok(CleaningTick::default());
         }
         let budget = p.flush_max_buffers as usize;
-        let picked = self.alru_pick(st, budget, (!st.ratio_active).then_some(stale));
+        let picked = match (st.ratio_active, stale) {
+            (true, _) => self.alru_pick(st, budget, None),
+            (false, Some(stale)) => self.alru_pick(st, budget, Some(stale)),
+            (false, None) => Vec::new(),
+        };
         let more = picked.len() >= budget;
         let cleaned = self.clean_and_commit(picked, budget)?;
         st.next_run_ms = if more {

@@ -251,6 +251,12 @@ impl Lists {
     /// Move `line` from list `from` to the back of list `to` (the same list: mark most recent).
     pub(crate) fn move_back(&self, s: &mut Shard, from: ListKind, to: ListKind, line: u32) {
         if from == to && s.heads[to as usize].last == line {
+            // Already the newest; but a fence on it says "written at or before" a time that is
+            // now past, so it moves to the line before, as when the line leaves.
+            if to == ListKind::Dirty && s.fences.last().is_some_and(|&(l, _)| l == line) {
+                let prev = self.prev[line as usize].load(Relaxed);
+                Self::fence_leaves(s, line, prev);
+            }
             return;
         }
         self.remove(s, from, line);

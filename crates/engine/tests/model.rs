@@ -2,6 +2,11 @@
 //! sequence of requests, every read returns the newest data written (a plain byte array per core
 //! is the model), and after a flush every core device holds exactly the model.
 //!
+//! Policy changes join the sequence (cleaning policy and tunables, including tiny
+//! flush-max-buffers and 4 KiB merge-max; sequential cutoff with small thresholds so it
+//! triggers; nhit promotion with a low trigger), and the cleaner runs on a fake clock that the
+//! ops advance: none of it may change what reads return.
+//!
 //! Operations address sectors through "shapes" resolved against the core size at run time, so
 //! shrinking by proptest keeps every operation valid. Written data is stamped with (core, op
 //! number, sector), so a failure message says which write a wrong sector came from.
@@ -11,7 +16,10 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use hybridcache_engine::{Cache, CacheMode, LineSize};
+use hybridcache_engine::{
+    Cache, CacheMode, CleaningConfig, CleaningPolicy, LineSize, Promotion, PromotionPolicy,
+    SeqCutoff, SeqCutoffPolicy,
+};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 
@@ -28,6 +36,14 @@ enum Kind {
     /// `Cache::flush_core` of the op's core.
     FlushCore,
     SetMode(CacheMode, bool),
+    /// A cleaning configuration chosen by the op's `a` and `b` (see [`cleaning_config`]).
+    SetCleaning,
+    /// Advance the fake clock by `a % 2500` ms and run the cleaner once.
+    Tick,
+    /// Sequential cutoff for the op's core or all cores (see [`seq_cutoff`]).
+    SetSeqCutoff,
+    /// Promotion always or nhit (see [`promotion`]).
+    SetPromotion,
 }
 
 /// One generated operation. `shape`, `a` and `b` are resolved to an offset and a length once the
@@ -76,6 +92,10 @@ fn kind() -> impl Strategy<Value = Kind> {
         2 => Just(Kind::CacheFlush),
         2 => Just(Kind::FlushCore),
         4 => (mode(), any::<bool>()).prop_map(|(m, f)| Kind::SetMode(m, f)),
+        2 => Just(Kind::SetCleaning),
+        6 => Just(Kind::Tick),
+        2 => Just(Kind::SetSeqCutoff),
+        2 => Just(Kind::SetPromotion),
     ]
 }
 
@@ -144,6 +164,48 @@ fn describe(kind: Kind, core: usize, start: u64, len: u64) -> String {
     }
 }
 
+/// A cleaning configuration from two random words: any policy, eager alru (stale after a
+/// second) with or without an activity wait and a dirty-ratio trigger, acp with short wake-ups,
+/// flush-max-buffers from 1 up, merge-max from 4 KiB up. No bandwidth cap (it only costs time).
+fn cleaning_config(a: u32, b: u32) -> CleaningConfig {
+    let mut c = CleaningConfig {
+        policy: CleaningPolicy::ALL[a as usize % 3],
+        ..CleaningConfig::default()
+    };
+    c.alru.wake_up_s = [0, 0, 1][(a >> 4) as usize % 3];
+    c.alru.staleness_time_s = 1;
+    c.alru.activity_threshold_ms = [0, 0, 500][(a >> 8) as usize % 3];
+    c.alru.flush_max_buffers = [1, 3, 100, 10_000][b as usize % 4];
+    c.alru.dirty_ratio_threshold = [100, 100, 0, 30, 60][(b >> 4) as usize % 5];
+    c.alru.dirty_ratio_inertia_mib = [0, 1][(b >> 8) as usize % 2];
+    c.acp.wake_up_ms = [0, 1, 10][(a >> 12) as usize % 3];
+    c.acp.flush_max_buffers = [1, 4, 128][(b >> 12) as usize % 3];
+    c.io.merge_max_kib = [4, 8, 64, 1024][(b >> 16) as usize % 4];
+    c
+}
+
+/// Sequential cutoff with thresholds small enough to trigger on these cores.
+fn seq_cutoff(a: u32, b: u32) -> SeqCutoff {
+    SeqCutoff {
+        policy: SeqCutoffPolicy::ALL[a as usize % 3],
+        threshold_kib: 1 + b % 64,
+        promotion_count: 1 + (b >> 8) % 4,
+    }
+}
+
+/// Promotion always, or nhit with a low threshold and trigger.
+fn promotion(a: u32, b: u32) -> Promotion {
+    Promotion {
+        policy: if a % 3 == 0 {
+            PromotionPolicy::Always
+        } else {
+            PromotionPolicy::Nhit
+        },
+        threshold: 2 + b % 3,
+        trigger_pct: (b >> 4) % 60,
+    }
+}
+
 /// The log of resolved operations, for failure messages.
 struct Log(Vec<String>);
 
@@ -172,6 +234,9 @@ fn check_usage(cache: &Cache) -> Result<(), String> {
 fn run(s: &Scenario) -> Result<(), TestCaseError> {
     let _watchdog = Watchdog::new("model scenario", Duration::from_secs(120));
     let (cache, _cache_vol) = new_cache(s.line_kib, s.cache_lines, s.mode);
+    // The cleaner runs only when an op ticks it, on the ops' fake clock.
+    cache.stop_background_cleaner();
+    let mut now_ms = 0u64;
     let ls = (s.line_kib as u64 * 1024) / SECTOR;
     let cores: Vec<TestCore> = s
         .cores
@@ -199,7 +264,21 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
         let (start, len) = resolve(op, n, ls);
         let (off, bytes) = (start * SECTOR, len * SECTOR);
         let range = off as usize..(off + bytes) as usize;
-        log.0.push(describe(op.kind, ci, start, len));
+        log.0.push(match op.kind {
+            Kind::SetCleaning => format!("SetCleaning {:?}", cleaning_config(op.a, op.b)),
+            Kind::Tick => format!("Tick at {} ms", now_ms + (op.a % 2500) as u64),
+            Kind::SetSeqCutoff => format!(
+                "SetSeqCutoff {} {:?}",
+                if op.shape % 2 == 0 {
+                    "all cores".to_string()
+                } else {
+                    format!("core#{ci}")
+                },
+                seq_cutoff(op.a, op.b)
+            ),
+            Kind::SetPromotion => format!("SetPromotion {:?}", promotion(op.a, op.b)),
+            _ => describe(op.kind, ci, start, len),
+        });
         let what = format!("op #{i}");
         match op.kind {
             Kind::Read => {
@@ -278,6 +357,22 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
                     ));
                 }
             }
+            Kind::SetCleaning => {
+                let c = cleaning_config(op.a, op.b);
+                check!(cache.set_cleaning(c), what);
+                if cache.cleaning() != c {
+                    return Err(log.fail(s, format!("op #{i}: cleaning config not applied")));
+                }
+            }
+            Kind::Tick => {
+                now_ms += (op.a % 2500) as u64;
+                cache.cleaner_tick(now_ms);
+            }
+            Kind::SetSeqCutoff => {
+                let target = (op.shape % 2 == 1).then_some(c.id);
+                check!(cache.set_seq_cutoff(target, seq_cutoff(op.a, op.b)), what);
+            }
+            Kind::SetPromotion => check!(cache.set_promotion(promotion(op.a, op.b)), what),
         }
         if let Err(e) = check_usage(&cache) {
             return Err(log.fail(s, format!("after op #{i}: {e}")));

@@ -4,6 +4,8 @@
 //! Every test binary includes this module but uses only part of it.
 #![allow(dead_code)]
 
+pub mod recording;
+
 use std::fmt;
 use std::sync::mpsc;
 use std::sync::Arc;
