@@ -575,7 +575,8 @@ impl CacheInner {
                 break;
             }
         }
-        self.clean_lines(picked, FLUSH_BUFFERS as usize)?;
+        // A client waits for this room: not paced.
+        self.clean_lines(picked, FLUSH_BUFFERS as usize, false)?;
         if self.persist.is_some() {
             // Cleaned lines (and lines in limbo) become reusable once the device records them.
             self.commit()?;
@@ -587,8 +588,9 @@ impl CacheInner {
     /// core's streams).
     fn cut_off(&self, core: &CoreState, offset: u64, len: u64, write: bool) -> bool {
         core.seq.cut_off(offset, len, write, || {
-            // "Nearly full", as Open CAS: free lines at most 512 plus what this request needs.
-            let need = len.div_ceil(self.line_bytes) + 1;
+            // "Nearly full", as Open CAS: free lines at most 512 plus the lines this request
+            // touches.
+            let need = (offset + len).div_ceil(self.line_bytes) - offset / self.line_bytes;
             self.free_lines.load(Ordering::Relaxed) <= 512 + need
         })
     }
@@ -1804,9 +1806,21 @@ impl Cache {
         params.validate()?;
         let targets: Vec<Arc<CoreState>> = match core {
             Some(id) => {
-                if let Some(s) = self.inner.seq_cutoff_inactive.write().get_mut(&id) {
-                    *s = params;
-                    return self.inner.save_policies();
+                // The guard must be gone before save_policies reads the map again.
+                let old = self
+                    .inner
+                    .seq_cutoff_inactive
+                    .write()
+                    .get_mut(&id)
+                    .map(|s| std::mem::replace(s, params));
+                if let Some(old) = old {
+                    if let Err(e) = self.inner.save_policies() {
+                        if let Some(s) = self.inner.seq_cutoff_inactive.write().get_mut(&id) {
+                            *s = old;
+                        }
+                        return Err(e);
+                    }
+                    return Ok(());
                 }
                 vec![self.inner.core_by_id(id)?]
             }

@@ -117,9 +117,10 @@ impl Pacer {
 }
 
 impl CacheInner {
-    /// Clean the given lines (those still dirty when locked). Caller holds no stripe.
-    /// Returns how many lines were cleaned.
-    pub(crate) fn clean_lines(&self, lines: Vec<u32>, depth: usize) -> Result<usize> {
+    /// Clean the given lines (those still dirty when locked), `depth` core writes at most in
+    /// flight, `paced` by the cleaning bandwidth cap (background cleaning only). Caller holds
+    /// no stripe. Returns how many lines were cleaned.
+    pub(crate) fn clean_lines(&self, lines: Vec<u32>, depth: usize, paced: bool) -> Result<usize> {
         let mut items: Vec<(Key, u32)> = lines
             .into_iter()
             .filter_map(|l| self.table.key(l).map(|k| (k, l)))
@@ -145,7 +146,7 @@ impl CacheInner {
                 // Its lines are being dropped by core removal.
                 None => continue,
             };
-            match self.clean_group(&core, group, depth) {
+            match self.clean_group(&core, group, depth, paced) {
                 Ok(n) => cleaned += n,
                 Err(e) => {
                     first_error.get_or_insert(e);
@@ -159,7 +160,13 @@ impl CacheInner {
     }
 
     /// Clean lines of one core, sorted by core line. Caller holds their stripes.
-    fn clean_group(&self, core: &CoreState, items: &[(Key, u32)], depth: usize) -> Result<usize> {
+    fn clean_group(
+        &self,
+        core: &CoreState,
+        items: &[(Key, u32)],
+        depth: usize,
+        paced: bool,
+    ) -> Result<usize> {
         let mut pieces = Vec::new();
         for (i, &(key, line)) in items.iter().enumerate() {
             for (first, n) in bits::runs(self.table.dirty(line)) {
@@ -214,7 +221,9 @@ impl CacheInner {
                     buf_off: 0,
                     len,
                 }];
-                self.pacer.wait(len, io.max_bandwidth_mib_s);
+                if paced {
+                    self.pacer.wait(len, io.max_bandwidth_mib_s);
+                }
                 let c = &self.cleaning_counters;
                 let now = c.in_flight.fetch_add(1, Relaxed) + 1;
                 c.max_in_flight.fetch_max(now, Relaxed);
@@ -271,9 +280,11 @@ impl CacheInner {
         items.sort_unstable();
         let batch = (BATCH_BYTES / self.line_bytes).clamp(1, FLUSH_BUFFERS as u64) as usize;
         for chunk in items.chunks(batch) {
+            // A flush is what its caller waits for: never paced by the bandwidth cap.
             self.clean_lines(
                 chunk.iter().map(|&(_, l)| l).collect(),
                 FLUSH_BUFFERS as usize,
+                false,
             )?;
         }
         // The flush is done when the core has the data durably and, for a persistent cache, the

@@ -378,7 +378,7 @@ impl CacheInner {
         if lines.is_empty() {
             return Ok(0);
         }
-        let cleaned = self.clean_lines(lines, depth)?;
+        let cleaned = self.clean_lines(lines, depth, true)?;
         if cleaned > 0 && self.persist.is_some() {
             // Cleaned lines are reusable only once the device records them clean.
             self.commit()?;

@@ -423,7 +423,11 @@ impl SeqState {
         if p.policy == SeqCutoffPolicy::Never {
             return false;
         }
-        let (bytes, requests) = self.track(offset, len, write);
+        // As Open CAS: only a request that continues a tracked stream can be cut off, however
+        // small the threshold; the first request of a stream is never sequential.
+        let Some((bytes, requests)) = self.track(offset, len, write) else {
+            return false;
+        };
         if bytes < p.threshold_kib as u64 * 1024 || requests < p.promotion_count {
             return false;
         }
@@ -434,9 +438,9 @@ impl SeqState {
         }
     }
 
-    /// Extend the stream this request continues, or start one in the least recently used slot.
-    /// Returns the stream's bytes and requests including this one.
-    fn track(&self, offset: u64, len: u64, write: bool) -> (u64, u32) {
+    /// Extend the stream this request continues and return its bytes and requests including
+    /// this one; or start a stream in the least recently used slot and return None.
+    fn track(&self, offset: u64, len: u64, write: bool) -> Option<(u64, u32)> {
         let mut t = self.streams.lock();
         t.clock += 1;
         let clock = t.clock;
@@ -449,7 +453,7 @@ impl SeqState {
             s.bytes = s.bytes.saturating_add(len);
             s.requests = s.requests.saturating_add(1);
             s.stamp = clock;
-            return (s.bytes, s.requests);
+            return Some((s.bytes, s.requests));
         }
         let oldest = t
             .streams
@@ -463,7 +467,7 @@ impl SeqState {
             write,
             stamp: clock,
         };
-        (len, 1)
+        None
     }
 }
 
