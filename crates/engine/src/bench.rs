@@ -660,6 +660,12 @@ impl EngineBenchReport {
             self.options.reps,
             self.total_seconds
         );
+        if self.options.cache_bytes != 4 << 30 || self.options.core_bytes != 64 << 30 {
+            let _ = writeln!(
+                out,
+                "note: OCF's marks are for a 4 GiB cache and a 64 GiB core; ratios to them are indicative only"
+            );
+        }
         let _ = writeln!(
             out,
             "{:<40} {:>24} {:>20} {:>14} {:>7} {:>6}",
