@@ -2,7 +2,8 @@
 # NBD throughput, in one invocation and interleaved: hybridcache (RAM cache, null core, write-back)
 # against nbdkit's memory plugin (no caching: the transport's ceiling) and nbdkit's cache filter
 # (write-back, cache on /dev/shm, null plugin). fio's nbd engine, 4 KiB random writes and reads at
-# iodepth 1 and 32. Prints a table of medians with p99/p99.99 latency and the ratios.
+# iodepth 1 and 32 (docs/perf.md §2). Prints a table of medians with p99/p99.99 latency, the
+# ratios, and which of perf.md's targets are met.
 #
 #   scripts/nbd-bench.sh [--runtime S] [--reps N]
 # Needs fio, nbdkit and a release build (cargo build --release).
@@ -86,4 +87,19 @@ for rw in ("randwrite", "randread"):
             iops = statistics.median(x[0] for x in v)
             print(f"{rw + ' qd' + str(qd):<16}{s:<15}{iops:>9.0f}{statistics.median(x[1] for x in v):>9.3f}"
                   f"{statistics.median(x[2] for x in v):>11.3f}{iops / base['nbdkit-memory']:>10.2f}x{iops / base['nbdkit-cache']:>9.2f}x")
+# perf.md §2 targets for hybridcache: >= 0.9x the memory plugin at both depths, > 4x the cache
+# filter at depth 32, p99.99 under 2 ms.
+print("targets (perf.md §2):")
+for rw in ("randwrite", "randread"):
+    for qd in (1, 32):
+        v = med[("hybridcache", rw, qd)]
+        iops = statistics.median(x[0] for x in v)
+        mem = statistics.median(x[0] for x in med[("nbdkit-memory", rw, qd)])
+        cf = statistics.median(x[0] for x in med[("nbdkit-cache", rw, qd)])
+        p9999 = statistics.median(x[2] for x in v)
+        checks = [f"vs memory {iops / mem:.2f}x {'met' if iops >= 0.9 * mem else 'MISSED'} (>= 0.9x)",
+                  f"p99.99 {p9999:.2f} ms {'met' if p9999 < 2 else 'MISSED'} (< 2 ms)"]
+        if qd == 32:
+            checks.append(f"vs cache filter {iops / cf:.2f}x {'met' if iops > 4 * cf else 'MISSED'} (> 4x)")
+        print(f"  {rw} qd{qd}: " + "; ".join(checks))
 EOF

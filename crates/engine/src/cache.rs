@@ -859,6 +859,10 @@ impl CacheInner {
         } else {
             self.count_write(core, &segs, class);
         }
+        // Lines were taken in ascending order and are handed out by pop(): reversed, so that
+        // neighbouring segments get neighbouring lines and their copies (and later their
+        // cleaning reads) merge into one.
+        spare.reverse();
 
         // Decide each segment's home: its mapped line, a new line, or (no line) the core.
         let mut targets: Vec<(usize, u32, bool)> = Vec::with_capacity(segs.len());

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::Relaxed};
 
 use parking_lot::{Mutex, MutexGuard};
 
-use crate::meta::NONE;
+use crate::meta::{atomics, NONE};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ListKind {
@@ -77,8 +77,8 @@ impl Lists {
             len: 0,
         };
         let mut lists = Lists {
-            prev: (0..n).map(|_| AtomicU32::new(NONE)).collect(),
-            next: (0..n).map(|_| AtomicU32::new(NONE)).collect(),
+            prev: atomics(n, || AtomicU32::new(NONE)),
+            next: atomics(n, || AtomicU32::new(NONE)),
             shards: (0..shards)
                 .map(|_| {
                     Padded(Mutex::new(Shard {
