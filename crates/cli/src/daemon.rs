@@ -975,7 +975,7 @@ impl Daemon {
 
 /// Block SIGINT and SIGTERM in the calling thread and every thread it starts afterwards, and
 /// return the set for `sigwait`.
-fn block_signals() -> libc::sigset_t {
+pub(crate) fn block_signals() -> libc::sigset_t {
     // SAFETY: plain libc calls on a zero-initialised sigset_t we own.
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
@@ -987,7 +987,7 @@ fn block_signals() -> libc::sigset_t {
     }
 }
 
-fn wait_for_signal(set: &libc::sigset_t) -> i32 {
+pub(crate) fn wait_for_signal(set: &libc::sigset_t) -> i32 {
     let mut sig: libc::c_int = 0;
     loop {
         // SAFETY: `set` is a valid, initialised signal set; `sig` is a valid out pointer.

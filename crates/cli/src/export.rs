@@ -30,21 +30,28 @@ fn to_export_error(e: EngineError) -> ExportError {
         EngineError::Unaligned { .. }
         | EngineError::OutOfRange { .. }
         | EngineError::TooLarge { .. } => ErrorKind::Invalid,
-        EngineError::Volume(v) => match &v.kind {
-            hybridcache_volume::ErrorKind::Io(io) => {
-                let copy = match io.raw_os_error() {
-                    Some(errno) => std::io::Error::from_raw_os_error(errno),
-                    None => std::io::Error::from(io.kind()),
-                };
-                ExportError::from(copy).kind
-            }
-            hybridcache_volume::ErrorKind::Unaligned { .. }
-            | hybridcache_volume::ErrorKind::OutOfRange { .. } => ErrorKind::Invalid,
-            _ => ErrorKind::Io,
-        },
+        EngineError::Volume(v) => volume_error_kind(v),
         _ => ErrorKind::Io,
     };
     ExportError::new(kind, e.to_string())
+}
+
+/// The NBD error a volume error becomes: the OS error where there is one (so ENOSPC stays
+/// ENOSPC), EINVAL for requests the volume refuses as malformed, EIO otherwise.
+pub(crate) fn volume_error_kind(v: &hybridcache_volume::VolumeError) -> ErrorKind {
+    match &v.kind {
+        hybridcache_volume::ErrorKind::Io(io) => {
+            let copy = match io.raw_os_error() {
+                Some(errno) => std::io::Error::from_raw_os_error(errno),
+                None => std::io::Error::from(io.kind()),
+            };
+            ExportError::from(copy).kind
+        }
+        hybridcache_volume::ErrorKind::Unaligned { .. }
+        | hybridcache_volume::ErrorKind::OutOfRange { .. }
+        | hybridcache_volume::ErrorKind::Invalid(_) => ErrorKind::Invalid,
+        _ => ErrorKind::Io,
+    }
 }
 
 impl Export for CoreExport {

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use hybridcache_nbd::{
-    BlockSizes, Capabilities, ErrorKind, Export, ExportError, ExportRegistry, ExportResult, Server,
+    BlockSizes, Capabilities, Export, ExportError, ExportRegistry, ExportResult, Server,
     ServerConfig, ZeroFlags,
 };
 use hybridcache_volume::{VolumeError, VolumeRef};
@@ -57,20 +57,7 @@ impl VolumeExport {
 }
 
 fn to_export_error(e: VolumeError) -> ExportError {
-    let kind = match &e.kind {
-        hybridcache_volume::ErrorKind::Io(io) => {
-            let copy = match io.raw_os_error() {
-                Some(errno) => std::io::Error::from_raw_os_error(errno),
-                None => std::io::Error::from(io.kind()),
-            };
-            ExportError::from(copy).kind
-        }
-        hybridcache_volume::ErrorKind::Unaligned { .. }
-        | hybridcache_volume::ErrorKind::OutOfRange { .. }
-        | hybridcache_volume::ErrorKind::Invalid(_) => ErrorKind::Invalid,
-        hybridcache_volume::ErrorKind::Injected => ErrorKind::Io,
-    };
-    ExportError::new(kind, e.to_string())
+    ExportError::new(crate::export::volume_error_kind(&e), e.to_string())
 }
 
 impl Export for VolumeExport {
@@ -131,30 +118,6 @@ impl Export for VolumeExport {
     }
 }
 
-/// Block SIGINT and SIGTERM in this thread and the threads started afterwards (the server's),
-/// so `sigwait` takes them.
-fn block_signals() -> libc::sigset_t {
-    // SAFETY: plain libc calls on a zero-initialised sigset_t we own.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-        set
-    }
-}
-
-fn wait_for_signal(set: &libc::sigset_t) -> i32 {
-    let mut sig: libc::c_int = 0;
-    loop {
-        // SAFETY: `set` is a valid, initialised signal set; `sig` is a valid out pointer.
-        if unsafe { libc::sigwait(set, &mut sig) } == 0 {
-            return sig;
-        }
-    }
-}
-
 /// Run `hybridcache serve` until SIGTERM/SIGINT.
 pub fn run(args: &ServeArgs) -> Result<()> {
     if args.workers == 0 || args.workers > 256 {
@@ -163,7 +126,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     if args.name.is_empty() || args.name.len() > 4096 {
         bail!("--name must be 1 to 4096 bytes long");
     }
-    let signals = block_signals();
+    let signals = crate::daemon::block_signals();
     let vol = open_device(&args.core).map_err(|e| anyhow!("--core: {e}"))?;
     let size = vol.size();
     let description = vol.name().to_string();
@@ -199,7 +162,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         args.socket.display(),
         args.workers
     );
-    let sig = wait_for_signal(&signals);
+    let sig = crate::daemon::wait_for_signal(&signals);
     eprintln!("hybridcache: signal {sig}: shutting down");
     server.shutdown();
     let flushed = vol.flush();
@@ -243,6 +206,6 @@ mod tests {
     fn out_of_range_is_invalid() {
         let e = VolumeExport::new(open_volume("ram:64K").unwrap());
         let err = e.write(&[0u8; 4096], 1 << 20, false).unwrap_err();
-        assert_eq!(err.kind, ErrorKind::Invalid);
+        assert_eq!(err.kind, hybridcache_nbd::ErrorKind::Invalid);
     }
 }
