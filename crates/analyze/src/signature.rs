@@ -122,9 +122,11 @@ pub struct QueueDepth {
 }
 
 impl QueueDepth {
-    /// The depth the rules use: the typical depth (median), else the study's run, else 1.
+    /// The depth the rules use: the study's run (the client's depth: how many requests it
+    /// queues before waiting for one), else the median in flight, else 1. The median counts
+    /// what the traced device had in flight, which a fast device keeps below the client's depth.
     pub fn effective(&self) -> u32 {
-        self.median_in_flight.or(self.study_run).unwrap_or(1).max(1)
+        self.study_run.or(self.median_in_flight).unwrap_or(1).max(1)
     }
     pub fn known(&self) -> bool {
         self.median_in_flight.is_some() || self.study_run.is_some()
