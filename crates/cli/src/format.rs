@@ -507,6 +507,8 @@ fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
             "Cache line size [KiB]",
             line_kib.to_string(),
         ));
+        v.push(("cleaning_policy", "Cleaning Policy", c.cleaning.clone()));
+        v.push(("promotion_policy", "Promotion Policy", c.promotion.clone()));
         v.push(("status", "Status", c.status.clone()));
     }
     v
@@ -643,6 +645,8 @@ mod tests {
                 mode: "wb".into(),
                 line_size_kib: 4,
                 lines: 4096,
+                cleaning: "alru".into(),
+                promotion: "always".into(),
                 cores: vec![CoreInfo {
                     id: 1,
                     device: "/x".into(),

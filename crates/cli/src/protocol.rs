@@ -190,6 +190,11 @@ pub struct CacheInfo {
     pub mode: String,
     pub line_size_kib: u32,
     pub lines: u64,
+    /// Cleaning and promotion policy names, as `-P` shows them.
+    #[serde(default)]
+    pub cleaning: String,
+    #[serde(default)]
+    pub promotion: String,
     pub cores: Vec<CoreInfo>,
 }
 

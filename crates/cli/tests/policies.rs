@@ -118,6 +118,9 @@ fn every_group_is_set_read_back_and_survives_a_restart() {
     ]);
     let expect = |d: &Daemon| {
         assert_eq!(d.ok(&["-G", "-n", "cleaning", "-i", "1"]), "acp\n");
+        let info = &d.stats_json(1, None)["info"];
+        assert_eq!(info["cleaning_policy"], "acp", "{info}");
+        assert_eq!(info["promotion_policy"], "nhit", "{info}");
         let alru = csv(d, "cleaning-alru");
         for row in [
             "Wake up time [s],5",
