@@ -66,6 +66,22 @@ fn each(
     Ok(())
 }
 
+/// Apply `values` to a group whose fields are all whole numbers: `slots` names each field and
+/// where it goes.
+fn set_u32s(
+    group: &str,
+    values: &BTreeMap<String, String>,
+    slots: &mut [(&str, &mut u32)],
+) -> Result<(), String> {
+    each(group, values, |k, v| {
+        let Some((_, slot)) = slots.iter_mut().find(|(name, _)| *name == k) else {
+            return Ok(false);
+        };
+        **slot = parse_u32(k, v)?;
+        Ok(true)
+    })
+}
+
 fn get_mode(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
     Ok(vec![c.mode().to_string()])
 }
@@ -124,19 +140,18 @@ fn get_alru(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
 fn set_alru(c: &Cache, _: Option<CoreId>, v: &BTreeMap<String, String>) -> Result<(), String> {
     let mut cfg = c.cleaning();
     let a = &mut cfg.alru;
-    each("cleaning-alru", v, |k, v| {
-        let slot = match k {
-            "wake-up" => &mut a.wake_up_s,
-            "staleness-time" => &mut a.staleness_time_s,
-            "flush-max-buffers" => &mut a.flush_max_buffers,
-            "activity-threshold" => &mut a.activity_threshold_ms,
-            "dirty-ratio-threshold" => &mut a.dirty_ratio_threshold,
-            "dirty-ratio-inertia" => &mut a.dirty_ratio_inertia_mib,
-            _ => return Ok(false),
-        };
-        *slot = parse_u32(k, v)?;
-        Ok(true)
-    })?;
+    set_u32s(
+        "cleaning-alru",
+        v,
+        &mut [
+            ("wake-up", &mut a.wake_up_s),
+            ("staleness-time", &mut a.staleness_time_s),
+            ("flush-max-buffers", &mut a.flush_max_buffers),
+            ("activity-threshold", &mut a.activity_threshold_ms),
+            ("dirty-ratio-threshold", &mut a.dirty_ratio_threshold),
+            ("dirty-ratio-inertia", &mut a.dirty_ratio_inertia_mib),
+        ],
+    )?;
     engine(c.set_cleaning(cfg))
 }
 
@@ -151,15 +166,14 @@ fn get_acp(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
 fn set_acp(c: &Cache, _: Option<CoreId>, v: &BTreeMap<String, String>) -> Result<(), String> {
     let mut cfg = c.cleaning();
     let a = &mut cfg.acp;
-    each("cleaning-acp", v, |k, v| {
-        let slot = match k {
-            "wake-up" => &mut a.wake_up_ms,
-            "flush-max-buffers" => &mut a.flush_max_buffers,
-            _ => return Ok(false),
-        };
-        *slot = parse_u32(k, v)?;
-        Ok(true)
-    })?;
+    set_u32s(
+        "cleaning-acp",
+        v,
+        &mut [
+            ("wake-up", &mut a.wake_up_ms),
+            ("flush-max-buffers", &mut a.flush_max_buffers),
+        ],
+    )?;
     engine(c.set_cleaning(cfg))
 }
 
@@ -178,15 +192,14 @@ fn set_cleaning_io(
 ) -> Result<(), String> {
     let mut cfg = c.cleaning();
     let io = &mut cfg.io;
-    each("cleaning-io", v, |k, v| {
-        let slot = match k {
-            "merge-max" => &mut io.merge_max_kib,
-            "max-bandwidth" => &mut io.max_bandwidth_mib_s,
-            _ => return Ok(false),
-        };
-        *slot = parse_u32(k, v)?;
-        Ok(true)
-    })?;
+    set_u32s(
+        "cleaning-io",
+        v,
+        &mut [
+            ("merge-max", &mut io.merge_max_kib),
+            ("max-bandwidth", &mut io.max_bandwidth_mib_s),
+        ],
+    )?;
     engine(c.set_cleaning(cfg))
 }
 
@@ -200,13 +213,30 @@ fn get_seq_cutoff(c: &Cache, core: Option<CoreId>) -> Result<Vec<String>, String
     ])
 }
 
+/// Apply seq-cutoff fields to `s` and check the result.
+fn apply_seq_cutoff(
+    s: &mut hybridcache_engine::SeqCutoff,
+    v: &BTreeMap<String, String>,
+) -> Result<(), String> {
+    each("seq-cutoff", v, |k, v| {
+        match k {
+            "policy" => s.policy = v.parse()?,
+            "threshold" => s.threshold_kib = parse_u32(k, v)?,
+            "promotion-count" => s.promotion_count = parse_u32(k, v)?,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    })?;
+    engine(s.validate())
+}
+
 fn set_seq_cutoff(
     c: &Cache,
     core: Option<CoreId>,
     v: &BTreeMap<String, String>,
 ) -> Result<(), String> {
-    // Without -j every core gets the fields given, each keeping its other fields: start from
-    // the first core's values only when one is named.
+    // Without -j every core gets the fields given, each keeping its own other fields. Every
+    // core's result is checked before any is set.
     let cores: Vec<CoreId> = match core {
         Some(id) => vec![id],
         None => c.cores().iter().map(|i| i.id).collect(),
@@ -214,31 +244,12 @@ fn set_seq_cutoff(
     let mut planned = Vec::new();
     for id in &cores {
         let mut s = engine(c.seq_cutoff(*id))?;
-        each("seq-cutoff", v, |k, v| {
-            match k {
-                "policy" => s.policy = v.parse()?,
-                "threshold" => s.threshold_kib = parse_u32(k, v)?,
-                "promotion-count" => s.promotion_count = parse_u32(k, v)?,
-                _ => return Ok(false),
-            }
-            Ok(true)
-        })?;
-        engine(s.validate())?;
+        apply_seq_cutoff(&mut s, v)?;
         planned.push((*id, s));
     }
     if cores.is_empty() {
         // No core yet: still check the values, so a typo is not silently accepted.
-        let mut s = hybridcache_engine::SeqCutoff::default();
-        each("seq-cutoff", v, |k, v| {
-            match k {
-                "policy" => s.policy = v.parse()?,
-                "threshold" => s.threshold_kib = parse_u32(k, v)?,
-                "promotion-count" => s.promotion_count = parse_u32(k, v)?,
-                _ => return Ok(false),
-            }
-            Ok(true)
-        })?;
-        engine(s.validate())?;
+        apply_seq_cutoff(&mut hybridcache_engine::SeqCutoff::default(), v)?;
     }
     for (id, s) in planned {
         engine(c.set_seq_cutoff(Some(id), s))?;
@@ -268,15 +279,14 @@ fn get_nhit(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
 
 fn set_nhit(c: &Cache, _: Option<CoreId>, v: &BTreeMap<String, String>) -> Result<(), String> {
     let mut p = c.promotion();
-    each("promotion-nhit", v, |k, v| {
-        let slot = match k {
-            "threshold" => &mut p.threshold,
-            "trigger" => &mut p.trigger_pct,
-            _ => return Ok(false),
-        };
-        *slot = parse_u32(k, v)?;
-        Ok(true)
-    })?;
+    set_u32s(
+        "promotion-nhit",
+        v,
+        &mut [
+            ("threshold", &mut p.threshold),
+            ("trigger", &mut p.trigger_pct),
+        ],
+    )?;
     engine(c.set_promotion(p))
 }
 
