@@ -1464,10 +1464,7 @@ impl Cache {
             let table = IoClasses::parse(csv, &opts).map_err(|e| {
                 EngineError::Corrupt(format!("superblock: unreadable IO class table: {e}"))
             })?;
-            let table_ref = &inner.table;
-            inner.classes.install(table, |line| {
-                (table_ref.key(line).is_some(), table_ref.dirty(line) != 0)
-            });
+            inner.classes.install(table, &inner.table);
         }
         *inner.cleaning.write() = policies.cleaning;
         inner.promotion.set_params(policies.promotion, inner.lines);
@@ -1878,16 +1875,9 @@ impl Cache {
             .classes
             .active()
             .then(|| self.inner.classes.table());
-        let table = &self.inner.table;
-        self.inner.classes.install(classes, |line| {
-            (table.key(line).is_some(), table.dirty(line) != 0)
-        });
+        self.inner.classes.install(classes, &self.inner.table);
         if let Err(e) = self.inner.save_policies() {
-            if let Some(old) = old {
-                self.inner
-                    .classes
-                    .install((*old).clone(), |_| (false, false));
-            }
+            self.inner.classes.restore(old);
             return Err(e);
         }
         Ok(())

@@ -17,6 +17,7 @@ use std::sync::{Arc, OnceLock};
 use parking_lot::RwLock;
 
 use crate::ioclass::{ClassId, IoClasses, IoRequest, MAX_CLASS_ID};
+use crate::meta::LineTable;
 use crate::stats::{Counter, Counters};
 
 const CLASSES: usize = MAX_CLASS_ID as usize + 1;
@@ -60,16 +61,15 @@ impl ClassState {
         self.table.read().clone()
     }
 
-    /// Install a class table. The first time, every mapped line is counted as class 0 (what
-    /// it was), by `line_is`: (mapped, dirty) per line.
-    pub(crate) fn install(&self, table: IoClasses, line_is: impl Fn(u32) -> (bool, bool)) {
+    /// Install a class table. The first time, every line mapped now is counted as class 0
+    /// (what it was).
+    pub(crate) fn install(&self, table: IoClasses, lines: &LineTable) {
         if self.line_class.get().is_none() {
             let mut occ = 0;
             let mut dirty = 0;
             for line in 0..self.lines {
-                let (m, d) = line_is(line);
-                occ += m as u64;
-                dirty += d as u64;
+                occ += lines.key(line).is_some() as u64;
+                dirty += (lines.dirty(line) != 0) as u64;
             }
             self.occupancy[0].store(occ, Relaxed);
             self.dirty[0].store(dirty, Relaxed);
@@ -82,6 +82,18 @@ impl ClassState {
         }
         *self.table.write() = Arc::new(table);
         self.active.store(true, Relaxed);
+    }
+
+    /// Go back to what was in force before an install that could not be recorded: `old`, or
+    /// no class file at all.
+    pub(crate) fn restore(&self, old: Option<Arc<IoClasses>>) {
+        match old {
+            Some(t) => *self.table.write() = t,
+            None => {
+                self.active.store(false, Relaxed);
+                *self.table.write() = Arc::new(IoClasses::default());
+            }
+        }
     }
 
     /// The class of a request, or None while no class file is loaded.

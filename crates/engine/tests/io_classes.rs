@@ -123,3 +123,30 @@ fn io_classes_survive_stop_and_load() {
     assert_eq!(*loaded.io_classes(), table);
     loaded.stop(true).unwrap();
 }
+
+#[test]
+fn a_class_load_that_cannot_be_recorded_changes_nothing() {
+    use hybridcache_volume::{FaultConfig, FaultyVolume};
+    use std::sync::Arc;
+    let cache_vol = Arc::new(FaultyVolume::new(as_ref(&ram("ram:cache", 64 << 20))));
+    let config = CacheConfig {
+        id: 1,
+        line_size: LineSize::from_kib(4).unwrap(),
+        mode: CacheMode::Wb,
+    };
+    let cache = Cache::create(cache_vol.clone(), config, false).unwrap();
+    let first = classes(&format!(
+        "{HEADER}0,unclassified,22,1\n1,request_size:ge:65536,1,0\n"
+    ));
+    let second = classes(&format!("{HEADER}0,unclassified,9,1\n"));
+    for (before, next) in [(IoClasses::default(), first.clone()), (first, second)] {
+        cache_vol.set_config(FaultConfig {
+            fail_next_writes: 2,
+            ..FaultConfig::default()
+        });
+        assert!(cache.load_io_classes(next.clone()).is_err());
+        assert_eq!(*cache.io_classes(), before, "the refused table stays out");
+        cache_vol.set_config(FaultConfig::default());
+        cache.load_io_classes(next).unwrap();
+    }
+}
