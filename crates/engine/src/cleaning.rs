@@ -144,15 +144,20 @@ impl CacheInner {
             .fold(0u64, u64::wrapping_add)
     }
 
+    /// Drop alru's age marks from every shard.
+    fn clear_fences(&self) {
+        for i in 0..self.lists.shard_count() {
+            self.lists.lock(i).fences.clear();
+        }
+    }
+
     /// Forget every time recorded on the old clock, which means nothing on the next one. Age
     /// marks are dropped: lines get later marks (cleaned later, never too early).
     fn restart_clock(&self, st: &mut CleanerState, now: u64) {
         st.last_fence_ms = None;
         st.next_run_ms = 0;
         st.last_activity_ms = now;
-        for i in 0..self.lists.shard_count() {
-            self.lists.lock(i).fences.clear();
-        }
+        self.clear_fences();
     }
 
     /// How long the cleaner thread sleeps after a tick at `now` that did not ask to run again
@@ -182,9 +187,7 @@ impl CacheInner {
             st.last_activity_ms = now;
         }
         if cfg.policy != CleaningPolicy::Alru && st.last_fence_ms.take().is_some() {
-            for i in 0..self.lists.shard_count() {
-                self.lists.lock(i).fences.clear();
-            }
+            self.clear_fences();
         }
         let result = match cfg.policy {
             CleaningPolicy::Nop => Ok(CleaningTick::default()),
