@@ -1,4 +1,4 @@
-//! The daemon: owns every cache, serves the exported volumes over NBD, and answers management
+//! The daemon proper: owns every cache, serves the exported volumes over NBD, and answers management
 //! requests on the control socket until SIGTERM/SIGINT.
 //!
 //! Threads: the main thread sets everything up and then waits for a signal (`sigwait`; the
@@ -73,8 +73,8 @@ enum Start {
 /// Give up a cache just loaded: stop it keeping its dirty data, so it loads again later.
 fn abandon(cache: &Cache) {
     if let Err(e) = cache.stop(false) {
-        eprintln!(
-            "hybridcache: warning: releasing cache {} again failed: {}",
+        tracing::warn!(
+            "releasing cache {} again failed: {}",
             cache.id(),
             engine_err(e)
         );
@@ -534,8 +534,8 @@ impl Daemon {
             },
         );
         self.save_locked(&st);
-        eprintln!(
-            "hybridcache: started {} cache {id} on {device} ({mode}, {} KiB lines)",
+        tracing::info!(
+            "started {} cache {id} on {device} ({mode}, {} KiB lines)",
             if persistent { "persistent" } else { "volatile" },
             line_size.kib()
         );
@@ -654,12 +654,12 @@ impl Daemon {
             },
         );
         self.save_locked(st);
-        eprintln!(
-            "hybridcache: loaded cache {id} from {device} ({mode}, {line_kib} KiB lines, {count} cores, {} inactive)",
+        tracing::info!(
+            "loaded cache {id} from {device} ({mode}, {line_kib} KiB lines, {count} cores, {} inactive)",
             inactive.len()
         );
         for n in notes {
-            eprintln!("hybridcache: cache {id}: {n}");
+            tracing::info!("cache {id}: {n}");
         }
         serde_json::to_value(protocol::Started {
             id,
@@ -711,8 +711,8 @@ impl Daemon {
         match stopped {
             Ok(()) => {
                 let dirty = cache.stats().usage.dirty_lines;
-                eprintln!(
-                    "hybridcache: stopped cache {id}{}",
+                tracing::info!(
+                    "stopped cache {id}{}",
                     if dirty > 0 {
                         format!(" ({dirty} dirty lines kept on {device})")
                     } else {
@@ -723,7 +723,7 @@ impl Daemon {
             }
             Err(e) => {
                 let e = engine_err(e);
-                eprintln!("hybridcache: cache {id}: stopping failed: {e}");
+                tracing::error!("cache {id}: stopping failed: {e}");
                 if !no_data_flush && cache.persistent() && cache.stop(false).is_ok() {
                     Err(format!("cache {id} was stopped without flushing all dirty data ({e}); the dirty data is kept on {device}: load it with start-cache --load"))
                 } else if cache.persistent() {
@@ -779,7 +779,7 @@ impl Daemon {
             }
             // An attached core cannot be detached again without losing its dirty data: keep
             // it attached (flush or remove it to get rid of it) and say what failed.
-            eprintln!("hybridcache: cache {cache_id}: core {core_id} attached but {e}");
+            tracing::warn!("cache {cache_id}: core {core_id} attached but {e}");
         }
         if let Some(c) = st.caches.get_mut(&cache_id) {
             c.cores.insert(
@@ -793,8 +793,8 @@ impl Daemon {
         }
         self.save_locked(&st);
         exported?;
-        eprintln!(
-            "hybridcache: cache {cache_id}: {} core {core_id} ({device}) as {name}",
+        tracing::info!(
+            "cache {cache_id}: {} core {core_id} ({device}) as {name}",
             if reattach.is_some() {
                 "attached again"
             } else {
@@ -825,7 +825,7 @@ impl Daemon {
             c.cores.remove(&core);
         }
         self.save_locked(&st);
-        eprintln!("hybridcache: cache {cache_id}: removed core {core}");
+        tracing::info!("cache {cache_id}: removed core {core}");
         Ok(json!({}))
     }
 
@@ -877,7 +877,7 @@ impl Daemon {
     fn save_locked(&self, st: &State) {
         if let Some((path, daemon)) = &self.save_to {
             if let Err(e) = st.to_config(daemon).save(path) {
-                eprintln!("hybridcache: warning: saving the configuration failed: {e:#}");
+                tracing::warn!("saving the configuration failed: {e:#}");
             }
         }
     }
@@ -930,9 +930,10 @@ impl Daemon {
             if let Err(e) = self.add_core(core.cache, &core.device, Some(core.id)) {
                 if known.is_some() {
                     // An inactive core stays inactive; the daemon serves the rest.
-                    eprintln!(
-                        "hybridcache: core {} of cache {} stays inactive: {e}",
-                        core.id, core.cache
+                    tracing::warn!(
+                        "core {} of cache {} stays inactive: {e}",
+                        core.id,
+                        core.cache
                     );
                     continue;
                 }
@@ -951,19 +952,19 @@ impl Daemon {
         let mut clean = true;
         for (id, c) in &st.caches {
             if let Err(e) = c.cache.stop(true) {
-                eprintln!(
-                    "hybridcache: cache {id}: stopping with a flush failed: {}",
+                tracing::error!(
+                    "cache {id}: stopping with a flush failed: {}",
                     engine_err(e)
                 );
                 clean = false;
                 if c.cache.persistent() {
                     match c.cache.stop(false) {
-                        Ok(()) => eprintln!(
-                            "hybridcache: cache {id}: its dirty data is kept on {}",
+                        Ok(()) => tracing::info!(
+                            "cache {id}: its dirty data is kept on {}",
                             c.device
                         ),
-                        Err(e) => eprintln!(
-                            "hybridcache: cache {id}: writing the metadata failed too ({}); the next load recovers it as after a crash",
+                        Err(e) => tracing::error!(
+                            "cache {id}: writing the metadata failed too ({}); the next load recovers it as after a crash",
                             engine_err(e)
                         ),
                     }
@@ -977,7 +978,7 @@ impl Daemon {
 
 /// Block SIGINT and SIGTERM in the calling thread and every thread it starts afterwards, and
 /// return the set for `sigwait`.
-pub(crate) fn block_signals() -> libc::sigset_t {
+pub fn block_signals() -> libc::sigset_t {
     // SAFETY: plain libc calls on a zero-initialised sigset_t we own.
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
@@ -989,7 +990,7 @@ pub(crate) fn block_signals() -> libc::sigset_t {
     }
 }
 
-pub(crate) fn wait_for_signal(set: &libc::sigset_t) -> i32 {
+pub fn wait_for_signal(set: &libc::sigset_t) -> i32 {
     let mut sig: libc::c_int = 0;
     loop {
         // SAFETY: `set` is a valid, initialised signal set; `sig` is a valid out pointer.
@@ -1089,6 +1090,7 @@ use std::io::Read as _;
 
 /// Run the daemon in the foreground until SIGTERM/SIGINT (or a `shutdown` request).
 pub fn run(opts: DaemonOptions) -> Result<()> {
+    crate::log::init();
     let file_cfg = match &opts.config {
         Some(path) if !path.exists() && opts.save_config => ConfigFile::default(),
         Some(path) => ConfigFile::load(path)?,
@@ -1187,8 +1189,8 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
             })
             .context("cannot start the control thread")?;
     }
-    eprintln!(
-        "hybridcache: daemon {} ready: control {}, NBD {}{}",
+    tracing::info!(
+        "daemon {} ready: control {}, NBD {}{}",
         env!("CARGO_PKG_VERSION"),
         control.display(),
         nbd_socket.display(),
@@ -1196,7 +1198,7 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
     );
 
     let sig = wait_for_signal(&signals);
-    eprintln!("hybridcache: signal {sig}: shutting down");
+    tracing::info!("signal {sig}: shutting down");
     // Stop taking requests first: the management lock and the NBD connections, then flush.
     daemon.stopping.store(true, Ordering::SeqCst);
     cleanup_control();
@@ -1205,7 +1207,7 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
     if !clean {
         bail!("some dirty data could not be flushed at shutdown");
     }
-    eprintln!("hybridcache: stopped");
+    tracing::info!("stopped");
     Ok(())
 }
 
