@@ -121,10 +121,10 @@ fn run(cli: Cli) -> Result<()> {
         Command::Trace(args) => return trace::run_cli(args, &control),
         Command::Version => {
             println!("hybridcache CLI {}", env!("CARGO_PKG_VERSION"));
-            match call::<VersionInfo>(&control, &Request::Version) {
-                Ok(v) => println!("hybridcache daemon {}", v.version),
-                Err(e) => println!("hybridcache daemon: not reachable ({e:#})"),
-            }
+            // The CLI's own version is printed either way; an unreachable daemon is still an
+            // error (exit 1), so `hybridcache -V` tells a script whether the daemon is up.
+            let v: VersionInfo = call(&control, &Request::Version)?;
+            println!("hybridcache daemon {}", v.version);
             return Ok(());
         }
         Command::IoClass {
