@@ -1302,7 +1302,7 @@ impl Cache {
     pub fn create(cache_volume: VolumeRef, config: CacheConfig, force: bool) -> Result<Cache> {
         let slots = persist::read_config(&*cache_volume)?;
         if !force {
-            if let Some((_, sb)) = persist::newest(&slots) {
+            if let Some((_, sb, _)) = persist::newest(&slots) {
                 return Err(EngineError::ExistingCache {
                     id: sb.cache_id,
                     uuid: sb.uuid.clone(),
@@ -1359,7 +1359,7 @@ impl Cache {
         open_core: &mut dyn FnMut(&CoreRecord) -> Option<VolumeRef>,
     ) -> Result<Cache> {
         let slots = persist::read_config(&*cache_volume)?;
-        let Some((sb_seq, sb)) = persist::newest(&slots) else {
+        let Some((sb_seq, sb, version)) = persist::newest(&slots) else {
             let damaged: Vec<String> = slots
                 .iter()
                 .zip(["A (offset 0)", "B (offset 1 MiB)"])
@@ -1451,7 +1451,13 @@ impl Cache {
             recorded.data_offset,
             Some(persist),
         );
-        persist::restore(&mut inner, &*cache_volume, &sb, line_size.sectors())?;
+        persist::restore(
+            &mut inner,
+            &*cache_volume,
+            &sb,
+            line_size.sectors(),
+            version,
+        )?;
         let p = inner
             .persist
             .as_ref()
@@ -1479,7 +1485,12 @@ impl Cache {
         }
         *inner.inactive.write() = inactive;
         // From here on the device changes: a crash must be recovered as a crash.
-        p.update_superblock(&*inner.volume, |sb| sb.clean_shutdown = false)?;
+        p.record_loaded_state(&*inner.volume)?;
+        // Both slots: an older superblock left with the clean-stop mark would make a load that
+        // falls back to it (the newer damaged) trust clean lines written over since.
+        for _ in 0..2 {
+            p.update_superblock(&*inner.volume, |sb| sb.clean_shutdown = false)?;
+        }
         Ok(Cache::started(inner))
     }
 
@@ -1487,7 +1498,7 @@ impl Cache {
     /// anything: what `casadm` shows before deciding to load.
     pub fn peek(cache_volume: &dyn Volume) -> Result<Superblock> {
         let slots = persist::read_config(cache_volume)?;
-        if let Some((_, sb)) = persist::newest(&slots) {
+        if let Some((_, sb, _)) = persist::newest(&slots) {
             return Ok(sb.clone());
         }
         Err(
