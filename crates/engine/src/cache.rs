@@ -113,6 +113,9 @@ pub(crate) struct CoreGauges {
     pub(crate) dirty: AtomicU64,
     /// Dirty lines per 100 MiB chunk of the core, for acp. Sized when the core is attached.
     pub(crate) chunks: RwLock<Box<[std::sync::atomic::AtomicU32]>>,
+    /// The core's device failed a write or a flush, and no flush has succeeded since: commits
+    /// record its lines dirty (persist.rs) and background cleaning passes it by.
+    pub(crate) failing: AtomicBool,
 }
 
 #[repr(align(128))]
@@ -129,6 +132,8 @@ pub(crate) struct CoreState {
     /// Requests in progress, per thread slot; removal waits for these to drain.
     in_flight: Box<[InFlight]>,
     pub(crate) seq: SeqState,
+    /// Writes reached the device since its last flush: the next commit flushes it.
+    pub(crate) unflushed: AtomicBool,
 }
 
 /// Held by a request for its duration; see [`CoreState::enter`].
@@ -568,7 +573,10 @@ impl CacheInner {
                 if picked.len() >= want {
                     break;
                 }
-                picked.push(line);
+                // A failing core's lines cannot be cleaned; room must come from the others.
+                if !self.of_failing_core(line) {
+                    picked.push(line);
+                }
                 cur = self.lists.next(line);
             }
             if picked.len() >= want {
@@ -1025,6 +1033,7 @@ impl CacheInner {
             core.volume
                 .discard(offset + done, n)
                 .inspect_err(|_| core.counters.add(Counter::CoreWriteErrors, 1))?;
+            core.unflushed.store(true, Ordering::SeqCst);
             done += n;
         }
         Ok(())
@@ -1046,7 +1055,9 @@ impl CacheInner {
 
     fn flush_request(&self, core: &CoreState) -> Result<()> {
         let _entered = core.enter()?;
-        self.commit()
+        self.commit()?;
+        // A commit passes a failing core by: this core's own flush must still say so.
+        self.retry_failing_core(core)
     }
 
     // ---- device IO with accounting --------------------------------------------------------
@@ -1065,7 +1076,15 @@ impl CacheInner {
         for r in runs {
             core.volume
                 .write_at(&buf[r.buf_off..r.buf_off + r.len], r.dev_off)
-                .inspect_err(|_| core.counters.add(Counter::CoreWriteErrors, 1))?;
+                .inspect_err(|_| {
+                    core.counters.add(Counter::CoreWriteErrors, 1);
+                    self.gauges[core.id as usize]
+                        .failing
+                        .store(true, Ordering::SeqCst);
+                })?;
+            // Before the caller can mark anything clean: a commit that sees the line clean
+            // then sees this too, and flushes the core.
+            core.unflushed.store(true, Ordering::SeqCst);
             core.counters.add(Counter::CoreWrittenBytes, r.len as u64);
         }
         Ok(())
@@ -1192,6 +1211,9 @@ impl CacheInner {
     /// A core's state; its acp chunk counters are sized (and counted) here too.
     fn new_core_state(&self, id: CoreId, volume: VolumeRef, seq: SeqCutoff) -> Arc<CoreState> {
         self.rebuild_chunks(id, volume.size());
+        self.gauges[id as usize]
+            .failing
+            .store(false, Ordering::SeqCst);
         Arc::new(CoreState {
             id,
             size: volume.size(),
@@ -1201,6 +1223,7 @@ impl CacheInner {
             stopped: AtomicBool::new(false),
             in_flight: (0..SLOTS).map(|_| InFlight(AtomicU64::new(0))).collect(),
             seq: SeqState::new(seq),
+            unflushed: AtomicBool::new(false),
         })
     }
 

@@ -3,10 +3,14 @@
 //! The contract is a disk's with a volatile write cache: writes acknowledged before a completed
 //! flush (or a FUA write) survive a crash; later ones may or may not. A commit makes that true:
 //! 1. snapshot the metadata blocks whose lines changed since the last commit;
-//! 2. flush the cache volume and every core, so all data the snapshot refers to is durable
-//!    (including core writes of lines the snapshot calls clean);
+//! 2. flush the cache volume and the cores written since their last flush, so all data the
+//!    snapshot refers to is durable (including core writes of lines the snapshot calls clean);
+//!    a core whose flush fails is marked failing and the snapshot is taken again, recording its
+//!    lines dirty, so that one core's failure never fails a commit;
 //! 3. write each block to the slot that does not hold its last committed copy;
-//! 4. flush the cache volume.
+//! 4. flush the cache volume;
+//! 5. write the commit record (sequence number and digest of the metadata), flush again: only
+//!    now has the commit completed, and a load insists on finding what it recorded.
 //!
 //! Two rules keep a crash from ever serving another address's data:
 //! - a line the device may record as dirty ("durably dirty") is never reused for another core
@@ -17,18 +21,20 @@
 //!   After a clean stop everything was committed and clean lines are kept too.
 
 use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::sync::Arc;
 
-use hybridcache_volume::{Volume, VolumeRef};
+use hybridcache_volume::Volume;
 use parking_lot::Mutex;
 
 use crate::bits::Mask;
-use crate::cache::CacheInner;
+use crate::cache::{CacheInner, CoreState};
 use crate::format::{
     block_crc, decode_block, decode_commit, decode_config, digest_term, encode_block,
     encode_commit, encode_config, BlockError, CommitRecord, CommitSlot, ConfigSlot, Entry,
     Geometry, Superblock, BLOCK, COMMIT_SLOTS, CONFIG_SLOT_BYTES,
 };
 use crate::lists::ListKind;
+use crate::stats::Counter;
 use crate::CoreId;
 use crate::{EngineError, Result};
 
@@ -260,23 +266,100 @@ pub(crate) fn newest(slots: &[ConfigSlot; 2]) -> Option<(u64, &Superblock, u32)>
         .max_by_key(|(seq, _, _)| *seq)
 }
 
+/// How one attempt at a commit ended.
+enum Attempt {
+    Done,
+    /// A core's flush failed for the first time after the snapshot was taken, which may call
+    /// lines of that core clean on the strength of writes that are not durable: snapshot again.
+    Retry,
+}
+
 impl CacheInner {
     /// Make everything acknowledged so far durable (see the module doc). Without persistence it
-    /// only flushes the devices.
+    /// only flushes the devices. Fails only when the cache volume fails: a core whose flush
+    /// fails has the error counted on it and its lines recorded dirty, so that it cannot keep
+    /// the other cores' writes from becoming durable.
     pub(crate) fn commit(&self) -> Result<()> {
-        let cores: Vec<VolumeRef> = self
-            .cores
-            .read()
-            .values()
-            .map(|c| c.volume.clone())
-            .collect();
         let Some(p) = &self.persist else {
             self.volume.flush()?;
-            for c in cores {
-                c.flush()?;
-            }
+            self.flush_cores();
             return Ok(());
         };
+        // Each retry follows a core newly marked failing, so there are at most as many as cores.
+        while let Attempt::Retry = self.commit_once(p)? {}
+        Ok(())
+    }
+
+    /// Whether `line` holds data of a core whose device is failing (a hint: no lock is taken).
+    pub(crate) fn of_failing_core(&self, line: u32) -> bool {
+        self.table.key(line).is_some_and(|k| {
+            self.gauges[k.core() as usize]
+                .failing
+                .load(Ordering::Relaxed)
+        })
+    }
+
+    /// Flush the cores that took writes since their last flush, and the failing ones (to learn
+    /// whether they came back). Returns whether a core failed that was not failing before.
+    fn flush_cores(&self) -> bool {
+        let cores: Vec<Arc<CoreState>> = self.cores.read().values().cloned().collect();
+        let mut newly_failing = false;
+        for c in cores {
+            let failing = &self.gauges[c.id as usize].failing;
+            let was_failing = failing.load(Ordering::SeqCst);
+            if !c.unflushed.swap(false, Ordering::SeqCst) && !was_failing {
+                continue;
+            }
+            match c.volume.flush() {
+                Ok(()) => {
+                    if was_failing {
+                        self.core_recovered(c.id);
+                    }
+                }
+                Err(_) => {
+                    c.unflushed.store(true, Ordering::SeqCst);
+                    c.counters.add(Counter::CoreWriteErrors, 1);
+                    if !was_failing {
+                        failing.store(true, Ordering::SeqCst);
+                        newly_failing = true;
+                    }
+                }
+            }
+        }
+        newly_failing
+    }
+
+    /// A failing core's flush succeeded: commits may record its lines as they are again. Its
+    /// blocks are rewritten at the next commit, or lines recorded dirty while it failed would
+    /// stay dirty on the device (and not reusable) until something else changed their block.
+    fn core_recovered(&self, id: CoreId) {
+        self.gauges[id as usize]
+            .failing
+            .store(false, Ordering::SeqCst);
+        if let Some(p) = &self.persist {
+            for line in 0..self.lines {
+                if self.table.key(line).is_some_and(|k| k.core() == id) {
+                    p.touch(line);
+                }
+            }
+        }
+    }
+
+    /// After a commit: if `core` is failing, its acknowledged writes are not known durable, and
+    /// a flush on it must fail, unless its device flushes now.
+    pub(crate) fn retry_failing_core(&self, core: &CoreState) -> Result<()> {
+        if !self.gauges[core.id as usize].failing.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        core.volume
+            .flush()
+            .inspect_err(|_| core.counters.add(Counter::CoreWriteErrors, 1))?;
+        // Everything written to it before this flush is durable now.
+        self.core_recovered(core.id);
+        Ok(())
+    }
+
+    fn commit_once(&self, p: &Persist) -> Result<Attempt> {
         let mut st = p.state.lock();
         let blocks = p.changed.take_all();
         let epb = p.geometry.entries_per_block as u64;
@@ -324,13 +407,13 @@ impl CacheInner {
                 .wrapping_sub(st.terms[b as usize] as u64)
                 .wrapping_add(t as u64);
         }
-        let result = (|| -> Result<()> {
+        let result = (|| -> Result<Attempt> {
             self.volume.flush()?;
-            for c in &cores {
-                c.flush()?;
+            if self.flush_cores() {
+                return Ok(Attempt::Retry);
             }
             if blocks.is_empty() {
-                return Ok(());
+                return Ok(Attempt::Done);
             }
             for (i, &b) in blocks.iter().enumerate() {
                 let slot = !p.slot.get(b) as u32;
@@ -347,17 +430,18 @@ impl CacheInner {
                 CommitRecord { seq, digest },
                 p.nonce,
                 p.geometry.meta_blocks,
-            )
+            )?;
+            Ok(Attempt::Done)
         })();
         // A failed commit's number is burnt: its blocks may have reached the device, and the
         // retry must not give other contents the same sequence number.
         st.seq = seq;
-        if let Err(e) = result {
+        if !matches!(result, Ok(Attempt::Done)) {
             // Nothing is known to be durable: the blocks go back into the next commit.
             for &b in &blocks {
                 p.changed.set(b, true);
             }
-            return Err(e);
+            return result;
         }
         st.digest = digest;
         for (&b, &t) in blocks.iter().zip(&terms) {
@@ -373,7 +457,7 @@ impl CacheInner {
         if !blocks.is_empty() {
             self.release_limbo();
         }
-        Ok(())
+        Ok(Attempt::Done)
     }
 
     /// A line's state as it goes on disk: only consistent combinations.
@@ -382,7 +466,17 @@ impl CacheInner {
         let valid = self.table.valid(line);
         // A racing update may show new valid with old dirty bits; dirty data outside valid
         // sectors cannot exist, so it is dropped here.
-        let dirty = self.table.dirty(line) & valid;
+        let mut dirty = self.table.dirty(line) & valid;
+        if key.is_some_and(|k| {
+            self.gauges[k.core() as usize]
+                .failing
+                .load(Ordering::SeqCst)
+        }) {
+            // The core may not hold what cleaning wrote to it (its flush failed): the cache's
+            // copy stays the one to trust. Valid sectors hold the newest data, so this never
+            // serves anything older; the line is only cleaned again later.
+            dirty = valid;
+        }
         match key {
             Some(k) if valid != 0 => Entry {
                 key: Some(k),
