@@ -587,8 +587,10 @@ impl CacheInner {
                 break;
             }
         }
-        // A client waits for this room: not paced.
-        self.clean_lines(picked, FLUSH_BUFFERS as usize, false)?;
+        // A client waits for this room: not paced. A core whose lines fail to clean has the
+        // error counted on it and is marked failing; the room then has to come from the other
+        // cores' lines, or this write goes around the cache, never failing for that core.
+        let _ = self.clean_lines(picked, FLUSH_BUFFERS as usize, false);
         if self.persist.is_some() {
             // Cleaned lines (and lines in limbo) become reusable once the device records them.
             self.commit()?;
