@@ -4,7 +4,7 @@ CARGO ?= cargo
 DEB_PACKAGES := fio nbdkit libnbd-bin qemu-utils fuse3 python3-libnbd
 STAMP := target/.deps-installed
 
-.PHONY: all build deps test test-rust lint fmt bench demo clean
+.PHONY: all build deps test test-rust test-guest lint fmt bench demo clean
 
 all: build
 
@@ -31,6 +31,14 @@ lint:
 test: deps lint
 	$(CARGO) build --workspace --all-targets
 	$(CARGO) test --workspace
+	$(MAKE) test-guest
+
+# Kernel clients in a qemu guest (docs/guest.md): the Linux nbd driver (nbd-client, ext4, fio
+# verify, e2fsck) against the daemon's TCP export. scripts/guest/prepare.sh fetches the guest
+# kernel and, when missing, qemu 10, busybox-static, nbd-client and socat; cached in target/guest/.
+test-guest: deps
+	$(CARGO) build -p hybridcache
+	scripts/guest/test-nbd.sh
 
 # Speed (docs/bench.md): the engine's micro-benchmarks, the emulated RAID 60 next to the study's
 # no-cache table, and a steady-state fio matrix (random 4 KiB writes, iodepth 1..32) against the
