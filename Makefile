@@ -33,12 +33,15 @@ test: deps lint
 	$(CARGO) test --workspace
 	$(MAKE) test-guest
 
-# Kernel clients in a qemu guest (docs/guest.md): the Linux nbd driver (nbd-client, ext4, fio
-# verify, e2fsck) against the daemon's TCP export. scripts/guest/prepare.sh fetches the guest
-# kernel and, when missing, qemu 10, busybox-static, nbd-client and socat; cached in target/guest/.
+# Kernel clients in a qemu guest (docs/guest.md): the Linux nbd driver against the daemon's TCP
+# export, and the ublk driver against crates/ublk's RAM disk example (ext4, fio verify, e2fsck).
+# scripts/guest/prepare.sh fetches the guest kernel and, when missing, qemu 10, busybox-static,
+# nbd-client and socat; cached in target/guest/.
 test-guest: deps
 	$(CARGO) build -p hybridcache
+	$(CARGO) build -p hybridcache-ublk --examples
 	scripts/guest/test-nbd.sh
+	scripts/guest/test-ublk.sh
 
 # Speed (docs/bench.md): the engine's micro-benchmarks, the emulated RAID 60 next to the study's
 # no-cache table, and a steady-state fio matrix (random 4 KiB writes, iodepth 1..32) against the
