@@ -107,10 +107,15 @@ fi
 rc=
 deadline=$(($(date +%s) + timeout))
 while kill -0 "$qpid" 2>/dev/null; do
-	if [ "$(date +%s)" -ge "$deadline" ]; then
+	now=$(date +%s)
+	if [ "$now" -ge "$deadline" ]; then
 		echo "guest: timeout after ${timeout} s" >&2
 		rc=124
 		break
+	fi
+	# Once the verdict is out, the guest gets a little time to power off, no more.
+	if grep -q "GUEST-VERDICT-$token: " "$log" && [ "$deadline" -gt $((now + 15)) ]; then
+		deadline=$((now + 15))
 	fi
 	sleep 0.2
 done

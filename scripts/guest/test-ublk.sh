@@ -1,13 +1,19 @@
 #!/bin/bash
-# `make test-guest`'s ublk test: hybridcache-ublk's RAM disk example (crates/ublk/examples)
-# served through the kernel's ublk driver in a qemu guest; the guest side is
-# scripts/guest/ublk-guest.sh. Exits with the guest's verdict.
+# `make test-guest`'s ublk tests: hybridcache-ublk's RAM disk example (crates/ublk/examples)
+# served through the kernel's ublk driver in a qemu guest, in two guest runs:
+# scripts/guest/ublk-guest.sh (ext4, fio verify, e2fsck, requests in flight at once) and
+# scripts/guest/ublk-recovery-guest.sh (the server killed with SIGKILL under fio and taken over
+# by a new one: no I/O error). Fails when either guest run fails.
 # RAMDISK names the example binary (default target/debug/examples/ramdisk).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BIN=${RAMDISK:-$ROOT/target/debug/examples/ramdisk}
 [ -x "$BIN" ] || { echo "test-ublk: no $BIN (cargo build -p hybridcache-ublk --examples)" >&2; exit 2; }
 rc=0
-"$ROOT/scripts/guest/run.sh" -t 170 -a "$BIN:/usr/bin/ramdisk" "$ROOT/scripts/guest/ublk-guest.sh" |
-	grep -E '(ublk-guest|guest|ramdisk): |OK$|expected|still exists|requests in the backend' || rc=$?
-exit "${PIPESTATUS[0]}"
+for script in ublk-guest.sh ublk-recovery-guest.sh; do
+	"$ROOT/scripts/guest/run.sh" -t "${GUEST_TIMEOUT:-170}" -a "$BIN:/usr/bin/ramdisk" \
+		"$ROOT/scripts/guest/$script" |
+		grep -E '(ublk-guest|ublk-recovery|guest|ramdisk): |OK$|expected|still exists|vanished|requests in the backend|error' || true
+	[ "${PIPESTATUS[0]}" = 0 ] || rc=1
+done
+exit "$rc"

@@ -2,21 +2,32 @@
 //! guest test (scripts/guest/ublk-guest.sh) formats, fills and checks.
 //!
 //!   ramdisk SIZE_MIB [--queues N] [--depth N] [--physical-block BYTES] [--delay-us N]
+//!           [--file PATH] [--recovery] [--recover DEV_ID]
 //!
 //! Prints `ramdisk: /dev/ublkbN ready` once the device takes IO, serves it until SIGINT or
 //! SIGTERM, then deletes the device and prints how many requests it served and the most it had
 //! in the backend at once (`--delay-us` makes each request take that long, to show that a queue
 //! does not wait for one request before starting the next).
+//!
+//! `--file PATH` keeps the data in a file of SIZE_MIB instead (created if missing), so that it
+//! survives the server: with `--recovery` the device outlives a killed server, and
+//! `--recover DEV_ID` (same file) takes it over again.
 
-use hybridcache_ublk::{serve, stop, BlockBackend, DeviceConfig};
+use hybridcache_ublk::{recover, serve, stop, BlockBackend, DeviceConfig};
 use parking_lot::RwLock;
 use std::io;
+use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+enum Store {
+    Ram(RwLock<Vec<u8>>),
+    File(std::fs::File, u64),
+}
+
 struct RamDisk {
-    data: RwLock<Vec<u8>>,
+    data: Store,
     delay: Duration,
     requests: AtomicU64,
     in_flight: AtomicU64,
@@ -49,37 +60,74 @@ fn range(offset: u64, len: usize) -> std::ops::Range<usize> {
 
 impl BlockBackend for RamDisk {
     fn size(&self) -> u64 {
-        self.data.read().len() as u64
+        match &self.data {
+            Store::Ram(d) => d.read().len() as u64,
+            Store::File(_, size) => *size,
+        }
     }
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         let _g = self.enter();
-        buf.copy_from_slice(&self.data.read()[range(offset, buf.len())]);
+        match &self.data {
+            Store::Ram(d) => buf.copy_from_slice(&d.read()[range(offset, buf.len())]),
+            Store::File(f, _) => f.read_exact_at(buf, offset)?,
+        }
         Ok(())
     }
-    fn write_at(&self, buf: &[u8], offset: u64, _fua: bool) -> io::Result<()> {
+    fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()> {
         let _g = self.enter();
-        self.data.write()[range(offset, buf.len())].copy_from_slice(buf);
+        match &self.data {
+            Store::Ram(d) => d.write()[range(offset, buf.len())].copy_from_slice(buf),
+            Store::File(f, _) => {
+                f.write_all_at(buf, offset)?;
+                if fua {
+                    f.sync_data()?;
+                }
+            }
+        }
         Ok(())
     }
     fn flush(&self) -> io::Result<()> {
         let _g = self.enter();
-        Ok(())
+        match &self.data {
+            Store::Ram(_) => Ok(()),
+            Store::File(f, _) => f.sync_data(),
+        }
     }
     fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
         self.write_zeroes(offset, len)
     }
     fn write_zeroes(&self, offset: u64, len: u64) -> io::Result<()> {
         let _g = self.enter();
-        self.data.write()[range(offset, len as usize)].fill(0);
+        match &self.data {
+            Store::Ram(d) => d.write()[range(offset, len as usize)].fill(0),
+            Store::File(f, _) => {
+                let zeroes = vec![0u8; 1 << 16];
+                let mut done = 0;
+                while done < len {
+                    let n = (len - done).min(zeroes.len() as u64) as usize;
+                    f.write_all_at(&zeroes[..n], offset + done)?;
+                    done += n as u64;
+                }
+            }
+        }
         Ok(())
     }
 }
 
-fn parse_args() -> Result<(u64, DeviceConfig, Duration), String> {
+struct Args {
+    size: u64,
+    config: DeviceConfig,
+    delay: Duration,
+    file: Option<String>,
+    recover: Option<u32>,
+}
+
+fn parse_args() -> Result<Args, String> {
     let mut args = std::env::args().skip(1);
     let mut config = DeviceConfig::default();
     let mut size_mib = None;
     let mut delay = Duration::ZERO;
+    let (mut file, mut recover) = (None, None);
     while let Some(a) = args.next() {
         let mut value = |name: &str| -> Result<u64, String> {
             let v = args.next().ok_or(format!("{name} needs a value"))?;
@@ -104,6 +152,15 @@ fn parse_args() -> Result<(u64, DeviceConfig, Duration), String> {
                     .map_err(|_| "--physical-block: too large")?
             }
             "--delay-us" => delay = Duration::from_micros(value("--delay-us")?),
+            "--recovery" => config.user_recovery = true,
+            "--recover" => {
+                recover = Some(
+                    value("--recover")?
+                        .try_into()
+                        .map_err(|_| "--recover: too large")?,
+                )
+            }
+            "--file" => file = Some(args.next().ok_or("--file needs a path")?),
             s if size_mib.is_none() => {
                 size_mib = Some(s.parse::<u64>().map_err(|_| format!("bad size: {s}"))?)
             }
@@ -113,7 +170,13 @@ fn parse_args() -> Result<(u64, DeviceConfig, Duration), String> {
     let size = size_mib.ok_or(
         "usage: ramdisk SIZE_MIB [--queues N] [--depth N] [--physical-block BYTES] [--delay-us N]",
     )?;
-    Ok((size << 20, config, delay))
+    Ok(Args {
+        size: size << 20,
+        config,
+        delay,
+        file,
+        recover,
+    })
 }
 
 /// Blocks SIGINT and SIGTERM in this thread and every thread it starts later, so that they
@@ -131,22 +194,41 @@ fn block_signals() -> libc::sigset_t {
 }
 
 fn main() {
-    let (size, config, delay) = match parse_args() {
+    let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {
             eprintln!("ramdisk: {e}");
             std::process::exit(2);
         }
     };
+    let data = match &args.file {
+        None => Store::Ram(RwLock::new(vec![0; args.size as usize])),
+        Some(path) => {
+            let opened = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(path)
+                .and_then(|f| f.set_len(args.size).map(|()| f));
+            match opened {
+                Ok(f) => Store::File(f, args.size),
+                Err(e) => {
+                    eprintln!("ramdisk: {path}: {e}");
+                    std::process::exit(1);
+                }
+            }
+        }
+    };
     let disk = Arc::new(RamDisk {
-        data: RwLock::new(vec![0; size as usize]),
-        delay,
+        data,
+        delay: args.delay,
         requests: AtomicU64::new(0),
         in_flight: AtomicU64::new(0),
         max_in_flight: AtomicU64::new(0),
     });
     let set = block_signals();
-    let result = serve(disk.clone(), config, move |started| {
+    let on_started = move |started: &hybridcache_ublk::Started| {
         println!(
             "ramdisk: {} ready ({} queues, depth {})",
             started.block_device, started.queues, started.depth
@@ -160,7 +242,11 @@ fn main() {
                 eprintln!("ramdisk: cannot stop device {dev_id}: {e}");
             }
         });
-    });
+    };
+    let result = match args.recover {
+        None => serve(disk.clone(), args.config, on_started),
+        Some(id) => recover(id, disk.clone(), args.config, on_started),
+    };
     if let Err(e) = result {
         eprintln!("ramdisk: {e}");
         std::process::exit(1);

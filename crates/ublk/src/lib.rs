@@ -64,6 +64,10 @@ pub struct DeviceConfig {
     pub workers_per_queue: usize,
     /// Device id to ask for (`/dev/ublkbN`); `None`: the driver picks one.
     pub id: Option<u32>,
+    /// `UBLK_F_USER_RECOVERY` with `_REISSUE`: when the serving process dies, the kernel keeps
+    /// the block device and holds its requests (re-issuing those that were in flight) until a
+    /// new process takes the device over with [`recover`].
+    pub user_recovery: bool,
 }
 
 impl Default for DeviceConfig {
@@ -75,6 +79,7 @@ impl Default for DeviceConfig {
             max_io_bytes: 512 * 1024,
             workers_per_queue: 32,
             id: None,
+            user_recovery: false,
         }
     }
 }
@@ -152,17 +157,70 @@ where
     B: BlockBackend,
     F: FnOnce(&Started) + Send + Sync + 'static,
 {
-    let size = backend.size();
-    config.check(size)?;
-    let nr_queues = config.nr_queues();
+    config.check(backend.size())?;
+    let flags = if config.user_recovery {
+        (sys::UBLK_F_USER_RECOVERY | sys::UBLK_F_USER_RECOVERY_REISSUE) as u64
+    } else {
+        0
+    };
     let ctrl = UblkCtrlBuilder::default()
         .name("hybridcache")
         .id(config.id.map(|i| i as i32).unwrap_or(-1))
-        .nr_queues(nr_queues)
+        .nr_queues(config.nr_queues())
         .depth(config.depth)
         .io_buf_bytes(config.max_io_bytes)
+        .ctrl_flags(flags)
         .dev_flags(UblkFlags::UBLK_DEV_F_ADD_DEV)
         .build()?;
+    run(ctrl, backend, config, started)
+}
+
+/// Takes over device `dev_id`, created by [`serve`] with `user_recovery` by a process that has
+/// died: the kernel kept `/dev/ublkbN` and its pending requests, which this process now serves
+/// (queues, depth and limits are the device's own; `config` gives the workers per queue).
+/// Serves until the device is stopped, then deletes it.
+pub fn recover<B, F>(
+    dev_id: u32,
+    backend: Arc<B>,
+    config: DeviceConfig,
+    started: F,
+) -> Result<(), Error>
+where
+    B: BlockBackend,
+    F: FnOnce(&Started) + Send + Sync + 'static,
+{
+    config.check(backend.size())?;
+    // START_USER_RECOVERY; libublk retries while the dead server's descriptors are still
+    // being released (EBUSY).
+    let old = UblkCtrl::new_simple(dev_id as i32)?;
+    old.start_user_recover()?;
+    let info = old.dev_info();
+    old.disown();
+    drop(old);
+    // The builder sizes its per-queue tables from these, not from the device.
+    let ctrl = UblkCtrlBuilder::default()
+        .name("hybridcache")
+        .id(dev_id as i32)
+        .nr_queues(info.nr_hw_queues)
+        .depth(info.queue_depth)
+        .io_buf_bytes(info.max_io_buf_bytes)
+        .ctrl_flags(info.flags)
+        .dev_flags(UblkFlags::UBLK_DEV_F_RECOVER_DEV)
+        .build()?;
+    let result = run(ctrl, backend, config, started);
+    // A recovering handle does not delete the device when dropped, as one that added it does.
+    if let Ok(ctrl) = UblkCtrl::new_simple(dev_id as i32) {
+        let _ = ctrl.del_dev();
+    }
+    result
+}
+
+fn run<B, F>(ctrl: UblkCtrl, backend: Arc<B>, config: DeviceConfig, started: F) -> Result<(), Error>
+where
+    B: BlockBackend,
+    F: FnOnce(&Started) + Send + Sync + 'static,
+{
+    let size = backend.size();
 
     let physical_shift = config.physical_block.trailing_zeros() as u8;
     let max_sectors = config.max_io_bytes >> 9;
