@@ -10,10 +10,11 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BIN=${RAMDISK:-$ROOT/target/debug/examples/ramdisk}
 [ -x "$BIN" ] || { echo "test-ublk: no $BIN (cargo build -p hybridcache-ublk --examples)" >&2; exit 2; }
 rc=0
+set +e
 for script in ublk-guest.sh ublk-recovery-guest.sh; do
 	"$ROOT/scripts/guest/run.sh" -t "${GUEST_TIMEOUT:-170}" -a "$BIN:/usr/bin/ramdisk" \
 		"$ROOT/scripts/guest/$script" |
-		grep -E '(ublk-guest|ublk-recovery|guest|ramdisk): |OK$|expected|still exists|vanished|requests in the backend|error' || true
+		grep -E '(ublk-guest|ublk-recovery|guest|ramdisk): |OK$|expected|still exists|vanished|requests in the backend|error'
 	[ "${PIPESTATUS[0]}" = 0 ] || rc=1
 done
 exit "$rc"
