@@ -52,7 +52,7 @@ hc -A -i 1 -d "$work/core.img" >/dev/null
 echo "test-nbd: daemon on 127.0.0.1:$port, cache 1 (wb, 256 MiB), core cas1-1 (2 GiB)" >&2
 
 set +e
-"$ROOT/scripts/guest/run.sh" -t "${GUEST_TIMEOUT:-170}" -f "127.0.0.1:$port" \
+"$ROOT/scripts/guest/run.sh" -t "${GUEST_TIMEOUT:-300}" -f "127.0.0.1:$port" \
 	"${GUEST_SCRIPT:-$ROOT/scripts/guest/nbd-guest.sh}" "$conns" | grep -E '(nbd-guest|guest): '
 rc=${PIPESTATUS[0]}
 set -e

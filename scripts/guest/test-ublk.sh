@@ -12,7 +12,7 @@ BIN=${RAMDISK:-$ROOT/target/debug/examples/ramdisk}
 rc=0
 set +e
 for script in ublk-guest.sh ublk-recovery-guest.sh; do
-	"$ROOT/scripts/guest/run.sh" -t "${GUEST_TIMEOUT:-170}" -a "$BIN:/usr/bin/ramdisk" \
+	"$ROOT/scripts/guest/run.sh" -t "${GUEST_TIMEOUT:-300}" -a "$BIN:/usr/bin/ramdisk" \
 		"$ROOT/scripts/guest/$script" |
 		grep -E '(ublk-guest|ublk-recovery|guest|ramdisk): |OK$|expected|still exists|vanished|requests in the backend|error'
 	[ "${PIPESTATUS[0]}" = 0 ] || rc=1
