@@ -4,7 +4,7 @@ CARGO ?= cargo
 DEB_PACKAGES := fio nbdkit libnbd-bin qemu-utils fuse3 python3-libnbd prometheus tmux
 STAMP := target/.deps-installed
 
-.PHONY: all build deps test test-rust lint fmt bench demo clean
+.PHONY: all build deps test test-rust test-guest lint fmt bench demo clean
 
 all: build
 
@@ -31,6 +31,17 @@ lint:
 test: deps lint
 	$(CARGO) build --workspace --all-targets
 	$(CARGO) test --workspace
+	$(MAKE) test-guest
+
+# Kernel clients in a qemu guest (docs/guest.md): the Linux nbd driver against the daemon's TCP
+# export, and the ublk driver against crates/ublk's RAM disk example (ext4, fio verify, e2fsck).
+# scripts/guest/prepare.sh fetches the guest kernel and, when missing, qemu 10, busybox-static,
+# nbd-client and socat; cached in target/guest/.
+test-guest: deps
+	$(CARGO) build -p hybridcache
+	$(CARGO) build -p hybridcache-ublk --examples
+	scripts/guest/test-nbd.sh
+	scripts/guest/test-ublk.sh
 
 # Speed (docs/bench.md): the engine's micro-benchmarks, the emulated RAID 60 next to the study's
 # no-cache table, and a steady-state fio matrix (random 4 KiB writes, iodepth 1..32) against the
