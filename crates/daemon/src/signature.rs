@@ -146,7 +146,8 @@ fn describe(probe: &Probe) -> String {
 
 fn article(word: &str) -> &'static str {
     match word.chars().next().map(|c| c.to_ascii_lowercase()) {
-        Some('a' | 'e' | 'i' | 'o' | 'u') => "an",
+        // "an xfs": the letter is spoken "ex".
+        Some('a' | 'e' | 'i' | 'o' | 'u' | 'x') => "an",
         _ => "a",
     }
 }
