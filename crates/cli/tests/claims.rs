@@ -499,7 +499,9 @@ fn stop_and_remove_are_refused_while_nbdfuse_holds_the_export() {
     let d = &fc.daemon;
     let fuse = fc.dir.path().join("fuse");
     std::fs::create_dir(&fuse).unwrap();
+    // Two connections (nbdfuse uses several where the server offers multi-conn, as ours does).
     let child = Command::new("nbdfuse")
+        .args(["-C", "2"])
         .arg(fuse.join("disk"))
         .arg(d.uri("cas1-1"))
         .stdout(Stdio::null())
@@ -510,24 +512,25 @@ fn stop_and_remove_are_refused_while_nbdfuse_holds_the_export() {
         child,
         fuse_dir: Some(fuse.clone()),
     };
-    eventually("nbdfuse connected", || clients(d, 1, 1) == 1);
+    eventually("nbdfuse connected", || clients(d, 1, 1) == 2);
     let e = d.fails(&["-T", "-i", "1"]);
     assert!(
-        e.contains("cas1-1 has 1 client connected; disconnect them or use --force"),
+        e.contains("cas1-1 has 2 clients connected; disconnect them or use --force"),
         "{e}"
     );
     let e = d.fails(&["-R", "-i", "1", "-j", "1"]);
-    assert!(e.contains("cas1-1 has 1 client connected"), "{e}");
+    assert!(e.contains("cas1-1 has 2 clients connected"), "{e}");
     // Both still there, and the counts show everywhere.
     let list = d.ok(&["-L"]);
     assert!(
         list.lines()
-            .any(|l| l.contains("cas1-1") && l.trim_end().ends_with('1')),
+            .any(|l| l.contains("cas1-1") && l.trim_end().ends_with('2')),
         "{list}"
     );
-    assert!(d.ok(&["-L", "-o", "csv"]).contains(",cas1-1,1"));
+    assert!(d.ok(&["-L", "-o", "csv"]).contains(",cas1-1,2"));
     let p = d.stats_json(1, Some(1));
-    assert_eq!(p["info"]["clients"], 1, "{p}");
+    assert_eq!(p["info"]["clients"], 2, "{p}");
+    assert_eq!(d.stats_json(1, None)["info"]["clients"], 2);
     assert!(d.ok(&["-P", "-i", "1"]).contains("Clients"));
     d.ok(&["-T", "-i", "1", "--force"]);
     assert!(d.ok(&["-L"]).contains("No caches running"));
