@@ -108,17 +108,33 @@ pub fn claim(spec: &str, allow_mounted: bool) -> Result<Option<Claim>, String> {
     if meta.file_type().is_block_device() {
         claim_block(spec, path, meta.rdev(), allow_mounted).map(Some)
     } else if meta.file_type().is_file() {
-        claim_file(spec, path, meta.dev(), meta.ino()).map(Some)
+        claim_file(spec, path, meta.dev(), meta.ino(), allow_mounted).map(Some)
     } else {
         Ok(None)
     }
 }
 
-fn claim_file(spec: &str, path: &Path, dev: u64, ino: u64) -> Result<Claim, String> {
+fn claim_file(
+    spec: &str,
+    path: &Path,
+    dev: u64,
+    ino: u64,
+    allow_mounted: bool,
+) -> Result<Claim, String> {
     // A loop device over this file is the same device under another name: refuse while the
-    // loop device is in use (mounted, or claimed by a daemon that uses it).
+    // loop device is in use (mounted, or claimed by a daemon that uses it). A daemon using the
+    // loop device also holds the file's lock, taken below.
     for lo in loop_devices_over(dev, ino) {
         if let Some(what) = block_in_use(&lo.dev_path, lo.rdev) {
+            let mounted = mounts_of_block(lo.rdev);
+            if allow_mounted && !mounted.is_empty() {
+                tracing::warn!(
+                    "{spec} is mounted through {} at {}; used anyway (--force)",
+                    lo.dev_path.display(),
+                    mounted.join(", ")
+                );
+                continue;
+            }
             return Err(format!(
                 "device {spec} is in use through the loop device {} ({what})",
                 lo.dev_path.display()
@@ -166,7 +182,7 @@ fn claim_block(spec: &str, path: &Path, rdev: u64, allow_mounted: bool) -> Resul
         Ok(f) => fds.push(f),
         Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
             let mounted = mounts_of_block(rdev);
-            if !(allow_mounted && !mounted.is_empty()) {
+            if !allow_mounted || mounted.is_empty() {
                 let what = block_in_use(path, rdev).unwrap_or_else(|| "in use".into());
                 let hint = if mounted.is_empty() {
                     "stop that user first"
