@@ -17,7 +17,9 @@ const BLKID_SUBLKS_TYPE: c_int = 1 << 5;
 const BLKID_SUBLKS_USAGE: c_int = 1 << 7;
 const BLKID_PARTS_MAGIC: c_int = 1 << 3;
 
-#[link(name = "blkid")]
+// The runtime library by its soname: libblkid1 is part of every Debian system (util-linux
+// needs it), so building needs no -dev package for the unversioned libblkid.so link.
+#[link(name = "libblkid.so.1", kind = "dylib", modifiers = "+verbatim")]
 extern "C" {
     fn blkid_new_probe_from_filename(filename: *const c_char) -> blkid_probe;
     fn blkid_free_probe(pr: blkid_probe);
