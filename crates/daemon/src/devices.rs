@@ -136,6 +136,32 @@ mod tests {
     }
 
     #[test]
+    fn partitions_conflict_with_their_disk_and_loop_partitions_with_the_file() {
+        let disk = DeviceKey::Block {
+            rdev: 0x800,
+            disk: 0x800,
+            backing: None,
+        };
+        let part = |n: u64| DeviceKey::Block {
+            rdev: 0x800 + n,
+            disk: 0x800,
+            backing: None,
+        };
+        assert!(disk.conflicts(&part(1)) && part(1).conflicts(&disk));
+        assert!(part(1).conflicts(&part(1)));
+        assert!(!part(1).conflicts(&part(2)));
+        let file = DeviceKey::File { dev: 1, ino: 2 };
+        let loop_part = DeviceKey::Block {
+            rdev: 0x10301,
+            disk: 0x700,
+            backing: Some((1, 2)),
+        };
+        assert!(loop_part.conflicts(&file) && file.conflicts(&loop_part));
+        assert!(!loop_part.conflicts(&DeviceKey::File { dev: 1, ino: 3 }));
+        assert!(!disk.conflicts(&file));
+    }
+
+    #[test]
     fn missing_file_is_reported_by_open() {
         let e = open_device("/no/such/file").err().unwrap();
         assert!(e.contains("no such file"), "{e}");
