@@ -513,6 +513,18 @@ fn stop_and_remove_are_refused_while_nbdfuse_holds_the_export() {
         fuse_dir: Some(fuse.clone()),
     };
     eventually("nbdfuse connected", || clients(d, 1, 1) == 2);
+    // ext4 over the export, mounted through a loop device, as issue 12 found it.
+    let disk = fuse.join("disk");
+    let Some(lo) = Loop::over(&disk) else { return };
+    sh("mkfs.ext4", &["-q", "-F", &lo.0]).expect("mkfs.ext4 on the export");
+    let mnt = fc.dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    if let Err(e) = sh("mount", &[&lo.0, path_str(&mnt)]) {
+        eprintln!("skipped: cannot mount here ({e})");
+        return;
+    }
+    let m = Mount(mnt.clone());
+    std::fs::write(mnt.join("kept"), vec![0x5a; 1 << 20]).unwrap();
     let e = d.fails(&["-T", "-i", "1"]);
     assert!(
         e.contains("cas1-1 has 2 clients connected; disconnect them or use --force"),
@@ -532,6 +544,15 @@ fn stop_and_remove_are_refused_while_nbdfuse_holds_the_export() {
     assert_eq!(p["info"]["clients"], 2, "{p}");
     assert_eq!(d.stats_json(1, None)["info"]["clients"], 2);
     assert!(d.ok(&["-P", "-i", "1"]).contains("Clients"));
+    // The file system never noticed: it unmounts and checks clean, its file intact.
+    sh("sync", &[]).expect("sync");
+    assert_eq!(
+        std::fs::read(mnt.join("kept")).unwrap(),
+        vec![0x5a; 1 << 20]
+    );
+    drop(m);
+    sh("e2fsck", &["-fn", &lo.0]).expect("ext4 on cas1-1 checks clean");
+    drop(lo);
     d.ok(&["-T", "-i", "1", "--force"]);
     assert!(d.ok(&["-L"]).contains("No caches running"));
 }
