@@ -645,3 +645,23 @@ fn the_daemons_own_export_is_refused_as_a_device() {
         "only the one core"
     );
 }
+
+#[test]
+fn claims_are_released_by_remove_and_stop() {
+    let fc = file_cache(64 * MIB, 64 * MIB, &["-c", "wt"]);
+    let core = path_str(&fc.core).to_string();
+    let dir2 = workdir();
+    let second = Daemon::start(dir2.path());
+    second.ok(&["-S", "-d", "ram:64M", "-i", "2"]);
+    let e = second.fails(&["-A", "-i", "2", "-d", &core]);
+    assert!(e.contains("claimed by another user"), "{e}");
+    fc.daemon.ok(&["-R", "-i", "1", "-j", "1"]);
+    second.ok(&["-A", "-i", "2", "-d", &core]);
+    let e = second.fails(&["-S", "-d", &fc.spec, "--load"]);
+    assert!(e.contains("claimed by another user"), "{e}");
+    fc.daemon.ok(&["-T", "-i", "1"]);
+    second.ok(&["-S", "-d", &fc.spec, "--load"]);
+    // And back: the first daemon is now the one refused.
+    let e = fc.daemon.fails(&["-S", "-d", &fc.spec, "--load"]);
+    assert!(e.contains("claimed by another user"), "{e}");
+}
