@@ -92,7 +92,7 @@ impl Drop for Proc {
 }
 
 /// Polls until `f` holds (the daemon and its clients act on their own threads).
-fn eventually(what: &str, f: impl Fn() -> bool) {
+fn eventually(what: &str, mut f: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while !f() {
         assert!(Instant::now() < deadline, "never happened: {what}");
@@ -664,4 +664,65 @@ fn claims_are_released_by_remove_and_stop() {
     // And back: the first daemon is now the one refused.
     let e = fc.daemon.fails(&["-S", "-d", &fc.spec, "--load"]);
     assert!(e.contains("claimed by another user"), "{e}");
+}
+
+/// Issue 12's first case as it happened: a second daemon, started by hand with a configuration
+/// naming the same devices as the first. It must not serve the cache; the first keeps it.
+#[test]
+fn a_second_daemon_with_a_configuration_naming_the_device_does_not_serve_it() {
+    let fc = file_cache(64 * MIB, 64 * MIB, &["-c", "wb"]);
+    let dir2 = workdir();
+    let cfg = dir2.path().join("hybridcache.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[[cache]]\nid = 1\ndevice = {:?}\nmode = \"wb\"\n\n[[core]]\ncache = 1\nid = 1\ndevice = {:?}\n",
+            path_str(&fc.cache),
+            path_str(&fc.core)
+        ),
+    )
+    .unwrap();
+    let control = dir2.path().join("control.sock");
+    let log = dir2.path().join("daemon.log");
+    let child = Command::new(common::BIN)
+        .arg("daemon")
+        .arg("--config")
+        .arg(&cfg)
+        .arg("--control")
+        .arg(&control)
+        .arg("--nbd-socket")
+        .arg(dir2.path().join("nbd.sock"))
+        .env_remove("HYBRIDCACHE_CONTROL")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("spawn the second daemon");
+    let mut p = Proc {
+        child,
+        fuse_dir: None,
+    };
+    // Either it gives up at once, or (where a device it cannot have is waited for) it keeps
+    // running without the cache; in both cases its log names the claim.
+    let text = || std::fs::read_to_string(&log).unwrap_or_default();
+    eventually("the second daemon refuses or starts", || {
+        matches!(p.child.try_wait(), Ok(Some(_))) || text().contains(" ready: ")
+    });
+    assert!(text().contains("claimed by another user"), "{}", text());
+    if text().contains(" ready: ") {
+        let out = Command::new(common::BIN)
+            .args(["-L", "-o", "json", "--control"])
+            .arg(&control)
+            .output()
+            .expect("list on the second daemon");
+        let list = String::from_utf8_lossy(&out.stdout);
+        assert!(!list.contains("\"Running\""), "{list}");
+    }
+    drop(p);
+    // The first daemon still has its cache and core.
+    let list = fc.daemon.ok(&["-L"]);
+    assert!(
+        list.contains("Running") && list.contains("cas1-1"),
+        "{list}"
+    );
 }
