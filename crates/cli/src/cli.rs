@@ -111,7 +111,8 @@ pub enum Command {
         /// Cache line size in KiB [default: 4].
         #[arg(short = 'x', long = "cache-line-size", value_parser = line_size, value_name = "4|8|16|32|64")]
         line_size: Option<u32>,
-        /// Start even if the device holds a cache (its metadata is overwritten).
+        /// Start even if the device holds a cache, a file system or another signature (it is
+        /// overwritten). A device in use is refused even so.
         #[arg(short = 'f', long)]
         force: bool,
         /// Load the cache the device holds (its id, mode, line size and cores).
@@ -127,6 +128,9 @@ pub enum Command {
         /// Keep dirty data on the cache device instead of flushing it.
         #[arg(short = 'n', long)]
         no_data_flush: bool,
+        /// Stop even while NBD clients are connected to its exports (they get I/O errors).
+        #[arg(short = 'f', long)]
+        force: bool,
     },
 
     /// Add a core device to a cache (exported as cas<cache>-<core>), or attach an inactive core again.
@@ -140,6 +144,9 @@ pub enum Command {
         /// Core id [default: the lowest free].
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: Option<u16>,
+        /// Take a core device even though it is mounted (without an exclusive claim).
+        #[arg(short = 'f', long)]
+        force: bool,
     },
 
     /// Remove a core from a cache.
@@ -149,7 +156,7 @@ pub enum Command {
         id: u16,
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: u16,
-        /// Remove even with dirty data (which is lost).
+        /// Remove even with dirty data (which is lost) or with NBD clients connected.
         #[arg(short = 'f', long)]
         force: bool,
     },
@@ -370,14 +377,25 @@ impl Command {
                 force: *force,
                 load: *load,
             },
-            Command::StopCache { id, no_data_flush } => Request::StopCache {
+            Command::StopCache {
+                id,
+                no_data_flush,
+                force,
+            } => Request::StopCache {
                 id: *id,
                 no_data_flush: *no_data_flush,
+                force: *force,
             },
-            Command::AddCore { id, device, core } => Request::AddCore {
+            Command::AddCore {
+                id,
+                device,
+                core,
+                force,
+            } => Request::AddCore {
                 cache: *id,
                 device: device.clone(),
                 core: *core,
+                force: *force,
             },
             Command::RemoveCore { id, core, force } => Request::RemoveCore {
                 cache: *id,
@@ -522,7 +540,16 @@ mod tests {
             req(&["-T", "-i", "1", "-n"]),
             Request::StopCache {
                 id: 1,
-                no_data_flush: true
+                no_data_flush: true,
+                force: false
+            }
+        );
+        assert_eq!(
+            req(&["-T", "-i", "1", "--force"]),
+            Request::StopCache {
+                id: 1,
+                no_data_flush: false,
+                force: true
             }
         );
         assert_eq!(
@@ -530,7 +557,17 @@ mod tests {
             Request::AddCore {
                 cache: 1,
                 device: "/dev/sdb".into(),
-                core: Some(2)
+                core: Some(2),
+                force: false
+            }
+        );
+        assert_eq!(
+            req(&["-A", "-i", "1", "-d", "/dev/sdb", "-f"]),
+            Request::AddCore {
+                cache: 1,
+                device: "/dev/sdb".into(),
+                core: None,
+                force: true
             }
         );
         assert_eq!(

@@ -21,8 +21,16 @@ pub enum OutputFormat {
 
 /// `list`: cache rows, each followed by its indented core rows.
 pub fn list(caches: &[CacheInfo], format: OutputFormat) -> String {
-    let header = ["type", "id", "disk", "status", "write policy", "device"];
-    let mut rows: Vec<[String; 6]> = Vec::new();
+    let header = [
+        "type",
+        "id",
+        "disk",
+        "status",
+        "write policy",
+        "device",
+        "clients",
+    ];
+    let mut rows: Vec<[String; 7]> = Vec::new();
     for c in caches {
         rows.push([
             "cache".into(),
@@ -31,6 +39,7 @@ pub fn list(caches: &[CacheInfo], format: OutputFormat) -> String {
             c.status.clone(),
             c.mode.clone(),
             "-".into(),
+            c.cores.iter().map(|k| k.clients).sum::<usize>().to_string(),
         ]);
         let n = c.cores.len();
         for (i, core) in c.cores.iter().enumerate() {
@@ -42,6 +51,7 @@ pub fn list(caches: &[CacheInfo], format: OutputFormat) -> String {
                 core.status.clone(),
                 "-".into(),
                 core.export.clone(),
+                core.clients.to_string(),
             ]);
         }
     }
@@ -516,6 +526,7 @@ fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
         ));
         v.push(("core_size_gib", "Core Size [GiB]", gib(core.size)));
         v.push(("status", "Status", core.status.clone()));
+        v.push(("clients", "Clients", core.clients.to_string()));
         v.push(("cache_id", "Cache Id", c.id.to_string()));
     } else if let Some(k) = &r.io_class {
         v.push(("io_class_id", "IO class ID", k.id.to_string()));
@@ -560,6 +571,8 @@ fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
             "Dirty for",
             c.dirty_for_s.map_or("clean".into(), duration_text),
         ));
+        let clients: usize = c.cores.iter().map(|k| k.clients).sum();
+        v.push(("clients", "Clients", clients.to_string()));
     }
     v
 }
@@ -809,6 +822,7 @@ mod tests {
                     size: 1 << 30,
                     status: "Active".into(),
                     export: "cas1-1".into(),
+                    clients: 2,
                 }],
                 flush: None,
                 dirty_for_s: Some(3723),
@@ -915,7 +929,12 @@ mod tests {
         let lines: Vec<&str> = t.lines().collect();
         assert!(lines[0].starts_with("type"));
         assert!(lines[1].starts_with("cache"));
-        assert!(lines[2].starts_with("└core") && lines[2].ends_with("cas1-1"));
+        assert!(lines[2].starts_with("└core") && lines[2].ends_with("cas1-1   2"));
+        assert!(lines[0].ends_with("clients"));
+        let csv = list(std::slice::from_ref(&r.cache), OutputFormat::Csv);
+        assert!(csv.lines().nth(2).unwrap().ends_with(",cas1-1,2"), "{csv}");
+        let t = stats(&r, OutputFormat::Table);
+        assert!(t.contains("Clients"), "{t}");
         assert_eq!(list(&[], OutputFormat::Table), "No caches running\n");
     }
 }

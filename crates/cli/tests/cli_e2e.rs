@@ -40,7 +40,7 @@ fn management_verbs_end_to_end() {
         "{list}"
     );
     assert!(
-        lines[2].starts_with("└core") && lines[2].ends_with("cas1-1"),
+        lines[2].starts_with("└core") && lines[2].ends_with("cas1-1   0"),
         "{list}"
     );
 

@@ -27,10 +27,12 @@ use hybridcache_nbd::{ExportRegistry, Server, ServerConfig};
 use parking_lot::Mutex;
 use serde_json::{json, Value};
 
+use crate::claims::{ClaimedVolume, OwnEndpoints};
 use crate::config::{CacheSection, ConfigFile, CoreSection, DaemonSection};
 use crate::devices::{device_key, open_device, DeviceKey};
 use crate::export::CoreExport;
 use crate::metrics::{CacheView, CoreView, MetricsServer};
+use crate::nbd_volume::is_nbd_uri;
 use crate::params;
 use crate::protocol::{self, CacheInfo, CoreInfo, Request, Response, StatsReport};
 use hybridcache_volume::VolumeRef;
@@ -104,6 +106,8 @@ struct Daemon {
     stopping: AtomicBool,
     /// Active block traces (`hybridcache trace`).
     traces: crate::trace::Tracers,
+    /// This daemon's NBD endpoints: its own exports are refused as devices.
+    own: OwnEndpoints,
 }
 
 type Reply = std::result::Result<Value, String>;
@@ -141,11 +145,11 @@ impl State {
     /// Who already uses the device with this identity, if anyone.
     fn user_of(&self, key: &DeviceKey) -> Option<String> {
         for (id, c) in &self.caches {
-            if c.key.as_ref() == Some(key) {
+            if c.key.as_ref().is_some_and(|k| k.conflicts(key)) {
                 return Some(format!("the cache device of cache {id}"));
             }
             for (core_id, core) in &c.cores {
-                if core.key.as_ref() == Some(key) {
+                if core.key.as_ref().is_some_and(|k| k.conflicts(key)) {
                     return Some(format!("core {core_id} of cache {id}"));
                 }
             }
@@ -199,7 +203,7 @@ impl State {
     }
 }
 
-fn cache_info(id: u16, c: &CacheEntry) -> CacheInfo {
+fn cache_info(id: u16, c: &CacheEntry, registry: &ExportRegistry) -> CacheInfo {
     let sizes: BTreeMap<u16, u64> = c.cache.cores().iter().map(|i| (i.id, i.size)).collect();
     // As Open CAS: a cache with a core missing is "Incomplete".
     let mut status = if c.cores.values().all(|core| core.active) {
@@ -248,13 +252,22 @@ fn cache_info(id: u16, c: &CacheEntry) -> CacheInfo {
         cores: c
             .cores
             .iter()
-            .map(|(core_id, core)| core_info(id, *core_id, core, sizes.get(core_id).copied()))
+            .map(|(core_id, core)| {
+                core_info(id, *core_id, core, sizes.get(core_id).copied(), registry)
+            })
             .collect(),
     }
 }
 
-fn core_info(cache: u16, id: u16, core: &CoreEntry, size: Option<u64>) -> CoreInfo {
+fn core_info(
+    cache: u16,
+    id: u16,
+    core: &CoreEntry,
+    size: Option<u64>,
+    registry: &ExportRegistry,
+) -> CoreInfo {
     CoreInfo {
+        clients: registry.clients(&export_name(cache, id)).unwrap_or(0),
         id,
         device: core.device.clone(),
         size: size.unwrap_or(0),
@@ -297,17 +310,25 @@ impl Daemon {
                 };
                 self.start_cache(&device, id, mode.as_deref(), line_size_kib, how)
             }
-            Request::StopCache { id, no_data_flush } => self.stop_cache(id, no_data_flush),
+            Request::StopCache {
+                id,
+                no_data_flush,
+                force,
+            } => self.stop_cache(id, no_data_flush, force),
             Request::AddCore {
                 cache,
                 device,
                 core,
-            } => self.add_core(cache, &device, core),
+                force,
+            } => self.add_core(cache, &device, core, force),
             Request::RemoveCore { cache, core, force } => self.remove_core(cache, core, force),
             Request::List => {
                 let st = self.state.lock();
-                let caches: Vec<CacheInfo> =
-                    st.caches.iter().map(|(id, c)| cache_info(*id, c)).collect();
+                let caches: Vec<CacheInfo> = st
+                    .caches
+                    .iter()
+                    .map(|(id, c)| cache_info(*id, c, &self.registry))
+                    .collect();
                 Ok(json!({ "caches": caches }))
             }
             Request::Stats {
@@ -533,7 +554,7 @@ impl Daemon {
                 ));
             }
             let key = st.check_free(device)?;
-            let volume = open_device(device)?;
+            let volume = self.open_claimed(device, false)?;
             return self.load_locked(&mut st, device, key, id, volume);
         }
         let mode: CacheMode = mode.unwrap_or("wt").parse()?;
@@ -545,7 +566,10 @@ impl Daemon {
                 .ok_or("every cache id is in use")?,
         };
         let key = st.check_free(device)?;
-        let volume = open_device(device)?;
+        let volume = self.open_claimed(device, false)?;
+        if !volatile && how != (Start::Create { force: true }) {
+            check_signatures(device, &*volume, how)?;
+        }
         let config = CacheConfig {
             id,
             line_size,
@@ -609,7 +633,7 @@ impl Daemon {
                     ));
                     return None;
                 }
-                match open_device(&rec.path) {
+                match self.open_claimed(&rec.path, false) {
                     Ok(v) => Some(v),
                     Err(e) => {
                         notes.push(format!(
@@ -709,9 +733,13 @@ impl Daemon {
         .map_err(|e| e.to_string())
     }
 
-    fn stop_cache(&self, id: u16, no_data_flush: bool) -> Reply {
+    fn stop_cache(&self, id: u16, no_data_flush: bool, force: bool) -> Reply {
         let mut st = self.state.lock();
         let entry = st.cache(id)?;
+        if !force {
+            let names: Vec<String> = entry.cores.keys().map(|c| export_name(id, *c)).collect();
+            self.refuse_if_clients(&names)?;
+        }
         let cache = entry.cache.clone();
         let device = entry.device.clone();
         if no_data_flush && !cache.persistent() && cache.stats().usage.dirty_lines != 0 {
@@ -775,7 +803,7 @@ impl Daemon {
         }
     }
 
-    fn add_core(&self, cache_id: u16, device: &str, core: Option<u16>) -> Reply {
+    fn add_core(&self, cache_id: u16, device: &str, core: Option<u16>, force: bool) -> Reply {
         let mut st = self.state.lock();
         let c = st.cache(cache_id)?;
         // An inactive core comes back by its id, or by the device it was recorded with.
@@ -792,7 +820,7 @@ impl Daemon {
                 .map(|(j, _)| *j),
         };
         let key = st.check_free(device)?;
-        let volume = open_device(device)?;
+        let volume = self.open_claimed(device, force)?;
         let c = st.cache(cache_id)?;
         let line = c.cache.line_size().bytes();
         let core_id = match reattach {
@@ -856,6 +884,9 @@ impl Daemon {
         if !c.cores.contains_key(&core) {
             return Err(format!("core {core} does not exist in cache {cache_id}"));
         }
+        if !force {
+            self.refuse_if_clients(&[export_name(cache_id, core)])?;
+        }
         c.cache
             .remove_core(core, force)
             .map_err(|e| format!("cache {cache_id}: {}", engine_err(e)))?;
@@ -869,10 +900,56 @@ impl Daemon {
         Ok(json!({}))
     }
 
+    /// Open the device `spec` names under an exclusive claim (claims.rs) held as long as the
+    /// volume is open. `allow_mounted`: see [`crate::claims::claim`].
+    fn open_claimed(
+        &self,
+        spec: &str,
+        allow_mounted: bool,
+    ) -> std::result::Result<VolumeRef, String> {
+        if is_nbd_uri(spec) && self.own.serves(spec) {
+            return Err(format!(
+                "{spec} is an export of this daemon: a cache cannot use its own export as a device (its I/O would come back into itself and deadlock)"
+            ));
+        }
+        let claim = crate::claims::claim(spec, allow_mounted)?;
+        let volume = open_device(spec)?;
+        Ok(match claim {
+            Some(claim) => Arc::new(ClaimedVolume::new(volume, claim)),
+            None => volume,
+        })
+    }
+
+    /// The in-use guard: taking an export away from connected clients gives them I/O errors
+    /// (a mounted file system aborts its journal), so it needs --force, as casadm needs it for
+    /// a mounted device.
+    fn refuse_if_clients(&self, exports: &[String]) -> std::result::Result<(), String> {
+        let busy: Vec<String> = exports
+            .iter()
+            .filter_map(|name| {
+                let n = self.registry.clients(name).unwrap_or(0);
+                (n > 0).then(|| {
+                    format!(
+                        "{name} has {n} client{} connected",
+                        if n == 1 { "" } else { "s" }
+                    )
+                })
+            })
+            .collect();
+        if busy.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{}; disconnect them or use --force",
+                busy.join(", ")
+            ))
+        }
+    }
+
     fn stats(&self, cache_id: u16, core: Option<u16>, io_class: Option<u8>) -> Reply {
         let st = self.state.lock();
         let c = st.cache(cache_id)?;
-        let info = cache_info(cache_id, c);
+        let info = cache_info(cache_id, c, &self.registry);
         if let Some(id) = io_class {
             if core.is_some() {
                 return Err("IO class statistics cover every core; drop -j".into());
@@ -934,7 +1011,7 @@ impl Daemon {
                 id: *id,
                 device: c.device.clone(),
                 // A label must not change with every scrape: the percentage has its own metric.
-                status: cache_info(*id, c)
+                status: cache_info(*id, c, &self.registry)
                     .status
                     .split(" (")
                     .next()
@@ -1013,7 +1090,7 @@ impl Daemon {
             if known == Some(true) {
                 continue;
             }
-            if let Err(e) = self.add_core(core.cache, &core.device, Some(core.id)) {
+            if let Err(e) = self.add_core(core.cache, &core.device, Some(core.id), false) {
                 if known.is_some() {
                     // An inactive core stays inactive; the daemon serves the rest.
                     tracing::warn!(
@@ -1253,6 +1330,7 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
         save_to,
         stopping: AtomicBool::new(false),
         traces: Default::default(),
+        own: OwnEndpoints::new(&nbd_socket, tcp),
     });
     // The metrics endpoint comes up before the configuration is applied (a refused address
     // must not leave devices touched), and shows the caches as they start.
@@ -1324,6 +1402,31 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Refuse to format a device that holds data of another kind (signature.rs). A hybridcache
+/// cache is left to the engine, which refuses it unless forced and lets the configuration file
+/// load it.
+fn check_signatures(
+    device: &str,
+    volume: &dyn hybridcache_volume::Volume,
+    how: Start,
+) -> std::result::Result<(), String> {
+    if Cache::peek(volume).is_ok() {
+        return Ok(());
+    }
+    let Some(path) = crate::claims::spec_path(device) else {
+        return Ok(());
+    };
+    match crate::signature::detect(Path::new(path))? {
+        None => Ok(()),
+        Some(found) if how == Start::LoadOrCreate => Err(format!(
+            "{device} holds {found}; the configuration file does not overwrite it (format it with start-cache --force, or fix the device name)"
+        )),
+        Some(found) => Err(format!(
+            "{device} holds {found}; use --force to overwrite it"
+        )),
+    }
 }
 
 fn io_class_info(c: &hybridcache_engine::ioclass::IoClass) -> protocol::IoClassInfo {

@@ -10,12 +10,68 @@ use hybridcache_volume::{open_volume, Op, VolumeError, VolumeRef};
 use crate::nbd_volume::{is_nbd_uri, NbdVolume};
 
 /// Identity of a device, independent of how it was spelled (symlinks, `file:` prefix, relative
-/// paths). RAM and null volumes have none: each spec opens a fresh, private volume.
+/// paths, a loop device over a file). RAM and null volumes have none: each spec opens a fresh,
+/// private volume. Two keys name overlapping devices when [`DeviceKey::conflicts`] says so.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DeviceKey {
-    Block(u64),
-    File { dev: u64, ino: u64 },
+    /// A block device: its number, the number of the whole disk it belongs to (itself for a
+    /// whole disk), and the file behind it when that disk is a loop device.
+    Block {
+        rdev: u64,
+        disk: u64,
+        backing: Option<(u64, u64)>,
+    },
+    /// A regular file, or a whole loop device bound to one (the loop device is its file).
+    File {
+        dev: u64,
+        ino: u64,
+    },
     Nbd(String),
+}
+
+impl DeviceKey {
+    /// Whether the two devices share blocks: the same device, a partition and its disk, or a
+    /// file and a partition of a loop device over it.
+    pub fn conflicts(&self, other: &DeviceKey) -> bool {
+        use DeviceKey::*;
+        match (self, other) {
+            (
+                Block {
+                    rdev: a, disk: da, ..
+                },
+                Block {
+                    rdev: b, disk: db, ..
+                },
+            ) => a == b || da == b || db == a,
+            (
+                Block {
+                    backing: Some(f), ..
+                },
+                File { dev, ino },
+            )
+            | (
+                File { dev, ino },
+                Block {
+                    backing: Some(f), ..
+                },
+            ) => *f == (*dev, *ino),
+            _ => self == other,
+        }
+    }
+}
+
+/// The key of a block device: a whole loop device is the file behind it.
+fn block_key(rdev: u64) -> DeviceKey {
+    let disk = crate::claims::whole_disk(rdev);
+    let backing = crate::claims::loop_backing(rdev);
+    match backing {
+        Some((dev, ino)) if disk == rdev => DeviceKey::File { dev, ino },
+        _ => DeviceKey::Block {
+            rdev,
+            disk,
+            backing,
+        },
+    }
 }
 
 /// The identity of the device `spec` names, without opening it.
@@ -28,7 +84,7 @@ pub fn device_key(spec: &str) -> Option<DeviceKey> {
     }
     let path = spec.strip_prefix("file:").unwrap_or(spec);
     match std::fs::metadata(Path::new(path)) {
-        Ok(m) if m.file_type().is_block_device() => Some(DeviceKey::Block(m.rdev())),
+        Ok(m) if m.file_type().is_block_device() => Some(block_key(m.rdev())),
         Ok(m) => Some(DeviceKey::File {
             dev: m.dev(),
             ino: m.ino(),
@@ -77,6 +133,32 @@ mod tests {
         assert!(a.is_some());
         assert_eq!(a, b);
         assert_eq!(device_key("ram:1G"), None);
+    }
+
+    #[test]
+    fn partitions_conflict_with_their_disk_and_loop_partitions_with_the_file() {
+        let disk = DeviceKey::Block {
+            rdev: 0x800,
+            disk: 0x800,
+            backing: None,
+        };
+        let part = |n: u64| DeviceKey::Block {
+            rdev: 0x800 + n,
+            disk: 0x800,
+            backing: None,
+        };
+        assert!(disk.conflicts(&part(1)) && part(1).conflicts(&disk));
+        assert!(part(1).conflicts(&part(1)));
+        assert!(!part(1).conflicts(&part(2)));
+        let file = DeviceKey::File { dev: 1, ino: 2 };
+        let loop_part = DeviceKey::Block {
+            rdev: 0x10301,
+            disk: 0x700,
+            backing: Some((1, 2)),
+        };
+        assert!(loop_part.conflicts(&file) && file.conflicts(&loop_part));
+        assert!(!loop_part.conflicts(&DeviceKey::File { dev: 1, ino: 3 }));
+        assert!(!disk.conflicts(&file));
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! line, output formats, the bench runner and the analyzer glue are the CLI's (`crates/cli`),
 //! which talks to the daemon only through [`protocol`] over the control socket.
 
+pub mod claims;
 pub mod config;
 pub mod daemon;
 pub mod devices;
@@ -16,6 +17,7 @@ pub mod metrics;
 pub mod nbd_volume;
 pub mod params;
 pub mod protocol;
+pub mod signature;
 pub mod trace;
 
 pub use daemon::{run, DaemonOptions, DEFAULT_CONTROL, DEFAULT_NBD_SOCKET};

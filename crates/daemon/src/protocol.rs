@@ -31,12 +31,18 @@ pub enum Request {
         id: u16,
         #[serde(default)]
         no_data_flush: bool,
+        /// Stop even while NBD clients are connected to the cache's exports.
+        #[serde(default)]
+        force: bool,
     },
     AddCore {
         cache: u16,
         device: String,
         #[serde(default)]
         core: Option<u16>,
+        /// Take a core device that is mounted.
+        #[serde(default)]
+        force: bool,
     },
     RemoveCore {
         cache: u16,
@@ -232,6 +238,9 @@ pub struct CoreInfo {
     pub status: String,
     /// NBD export name (`cas<cache>-<core>`).
     pub export: String,
+    /// NBD clients connected to the export.
+    #[serde(default)]
+    pub clients: usize,
 }
 
 /// Result of `stats`: what the statistics describe plus the raw counters.

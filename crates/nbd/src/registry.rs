@@ -1,6 +1,7 @@
 //! Run-time changeable map of export names to exports.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parking_lot::RwLock;
@@ -34,6 +35,25 @@ pub(crate) struct ExportEntry {
     pub(crate) write_gate: RwLock<()>,
     /// Optional request observer (tracing); see observe.rs.
     pub(crate) observer: ObserverSlot,
+    /// Connections in transmission on this export; the owner refuses to take away an export
+    /// that still has clients (see [`ExportRegistry::clients`]).
+    pub(crate) clients: AtomicUsize,
+}
+
+/// Counts one connection as a client of an export for as long as it lives.
+pub(crate) struct ClientGuard(Arc<ExportEntry>);
+
+impl ClientGuard {
+    pub(crate) fn new(entry: &Arc<ExportEntry>) -> ClientGuard {
+        entry.clients.fetch_add(1, Ordering::SeqCst);
+        ClientGuard(entry.clone())
+    }
+}
+
+impl Drop for ClientGuard {
+    fn drop(&mut self) {
+        self.0.clients.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 #[derive(Default)]
@@ -117,6 +137,7 @@ impl ExportRegistry {
             block_sizes,
             write_gate: RwLock::new(()),
             observer: ObserverSlot::default(),
+            clients: AtomicUsize::new(0),
         }))
     }
 
@@ -140,6 +161,17 @@ impl ExportRegistry {
             .exports
             .remove(name)
             .map(|e| e.export.clone())
+    }
+
+    /// How many connections are in transmission on the export registered as `name` (None if
+    /// there is no such export). Connections to an export replaced under the same name count
+    /// for the old one, not the new one.
+    pub fn clients(&self, name: &str) -> Option<usize> {
+        self.inner
+            .read()
+            .exports
+            .get(name)
+            .map(|e| e.clients.load(Ordering::SeqCst))
     }
 
     pub fn get(&self, name: &str) -> Option<Arc<dyn Export>> {

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use crate::handshake::{self, HandshakeCtx, Outcome, DEFAULT_MAX_OPTION_LEN};
-use crate::registry::ExportRegistry;
+use crate::registry::{ClientGuard, ExportRegistry};
 use crate::transmission;
 
 /// Tunables; `Default` gives the documented defaults.
@@ -405,6 +405,7 @@ fn run_connection<R: Read + Send, W: Write + Send>(
         Outcome::Closed => Ok(()),
         Outcome::Transmission(n) => {
             enter_transmission()?;
+            let _client = ClientGuard::new(&n.entry);
             transmission::run(
                 reader,
                 writer,

@@ -555,3 +555,42 @@ fn maximum_size_requests() {
         c.read(&mut back[..512], 0).unwrap();
     }
 }
+
+/// Polls `f` until it holds; the server notices a closed connection on its own thread.
+fn eventually(what: &str, f: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(Instant::now() < deadline, "never happened: {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn clients_are_counted_per_export() {
+    let reg = ExportRegistry::new();
+    let server = Server::new(reg.clone());
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("s");
+    server.serve_unix(&sock).unwrap();
+    reg.add("a", MemExport::new(MIB).arc()).unwrap();
+    reg.add("b", MemExport::new(MIB).arc()).unwrap();
+    assert_eq!(reg.clients("a"), Some(0));
+    assert_eq!(reg.clients("nope"), None);
+    // A listing is a handshake without transmission: no client.
+    Client::list_exports_unix(&sock).unwrap();
+    let a1 = Client::connect_unix(&sock, "a").unwrap();
+    let mut a2 = Client::connect_unix(&sock, "a").unwrap();
+    let b1 = Client::connect_unix(&sock, "b").unwrap();
+    // The server counts a client once its GO reply is out, a moment after the client sees it.
+    eventually("2 clients on a", || reg.clients("a") == Some(2));
+    eventually("1 client on b", || reg.clients("b") == Some(1));
+    a2.flush().unwrap();
+    a2.disconnect().unwrap();
+    eventually("1 client on a", || reg.clients("a") == Some(1));
+    // A client that just goes away (no NBD_CMD_DISC) is no longer counted either.
+    drop(a1);
+    eventually("no client on a", || reg.clients("a") == Some(0));
+    assert_eq!(reg.clients("b"), Some(1));
+    b1.disconnect().unwrap();
+    eventually("no client on b", || reg.clients("b") == Some(0));
+}
