@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use hybridcache_volume::{open_volume, Op, VolumeError, VolumeRef};
 
-use crate::nbd_volume::{is_nbd_uri, NbdVolume};
+use crate::nbd_volume::{is_nbd_uri, NbdLink, NbdVolume};
 
 /// Identity of a device, independent of how it was spelled (symlinks, `file:` prefix, relative
 /// paths). RAM and null volumes have none: each spec opens a fresh, private volume.
@@ -40,12 +40,46 @@ pub fn device_key(spec: &str) -> Option<DeviceKey> {
 
 /// Open the device `spec` names: anything `open_volume` takes, or an `nbd://` / `nbd+unix://` URI.
 pub fn open_device(spec: &str) -> Result<VolumeRef, String> {
+    open_device_linked(spec).map(|(v, _)| v)
+}
+
+/// As [`open_device`], plus the connection state of a remote export (None for local devices),
+/// so listings can show a remote core that is reconnecting.
+pub fn open_device_linked(spec: &str) -> Result<(VolumeRef, Option<NbdLink>), String> {
     let opened = if is_nbd_uri(spec) {
-        NbdVolume::open(spec).map(|v| Arc::new(v) as VolumeRef)
+        NbdVolume::open(spec).map(|v| {
+            let link = v.link();
+            (Arc::new(v) as VolumeRef, Some(link))
+        })
     } else {
-        open_volume(spec)
+        open_volume(spec).map(|v| (v, None))
     };
     opened.map_err(|e| volume_error_text(&e))
+}
+
+/// Whether `spec` names a local path that does not exist (yet): a late device, as opposed to
+/// one that exists but cannot be used. RAM, null and remote devices are never missing.
+pub fn is_missing(spec: &str) -> bool {
+    if spec.starts_with("ram:") || spec.starts_with("null:") || is_nbd_uri(spec) {
+        return false;
+    }
+    let path = spec.strip_prefix("file:").unwrap_or(spec);
+    matches!(std::fs::metadata(Path::new(path)), Err(e) if e.kind() == std::io::ErrorKind::NotFound)
+}
+
+/// What a watcher compares between two looks at a device: it is acted on only once this stays
+/// the same for a whole poll interval, so a file still being copied or grown is not formatted
+/// or loaded half-written. None while the device is missing or empty.
+pub fn settle_mark(spec: &str) -> Option<(u64, i64, i64)> {
+    let path = spec.strip_prefix("file:").unwrap_or(spec);
+    let m = std::fs::metadata(Path::new(path)).ok()?;
+    let size = if m.file_type().is_block_device() {
+        // A block device's metadata size is 0; its appearance is the event.
+        1
+    } else {
+        m.len()
+    };
+    (size > 0).then_some((size, m.mtime(), m.mtime_nsec()))
 }
 
 /// An opening failure says what is wrong with the spec; offsets and lengths are noise there.
