@@ -210,16 +210,16 @@ fn a_refused_configuration_changes_no_device_and_not_the_file() {
         let before: Vec<u64> = devices.iter().map(|d| hash(d)).collect();
         let cfg_before = std::fs::read(&cfg).expect("read");
         let err = refused_daemon(p, &cfg);
-        assert!(
-            err.contains("configuration refused") && err.contains(reason),
-            "{what}: {err}"
-        );
         let after: Vec<u64> = devices.iter().map(|d| hash(d)).collect();
         assert_eq!(before, after, "{what}: a device changed: {err}");
         assert_eq!(
             std::fs::read(&cfg).expect("read"),
             cfg_before,
             "{what}: the file was rewritten"
+        );
+        assert!(
+            err.contains("configuration refused") && err.contains(reason),
+            "{what}: {err}"
         );
     }
 }
