@@ -91,7 +91,10 @@ fn a_missing_cache_device_waits_and_the_others_start() {
 
     // Cache 1 runs and serves; cache 2 waits.
     let (s1, cores1) = statuses(&d, 1).expect("cache 1 listed");
-    assert_eq!((s1.as_str(), cores1), ("Running", vec!["Active".to_string()]));
+    assert_eq!(
+        (s1.as_str(), cores1),
+        ("Running", vec!["Active".to_string()])
+    );
     let (s2, _) = statuses(&d, 2).expect("cache 2 listed");
     assert_eq!(s2, "Waiting for device");
     let data = pattern(1, 1 << 20);
@@ -104,7 +107,11 @@ fn a_missing_cache_device_waits_and_the_others_start() {
     let saved = ConfigFile::load(&cfg).expect("the saved file");
     let given = ConfigFile::parse(&text).expect("the given file");
     let c2 = saved.caches.iter().find(|c| c.id == 2);
-    assert_eq!(c2, given.caches.iter().find(|c| c.id == 2), "cache 2 as given");
+    assert_eq!(
+        c2,
+        given.caches.iter().find(|c| c.id == 2),
+        "cache 2 as given"
+    );
     let cores2 = |c: &ConfigFile| {
         c.cores
             .iter()
@@ -134,8 +141,7 @@ fn a_missing_cache_device_waits_and_the_others_start() {
     assert!(log.contains("device") && log.contains("appeared"), "{log}");
     // Cache 2 was created with the file's line size and mode.
     let (_, _) = statuses(&d, 2).expect("listed");
-    let v: serde_json::Value =
-        serde_json::from_str(&d.ok(&["-L", "-o", "json"])).expect("JSON");
+    let v: serde_json::Value = serde_json::from_str(&d.ok(&["-L", "-o", "json"])).expect("JSON");
     let c2 = &v["caches"][1];
     assert_eq!(c2["line_size_kib"].as_u64(), Some(8), "{v}");
     assert_eq!(c2["mode"].as_str(), Some("wt"), "{v}");
@@ -189,9 +195,7 @@ fn a_refused_configuration_changes_no_device_and_not_the_file() {
     // The third cache's device is the first cache's file by another name (a symlink).
     let alias = p.join("alias.img");
     std::os::unix::fs::symlink(&devices[0], &alias).expect("symlink");
-    let bad_param = format!(
-        "[cache.params]\n\"cleaning-alru.wake-up\" = \"99999\"\n"
-    );
+    let bad_param = format!("[cache.params]\n\"cleaning-alru.wake-up\" = \"99999\"\n");
     let cases = [
         (
             "an aliased device",
@@ -253,8 +257,14 @@ fn an_inactive_core_attaches_again_when_its_file_reappears() {
     assert_eq!(cores, ["Inactive"]);
     // The core's file comes back under its recorded name: it attaches by itself.
     std::fs::rename(&away, &core).expect("move the core back");
-    wait_status(&d, 1, "complete", |c, cores| c == "Running" && cores == ["Active"]);
-    assert!(d.log_text().contains("attached again by itself"), "{}", d.log_text());
+    wait_status(&d, 1, "complete", |c, cores| {
+        c == "Running" && cores == ["Active"]
+    });
+    assert!(
+        d.log_text().contains("attached again by itself"),
+        "{}",
+        d.log_text()
+    );
     // Its dirty data is served, and cleaned to the core.
     let mut c = Client::connect_unix(&d.nbd, "cas1-1").expect("connect");
     let mut back = vec![0u8; data.len()];
@@ -262,7 +272,10 @@ fn an_inactive_core_attaches_again_when_its_file_reappears() {
     assert_eq!(back, data);
     c.disconnect().expect("disconnect");
     d.ok(&["-F", "-i", "1"]);
-    assert_eq!(d.stats_json(1, None)["usage"]["dirty"]["count"].as_u64(), Some(0));
+    assert_eq!(
+        d.stats_json(1, None)["usage"]["dirty"]["count"].as_u64(),
+        Some(0)
+    );
     let on_core = std::fs::read(&core).expect("read the core");
     assert_eq!(&on_core[1 << 20..(1 << 20) + data.len()], &data[..]);
 }
@@ -318,9 +331,15 @@ fn stop_daemon_flushes_and_stops() {
     assert_eq!(out, "daemon stopped: 1 cache flushed and stopped\n");
     // The sockets are gone and the dirty data is on the core.
     assert!(!d.control.exists() && !d.nbd.exists());
-    assert_eq!(&std::fs::read(&core).expect("core")[..data.len()], &data[..]);
+    assert_eq!(
+        &std::fs::read(&core).expect("core")[..data.len()],
+        &data[..]
+    );
     let log = d.log_text();
-    assert!(log.contains("stop-daemon requested") && log.contains("stopped"), "{log}");
+    assert!(
+        log.contains("stop-daemon requested") && log.contains("stopped"),
+        "{log}"
+    );
     // A second request finds no daemon.
     let again = d.cli(&["stop-daemon"]);
     assert!(!again.status.success());
@@ -399,7 +418,15 @@ fn a_remote_core_reconnects_after_its_server_restarts_during_fio() {
     let uri = format!("nbd+unix:///?socket={}", sock.display());
     d.ok(&["-A", "-i", "1", "-d", &uri]);
     // Clean all the time, so core writes are in flight when the server goes.
-    d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "acp-very-aggressive"]);
+    d.ok(&[
+        "-X",
+        "-n",
+        "cleaning",
+        "-i",
+        "1",
+        "-p",
+        "acp-very-aggressive",
+    ]);
     let (_, cores) = statuses(&d, 1).expect("listed");
     assert_eq!(cores, ["Active"]);
 
@@ -427,7 +454,10 @@ fn a_remote_core_reconnects_after_its_server_restarts_during_fio() {
     let run = std::thread::spawn(move || fio(&fio_dir, "during-restart", &fio_args));
 
     std::thread::sleep(Duration::from_millis(1000));
-    assert!(!run.is_finished(), "fio is still running when the server goes");
+    assert!(
+        !run.is_finished(),
+        "fio is still running when the server goes"
+    );
     server.kill();
     wait_status(&d, 1, "detached", |_, cores| {
         cores.len() == 1 && cores[0].starts_with("Detached (reconnecting: ")
@@ -436,8 +466,13 @@ fn a_remote_core_reconnects_after_its_server_restarts_during_fio() {
     // fio's was never written, so it is not in the cache), and a flush of the core fails.
     let mut c = Client::connect_unix(&d.nbd, "cas1-1").expect("connect");
     let mut buf = vec![0u8; 4096];
-    let e = c.read(&mut buf, 200 << 20).expect_err("a read miss needs the core");
-    assert!(e.to_string().contains("server error 5 "), "EIO expected: {e}");
+    let e = c
+        .read(&mut buf, 200 << 20)
+        .expect_err("a read miss needs the core");
+    assert!(
+        e.to_string().contains("server error 5 "),
+        "EIO expected: {e}"
+    );
     c.disconnect().expect("disconnect");
     d.fails(&["-F", "-i", "1"]);
     std::thread::sleep(Duration::from_millis(1000));
@@ -449,9 +484,15 @@ fn a_remote_core_reconnects_after_its_server_restarts_during_fio() {
     assert_eq!(written, 32 << 20, "fio wrote everything");
     // The cache is cleaned to the restarted server, without a restart of the daemon.
     d.ok(&["-F", "-i", "1"]);
-    assert_eq!(d.stats_json(1, None)["usage"]["dirty"]["count"].as_u64(), Some(0));
+    assert_eq!(
+        d.stats_json(1, None)["usage"]["dirty"]["count"].as_u64(),
+        Some(0)
+    );
     let log = d.log_text();
-    assert!(log.contains("connection lost") && log.contains("reconnected"), "{log}");
+    assert!(
+        log.contains("connection lost") && log.contains("reconnected"),
+        "{log}"
+    );
     let mut d = d;
     assert!(d.stop(), "clean stop");
     server.kill();

@@ -29,8 +29,8 @@ use serde_json::{json, Value};
 
 use crate::config::{CacheSection, ConfigFile, CoreSection, DaemonSection};
 use crate::devices::{device_key, is_missing, open_device, open_device_linked, DeviceKey};
-use crate::nbd_volume::NbdLink;
 use crate::export::CoreExport;
+use crate::nbd_volume::NbdLink;
 use crate::params;
 
 mod check;
@@ -945,7 +945,9 @@ impl Daemon {
                     c.cores.remove(&core);
                 }
                 self.save_locked(&st);
-                tracing::info!("cache {cache_id}: dropped core {core}, whose device never appeared");
+                tracing::info!(
+                    "cache {cache_id}: dropped core {core}, whose device never appeared"
+                );
                 return Ok(json!({}));
             }
             Some(_) => {}
@@ -1462,8 +1464,7 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
     *daemon.shutdown_outcome.lock() = Some(clean);
     daemon.shutdown_done.notify_all();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    while daemon.shutdown_waiters.load(Ordering::SeqCst) > 0
-        && std::time::Instant::now() < deadline
+    while daemon.shutdown_waiters.load(Ordering::SeqCst) > 0 && std::time::Instant::now() < deadline
     {
         std::thread::sleep(std::time::Duration::from_millis(10));
     }

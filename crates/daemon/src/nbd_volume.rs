@@ -365,12 +365,19 @@ impl NbdVolume {
         Some(seq)
     }
 
-    /// The server acknowledged kept write `seq`.
-    fn acked(&self, seq: Option<u64>) {
+    /// Kept write `seq` was acknowledged (a later flush covers it), or failed: then the caller
+    /// has its error and writes it again if it still wants it (the engine keeps the line
+    /// dirty), and no flush has to cover it, so it is not kept.
+    fn settle(&self, seq: Option<u64>, acked: bool) {
         let Some(seq) = seq else { return };
         let mut st = self.shared.state.lock();
         if let Ok(i) = st.replay.binary_search_by_key(&seq, |r| r.seq) {
-            st.replay[i].acked = true;
+            if acked {
+                st.replay[i].acked = true;
+            } else {
+                let r = st.replay.remove(i);
+                st.replay_bytes -= r.data.map_or(0, |d| d.len());
+            }
         }
     }
 
@@ -536,8 +543,9 @@ impl Volume for NbdVolume {
             let at = (off - offset) as usize;
             let piece = &buf[at..at + n as usize];
             let seq = self.keep(off, Some(piece), n);
-            self.with_conn(Op::Write, off, n, |c| c.write(piece, off, false))?;
-            self.acked(seq);
+            let sent = self.with_conn(Op::Write, off, n, |c| c.write(piece, off, false));
+            self.settle(seq, sent.is_ok());
+            sent?;
         }
         Ok(())
     }
@@ -549,6 +557,11 @@ impl Volume for NbdVolume {
     fn flush(&self) -> Result<()> {
         let covered: Vec<u64> = {
             let st = self.shared.state.lock();
+            if !st.connected && st.replay.is_empty() && !st.overflow && !st.lost {
+                // Every write the server acknowledged is covered by an earlier flush: nothing
+                // to make durable, so a client's flush does not fail during an outage.
+                return Ok(());
+            }
             st.replay
                 .iter()
                 .filter(|r| r.acked)
@@ -610,10 +623,11 @@ impl Volume for NbdVolume {
         }
         for (off, n) in self.pieces(offset, len) {
             let seq = self.keep(off, None, n);
-            self.with_conn(Op::WriteZeroes, off, n, |c| {
+            let sent = self.with_conn(Op::WriteZeroes, off, n, |c| {
                 c.write_zeroes(off, n as u32, false, false)
-            })?;
-            self.acked(seq);
+            });
+            self.settle(seq, sent.is_ok());
+            sent?;
         }
         Ok(())
     }
@@ -622,6 +636,124 @@ impl Volume for NbdVolume {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hybridcache_nbd::{Export, ExportRegistry, ExportResult, Server};
+
+    /// A disk with a volatile write cache: a write is kept only once flushed, and a new server
+    /// instance starts from what was flushed.
+    struct Volatile {
+        durable: Arc<Mutex<Vec<u8>>>,
+        pending: Mutex<Vec<(u64, Vec<u8>)>>,
+    }
+
+    impl Export for Volatile {
+        fn size(&self) -> u64 {
+            self.durable.lock().len() as u64
+        }
+        fn read(&self, buf: &mut [u8], offset: u64) -> ExportResult<()> {
+            let at = offset as usize;
+            buf.copy_from_slice(&self.durable.lock()[at..at + buf.len()]);
+            for (off, data) in self.pending.lock().iter() {
+                for (i, b) in data.iter().enumerate() {
+                    let p = *off as usize + i;
+                    if p >= at && p < at + buf.len() {
+                        buf[p - at] = *b;
+                    }
+                }
+            }
+            Ok(())
+        }
+        fn write(&self, buf: &[u8], offset: u64, _fua: bool) -> ExportResult<()> {
+            self.pending.lock().push((offset, buf.to_vec()));
+            Ok(())
+        }
+        fn flush(&self) -> ExportResult<()> {
+            let mut d = self.durable.lock();
+            for (off, data) in self.pending.lock().drain(..) {
+                d[off as usize..off as usize + data.len()].copy_from_slice(&data);
+            }
+            Ok(())
+        }
+    }
+
+    fn serve(sock: &std::path::Path, durable: &Arc<Mutex<Vec<u8>>>) -> Server {
+        let registry = ExportRegistry::new();
+        registry
+            .add(
+                "v",
+                Arc::new(Volatile {
+                    durable: durable.clone(),
+                    pending: Mutex::new(Vec::new()),
+                }),
+            )
+            .unwrap();
+        let server = Server::new(registry);
+        server.serve_unix(sock).unwrap();
+        server
+    }
+
+    #[test]
+    fn reconnects_and_sends_unflushed_writes_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("v.sock");
+        let durable = Arc::new(Mutex::new(vec![0u8; 1 << 20]));
+        let first = serve(&sock, &durable);
+        let uri = format!("nbd+unix:///v?socket={}", sock.display());
+        let vol = NbdVolume::open(&uri).unwrap();
+        let link = vol.link();
+        vol.write_at(&[1u8; 4096], 0).unwrap();
+        vol.flush().unwrap();
+        // Acknowledged, not flushed: the server loses it when it goes.
+        vol.write_at(&[7u8; 4096], 8192).unwrap();
+        first.shutdown();
+        drop(first);
+        let mut buf = vec![0u8; 4096];
+        let e = vol.read_at(&mut buf, 0).unwrap_err().to_string();
+        assert!(link.detached().is_some(), "{e}");
+        // Detached: requests fail at once, without waiting for the server.
+        let e = vol.read_at(&mut buf, 0).unwrap_err().to_string();
+        assert!(e.contains("detached (reconnecting: "), "{e}");
+        assert!(
+            vol.flush().is_err(),
+            "an unflushed write is not durable yet"
+        );
+        assert_eq!(&durable.lock()[8192..8192 + 4096], &[0u8; 4096][..]);
+
+        let _second = serve(&sock, &durable);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while link.detached().is_some() {
+            assert!(Instant::now() < deadline, "never reconnected");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        vol.flush().unwrap();
+        // The write the first server lost was sent again and is now durable.
+        assert_eq!(&durable.lock()[8192..8192 + 4096], &[7u8; 4096][..]);
+        assert_eq!(&durable.lock()[..4096], &[1u8; 4096][..]);
+        vol.read_at(&mut buf, 8192).unwrap();
+        assert_eq!(buf, vec![7u8; 4096]);
+        assert!(
+            vol.shared.state.lock().replay.is_empty(),
+            "a flush empties the list"
+        );
+    }
+
+    #[test]
+    fn a_flush_with_nothing_unflushed_succeeds_while_detached() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("v.sock");
+        let durable = Arc::new(Mutex::new(vec![0u8; 1 << 20]));
+        let first = serve(&sock, &durable);
+        let vol = NbdVolume::open(&format!("nbd+unix:///v?socket={}", sock.display())).unwrap();
+        vol.write_at(&[3u8; 512], 0).unwrap();
+        vol.flush().unwrap();
+        first.shutdown();
+        drop(first);
+        let mut buf = vec![0u8; 512];
+        assert!(vol.read_at(&mut buf, 0).is_err());
+        assert!(vol.link().detached().is_some());
+        // A write refused while detached needs no flush to cover it.
+        assert!(vol.write_at(&[4u8; 512], 512).is_err());
+        vol.flush().unwrap();
+    }
 
     #[test]
     fn parses_uris() {

@@ -76,9 +76,7 @@ pub(super) fn check_config(cfg: &ConfigFile, st: &State) -> Result<(), String> {
     for c in &cfg.caches {
         let who = format!("cache {}", c.id);
         if c.id == 0 || c.id > MAX_CACHE_ID {
-            problems.push(format!(
-                "{who}: id out of range (1..={MAX_CACHE_ID})"
-            ));
+            problems.push(format!("{who}: id out of range (1..={MAX_CACHE_ID})"));
         }
         if !cache_ids.insert(c.id) {
             problems.push(format!("{who}: named twice"));
