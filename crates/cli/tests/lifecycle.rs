@@ -195,7 +195,7 @@ fn a_refused_configuration_changes_no_device_and_not_the_file() {
     // The third cache's device is the first cache's file by another name (a symlink).
     let alias = p.join("alias.img");
     std::os::unix::fs::symlink(&devices[0], &alias).expect("symlink");
-    let bad_param = format!("[cache.params]\n\"cleaning-alru.wake-up\" = \"99999\"\n");
+    let bad_param = "[cache.params]\n\"cleaning-alru.wake-up\" = \"99999\"\n";
     let cases = [
         (
             "an aliased device",
@@ -204,7 +204,7 @@ fn a_refused_configuration_changes_no_device_and_not_the_file() {
         ),
         (
             "a parameter out of range",
-            entries(devices[4].to_str().expect("UTF-8"), &bad_param),
+            entries(devices[4].to_str().expect("UTF-8"), bad_param),
             "wake-up",
         ),
     ];
