@@ -107,6 +107,7 @@ fn run(cli: Cli) -> Result<()> {
             nbd_listen,
             nbd_workers,
             save_config,
+            metrics_listen,
         } => {
             return daemon::run(daemon::DaemonOptions {
                 config: config.clone(),
@@ -115,16 +116,17 @@ fn run(cli: Cli) -> Result<()> {
                 nbd_listen: nbd_listen.clone(),
                 nbd_workers: *nbd_workers,
                 save_config: *save_config,
+                metrics_listen: metrics_listen.clone(),
             })
         }
         Command::Serve(args) => return serve::run(args),
         Command::Trace(args) => return trace::run_cli(args, &control),
         Command::Version => {
             println!("hybridcache CLI {}", env!("CARGO_PKG_VERSION"));
-            match call::<VersionInfo>(&control, &Request::Version) {
-                Ok(v) => println!("hybridcache daemon {}", v.version),
-                Err(e) => println!("hybridcache daemon: not reachable ({e:#})"),
-            }
+            // The CLI's own version is printed either way; an unreachable daemon is still an
+            // error (exit 1), so `hybridcache -V` tells a script whether the daemon is up.
+            let v: VersionInfo = call(&control, &Request::Version)?;
+            println!("hybridcache daemon {}", v.version);
             return Ok(());
         }
         Command::StopDaemon => {

@@ -30,6 +30,7 @@ use serde_json::{json, Value};
 use crate::config::{CacheSection, ConfigFile, CoreSection, DaemonSection};
 use crate::devices::{device_key, is_missing, open_device, open_device_linked, DeviceKey};
 use crate::export::CoreExport;
+use crate::metrics::{CacheView, CoreView, MetricsServer};
 use crate::nbd_volume::NbdLink;
 use crate::params;
 
@@ -53,6 +54,8 @@ pub struct DaemonOptions {
     pub nbd_listen: Option<String>,
     pub nbd_workers: Option<usize>,
     pub save_config: bool,
+    /// Serve Prometheus metrics over HTTP here (`--metrics-listen`); off when None.
+    pub metrics_listen: Option<String>,
 }
 
 struct CoreEntry {
@@ -1005,6 +1008,31 @@ impl Daemon {
         .map_err(|e| e.to_string())
     }
 
+    /// What a metrics scrape sees: every cache and core, read under the state lock (the
+    /// figures themselves are read from the engine afterwards, outside it).
+    fn metrics_view(&self) -> Vec<CacheView> {
+        let st = self.state.lock();
+        st.caches
+            .iter()
+            .map(|(id, c)| CacheView {
+                id: *id,
+                device: c.device.clone(),
+                status: cache_info(*id, c).status,
+                cache: c.cache.clone(),
+                cores: c
+                    .cores
+                    .iter()
+                    .map(|(core_id, core)| CoreView {
+                        id: *core_id,
+                        device: core.device.clone(),
+                        active: core.active,
+                        clients: 0,
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
     fn save(&self) {
         let st = self.state.lock();
         self.save_locked(&st);
@@ -1262,19 +1290,20 @@ fn bind_control(path: &Path) -> Result<UnixListener> {
     bound.with_context(|| format!("cannot listen on {}", path.display()))
 }
 
-fn parse_listen(text: &str) -> Result<SocketAddr> {
+/// A listen address: a bare `PORT` (or `:PORT`) means loopback only; `flag` names the option in
+/// errors.
+fn parse_listen(flag: &str, text: &str) -> Result<SocketAddr> {
     if let Ok(port) = text.parse::<u16>() {
         return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
     }
     if let Some(port) = text.strip_prefix(':') {
         let port: u16 = port
             .parse()
-            .map_err(|_| anyhow!("--nbd-listen {text}: bad port"))?;
+            .map_err(|_| anyhow!("{flag} {text}: bad port"))?;
         return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
     }
-    text.parse().map_err(|_| {
-        anyhow!("--nbd-listen {text}: expected PORT or ADDRESS:PORT (e.g. 127.0.0.1:10809)")
-    })
+    text.parse()
+        .map_err(|_| anyhow!("{flag} {text}: expected PORT or ADDRESS:PORT (e.g. 127.0.0.1:10809)"))
 }
 
 fn ensure_parent(path: &Path) -> Result<()> {
@@ -1392,7 +1421,7 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
             .with_context(|| format!("cannot serve NBD on {}", nbd_socket.display()))?;
         match &nbd_listen {
             Some(text) => {
-                let addr = parse_listen(text)?;
+                let addr = parse_listen("--nbd-listen", text)?;
                 Ok(Some(
                     server
                         .serve_tcp(addr)
@@ -1422,9 +1451,34 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
         shutdown_done: Condvar::new(),
         shutdown_waiters: AtomicUsize::new(0),
     });
+    // The metrics endpoint comes up before the configuration is applied (a refused address
+    // must not leave devices touched), and shows the caches as they start.
+    let metrics_listen = opts
+        .metrics_listen
+        .clone()
+        .or_else(|| d.metrics_listen.clone());
+    let metrics = match metrics_listen
+        .as_deref()
+        .map(|text| -> Result<MetricsServer> {
+            let addr = parse_listen("--metrics-listen", text)?;
+            let view = daemon.clone();
+            MetricsServer::start(addr, Arc::new(move || view.metrics_view()))
+        })
+        .transpose()
+    {
+        Ok(m) => m,
+        Err(e) => {
+            server.shutdown();
+            cleanup_control();
+            return Err(e);
+        }
+    };
     if let Err(e) = daemon.apply(&file_cfg) {
         daemon.shutdown();
         server.shutdown();
+        if let Some(m) = &metrics {
+            m.shutdown();
+        }
         cleanup_control();
         return Err(e.context("applying the configuration"));
     }
@@ -1459,6 +1513,9 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
     daemon.stopping.store(true, Ordering::SeqCst);
     cleanup_control();
     server.shutdown();
+    if let Some(m) = &metrics {
+        m.shutdown();
+    }
     let clean = daemon.shutdown();
     // A stop-daemon request waits for this outcome; give it the time to send its reply.
     *daemon.shutdown_outcome.lock() = Some(clean);
@@ -1493,13 +1550,13 @@ mod tests {
     #[test]
     fn listen_addresses() {
         assert_eq!(
-            parse_listen("10809").unwrap(),
+            parse_listen("--nbd-listen", "10809").unwrap(),
             "127.0.0.1:10809".parse().unwrap()
         );
         assert_eq!(
-            parse_listen("0.0.0.0:1").unwrap(),
+            parse_listen("--nbd-listen", "0.0.0.0:1").unwrap(),
             "0.0.0.0:1".parse().unwrap()
         );
-        assert!(parse_listen("localhost").is_err());
+        assert!(parse_listen("--nbd-listen", "localhost").is_err());
     }
 }
