@@ -196,3 +196,85 @@ fn check_cache_device(id: u16, spec: &str) -> Result<(), String> {
         Err(e) => Err(format!("{spec}: {}", engine_err(e))),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> ConfigFile {
+        ConfigFile::parse(text).unwrap()
+    }
+
+    fn problems(text: &str) -> String {
+        check_config(&parse(text), &State::default()).unwrap_err()
+    }
+
+    #[test]
+    fn every_problem_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("a.img");
+        std::fs::write(&file, vec![0u8; 1 << 20]).unwrap();
+        let link = dir.path().join("b.img");
+        std::os::unix::fs::symlink(&file, &link).unwrap();
+        let text = format!(
+            "[[cache]]\nid = 1\ndevice = \"{}\"\nmode = \"xx\"\n\n\
+             [[cache]]\nid = 1\ndevice = \"ram:8M\"\nline_size = 3\n\n\
+             [[cache]]\nid = 2\ndevice = \"ram:8M\"\n[cache.params]\n\"promotion-nhit.threshold\" = \"1\"\n\n\
+             [[core]]\ncache = 9\nid = 1\ndevice = \"file:{}\"\n\n\
+             [[core]]\ncache = 2\nid = 0\ndevice = \"/no/such/dev\"\n\n\
+             [[core]]\ncache = 2\nid = 5\ndevice = \"/no/such/dev\"\n",
+            file.display(),
+            link.display()
+        );
+        let e = problems(&text);
+        for want in [
+            "cache 1: mode",
+            "cache 1: named twice",
+            "cache 1: line_size",
+            "cache 2: parameter promotion-nhit",
+            "core 1 of cache 9: the file has no cache 9",
+            "core 1 of cache 9: device file:",
+            "is the same device as that of cache 1",
+            "core 0 of cache 2: id out of range",
+            "core 5 of cache 2: device /no/such/dev is the same device as that of core 0 of cache 2",
+        ] {
+            assert!(e.contains(want), "missing '{want}' in: {e}");
+        }
+    }
+
+    #[test]
+    fn a_good_file_passes_and_missing_devices_are_no_error() {
+        let text = "[[cache]]\nid = 1\ndevice = \"/no/such/cache\"\nmode = \"wb\"\n\
+                    [cache.params]\n\"cleaning-alru.wake-up\" = \"5\"\n\"cleaning.policy\" = \"acp\"\n\n\
+                    [[core]]\ncache = 1\nid = 1\ndevice = \"/no/such/core\"\n";
+        check_config(&parse(text), &State::default()).unwrap();
+    }
+
+    #[test]
+    fn a_cache_device_holding_another_cache_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("c.img");
+        std::fs::write(&file, vec![0u8; 16 << 20]).unwrap();
+        let spec = file.to_str().unwrap();
+        let vol = open_volume(spec).unwrap();
+        let cache = Cache::create(
+            vol,
+            CacheConfig {
+                id: 4,
+                line_size: LineSize::from_kib(4).unwrap(),
+                mode: CacheMode::Wt,
+            },
+            false,
+        )
+        .unwrap();
+        cache.stop(true).unwrap();
+        drop(cache);
+        let e = problems(&format!("[[cache]]\nid = 1\ndevice = \"{spec}\"\n"));
+        assert!(e.contains("holds cache 4, not cache 1"), "{e}");
+        check_config(
+            &parse(&format!("[[cache]]\nid = 4\ndevice = \"{spec}\"\n")),
+            &State::default(),
+        )
+        .unwrap();
+    }
+}
