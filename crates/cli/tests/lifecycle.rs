@@ -506,3 +506,51 @@ fn a_remote_core_reconnects_after_its_server_restarts_during_fio() {
     verify.retain(|a| a != "--ioengine=nbd");
     fio(p, "verify-core", &verify);
 }
+
+#[test]
+fn an_inactive_remote_core_attaches_when_its_server_answers() {
+    if !have("nbdkit") {
+        eprintln!("skipped: needs nbdkit (make deps)");
+        return;
+    }
+    let dir = workdir();
+    let p = dir.path();
+    let cache = p.join("cache.img");
+    let core = p.join("core.img");
+    let sock = p.join("remote.sock");
+    sparse_file(&cache, 64 << 20);
+    sparse_file(&core, 64 << 20);
+    let mut server = Nbdkit::start(&sock, &core);
+    let mut d = Daemon::start(p);
+    let spec = format!("file:{}", cache.display());
+    d.ok(&["-S", "-d", &spec, "-c", "wb"]);
+    let uri = format!("nbd+unix:///?socket={}", sock.display());
+    d.ok(&["-A", "-i", "1", "-d", &uri]);
+    let data = pattern(5, 1 << 20);
+    let mut c = Client::connect_unix(&d.nbd, "cas1-1").expect("connect");
+    c.write(&data, 4 << 20, false).expect("write");
+    c.flush().expect("flush");
+    c.disconnect().expect("disconnect");
+    d.ok(&["-T", "-i", "1", "-n"]);
+    assert!(d.stop());
+    server.kill();
+
+    // The server is down when the cache loads: the core is inactive, its dirty data kept.
+    let d = Daemon::start(p);
+    d.ok(&["-S", "-d", &spec, "--load"]);
+    let (_, cores) = statuses(&d, 1).expect("listed");
+    assert_eq!(cores, ["Inactive"]);
+    assert!(std::fs::read(&core).expect("core")[4 << 20..5 << 20]
+        .iter()
+        .all(|&b| b == 0));
+    let _server = Nbdkit::start(&sock, &core);
+    wait_status(&d, 1, "complete", |c, cores| {
+        c == "Running" && cores == ["Active"]
+    });
+    d.ok(&["-F", "-i", "1"]);
+    assert_eq!(
+        &std::fs::read(&core).expect("core")[4 << 20..5 << 20],
+        &data[..],
+        "the dirty data reached the remote core"
+    );
+}

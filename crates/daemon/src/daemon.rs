@@ -563,6 +563,11 @@ impl Daemon {
         how: Start,
     ) -> Reply {
         let mut st = self.state.lock();
+        // The device watcher calls this outside `handle`: once shutdown holds the lock no cache
+        // may start, or it would escape the shutdown's flush.
+        if self.stopping.load(Ordering::SeqCst) {
+            return Err("the daemon is shutting down".into());
+        }
         if let Some(id) = id {
             if id == 0 || id > MAX_CACHE_ID {
                 return Err(format!(
@@ -853,6 +858,9 @@ impl Daemon {
 
     fn add_core(&self, cache_id: u16, device: &str, core: Option<u16>) -> Reply {
         let mut st = self.state.lock();
+        if self.stopping.load(Ordering::SeqCst) {
+            return Err("the daemon is shutting down".into());
+        }
         if let Some(w) = st.waiting.get(&cache_id) {
             return Err(format!(
                 "cache {cache_id} is not running ({}: {})",

@@ -9,6 +9,9 @@
 //! late disk takes. A device is acted on only when two looks a poll apart agree on its size
 //! and modification time, so a file still being copied is not formatted or loaded half-written.
 //!
+//! A remote core (an NBD URI) that was unreachable when its cache loaded, or when the
+//! configuration named it, is tried every five seconds instead: there is nothing to `stat`.
+//!
 //! Identity of a core: the superblock records each core's path, size and a uuid of our own.
 //! Nothing is written on the core device, so the uuid cannot be read back from it: what is
 //! verified is the path (the device must appear under the recorded name, or the name the
@@ -20,14 +23,19 @@ use std::time::Duration;
 
 use super::{Daemon, Ordering, WAITING_FOR_DEVICE};
 use crate::devices::settle_mark;
+use crate::nbd_volume::is_nbd_uri;
 
 const POLL: Duration = Duration::from_secs(1);
+/// A remote core cannot be looked at without connecting: try it every this many polls.
+const REMOTE_EVERY: u64 = 5;
 
 type Mark = (u64, i64, i64);
 
 /// What the watcher remembers between polls.
 #[derive(Default)]
 struct Seen {
+    /// Polls so far.
+    tick: u64,
     /// The last look at each device that is waited for.
     marks: HashMap<String, Mark>,
     /// The last failure per device, so a device that keeps failing is logged once, not every
@@ -38,6 +46,9 @@ struct Seen {
 impl Seen {
     /// Whether `spec` is present and has not changed since the previous poll.
     fn settled(&mut self, spec: &str) -> bool {
+        if is_nbd_uri(spec) {
+            return self.tick % REMOTE_EVERY == 0;
+        }
         match settle_mark(spec) {
             None => {
                 self.marks.remove(spec);
@@ -75,6 +86,7 @@ pub(super) fn spawn(daemon: Arc<Daemon>) -> std::io::Result<()> {
 
 impl Daemon {
     fn watch_tick(&self, seen: &mut Seen) {
+        seen.tick += 1;
         let (caches, cores) = {
             let st = self.state.lock();
             let caches: Vec<(u16, String)> = st
