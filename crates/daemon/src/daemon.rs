@@ -250,7 +250,7 @@ fn cache_info(id: u16, c: &CacheEntry) -> CacheInfo {
         mode: c.cache.mode().to_string(),
         line_size_kib: c.cache.line_size().kib(),
         lines: c.cache.line_count(),
-        cleaning: c.cache.cleaning().policy.to_string(),
+        cleaning: c.cache.cleaning().policy_name(),
         promotion: c.cache.promotion().policy.to_string(),
         cores: c
             .cores
@@ -991,10 +991,11 @@ impl Daemon {
                 core: None,
                 io_class: class,
                 stats: stats.into(),
+                latency: Vec::new(),
             })
             .map_err(|e| e.to_string());
         }
-        let (core_info, stats) = match core {
+        let (core_info, stats, latency) = match core {
             Some(core) => {
                 let ci = info
                     .cores
@@ -1003,15 +1004,20 @@ impl Daemon {
                     .cloned()
                     .ok_or_else(|| format!("core {core} does not exist in cache {cache_id}"))?;
                 st.active_core(cache_id, core)?;
-                (Some(ci), c.cache.core_stats(core).map_err(engine_err)?)
+                (
+                    Some(ci),
+                    c.cache.core_stats(core).map_err(engine_err)?,
+                    c.cache.core_latency(core).map_err(engine_err)?,
+                )
             }
-            None => (None, c.cache.stats()),
+            None => (None, c.cache.stats(), c.cache.latency()),
         };
         serde_json::to_value(StatsReport {
             cache: info,
             core: core_info,
             io_class: None,
             stats: stats.into(),
+            latency: protocol::LatencyRow::rows(&latency),
         })
         .map_err(|e| e.to_string())
     }
