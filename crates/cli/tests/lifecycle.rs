@@ -473,6 +473,13 @@ fn a_remote_core_reconnects_after_its_server_restarts_during_fio() {
         e.to_string().contains("server error 5 "),
         "EIO expected: {e}"
     );
+    // A write-back write lands in the cache and reads back from it.
+    let mine = pattern(9, 8192);
+    c.write(&mine, 210 << 20, false)
+        .expect("wb writes land in the cache");
+    let mut back = vec![0u8; mine.len()];
+    c.read(&mut back, 210 << 20).expect("a hit needs no core");
+    assert_eq!(back, mine);
     c.disconnect().expect("disconnect");
     d.fails(&["-F", "-i", "1"]);
     std::thread::sleep(Duration::from_millis(1000));
@@ -484,6 +491,11 @@ fn a_remote_core_reconnects_after_its_server_restarts_during_fio() {
     assert_eq!(written, 32 << 20, "fio wrote everything");
     // The cache is cleaned to the restarted server, without a restart of the daemon.
     d.ok(&["-F", "-i", "1"]);
+    assert_eq!(
+        &std::fs::read(&core).expect("core")[210 << 20..(210 << 20) + mine.len()],
+        &mine[..],
+        "the write made during the outage reached the core"
+    );
     assert_eq!(
         d.stats_json(1, None)["usage"]["dirty"]["count"].as_u64(),
         Some(0)
