@@ -176,13 +176,26 @@ impl NbdLink {
     }
 }
 
+/// A reply that takes longer than this means the server or the network is gone without
+/// closing the connection (a host that died, a dropped route): the connection counts as broken
+/// and is replaced, instead of hanging every request behind it. Generous, because a remote
+/// disk array can legitimately take seconds for a flush.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(60);
+
 fn connect(target: &NbdTarget) -> std::result::Result<Client, ClientError> {
     match target {
         NbdTarget::Unix { socket, export } => {
-            Client::connect_unix_with(socket, &ClientConfig::new(export))
+            let s = std::os::unix::net::UnixStream::connect(socket)?;
+            s.set_read_timeout(Some(REPLY_TIMEOUT))?;
+            s.set_write_timeout(Some(REPLY_TIMEOUT))?;
+            Client::handshake(Box::new(s), &ClientConfig::new(export))
         }
         NbdTarget::Tcp { host, port, export } => {
-            Client::connect_tcp_with((host.as_str(), *port), &ClientConfig::new(export))
+            let s = std::net::TcpStream::connect((host.as_str(), *port))?;
+            s.set_nodelay(true)?;
+            s.set_read_timeout(Some(REPLY_TIMEOUT))?;
+            s.set_write_timeout(Some(REPLY_TIMEOUT))?;
+            Client::handshake(Box::new(s), &ClientConfig::new(export))
         }
     }
 }
