@@ -28,10 +28,9 @@ use parking_lot::{Condvar, Mutex};
 use serde_json::{json, Value};
 
 use crate::config::{CacheSection, ConfigFile, CoreSection, DaemonSection};
-use crate::devices::{device_key, is_missing, open_device, open_device_linked, DeviceKey};
+use crate::devices::{device_key, is_missing, open_device, DeviceKey};
 use crate::export::CoreExport;
 use crate::metrics::{CacheView, CoreView, MetricsServer};
-use crate::nbd_volume::NbdLink;
 use crate::params;
 
 mod check;
@@ -67,8 +66,6 @@ struct CoreEntry {
     /// An inactive core the engine does not know: the configuration names it, but its device
     /// was missing, so it was never added (it is added when the device appears).
     pending: bool,
-    /// The connection state of a remote (NBD) core.
-    link: Option<NbdLink>,
 }
 
 /// A cache of the configuration file that is not running: its device was missing at start (it
@@ -279,7 +276,7 @@ fn core_status(core: &CoreEntry) -> String {
             "Inactive".into()
         };
     }
-    match core.link.as_ref().and_then(NbdLink::detached) {
+    match crate::nbd_volume::detached(&core.device) {
         Some(why) => format!("Detached (reconnecting: {why})"),
         None => "Active".into(),
     }
@@ -662,7 +659,6 @@ impl Daemon {
     ) -> Reply {
         let mut notes = Vec::new();
         let mut in_use: Option<String> = None;
-        let mut links: BTreeMap<u16, NbdLink> = BTreeMap::new();
         let loaded = {
             let st: &State = st;
             let mut open_core = |rec: &CoreRecord| -> Option<VolumeRef> {
@@ -673,13 +669,8 @@ impl Daemon {
                     ));
                     return None;
                 }
-                match open_device_linked(&rec.path) {
-                    Ok((v, link)) => {
-                        if let Some(link) = link {
-                            links.insert(rec.id, link);
-                        }
-                        Some(v)
-                    }
+                match open_device(&rec.path) {
+                    Ok(v) => Some(v),
                     Err(e) => {
                         notes.push(format!(
                             "core {} is inactive: its device cannot be opened ({e})",
@@ -748,7 +739,6 @@ impl Daemon {
                     device: info.name,
                     active,
                     pending: false,
-                    link: links.remove(&info.id),
                 },
             );
         }
@@ -885,7 +875,7 @@ impl Daemon {
                 .map(|(j, _)| *j),
         };
         let key = st.check_free(device)?;
-        let (volume, link) = open_device_linked(device)?;
+        let volume = open_device(device)?;
         let c = st.cache(cache_id)?;
         let line = c.cache.line_size().bytes();
         let core_id = match reattach {
@@ -922,7 +912,6 @@ impl Daemon {
                     key,
                     active: true,
                     pending: false,
-                    link,
                 },
             );
         }
@@ -1197,7 +1186,6 @@ impl Daemon {
                                     key: None,
                                     active: false,
                                     pending: true,
-                                    link: None,
                                 },
                             );
                         }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use hybridcache_volume::{open_volume, Op, VolumeError, VolumeRef};
 
-use crate::nbd_volume::{is_nbd_uri, NbdLink, NbdVolume};
+use crate::nbd_volume::{is_nbd_uri, NbdVolume};
 
 /// Identity of a device, independent of how it was spelled (symlinks, `file:` prefix, relative
 /// paths). RAM and null volumes have none: each spec opens a fresh, private volume.
@@ -40,19 +40,10 @@ pub fn device_key(spec: &str) -> Option<DeviceKey> {
 
 /// Open the device `spec` names: anything `open_volume` takes, or an `nbd://` / `nbd+unix://` URI.
 pub fn open_device(spec: &str) -> Result<VolumeRef, String> {
-    open_device_linked(spec).map(|(v, _)| v)
-}
-
-/// As [`open_device`], plus the connection state of a remote export (None for local devices),
-/// so listings can show a remote core that is reconnecting.
-pub fn open_device_linked(spec: &str) -> Result<(VolumeRef, Option<NbdLink>), String> {
     let opened = if is_nbd_uri(spec) {
-        NbdVolume::open(spec).map(|v| {
-            let link = v.link();
-            (Arc::new(v) as VolumeRef, Some(link))
-        })
+        NbdVolume::open(spec).map(|v| Arc::new(v) as VolumeRef)
     } else {
-        open_volume(spec).map(|v| (v, None))
+        open_volume(spec)
     };
     opened.map_err(|e| volume_error_text(&e))
 }

@@ -6,6 +6,7 @@
 //! split. Flush goes to one connection when the server promises multi-conn consistency and to
 //! every connection otherwise (only then are all connections' completed writes covered).
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -176,6 +177,17 @@ impl NbdLink {
     }
 }
 
+/// Every remote volume open in this process, by the URI it was opened with, so the daemon can
+/// show a core's connection state by the device name it knows (one device is open once).
+static LINKS: Mutex<BTreeMap<String, Weak<Shared>>> = Mutex::new(BTreeMap::new());
+
+/// The connection state of the remote volume open from `uri`: None when connected (or when no
+/// such volume is open), the last error while it is detached and reconnecting.
+pub fn detached(uri: &str) -> Option<String> {
+    let shared = LINKS.lock().get(uri)?.upgrade()?;
+    NbdLink(shared).detached()
+}
+
 /// A reply that takes longer than this means the server or the network is gone without
 /// closing the connection (a host that died, a dropped route): the connection counts as broken
 /// and is replaced, instead of hanging every request behind it. Generous, because a remote
@@ -253,6 +265,10 @@ impl NbdVolume {
             wake: Condvar::new(),
         });
         let weak = Arc::downgrade(&shared);
+        let mut links = LINKS.lock();
+        links.retain(|_, w| w.strong_count() > 0);
+        links.insert(uri.to_string(), weak.clone());
+        drop(links);
         std::thread::Builder::new()
             .name("nbd-reconnect".into())
             .spawn(move || reconnect_loop(weak))
