@@ -566,3 +566,55 @@ fn an_inactive_remote_core_attaches_when_its_server_answers() {
         "the dirty data reached the remote core"
     );
 }
+
+#[test]
+fn stop_daemon_with_its_remote_core_gone_keeps_the_dirty_data_and_says_so() {
+    if !have("nbdkit") {
+        eprintln!("skipped: needs nbdkit (make deps)");
+        return;
+    }
+    let dir = workdir();
+    let p = dir.path();
+    let cache = p.join("cache.img");
+    let core = p.join("core.img");
+    let sock = p.join("remote.sock");
+    sparse_file(&cache, 64 << 20);
+    sparse_file(&core, 64 << 20);
+    let mut server = Nbdkit::start(&sock, &core);
+    let mut d = Daemon::start(p);
+    let spec = format!("file:{}", cache.display());
+    d.ok(&["-S", "-d", &spec, "-c", "wb"]);
+    let uri = format!("nbd+unix:///?socket={}", sock.display());
+    d.ok(&["-A", "-i", "1", "-d", &uri]);
+    let data = pattern(11, 1 << 20);
+    let mut c = Client::connect_unix(&d.nbd, "cas1-1").expect("connect");
+    c.write(&data, 0, false).expect("write");
+    c.flush().expect("flush");
+    c.disconnect().expect("disconnect");
+    server.kill();
+
+    let err = d.fails(&["stop-daemon"]);
+    assert!(
+        err.contains("some dirty data could not be flushed"),
+        "{err}"
+    );
+    assert!(!d.stop(), "the daemon exits non-zero");
+    assert!(
+        d.log_text().contains("dirty data is kept"),
+        "{}",
+        d.log_text()
+    );
+
+    // The server is back: the dirty data loads with the cache and is cleaned to it.
+    let _server = Nbdkit::start(&sock, &core);
+    let d = Daemon::start(p);
+    d.ok(&["-S", "-d", &spec, "--load"]);
+    wait_status(&d, 1, "complete", |c, cores| {
+        c == "Running" && cores == ["Active"]
+    });
+    d.ok(&["-F", "-i", "1"]);
+    assert_eq!(
+        &std::fs::read(&core).expect("core")[..data.len()],
+        &data[..]
+    );
+}
