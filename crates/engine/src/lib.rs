@@ -27,6 +27,7 @@ mod locks;
 mod meta;
 mod persist;
 pub mod policy;
+mod progress;
 mod stats;
 
 pub use cache::{Cache, Core, CoreInfo, CoreStatus};
@@ -38,6 +39,7 @@ pub use policy::{
     AcpParams, AlruParams, CleaningConfig, CleaningIo, CleaningPolicy, Promotion, PromotionPolicy,
     SeqCutoff, SeqCutoffPolicy,
 };
+pub use progress::FlushStatus;
 pub use stats::{BlockStats, ErrorStats, RequestStats, Stats, Usage};
 
 use std::fmt;
@@ -229,6 +231,8 @@ pub enum EngineError {
     CoreInactive(CoreId),
     #[error("the cache is stopped")]
     Stopped,
+    #[error("the flush was interrupted; the lines not yet written stay dirty")]
+    FlushInterrupted,
     #[error("{0}")]
     Invalid(String),
 }
