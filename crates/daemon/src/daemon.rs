@@ -322,6 +322,8 @@ fn waiting_info(w: &Waiting) -> CacheInfo {
         lines: 0,
         cleaning: String::new(),
         promotion: String::new(),
+        flush: None,
+        dirty_for_s: None,
         cores: w
             .cores
             .iter()
