@@ -333,6 +333,10 @@ pub enum Command {
     #[command(short_flag = 'V', long_flag = "version")]
     Version,
 
+    /// Stop the daemon as SIGTERM does: every cache is flushed and stopped, the sockets removed.
+    /// Waits for the outcome; fails if some dirty data could not be flushed.
+    StopDaemon,
+
     /// Analyse a block trace and recommend a cache configuration (no daemon needed).
     Analyze(crate::analyze::AnalyzeArgs),
 
@@ -356,6 +360,7 @@ impl Command {
         Some(match self {
             Command::Daemon { .. }
             | Command::Version
+            | Command::StopDaemon
             | Command::Analyze(_)
             | Command::IoClass { .. }
             | Command::Trace(_)

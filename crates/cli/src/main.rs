@@ -133,6 +133,20 @@ fn run(cli: Cli) -> Result<()> {
             println!("hybridcache daemon {}", v.version);
             return Ok(());
         }
+        Command::StopDaemon => {
+            let v: protocol::Stopped = call(&control, &Request::Shutdown)?;
+            if !v.clean {
+                return Err(anyhow!(
+                    "the daemon stopped, but some dirty data could not be flushed; it is kept on the cache devices where they are persistent (see the daemon's log)"
+                ));
+            }
+            println!(
+                "daemon stopped: {} {} flushed and stopped",
+                v.caches,
+                if v.caches == 1 { "cache" } else { "caches" }
+            );
+            return Ok(());
+        }
         Command::IoClass {
             load,
             id,

@@ -16,7 +16,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -24,16 +24,19 @@ use hybridcache_engine::{
     Cache, CacheConfig, CacheMode, CoreRecord, CoreStatus, EngineError, LineSize,
 };
 use hybridcache_nbd::{ExportRegistry, Server, ServerConfig};
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use serde_json::{json, Value};
 
 use crate::claims::{ClaimedVolume, OwnEndpoints};
 use crate::config::{CacheSection, ConfigFile, CoreSection, DaemonSection};
-use crate::devices::{device_key, open_device, DeviceKey};
+use crate::devices::{device_key, is_missing, open_device, DeviceKey};
 use crate::export::CoreExport;
 use crate::metrics::{CacheView, CoreView, MetricsServer};
 use crate::nbd_volume::is_nbd_uri;
 use crate::params;
+
+mod check;
+mod watch;
 use crate::protocol::{self, CacheInfo, CoreInfo, Request, Response, StatsReport};
 use hybridcache_volume::VolumeRef;
 
@@ -62,7 +65,21 @@ struct CoreEntry {
     key: Option<DeviceKey>,
     /// False while the core is inactive: no export, its dirty data waits on the cache device.
     active: bool,
+    /// An inactive core the engine does not know: the configuration names it, but its device
+    /// was missing, so it was never added (it is added when the device appears).
+    pending: bool,
 }
+
+/// A cache of the configuration file that is not running: its device was missing at start (it
+/// starts when the device appears), or starting it failed. Kept exactly as the file had it.
+struct Waiting {
+    section: CacheSection,
+    cores: Vec<CoreSection>,
+    /// What `-L` shows: "Waiting for device", or why starting failed.
+    status: String,
+}
+
+const WAITING_FOR_DEVICE: &str = "Waiting for device";
 
 /// How `start-cache` gets its cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,6 +113,8 @@ struct CacheEntry {
 #[derive(Default)]
 struct State {
     caches: BTreeMap<u16, CacheEntry>,
+    /// Caches of the configuration file that are not running (yet).
+    waiting: BTreeMap<u16, Waiting>,
 }
 
 struct Daemon {
@@ -104,10 +123,17 @@ struct Daemon {
     /// Where to save the setup after each change, and the `[daemon]` section to keep in it.
     save_to: Option<(PathBuf, DaemonSection)>,
     stopping: AtomicBool,
+    /// Set while the configuration file is applied: the file is saved once at the end, never
+    /// half-applied.
+    applying: AtomicBool,
     /// Active block traces (`hybridcache trace`).
     traces: crate::trace::Tracers,
     /// This daemon's NBD endpoints: its own exports are refused as devices.
     own: OwnEndpoints,
+    /// `stop-daemon` requests wait here for the outcome of the shutdown (clean or not).
+    shutdown_outcome: Mutex<Option<bool>>,
+    shutdown_done: Condvar,
+    shutdown_waiters: AtomicUsize,
 }
 
 type Reply = std::result::Result<Value, String>;
@@ -199,6 +225,13 @@ impl State {
                 });
             }
         }
+        // Caches that are not running stay in the file as they were.
+        for w in self.waiting.values() {
+            cfg.caches.push(w.section.clone());
+            cfg.cores.extend(w.cores.iter().cloned());
+        }
+        cfg.caches.sort_by_key(|c| c.id);
+        cfg.cores.sort_by_key(|c| (c.cache, c.id));
         cfg
     }
 }
@@ -271,8 +304,51 @@ fn core_info(
         id,
         device: core.device.clone(),
         size: size.unwrap_or(0),
-        status: if core.active { "Active" } else { "Inactive" }.into(),
+        status: core_status(core),
         export: export_name(cache, id),
+    }
+}
+
+/// What `-L` shows for a core.
+fn core_status(core: &CoreEntry) -> String {
+    if !core.active {
+        return if core.pending {
+            WAITING_FOR_DEVICE.into()
+        } else {
+            "Inactive".into()
+        };
+    }
+    match crate::nbd_volume::detached(&core.device) {
+        Some(why) => format!("Detached (reconnecting: {why})"),
+        None => "Active".into(),
+    }
+}
+
+/// `-L`'s entry for a cache that is not running.
+fn waiting_info(w: &Waiting) -> CacheInfo {
+    CacheInfo {
+        id: w.section.id,
+        device: w.section.device.clone(),
+        status: w.status.clone(),
+        mode: w.section.mode.clone().unwrap_or_else(|| "wt".into()),
+        line_size_kib: w.section.line_size.unwrap_or(4),
+        lines: 0,
+        cleaning: String::new(),
+        promotion: String::new(),
+        flush: None,
+        dirty_for_s: None,
+        cores: w
+            .cores
+            .iter()
+            .map(|c| CoreInfo {
+                id: c.id,
+                device: c.device.clone(),
+                size: 0,
+                status: "Inactive".into(),
+                export: export_name(c.cache, c.id),
+                clients: 0,
+            })
+            .collect(),
     }
 }
 
@@ -324,11 +400,13 @@ impl Daemon {
             Request::RemoveCore { cache, core, force } => self.remove_core(cache, core, force),
             Request::List => {
                 let st = self.state.lock();
-                let caches: Vec<CacheInfo> = st
+                let mut caches: Vec<CacheInfo> = st
                     .caches
                     .iter()
                     .map(|(id, c)| cache_info(*id, c, &self.registry))
                     .collect();
+                caches.extend(st.waiting.values().map(waiting_info));
+                caches.sort_by_key(|c| c.id);
                 Ok(json!({ "caches": caches }))
             }
             Request::Stats {
@@ -476,10 +554,21 @@ impl Daemon {
             }
             Request::Version => Ok(json!({ "version": env!("CARGO_PKG_VERSION") })),
             Request::Shutdown => {
-                // The main thread's sigwait takes it from here, as for an operator's SIGTERM.
+                let caches = self.state.lock().caches.len();
+                tracing::info!("stop-daemon requested on the control socket");
+                self.shutdown_waiters.fetch_add(1, Ordering::SeqCst);
+                // The main thread's sigwait takes it from here, as for an operator's SIGTERM;
+                // the reply waits for the outcome, so the caller knows whether every cache
+                // was flushed.
                 // SAFETY: kill(2) on our own pid with a valid signal number.
                 unsafe { libc::kill(libc::getpid(), libc::SIGTERM) };
-                Ok(json!({}))
+                let mut outcome = self.shutdown_outcome.lock();
+                while outcome.is_none() {
+                    self.shutdown_done.wait(&mut outcome);
+                }
+                let clean = outcome.unwrap_or(false);
+                drop(outcome);
+                Ok(json!({ "clean": clean, "caches": caches }))
             }
             Request::TraceStart {
                 cache,
@@ -532,6 +621,11 @@ impl Daemon {
         how: Start,
     ) -> Reply {
         let mut st = self.state.lock();
+        // The device watcher calls this outside `handle`: once shutdown holds the lock no cache
+        // may start, or it would escape the shutdown's flush.
+        if self.stopping.load(Ordering::SeqCst) {
+            return Err("the daemon is shutting down".into());
+        }
         if let Some(id) = id {
             if id == 0 || id > MAX_CACHE_ID {
                 return Err(format!(
@@ -540,6 +634,12 @@ impl Daemon {
             }
             if st.caches.contains_key(&id) {
                 return Err(format!("cache {id} already exists"));
+            }
+            if let Some(w) = st.waiting.get(&id) {
+                return Err(format!(
+                    "cache {id} of the configuration is not running ({}: {}); stop it with -T -i {id} to drop it first",
+                    w.status, w.section.device
+                ));
             }
         }
         // ram: and null: devices start empty every time: their metadata stays in RAM.
@@ -562,7 +662,7 @@ impl Daemon {
         let id = match id {
             Some(id) => id,
             None => (1..=MAX_CACHE_ID)
-                .find(|i| !st.caches.contains_key(i))
+                .find(|i| !st.caches.contains_key(i) && !st.waiting.contains_key(i))
                 .ok_or("every cache id is in use")?,
         };
         let key = st.check_free(device)?;
@@ -702,6 +802,7 @@ impl Daemon {
                     key: if active { device_key(&info.name) } else { None },
                     device: info.name,
                     active,
+                    pending: false,
                 },
             );
         }
@@ -735,6 +836,16 @@ impl Daemon {
 
     fn stop_cache(&self, id: u16, no_data_flush: bool, force: bool) -> Reply {
         let mut st = self.state.lock();
+        if let Some(w) = st.waiting.remove(&id) {
+            // Not running: nothing to flush; the operator drops it from the setup.
+            self.save_locked(&st);
+            tracing::info!(
+                "cache {id} ({}, {}) dropped from the setup",
+                w.section.device,
+                w.status
+            );
+            return Ok(json!({}));
+        }
         let entry = st.cache(id)?;
         if !force {
             let names: Vec<String> = entry.cores.keys().map(|c| export_name(id, *c)).collect();
@@ -805,18 +916,30 @@ impl Daemon {
 
     fn add_core(&self, cache_id: u16, device: &str, core: Option<u16>, force: bool) -> Reply {
         let mut st = self.state.lock();
+        if self.stopping.load(Ordering::SeqCst) {
+            return Err("the daemon is shutting down".into());
+        }
+        if let Some(w) = st.waiting.get(&cache_id) {
+            return Err(format!(
+                "cache {cache_id} is not running ({}: {})",
+                w.status, w.section.device
+            ));
+        }
         let c = st.cache(cache_id)?;
-        // An inactive core comes back by its id, or by the device it was recorded with.
+        // An inactive core comes back by its id, or by the device it was recorded with. A
+        // pending core (never added: its device was missing at start) is added with its id.
+        let inactive = |e: &CoreEntry| !e.active && !e.pending;
         let reattach = match core {
             Some(j) => match c.cores.get(&j) {
-                Some(e) if !e.active => Some(j),
+                Some(e) if inactive(e) => Some(j),
+                Some(e) if e.pending => None,
                 Some(_) => return Err(format!("core {j} already exists in cache {cache_id}")),
                 None => None,
             },
             None => c
                 .cores
                 .iter()
-                .find(|(_, e)| !e.active && e.device == device)
+                .find(|(_, e)| inactive(e) && e.device == device)
                 .map(|(j, _)| *j),
         };
         let key = st.check_free(device)?;
@@ -856,6 +979,7 @@ impl Daemon {
                     device: device.to_string(),
                     key,
                     active: true,
+                    pending: false,
                 },
             );
         }
@@ -881,8 +1005,20 @@ impl Daemon {
     fn remove_core(&self, cache_id: u16, core: u16, force: bool) -> Reply {
         let mut st = self.state.lock();
         let c = st.cache(cache_id)?;
-        if !c.cores.contains_key(&core) {
-            return Err(format!("core {core} does not exist in cache {cache_id}"));
+        match c.cores.get(&core) {
+            None => return Err(format!("core {core} does not exist in cache {cache_id}")),
+            Some(e) if e.pending => {
+                // The engine never had it: only the setup names it.
+                if let Some(c) = st.caches.get_mut(&cache_id) {
+                    c.cores.remove(&core);
+                }
+                self.save_locked(&st);
+                tracing::info!(
+                    "cache {cache_id}: dropped core {core}, whose device never appeared"
+                );
+                return Ok(json!({}));
+            }
+            Some(_) => {}
         }
         if !force {
             self.refuse_if_clients(&[export_name(cache_id, core)])?;
@@ -1025,7 +1161,10 @@ impl Daemon {
                         id: *core_id,
                         device: core.device.clone(),
                         active: core.active,
-                        clients: 0,
+                        clients: self
+                            .registry
+                            .clients(&export_name(*id, *core_id))
+                            .unwrap_or(0),
                     })
                     .collect(),
             })
@@ -1038,6 +1177,9 @@ impl Daemon {
     }
 
     fn save_locked(&self, st: &State) {
+        if self.applying.load(Ordering::SeqCst) {
+            return;
+        }
         if let Some((path, daemon)) = &self.save_to {
             if let Err(e) = st.to_config(daemon).save(path) {
                 tracing::warn!("saving the configuration failed: {e:#}");
@@ -1045,64 +1187,163 @@ impl Daemon {
         }
     }
 
-    /// Apply a configuration file's caches and cores, in file order. A cache whose device
-    /// already holds a cache is loaded (its recorded mode, line size and cores win); otherwise a
-    /// new one is created. A core the loaded cache already has is left as loaded, except that an
-    /// inactive one is attached from the file's device when that differs from the recorded one.
+    /// Apply a configuration file as one transaction: the whole file is checked first
+    /// (daemon/check.rs) and a refused file changes nothing, neither a device nor the file.
+    /// Then each cache starts in file order: a cache whose device already holds a cache is
+    /// loaded (its recorded mode, line size and cores win), otherwise a new one is created. A
+    /// cache whose device is missing waits for it (daemon/watch.rs) and the others start; so
+    /// does a cache that fails to start. The file is saved once, at the end, and keeps every
+    /// entry that is not running exactly as it was.
     fn apply(&self, cfg: &ConfigFile) -> Result<()> {
+        {
+            let st = self.state.lock();
+            check::check_config(cfg, &st)
+                .map_err(|e| anyhow!("configuration refused, nothing was changed: {e}"))?;
+        }
+        self.applying.store(true, Ordering::SeqCst);
         for c in &cfg.caches {
-            self.start_cache(
-                &c.device,
-                Some(c.id),
-                c.mode.as_deref(),
-                c.line_size,
-                Start::LoadOrCreate,
-            )
-            .map_err(|e| anyhow!("cache {}: {e}", c.id))?;
-            // One request per group, so each group's fields are applied together.
-            let mut groups: BTreeMap<&str, BTreeMap<String, String>> = BTreeMap::new();
-            for (key, value) in &c.params {
-                let (g, field) = params::split_key(key)
-                    .map_err(|e| anyhow!("cache {}: parameter {key}: {e}", c.id))?;
-                groups
-                    .entry(g.name)
-                    .or_default()
-                    .insert(field, value.clone());
-            }
-            for (name, values) in groups {
-                self.handle(Request::SetParam {
-                    cache: c.id,
-                    core: None,
-                    name: name.to_string(),
-                    value: String::new(),
-                    values,
-                })
-                .map_err(|e| anyhow!("cache {}: parameter {name}: {e}", c.id))?;
+            let cores: Vec<CoreSection> = cfg
+                .cores
+                .iter()
+                .filter(|k| k.cache == c.id)
+                .cloned()
+                .collect();
+            let status = if is_missing(&c.device) {
+                tracing::warn!(
+                    "cache {}: device {} is missing; the cache waits for it",
+                    c.id,
+                    c.device
+                );
+                WAITING_FOR_DEVICE.to_string()
+            } else {
+                match self.start_configured(c, &cores) {
+                    Ok(()) => continue,
+                    Err(e) => {
+                        tracing::error!("cache {}: not started: {e}", c.id);
+                        format!("Not started: {e}")
+                    }
+                }
+            };
+            self.state.lock().waiting.insert(
+                c.id,
+                Waiting {
+                    section: c.clone(),
+                    cores,
+                    status,
+                },
+            );
+        }
+        self.applying.store(false, Ordering::SeqCst);
+        self.save();
+        Ok(())
+    }
+
+    /// Start one cache of the configuration, then set its parameters and add its cores. Only
+    /// the start itself can fail; parameters were checked with the file, and a core whose
+    /// device is missing or unusable stays inactive (it is attached when its device appears).
+    fn start_configured(
+        &self,
+        c: &CacheSection,
+        cores: &[CoreSection],
+    ) -> std::result::Result<(), String> {
+        self.start_cache(
+            &c.device,
+            Some(c.id),
+            c.mode.as_deref(),
+            c.line_size,
+            Start::LoadOrCreate,
+        )?;
+        // One request per group, so each group's fields are applied together.
+        let mut groups: BTreeMap<&str, BTreeMap<String, String>> = BTreeMap::new();
+        for (key, value) in &c.params {
+            match params::split_key(key) {
+                Ok((g, field)) => {
+                    groups
+                        .entry(g.name)
+                        .or_default()
+                        .insert(field, value.clone());
+                }
+                Err(e) => tracing::error!("cache {}: parameter {key}: {e}", c.id),
             }
         }
-        for core in &cfg.cores {
+        for (name, values) in groups {
+            if let Err(e) = self.set_param_group(c.id, name, values) {
+                tracing::error!("cache {}: parameter {name}: {e}", c.id);
+            }
+        }
+        for core in cores {
             let known = {
                 let st = self.state.lock();
                 st.core(core.cache, core.id)
                     .ok()
-                    .map(|e| e.active || e.device == core.device)
+                    .map(|e| (e.active, e.device == core.device))
             };
-            if known == Some(true) {
-                continue;
-            }
-            if let Err(e) = self.add_core(core.cache, &core.device, Some(core.id), false) {
-                if known.is_some() {
-                    // An inactive core stays inactive; the daemon serves the rest.
-                    tracing::warn!(
-                        "core {} of cache {} stays inactive: {e}",
-                        core.id,
-                        core.cache
-                    );
-                    continue;
+            match known {
+                // As loaded; an inactive core on its recorded device is the watcher's.
+                Some((true, _)) | Some((false, true)) => continue,
+                Some((false, false)) => {
+                    if let Err(e) = self.add_core(core.cache, &core.device, Some(core.id), false) {
+                        tracing::warn!(
+                            "core {} of cache {} stays inactive: {e}",
+                            core.id,
+                            core.cache
+                        );
+                        // The file's spelling is what is watched and saved.
+                        let mut st = self.state.lock();
+                        if let Some(entry) = st
+                            .caches
+                            .get_mut(&core.cache)
+                            .and_then(|c| c.cores.get_mut(&core.id))
+                        {
+                            entry.device = core.device.clone();
+                        }
+                    }
                 }
-                return Err(anyhow!("core {} of cache {}: {e}", core.id, core.cache));
+                None => {
+                    let result = if is_missing(&core.device) {
+                        Err(format!("its device {} is missing", core.device))
+                    } else {
+                        self.add_core(core.cache, &core.device, Some(core.id), false)
+                            .map(|_| ())
+                    };
+                    if let Err(e) = result {
+                        tracing::warn!(
+                            "core {} of cache {} waits for its device: {e}",
+                            core.id,
+                            core.cache
+                        );
+                        let mut st = self.state.lock();
+                        if let Some(c) = st.caches.get_mut(&core.cache) {
+                            c.cores.insert(
+                                core.id,
+                                CoreEntry {
+                                    device: core.device.clone(),
+                                    key: None,
+                                    active: false,
+                                    pending: true,
+                                },
+                            );
+                        }
+                    }
+                }
             }
         }
+        Ok(())
+    }
+
+    fn set_param_group(
+        &self,
+        cache: u16,
+        name: &str,
+        values: BTreeMap<String, String>,
+    ) -> std::result::Result<(), String> {
+        let g = params::find(name)?;
+        let set = g
+            .set
+            .ok_or_else(|| format!("parameter '{name}' is read-only"))?;
+        let handle = self.checked(cache, None)?;
+        set(&handle, None, &values)?;
+        self.save();
         Ok(())
     }
 
@@ -1232,14 +1473,26 @@ fn serve_control_client(daemon: &Daemon, stream: UnixStream) {
         if line.trim().is_empty() {
             continue;
         }
+        let mut stop_request = false;
         let response = match serde_json::from_str::<Request>(&line) {
-            Ok(req) => match daemon.handle(req) {
-                Ok(v) => Response::ok(v),
-                Err(e) => Response::err(e),
-            },
+            Ok(req) => {
+                stop_request = req == Request::Shutdown;
+                match daemon.handle(req) {
+                    Ok(v) => Response::ok(v),
+                    Err(e) => {
+                        // Refused (the daemon was already stopping): nobody waits for it.
+                        stop_request = false;
+                        Response::err(e)
+                    }
+                }
+            }
             Err(e) => Response::err(format!("bad request: {e}")),
         };
-        if writeln!(writer, "{}", reply_text(response)).is_err() {
+        let sent = writeln!(writer, "{}", reply_text(response));
+        if stop_request {
+            daemon.shutdown_waiters.fetch_sub(1, Ordering::SeqCst);
+        }
+        if sent.is_err() {
             return;
         }
     }
@@ -1329,8 +1582,12 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
         registry,
         save_to,
         stopping: AtomicBool::new(false),
+        applying: AtomicBool::new(false),
         traces: Default::default(),
         own: OwnEndpoints::new(&nbd_socket, tcp),
+        shutdown_outcome: Mutex::new(None),
+        shutdown_done: Condvar::new(),
+        shutdown_waiters: AtomicUsize::new(0),
     });
     // The metrics endpoint comes up before the configuration is applied (a refused address
     // must not leave devices touched), and shows the caches as they start.
@@ -1363,6 +1620,7 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
         cleanup_control();
         return Err(e.context("applying the configuration"));
     }
+    watch::spawn(daemon.clone()).context("cannot start the device watcher")?;
 
     {
         let daemon = daemon.clone();
@@ -1397,6 +1655,14 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
         m.shutdown();
     }
     let clean = daemon.shutdown();
+    // A stop-daemon request waits for this outcome; give it the time to send its reply.
+    *daemon.shutdown_outcome.lock() = Some(clean);
+    daemon.shutdown_done.notify_all();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while daemon.shutdown_waiters.load(Ordering::SeqCst) > 0 && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
     if !clean {
         bail!("some dirty data could not be flushed at shutdown");
     }

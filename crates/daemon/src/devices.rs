@@ -104,6 +104,31 @@ pub fn open_device(spec: &str) -> Result<VolumeRef, String> {
     opened.map_err(|e| volume_error_text(&e))
 }
 
+/// Whether `spec` names a local path that does not exist (yet): a late device, as opposed to
+/// one that exists but cannot be used. RAM, null and remote devices are never missing.
+pub fn is_missing(spec: &str) -> bool {
+    if spec.starts_with("ram:") || spec.starts_with("null:") || is_nbd_uri(spec) {
+        return false;
+    }
+    let path = spec.strip_prefix("file:").unwrap_or(spec);
+    matches!(std::fs::metadata(Path::new(path)), Err(e) if e.kind() == std::io::ErrorKind::NotFound)
+}
+
+/// What a watcher compares between two looks at a device: it is acted on only once this stays
+/// the same for a whole poll interval, so a file still being copied or grown is not formatted
+/// or loaded half-written. None while the device is missing or empty.
+pub fn settle_mark(spec: &str) -> Option<(u64, i64, i64)> {
+    let path = spec.strip_prefix("file:").unwrap_or(spec);
+    let m = std::fs::metadata(Path::new(path)).ok()?;
+    let size = if m.file_type().is_block_device() {
+        // A block device's metadata size is 0; its appearance is the event.
+        1
+    } else {
+        m.len()
+    };
+    (size > 0).then_some((size, m.mtime(), m.mtime_nsec()))
+}
+
 /// An opening failure says what is wrong with the spec; offsets and lengths are noise there.
 pub fn volume_error_text(e: &VolumeError) -> String {
     if e.op == Op::Open {

@@ -6,12 +6,15 @@
 //! split. Flush goes to one connection when the server promises multi-conn consistency and to
 //! every connection otherwise (only then are all connections' completed writes covered).
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
 
 use hybridcache_nbd::proto::{FLAG_SEND_TRIM, FLAG_SEND_WRITE_ZEROES};
 use hybridcache_nbd::{Client, ClientConfig, ClientError};
 use hybridcache_volume::{check_range, ErrorKind, Op, Result, Volume, VolumeError};
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 /// Connections opened per remote volume: each carries one request at a time, so this is the
 /// queue depth the remote device sees. Cleaning keeps up to 32 core writes in flight (a disk
@@ -95,28 +98,129 @@ pub fn parse_nbd_uri(uri: &str) -> std::result::Result<NbdTarget, String> {
     ))
 }
 
-/// A remote NBD export used as a block device.
-pub struct NbdVolume {
+/// Backoff between reconnection attempts: doubles from the first to the cap, so a short
+/// server restart is noticed within a fraction of a second and a long outage costs one attempt
+/// every few seconds.
+const BACKOFF_FIRST: Duration = Duration::from_millis(100);
+const BACKOFF_CAP: Duration = Duration::from_secs(3);
+
+/// Writes sent since the last flush that covered them are kept (up to this many bytes) and sent
+/// again on a new connection, so a server that lost what it had not flushed (a restart with a
+/// volatile write cache) gets them back. Background cleaning flushes the core after every
+/// batch, so this holds one batch of cleaning writes at most in practice.
+const REPLAY_MAX: usize = 128 << 20;
+
+/// A write kept for sending again after a reconnection.
+struct Replay {
+    seq: u64,
+    offset: u64,
+    /// None: write-zeroes of `len` bytes.
+    data: Option<Vec<u8>>,
+    len: u64,
+    /// The server acknowledged it (a flush sent afterwards covers it).
+    acked: bool,
+}
+
+/// The connection state of a remote volume, shared with its reconnection thread.
+struct LinkState {
+    connected: bool,
+    /// Why the link went down (or why the last reconnection attempt failed).
+    last_error: String,
+    /// Counts breakages: a write acknowledged in an earlier epoch than the current one was
+    /// acknowledged by a connection (maybe a server instance) that is gone.
+    epoch: u64,
+    /// Writes sent since the last flush that covered them, in the order they were sent.
+    replay: Vec<Replay>,
+    replay_bytes: usize,
+    next_seq: u64,
+    /// More than REPLAY_MAX bytes were unflushed, so the replay list was given up; if the
+    /// connection breaks in that state, writes the server acknowledged may be lost, and the
+    /// next flush reports it (EIO) instead of calling them durable.
+    overflow: bool,
+    lost: bool,
+}
+
+struct Shared {
     name: String,
+    target: NbdTarget,
     size: u64,
+    conns: Vec<Mutex<Option<Client>>>,
+    next: AtomicUsize,
+    state: Mutex<LinkState>,
+    wake: Condvar,
+}
+
+/// A remote NBD export used as a block device. When the connection breaks (the server exits or
+/// restarts), the volume turns detached: every request fails at once with EIO, and a thread
+/// reconnects with exponential backoff; once it has, requests go through again. A request in
+/// flight when the connection breaks fails with EIO (never silently): writes are idempotent,
+/// so the caller may send them again; a flush is never reported successful for writes the lost
+/// connection acknowledged (see [`LinkState::lost`]).
+pub struct NbdVolume {
+    shared: Arc<Shared>,
     max: u64,
     min: u32,
     multi_conn: bool,
     can_trim: bool,
     can_zero: bool,
-    conns: Vec<Mutex<Client>>,
-    next: AtomicUsize,
 }
+
+/// A handle on a remote volume's connection state, for status displays.
+#[derive(Clone)]
+pub struct NbdLink(Arc<Shared>);
+
+impl NbdLink {
+    /// None while connected; the last error while detached and reconnecting.
+    pub fn detached(&self) -> Option<String> {
+        let st = self.0.state.lock();
+        (!st.connected).then(|| st.last_error.clone())
+    }
+}
+
+/// Every remote volume open in this process, by the URI it was opened with, so the daemon can
+/// show a core's connection state by the device name it knows (one device is open once).
+static LINKS: Mutex<BTreeMap<String, Weak<Shared>>> = Mutex::new(BTreeMap::new());
+
+/// The connection state of the remote volume open from `uri`: None when connected (or when no
+/// such volume is open), the last error while it is detached and reconnecting.
+pub fn detached(uri: &str) -> Option<String> {
+    let shared = LINKS.lock().get(uri)?.upgrade()?;
+    NbdLink(shared).detached()
+}
+
+/// A reply that takes longer than this means the server or the network is gone without
+/// closing the connection (a host that died, a dropped route): the connection counts as broken
+/// and is replaced, instead of hanging every request behind it. Generous, because a remote
+/// disk array can legitimately take seconds for a flush.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(60);
 
 fn connect(target: &NbdTarget) -> std::result::Result<Client, ClientError> {
     match target {
         NbdTarget::Unix { socket, export } => {
-            Client::connect_unix_with(socket, &ClientConfig::new(export))
+            let s = std::os::unix::net::UnixStream::connect(socket)?;
+            s.set_read_timeout(Some(REPLY_TIMEOUT))?;
+            s.set_write_timeout(Some(REPLY_TIMEOUT))?;
+            Client::handshake(Box::new(s), &ClientConfig::new(export))
         }
         NbdTarget::Tcp { host, port, export } => {
-            Client::connect_tcp_with((host.as_str(), *port), &ClientConfig::new(export))
+            let s = std::net::TcpStream::connect((host.as_str(), *port))?;
+            s.set_nodelay(true)?;
+            s.set_read_timeout(Some(REPLY_TIMEOUT))?;
+            s.set_write_timeout(Some(REPLY_TIMEOUT))?;
+            Client::handshake(Box::new(s), &ClientConfig::new(export))
         }
     }
+}
+
+/// A whole pool of connections, or the first failure.
+fn connect_pool(target: &NbdTarget) -> std::result::Result<Vec<Client>, ClientError> {
+    (0..POOL).map(|_| connect(target)).collect()
+}
+
+/// Whether an error means the connection is unusable (as opposed to the server refusing one
+/// request with an error reply, after which the connection goes on).
+fn breaks_connection(e: &ClientError) -> bool {
+    !matches!(e, ClientError::Server { .. })
 }
 
 impl NbdVolume {
@@ -124,12 +228,8 @@ impl NbdVolume {
     pub fn open(uri: &str) -> Result<NbdVolume> {
         let invalid = |msg: String| VolumeError::new(uri, Op::Open, 0, 0, ErrorKind::Invalid(msg));
         let target = parse_nbd_uri(uri).map_err(invalid)?;
-        let mut conns = Vec::with_capacity(POOL);
-        for _ in 0..POOL {
-            let c = connect(&target)
-                .map_err(|e| invalid(format!("cannot connect to NBD export '{uri}': {e}")))?;
-            conns.push(c);
-        }
+        let conns = connect_pool(&target)
+            .map_err(|e| invalid(format!("cannot connect to NBD export '{uri}': {e}")))?;
         let first = &conns[0];
         if first.is_read_only() {
             return Err(invalid(format!("NBD export '{uri}' is read-only")));
@@ -146,33 +246,173 @@ impl NbdVolume {
         let multi_conn = first.can_multi_conn();
         let can_trim = first.flags() & FLAG_SEND_TRIM != 0;
         let can_zero = first.flags() & FLAG_SEND_WRITE_ZEROES != 0;
-        Ok(NbdVolume {
+        let shared = Arc::new(Shared {
             name: uri.to_string(),
+            target,
             size,
+            conns: conns.into_iter().map(|c| Mutex::new(Some(c))).collect(),
+            next: AtomicUsize::new(0),
+            state: Mutex::new(LinkState {
+                connected: true,
+                last_error: String::new(),
+                epoch: 0,
+                replay: Vec::new(),
+                replay_bytes: 0,
+                next_seq: 0,
+                overflow: false,
+                lost: false,
+            }),
+            wake: Condvar::new(),
+        });
+        let weak = Arc::downgrade(&shared);
+        let mut links = LINKS.lock();
+        links.retain(|_, w| w.strong_count() > 0);
+        links.insert(uri.to_string(), weak.clone());
+        drop(links);
+        std::thread::Builder::new()
+            .name("nbd-reconnect".into())
+            .spawn(move || reconnect_loop(weak))
+            .map_err(|e| invalid(format!("cannot start the reconnection thread: {e}")))?;
+        Ok(NbdVolume {
+            shared,
             max,
             min,
             multi_conn,
             can_trim,
             can_zero,
-            conns: conns.into_iter().map(Mutex::new).collect(),
-            next: AtomicUsize::new(0),
         })
     }
 
-    /// Run `f` on a free connection, or wait for the next one in turn when all are busy.
-    fn with_conn<T>(&self, f: impl FnOnce(&mut Client) -> T) -> T {
-        for c in &self.conns {
+    /// The connection state, for `-L`.
+    pub fn link(&self) -> NbdLink {
+        NbdLink(self.shared.clone())
+    }
+
+    fn detached_error(&self, op: Op, offset: u64, len: u64, why: &str) -> VolumeError {
+        let io = std::io::Error::from_raw_os_error(libc::EIO);
+        let msg = format!("detached (reconnecting: {why}): {io}");
+        VolumeError::new(
+            &self.shared.name,
+            op,
+            offset,
+            len,
+            ErrorKind::Io(std::io::Error::other(msg)),
+        )
+    }
+
+    /// Run `f` on a free connection (or wait for the next one in turn when all are busy). While
+    /// detached nothing is sent. A transport failure detaches the volume and wakes the
+    /// reconnection thread. Returns the epoch the request ran in.
+    fn with_conn<T>(
+        &self,
+        op: Op,
+        offset: u64,
+        len: u64,
+        f: impl FnOnce(&mut Client) -> std::result::Result<T, ClientError>,
+    ) -> Result<(T, u64)> {
+        let sh = &*self.shared;
+        let epoch = {
+            let st = sh.state.lock();
+            if !st.connected {
+                return Err(self.detached_error(op, offset, len, &st.last_error));
+            }
+            st.epoch
+        };
+        let run = |slot: &mut Option<Client>| -> Result<(T, u64)> {
+            let Some(client) = slot.as_mut() else {
+                // Dropped by a breakage this request raced with.
+                let why = sh.state.lock().last_error.clone();
+                return Err(self.detached_error(op, offset, len, &why));
+            };
+            match f(client) {
+                Ok(v) => Ok((v, epoch)),
+                Err(e) => {
+                    if breaks_connection(&e) {
+                        *slot = None;
+                        self.detach(&e.to_string());
+                    }
+                    Err(self.err(op, offset, len, e))
+                }
+            }
+        };
+        for c in &sh.conns {
             if let Some(mut g) = c.try_lock() {
-                return f(&mut g);
+                return run(&mut g);
             }
         }
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.conns.len();
-        f(&mut self.conns[i].lock())
+        let i = sh.next.fetch_add(1, Ordering::Relaxed) % sh.conns.len();
+        let mut g = sh.conns[i].lock();
+        run(&mut g)
+    }
+
+    /// A connection broke: mark the volume detached (once per breakage) and wake the
+    /// reconnection thread. While connected every slot holds a connection of the current
+    /// epoch (reconnection fills them all before it says so), so any breakage counts.
+    fn detach(&self, why: &str) {
+        let mut st = self.shared.state.lock();
+        if !st.connected {
+            return;
+        }
+        st.connected = false;
+        st.epoch += 1;
+        st.last_error = why.to_string();
+        if st.overflow {
+            st.lost = true;
+            st.overflow = false;
+        }
+        tracing::warn!(
+            "remote volume {}: connection lost ({why}); detached, reconnecting",
+            self.shared.name
+        );
+        self.shared.wake.notify_all();
+    }
+
+    /// Keep a write for replay before it is sent (so no breakage can come between its
+    /// acknowledgement and its being kept); returns its sequence number.
+    fn keep(&self, offset: u64, data: Option<&[u8]>, len: u64) -> Option<u64> {
+        let mut st = self.shared.state.lock();
+        // While detached the request fails without being sent: nothing to keep.
+        if st.overflow || !st.connected {
+            return None;
+        }
+        if st.replay_bytes + data.map_or(0, <[u8]>::len) > REPLAY_MAX {
+            st.overflow = true;
+            st.replay.clear();
+            st.replay_bytes = 0;
+            return None;
+        }
+        let seq = st.next_seq;
+        st.next_seq += 1;
+        st.replay_bytes += data.map_or(0, <[u8]>::len);
+        st.replay.push(Replay {
+            seq,
+            offset,
+            data: data.map(<[u8]>::to_vec),
+            len,
+            acked: false,
+        });
+        Some(seq)
+    }
+
+    /// Kept write `seq` was acknowledged (a later flush covers it), or failed: then the caller
+    /// has its error and writes it again if it still wants it (the engine keeps the line
+    /// dirty), and no flush has to cover it, so it is not kept.
+    fn settle(&self, seq: Option<u64>, acked: bool) {
+        let Some(seq) = seq else { return };
+        let mut st = self.shared.state.lock();
+        if let Ok(i) = st.replay.binary_search_by_key(&seq, |r| r.seq) {
+            if acked {
+                st.replay[i].acked = true;
+            } else {
+                let r = st.replay.remove(i);
+                st.replay_bytes -= r.data.map_or(0, |d| d.len());
+            }
+        }
     }
 
     fn err(&self, op: Op, offset: u64, len: u64, e: ClientError) -> VolumeError {
         let io = std::io::Error::other(e.to_string());
-        VolumeError::new(&self.name, op, offset, len, ErrorKind::Io(io))
+        VolumeError::new(&self.shared.name, op, offset, len, ErrorKind::Io(io))
     }
 
     /// Split `[offset, offset+len)` into pieces of at most the server's maximum request.
@@ -183,15 +423,133 @@ impl NbdVolume {
             (offset + start, (len - start).min(max))
         })
     }
+
+    fn flush_all(&self) -> Result<()> {
+        if self.multi_conn {
+            self.with_conn(Op::Flush, 0, 0, |c| c.flush())?;
+            return Ok(());
+        }
+        // Without multi-conn only a flush on every connection covers every connection's writes.
+        let sh = &*self.shared;
+        {
+            let st = sh.state.lock();
+            if !st.connected {
+                return Err(self.detached_error(Op::Flush, 0, 0, &st.last_error));
+            }
+        }
+        for c in &sh.conns {
+            let mut g = c.lock();
+            let Some(client) = g.as_mut() else {
+                let why = sh.state.lock().last_error.clone();
+                return Err(self.detached_error(Op::Flush, 0, 0, &why));
+            };
+            if let Err(e) = client.flush() {
+                if breaks_connection(&e) {
+                    *g = None;
+                    self.detach(&e.to_string());
+                }
+                return Err(self.err(Op::Flush, 0, 0, e));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Send every kept write again, in the order first sent, on a new connection: the server may
+/// have lost what it acknowledged but had not flushed. Writes are idempotent, and nothing else
+/// is sent while the volume is detached, so the result is as if nothing had been lost. Holds
+/// the state lock throughout, so no write is kept or acknowledged meanwhile.
+fn replay(sh: &Shared, client: &mut Client) -> std::result::Result<(), String> {
+    let mut st = sh.state.lock();
+    let n = st.replay.len();
+    for r in st.replay.iter_mut() {
+        match &r.data {
+            Some(d) => client.write(d, r.offset, false),
+            None => client.write_zeroes(r.offset, r.len as u32, false, false),
+        }
+        .map_err(|e| format!("sending unflushed writes again failed: {e}"))?;
+        r.acked = true;
+    }
+    if n > 0 {
+        tracing::info!(
+            "remote volume {}: sent {n} unflushed writes ({} bytes) again on the new connection",
+            sh.name,
+            st.replay_bytes
+        );
+    }
+    Ok(())
+}
+
+/// Reconnect whenever the volume is detached, with exponential backoff, until the volume is
+/// dropped.
+fn reconnect_loop(weak: Weak<Shared>) {
+    loop {
+        let Some(sh) = weak.upgrade() else { return };
+        {
+            let mut st = sh.state.lock();
+            if st.connected {
+                // Wake up now and then to notice that the volume is gone.
+                sh.wake.wait_for(&mut st, Duration::from_secs(1));
+                continue;
+            }
+        }
+        drop(sh);
+        let started = Instant::now();
+        let mut delay = BACKOFF_FIRST;
+        let mut attempts = 0u32;
+        loop {
+            std::thread::sleep(delay);
+            let Some(sh) = weak.upgrade() else { return };
+            attempts += 1;
+            let result = connect_pool(&sh.target)
+                .map_err(|e| e.to_string())
+                .and_then(|mut pool| {
+                    let size = pool[0].size();
+                    if size != sh.size {
+                        return Err(format!(
+                            "the export is {size} bytes now, not {} bytes as before; not reattached",
+                            sh.size
+                        ));
+                    }
+                    replay(&sh, &mut pool[0])?;
+                    Ok(pool)
+                });
+            match result {
+                Ok(pool) => {
+                    // Each slot is replaced under its lock: a request holds one connection
+                    // from start to end.
+                    for (slot, client) in sh.conns.iter().zip(pool) {
+                        *slot.lock() = Some(client);
+                    }
+                    let mut st = sh.state.lock();
+                    st.connected = true;
+                    tracing::info!(
+                        "remote volume {}: reconnected after {attempts} attempts ({:.1} s)",
+                        sh.name,
+                        started.elapsed().as_secs_f64()
+                    );
+                    break;
+                }
+                Err(e) => {
+                    let mut st = sh.state.lock();
+                    if st.last_error != e {
+                        tracing::warn!("remote volume {}: reconnecting failed: {e}", sh.name);
+                        st.last_error = e;
+                    }
+                }
+            }
+            delay = (delay * 2).min(BACKOFF_CAP);
+        }
+    }
 }
 
 impl Volume for NbdVolume {
     fn name(&self) -> &str {
-        &self.name
+        &self.shared.name
     }
 
     fn size(&self) -> u64 {
-        self.size
+        self.shared.size
     }
 
     fn logical_block_size(&self) -> u32 {
@@ -203,8 +561,7 @@ impl Volume for NbdVolume {
         for (off, n) in self.pieces(offset, buf.len() as u64) {
             let at = (off - offset) as usize;
             let piece = &mut buf[at..at + n as usize];
-            self.with_conn(|c| c.read(piece, off))
-                .map_err(|e| self.err(Op::Read, off, n, e))?;
+            self.with_conn(Op::Read, off, n, |c| c.read(piece, off))?;
         }
         Ok(())
     }
@@ -214,21 +571,65 @@ impl Volume for NbdVolume {
         for (off, n) in self.pieces(offset, buf.len() as u64) {
             let at = (off - offset) as usize;
             let piece = &buf[at..at + n as usize];
-            self.with_conn(|c| c.write(piece, off, false))
-                .map_err(|e| self.err(Op::Write, off, n, e))?;
+            let seq = self.keep(off, Some(piece), n);
+            let sent = self.with_conn(Op::Write, off, n, |c| c.write(piece, off, false));
+            self.settle(seq, sent.is_ok());
+            sent?;
         }
         Ok(())
     }
 
+    /// A flush covers the writes acknowledged before it was sent; those leave the replay list.
+    /// Writes a broken connection had acknowledged were sent again on the new one before it
+    /// took requests, so a flush there covers them too. Only if they could not be kept (the
+    /// replay list overflowed) does the flush fail, once, rather than call them durable.
     fn flush(&self) -> Result<()> {
-        if self.multi_conn {
-            return self
-                .with_conn(|c| c.flush())
-                .map_err(|e| self.err(Op::Flush, 0, 0, e));
+        let covered: Vec<u64> = {
+            let st = self.shared.state.lock();
+            if !st.connected && st.replay.is_empty() && !st.overflow && !st.lost {
+                // Every write the server acknowledged is covered by an earlier flush: nothing
+                // to make durable, so a client's flush does not fail during an outage.
+                return Ok(());
+            }
+            st.replay
+                .iter()
+                .filter(|r| r.acked)
+                .map(|r| r.seq)
+                .collect()
+        };
+        self.flush_all()?;
+        let mut st = self.shared.state.lock();
+        if st.lost {
+            st.lost = false;
+            let io = std::io::Error::other(format!(
+                "the connection to the server broke after it acknowledged writes that no flush covered; they may be lost ({})",
+                st.last_error
+            ));
+            return Err(VolumeError::new(
+                &self.shared.name,
+                Op::Flush,
+                0,
+                0,
+                ErrorKind::Io(io),
+            ));
         }
-        for c in &self.conns {
-            c.lock().flush().map_err(|e| self.err(Op::Flush, 0, 0, e))?;
-        }
+        // Writes acknowledged before this flush are durable; keeping starts afresh (a write in
+        // flight meanwhile and not kept is the one gap an overflow leaves).
+        st.overflow = false;
+        // Both lists are in sequence order.
+        let mut i = 0;
+        let mut freed = 0;
+        st.replay.retain(|r| {
+            while i < covered.len() && covered[i] < r.seq {
+                i += 1;
+            }
+            let keep = !(i < covered.len() && covered[i] == r.seq);
+            if !keep {
+                freed += r.data.as_ref().map_or(0, Vec::len);
+            }
+            keep
+        });
+        st.replay_bytes -= freed;
         Ok(())
     }
 
@@ -239,8 +640,7 @@ impl Volume for NbdVolume {
             return Ok(());
         }
         for (off, n) in self.pieces(offset, len) {
-            self.with_conn(|c| c.trim(off, n as u32))
-                .map_err(|e| self.err(Op::Discard, off, n, e))?;
+            self.with_conn(Op::Discard, off, n, |c| c.trim(off, n as u32))?;
         }
         Ok(())
     }
@@ -251,8 +651,12 @@ impl Volume for NbdVolume {
             return hybridcache_volume::write_zeroes_by_writing(self, offset, len);
         }
         for (off, n) in self.pieces(offset, len) {
-            self.with_conn(|c| c.write_zeroes(off, n as u32, false, false))
-                .map_err(|e| self.err(Op::WriteZeroes, off, n, e))?;
+            let seq = self.keep(off, None, n);
+            let sent = self.with_conn(Op::WriteZeroes, off, n, |c| {
+                c.write_zeroes(off, n as u32, false, false)
+            });
+            self.settle(seq, sent.is_ok());
+            sent?;
         }
         Ok(())
     }
@@ -261,6 +665,129 @@ impl Volume for NbdVolume {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hybridcache_nbd::{Export, ExportRegistry, ExportResult, Server};
+
+    /// A disk with a volatile write cache: a write is kept only once flushed, and a new server
+    /// instance starts from what was flushed.
+    struct Volatile {
+        durable: Arc<Mutex<Vec<u8>>>,
+        pending: Mutex<Vec<(u64, Vec<u8>)>>,
+    }
+
+    impl Export for Volatile {
+        fn size(&self) -> u64 {
+            self.durable.lock().len() as u64
+        }
+        fn read(&self, buf: &mut [u8], offset: u64) -> ExportResult<()> {
+            let at = offset as usize;
+            buf.copy_from_slice(&self.durable.lock()[at..at + buf.len()]);
+            for (off, data) in self.pending.lock().iter() {
+                for (i, b) in data.iter().enumerate() {
+                    let p = *off as usize + i;
+                    if p >= at && p < at + buf.len() {
+                        buf[p - at] = *b;
+                    }
+                }
+            }
+            Ok(())
+        }
+        fn write(&self, buf: &[u8], offset: u64, _fua: bool) -> ExportResult<()> {
+            self.pending.lock().push((offset, buf.to_vec()));
+            Ok(())
+        }
+        fn flush(&self) -> ExportResult<()> {
+            let mut d = self.durable.lock();
+            for (off, data) in self.pending.lock().drain(..) {
+                d[off as usize..off as usize + data.len()].copy_from_slice(&data);
+            }
+            Ok(())
+        }
+    }
+
+    fn serve(sock: &std::path::Path, durable: &Arc<Mutex<Vec<u8>>>) -> Server {
+        let registry = ExportRegistry::new();
+        registry
+            .add(
+                "v",
+                Arc::new(Volatile {
+                    durable: durable.clone(),
+                    pending: Mutex::new(Vec::new()),
+                }),
+            )
+            .unwrap();
+        let server = Server::new(registry);
+        server.serve_unix(sock).unwrap();
+        server
+    }
+
+    #[test]
+    fn reconnects_and_sends_unflushed_writes_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("v.sock");
+        let durable = Arc::new(Mutex::new(vec![0u8; 1 << 20]));
+        let first = serve(&sock, &durable);
+        let uri = format!("nbd+unix:///v?socket={}", sock.display());
+        let vol = NbdVolume::open(&uri).unwrap();
+        let link = vol.link();
+        vol.write_at(&[1u8; 4096], 0).unwrap();
+        vol.flush().unwrap();
+        // Acknowledged, not flushed: the server loses it when it goes.
+        vol.write_at(&[7u8; 4096], 8192).unwrap();
+        first.shutdown();
+        drop(first);
+        let mut buf = vec![0u8; 4096];
+        let e = vol.read_at(&mut buf, 0).unwrap_err().to_string();
+        assert!(link.detached().is_some(), "{e}");
+        // Detached: requests fail at once, without waiting for the server.
+        let e = vol.read_at(&mut buf, 0).unwrap_err().to_string();
+        assert!(e.contains("detached (reconnecting: "), "{e}");
+        assert!(
+            vol.flush().is_err(),
+            "an unflushed write is not durable yet"
+        );
+        assert!(durable.lock()[8192..8192 + 4096].iter().all(|&b| b == 0));
+
+        let _second = serve(&sock, &durable);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while link.detached().is_some() {
+            assert!(Instant::now() < deadline, "never reconnected");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        vol.flush().unwrap();
+        // The write the first server lost was sent again and is now durable.
+        let durable = durable.lock();
+        assert!(
+            durable[8192..8192 + 4096].iter().all(|&b| b == 7),
+            "the unflushed write was sent again"
+        );
+        assert!(durable[..4096].iter().all(|&b| b == 1));
+        drop(durable);
+        vol.read_at(&mut buf, 8192).unwrap();
+        assert_eq!(buf, vec![7u8; 4096]);
+        assert!(
+            vol.shared.state.lock().replay.is_empty(),
+            "a flush empties the list"
+        );
+    }
+
+    #[test]
+    fn a_flush_with_nothing_unflushed_succeeds_while_detached() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("v.sock");
+        let durable = Arc::new(Mutex::new(vec![0u8; 1 << 20]));
+        let first = serve(&sock, &durable);
+        let vol = NbdVolume::open(&format!("nbd+unix:///v?socket={}", sock.display())).unwrap();
+        vol.write_at(&[3u8; 512], 0).unwrap();
+        vol.flush().unwrap();
+        first.shutdown();
+        drop(first);
+        let mut buf = vec![0u8; 512];
+        assert!(vol.read_at(&mut buf, 0).is_err());
+        assert!(vol.link().detached().is_some());
+        // A write refused while detached needs no flush to cover it.
+        assert!(vol.write_at(&[4u8; 512], 512).is_err());
+        vol.flush().unwrap();
+    }
 
     #[test]
     fn parses_uris() {

@@ -109,7 +109,8 @@ pub enum Request {
         name: String,
     },
     Version,
-    /// Stop the daemon as SIGTERM would (flush every cache, remove the sockets).
+    /// Stop the daemon as SIGTERM would (flush every cache, remove the sockets). The reply
+    /// ([`Stopped`]) comes once every cache is stopped.
     Shutdown,
     /// Record every request on the exported volume(s) of a core (or of every active core) to a
     /// blkparse-format file (trace.rs). Result: [`TraceInfo`].
@@ -187,6 +188,15 @@ pub struct CoreAdded {
 }
 
 /// Result of `list`.
+/// Result of `shutdown`, sent once the daemon has stopped every cache.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Stopped {
+    /// Every cache's dirty data was flushed.
+    pub clean: bool,
+    /// Caches that were running.
+    pub caches: usize,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct CacheList {
     pub caches: Vec<CacheInfo>,

@@ -1,0 +1,620 @@
+//! Device lifecycle through the daemon (issue 12, cases 5-7 and stopping): a configuration is
+//! one transaction, late cache devices wait and start, inactive cores attach again by
+//! themselves, remote cores reconnect after their server restarts, and `stop-daemon` stops the
+//! daemon cleanly.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{fio, have, sparse_file, workdir, Daemon, BIN};
+use hybridcache_daemon::config::ConfigFile;
+use hybridcache_nbd::Client;
+
+/// Statuses `-L` shows: the cache's, then each core's.
+fn statuses(d: &Daemon, cache: u16) -> Option<(String, Vec<String>)> {
+    let v: serde_json::Value = serde_json::from_str(&d.ok(&["-L", "-o", "json"])).expect("JSON");
+    let c = v["caches"]
+        .as_array()?
+        .iter()
+        .find(|c| c["id"].as_u64() == Some(cache as u64))?;
+    let cores = c["cores"]
+        .as_array()?
+        .iter()
+        .map(|k| k["status"].as_str().unwrap_or("").to_string())
+        .collect();
+    Some((c["status"].as_str()?.to_string(), cores))
+}
+
+/// Wait (up to 20 s) until `ok` holds for cache `cache`'s statuses.
+fn wait_status(d: &Daemon, cache: u16, what: &str, ok: impl Fn(&str, &[String]) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some((c, cores)) = statuses(d, cache) {
+            if ok(&c, &cores) {
+                return;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "cache {cache} never became {what}: {:?}\n{}",
+            statuses(d, cache),
+            d.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn write_file(path: &Path, text: &str) {
+    std::fs::write(path, text).expect("write the configuration");
+}
+
+/// A content hash of a file (FNV-1a over every byte), to show that it did not change.
+fn hash(path: &Path) -> u64 {
+    let data = std::fs::read(path).expect("read a device file");
+    data.iter().fold(0xcbf29ce484222325u64, |h, b| {
+        (h ^ *b as u64).wrapping_mul(0x100000001b3)
+    })
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+#[test]
+fn a_missing_cache_device_waits_and_the_others_start() {
+    let dir = workdir();
+    let p = dir.path();
+    let cache1 = p.join("cache1.img");
+    let core1 = p.join("core1.img");
+    let core2 = p.join("core2.img");
+    let late_dir = p.join("late");
+    let cache2 = late_dir.join("cache2.img");
+    sparse_file(&cache1, 64 << 20);
+    sparse_file(&core1, 64 << 20);
+    sparse_file(&core2, 64 << 20);
+    let cfg = p.join("hybridcache.toml");
+    let text = format!(
+        "[[cache]]\nid = 1\ndevice = \"{}\"\nmode = \"wb\"\n\n[[cache]]\nid = 2\ndevice = \"{}\"\nmode = \"wt\"\nline_size = 8\n\n[cache.params]\n\"cleaning-alru.wake-up\" = \"5\"\n\n[[core]]\ncache = 1\nid = 1\ndevice = \"{}\"\n\n[[core]]\ncache = 2\nid = 1\ndevice = \"{}\"\n",
+        cache1.display(),
+        cache2.display(),
+        core1.display(),
+        core2.display()
+    );
+    write_file(&cfg, &text);
+    let cfg_s = cfg.to_str().expect("UTF-8 path");
+    let d = Daemon::start_with(p, &["--config", cfg_s, "--save-config"]);
+
+    // Cache 1 runs and serves; cache 2 waits.
+    let (s1, cores1) = statuses(&d, 1).expect("cache 1 listed");
+    assert_eq!(
+        (s1.as_str(), cores1),
+        ("Running", vec!["Active".to_string()])
+    );
+    let (s2, _) = statuses(&d, 2).expect("cache 2 listed");
+    assert_eq!(s2, "Waiting for device");
+    let data = pattern(1, 1 << 20);
+    let mut c = Client::connect_unix(&d.nbd, "cas1-1").expect("cas1-1 is served");
+    c.write(&data, 0, false).expect("write");
+    c.flush().expect("flush");
+    c.disconnect().expect("disconnect");
+
+    // The saved file still names cache 2 and its core, as the file had them.
+    let saved = ConfigFile::load(&cfg).expect("the saved file");
+    let given = ConfigFile::parse(&text).expect("the given file");
+    let c2 = saved.caches.iter().find(|c| c.id == 2);
+    assert_eq!(
+        c2,
+        given.caches.iter().find(|c| c.id == 2),
+        "cache 2 as given"
+    );
+    let cores2 = |c: &ConfigFile| {
+        c.cores
+            .iter()
+            .filter(|k| k.cache == 2)
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(cores2(&saved), cores2(&given), "cache 2's core as given");
+
+    // The device appears (its directory too): the cache starts, as the file says.
+    std::fs::create_dir(&late_dir).expect("mkdir");
+    sparse_file(&cache2, 64 << 20);
+    wait_status(&d, 2, "running", |c, cores| {
+        c == "Running" && cores == ["Active"]
+    });
+    let list = d.ok(&["-L"]);
+    assert!(list.contains("cas2-1"), "{list}");
+    let got = d.ok(&["-G", "-n", "cleaning-alru", "-i", "2", "-o", "csv"]);
+    assert!(got.contains(",5"), "the file's parameters apply: {got}");
+    let mut c = Client::connect_unix(&d.nbd, "cas2-1").expect("cas2-1 is served");
+    c.write(&data, 4096, false).expect("write");
+    let mut back = vec![0u8; data.len()];
+    c.read(&mut back, 4096).expect("read");
+    assert_eq!(back, data);
+    c.disconnect().expect("disconnect");
+    let log = d.log_text();
+    assert!(log.contains("device") && log.contains("appeared"), "{log}");
+    // Cache 2 was created with the file's line size and mode.
+    let (_, _) = statuses(&d, 2).expect("listed");
+    let v: serde_json::Value = serde_json::from_str(&d.ok(&["-L", "-o", "json"])).expect("JSON");
+    let c2 = &v["caches"][1];
+    assert_eq!(c2["line_size_kib"].as_u64(), Some(8), "{v}");
+    assert_eq!(c2["mode"].as_str(), Some("wt"), "{v}");
+}
+
+/// Start a daemon that must refuse its configuration; returns its stderr.
+fn refused_daemon(dir: &Path, cfg: &Path) -> String {
+    let out = Command::new(BIN)
+        .arg("daemon")
+        .arg("--control")
+        .arg(dir.join("control.sock"))
+        .arg("--nbd-socket")
+        .arg(dir.join("nbd.sock"))
+        .arg("--config")
+        .arg(cfg)
+        .arg("--save-config")
+        .env_remove("HYBRIDCACHE_CONTROL")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run the daemon");
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "the daemon should refuse: {err}");
+    err
+}
+
+#[test]
+fn a_refused_configuration_changes_no_device_and_not_the_file() {
+    let dir = workdir();
+    let p = dir.path();
+    let devices: Vec<PathBuf> = ["c1.img", "k1.img", "c2.img", "k2.img", "c3.img", "k3.img"]
+        .iter()
+        .map(|n| p.join(n))
+        .collect();
+    for d in &devices {
+        sparse_file(d, 32 << 20);
+    }
+    // Some content, so "unchanged" means more than "still zero".
+    for (i, d) in devices.iter().enumerate() {
+        std::fs::write(d, pattern(i as u8, 32 << 20)).expect("fill");
+    }
+    let entries = |third_cache: &str, third_params: &str| {
+        format!(
+            "[[cache]]\nid = 1\ndevice = \"{}\"\n\n[[cache]]\nid = 2\ndevice = \"{}\"\n\n[[cache]]\nid = 3\ndevice = \"{third_cache}\"\n{third_params}\n[[core]]\ncache = 1\nid = 1\ndevice = \"{}\"\n\n[[core]]\ncache = 2\nid = 1\ndevice = \"{}\"\n\n[[core]]\ncache = 3\nid = 1\ndevice = \"{}\"\n",
+            devices[0].display(),
+            devices[2].display(),
+            devices[1].display(),
+            devices[3].display(),
+            devices[5].display()
+        )
+    };
+    // The third cache's device is the first cache's file by another name (a symlink).
+    let alias = p.join("alias.img");
+    std::os::unix::fs::symlink(&devices[0], &alias).expect("symlink");
+    let bad_param = "[cache.params]\n\"cleaning-alru.wake-up\" = \"99999\"\n";
+    let cases = [
+        (
+            "an aliased device",
+            entries(alias.to_str().expect("UTF-8"), ""),
+            "same device",
+        ),
+        (
+            "a parameter out of range",
+            entries(devices[4].to_str().expect("UTF-8"), bad_param),
+            "wake-up",
+        ),
+    ];
+    for (what, text, reason) in cases {
+        let cfg = p.join("hybridcache.toml");
+        write_file(&cfg, &text);
+        let before: Vec<u64> = devices.iter().map(|d| hash(d)).collect();
+        let cfg_before = std::fs::read(&cfg).expect("read");
+        let err = refused_daemon(p, &cfg);
+        let after: Vec<u64> = devices.iter().map(|d| hash(d)).collect();
+        assert_eq!(before, after, "{what}: a device changed: {err}");
+        assert_eq!(
+            std::fs::read(&cfg).expect("read"),
+            cfg_before,
+            "{what}: the file was rewritten"
+        );
+        assert!(
+            err.contains("configuration refused") && err.contains(reason),
+            "{what}: {err}"
+        );
+    }
+}
+
+#[test]
+fn an_inactive_core_attaches_again_when_its_file_reappears() {
+    let dir = workdir();
+    let p = dir.path();
+    let cache = p.join("cache.img");
+    let core = p.join("core.img");
+    sparse_file(&cache, 64 << 20);
+    sparse_file(&core, 64 << 20);
+    let mut d = Daemon::start(p);
+    let spec = format!("file:{}", cache.display());
+    d.ok(&["-S", "-d", &spec, "-c", "wb"]);
+    d.ok(&["-A", "-i", "1", "-d", core.to_str().expect("UTF-8")]);
+    // Dirty data, kept on the cache device across a stop without flush.
+    let data = pattern(7, 2 << 20);
+    let mut c = Client::connect_unix(&d.nbd, "cas1-1").expect("connect");
+    c.write(&data, 1 << 20, false).expect("write");
+    c.flush().expect("flush");
+    c.disconnect().expect("disconnect");
+    d.ok(&["-T", "-i", "1", "-n"]);
+    assert!(d.stop());
+    let away = p.join("core.away");
+    std::fs::rename(&core, &away).expect("move the core away");
+
+    let d = Daemon::start(p);
+    d.ok(&["-S", "-d", &spec, "--load"]);
+    let (_, cores) = statuses(&d, 1).expect("listed");
+    assert_eq!(cores, ["Inactive"]);
+    // The core's file comes back under its recorded name: it attaches by itself.
+    std::fs::rename(&away, &core).expect("move the core back");
+    wait_status(&d, 1, "complete", |c, cores| {
+        c == "Running" && cores == ["Active"]
+    });
+    assert!(
+        d.log_text().contains("attached again by itself"),
+        "{}",
+        d.log_text()
+    );
+    // Its dirty data is served, and cleaned to the core.
+    let mut c = Client::connect_unix(&d.nbd, "cas1-1").expect("connect");
+    let mut back = vec![0u8; data.len()];
+    c.read(&mut back, 1 << 20).expect("read");
+    assert_eq!(back, data);
+    c.disconnect().expect("disconnect");
+    d.ok(&["-F", "-i", "1"]);
+    assert_eq!(
+        d.stats_json(1, None)["usage"]["dirty"]["count"].as_u64(),
+        Some(0)
+    );
+    let on_core = std::fs::read(&core).expect("read the core");
+    assert_eq!(&on_core[1 << 20..(1 << 20) + data.len()], &data[..]);
+}
+
+#[test]
+fn a_core_of_the_wrong_size_is_not_attached() {
+    let dir = workdir();
+    let p = dir.path();
+    let cache = p.join("cache.img");
+    let core = p.join("core.img");
+    sparse_file(&cache, 64 << 20);
+    sparse_file(&core, 64 << 20);
+    let mut d = Daemon::start(p);
+    let spec = format!("file:{}", cache.display());
+    d.ok(&["-S", "-d", &spec, "-c", "wb"]);
+    d.ok(&["-A", "-i", "1", "-d", core.to_str().expect("UTF-8")]);
+    d.ok(&["-T", "-i", "1", "-n"]);
+    assert!(d.stop());
+    std::fs::remove_file(&core).expect("remove the core");
+    let d = Daemon::start(p);
+    d.ok(&["-S", "-d", &spec, "--load"]);
+    // Another device under the recorded name: the size tells it apart.
+    sparse_file(&core, 32 << 20);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !d.log_text().contains("cannot be attached") {
+        assert!(Instant::now() < deadline, "{}", d.log_text());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (_, cores) = statuses(&d, 1).expect("listed");
+    assert_eq!(cores, ["Inactive"]);
+    // Logged once, not every second.
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(d.log_text().matches("cannot be attached").count(), 1);
+}
+
+#[test]
+fn stop_daemon_flushes_and_stops() {
+    let dir = workdir();
+    let p = dir.path();
+    let cache = p.join("cache.img");
+    let core = p.join("core.img");
+    sparse_file(&cache, 64 << 20);
+    sparse_file(&core, 64 << 20);
+    let d = Daemon::start(p);
+    let spec = format!("file:{}", cache.display());
+    d.ok(&["-S", "-d", &spec, "-c", "wb"]);
+    d.ok(&["-A", "-i", "1", "-d", core.to_str().expect("UTF-8")]);
+    let data = pattern(3, 1 << 20);
+    let mut c = Client::connect_unix(&d.nbd, "cas1-1").expect("connect");
+    c.write(&data, 0, false).expect("write");
+    c.disconnect().expect("disconnect");
+    let out = d.ok(&["stop-daemon"]);
+    assert_eq!(out, "daemon stopped: 1 cache flushed and stopped\n");
+    // The sockets are gone and the dirty data is on the core.
+    assert!(!d.control.exists() && !d.nbd.exists());
+    assert_eq!(
+        &std::fs::read(&core).expect("core")[..data.len()],
+        &data[..]
+    );
+    let log = d.log_text();
+    assert!(
+        log.contains("stop-daemon requested") && log.contains("stopped"),
+        "{log}"
+    );
+    // A second request finds no daemon.
+    let again = d.cli(&["stop-daemon"]);
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("cannot reach the daemon"));
+}
+
+/// nbdkit serving a file over a Unix socket, in the foreground, so it can be killed.
+struct Nbdkit {
+    child: Option<Child>,
+    socket: PathBuf,
+    file: PathBuf,
+}
+
+impl Nbdkit {
+    fn start(socket: &Path, file: &Path) -> Nbdkit {
+        let _ = std::fs::remove_file(socket);
+        let child = Command::new("nbdkit")
+            .args(["--foreground", "--unix"])
+            .arg(socket)
+            .arg("file")
+            .arg(format!("file={}", file.display()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start nbdkit");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Client::connect_unix(socket, "").is_err() {
+            assert!(Instant::now() < deadline, "nbdkit did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Nbdkit {
+            child: Some(child),
+            socket: socket.to_path_buf(),
+            file: file.to_path_buf(),
+        }
+    }
+
+    /// SIGKILL, as a crash or an operator's restart would.
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn restart(&mut self) {
+        self.kill();
+        *self = Nbdkit::start(&self.socket.clone(), &self.file.clone());
+    }
+}
+
+impl Drop for Nbdkit {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+#[test]
+fn a_remote_core_reconnects_after_its_server_restarts_during_fio() {
+    if !have("nbdkit") || !have("fio") {
+        eprintln!("skipped: needs nbdkit and fio (make deps)");
+        return;
+    }
+    let dir = workdir();
+    let p = dir.path();
+    let cache = p.join("cache.img");
+    let core = p.join("core.img");
+    let sock = p.join("remote.sock");
+    sparse_file(&cache, 128 << 20);
+    sparse_file(&core, 256 << 20);
+    let mut server = Nbdkit::start(&sock, &core);
+    let d = Daemon::start(p);
+    let spec = format!("file:{}", cache.display());
+    d.ok(&["-S", "-d", &spec, "-c", "wb"]);
+    let uri = format!("nbd+unix:///?socket={}", sock.display());
+    d.ok(&["-A", "-i", "1", "-d", &uri]);
+    // Clean all the time, so core writes are in flight when the server goes.
+    d.ok(&[
+        "-X",
+        "-n",
+        "cleaning",
+        "-i",
+        "1",
+        "-p",
+        "acp-very-aggressive",
+    ]);
+    let (_, cores) = statuses(&d, 1).expect("listed");
+    assert_eq!(cores, ["Active"]);
+
+    // 32 MiB of 4 KiB random writes, paced to take about 4 s, then verified by reading back.
+    let job = |extra: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> = [
+            "--name=lifecycle",
+            "--ioengine=nbd",
+            "--rw=randwrite",
+            "--bs=4k",
+            "--size=32m",
+            "--iodepth=8",
+            "--verify=crc32c",
+            "--randseed=1234",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let run_uri = format!("--uri={}", d.uri("cas1-1"));
+    let fio_args = job(&[&run_uri, "--rate_iops=2000"]);
+    let fio_dir = p.to_path_buf();
+    let run = std::thread::spawn(move || fio(&fio_dir, "during-restart", &fio_args));
+
+    std::thread::sleep(Duration::from_millis(1000));
+    assert!(
+        !run.is_finished(),
+        "fio is still running when the server goes"
+    );
+    server.kill();
+    wait_status(&d, 1, "detached", |_, cores| {
+        cores.len() == 1 && cores[0].starts_with("Detached (reconnecting: ")
+    });
+    // While the server is gone: reads that need the core fail with EIO (the range past
+    // fio's was never written, so it is not in the cache), and a flush of the core fails.
+    let mut c = Client::connect_unix(&d.nbd, "cas1-1").expect("connect");
+    let mut buf = vec![0u8; 4096];
+    let e = c
+        .read(&mut buf, 200 << 20)
+        .expect_err("a read miss needs the core");
+    assert!(
+        e.to_string().contains("server error 5 "),
+        "EIO expected: {e}"
+    );
+    // A write-back write lands in the cache and reads back from it.
+    let mine = pattern(9, 8192);
+    c.write(&mine, 210 << 20, false)
+        .expect("wb writes land in the cache");
+    let mut back = vec![0u8; mine.len()];
+    c.read(&mut back, 210 << 20).expect("a hit needs no core");
+    assert_eq!(back, mine);
+    c.disconnect().expect("disconnect");
+    d.fails(&["-F", "-i", "1"]);
+    std::thread::sleep(Duration::from_millis(1000));
+    server.restart();
+    wait_status(&d, 1, "reconnected", |_, cores| cores == ["Active"]);
+
+    let report = run.join().expect("fio thread");
+    let written = report["jobs"][0]["write"]["io_bytes"].as_u64().unwrap_or(0);
+    assert_eq!(written, 32 << 20, "fio wrote everything");
+    // The cache is cleaned to the restarted server, without a restart of the daemon.
+    d.ok(&["-F", "-i", "1"]);
+    assert_eq!(
+        &std::fs::read(&core).expect("core")[210 << 20..(210 << 20) + mine.len()],
+        &mine[..],
+        "the write made during the outage reached the core"
+    );
+    assert_eq!(
+        d.stats_json(1, None)["usage"]["dirty"]["count"].as_u64(),
+        Some(0)
+    );
+    let log = d.log_text();
+    assert!(
+        log.contains("connection lost") && log.contains("reconnected"),
+        "{log}"
+    );
+    let mut d = d;
+    assert!(d.stop(), "clean stop");
+    server.kill();
+    // What is on the core file is what fio wrote: verify it there, without the cache.
+    let verify = job(&[
+        &format!("--filename={}", core.display()),
+        "--ioengine=psync",
+        "--verify_only",
+    ]);
+    let mut verify = verify;
+    verify.retain(|a| a != "--ioengine=nbd");
+    fio(p, "verify-core", &verify);
+}
+
+#[test]
+fn an_inactive_remote_core_attaches_when_its_server_answers() {
+    if !have("nbdkit") {
+        eprintln!("skipped: needs nbdkit (make deps)");
+        return;
+    }
+    let dir = workdir();
+    let p = dir.path();
+    let cache = p.join("cache.img");
+    let core = p.join("core.img");
+    let sock = p.join("remote.sock");
+    sparse_file(&cache, 64 << 20);
+    sparse_file(&core, 64 << 20);
+    let mut server = Nbdkit::start(&sock, &core);
+    let mut d = Daemon::start(p);
+    let spec = format!("file:{}", cache.display());
+    d.ok(&["-S", "-d", &spec, "-c", "wb"]);
+    let uri = format!("nbd+unix:///?socket={}", sock.display());
+    d.ok(&["-A", "-i", "1", "-d", &uri]);
+    let data = pattern(5, 1 << 20);
+    let mut c = Client::connect_unix(&d.nbd, "cas1-1").expect("connect");
+    c.write(&data, 4 << 20, false).expect("write");
+    c.flush().expect("flush");
+    c.disconnect().expect("disconnect");
+    d.ok(&["-T", "-i", "1", "-n"]);
+    assert!(d.stop());
+    server.kill();
+
+    // The server is down when the cache loads: the core is inactive, its dirty data kept.
+    let d = Daemon::start(p);
+    d.ok(&["-S", "-d", &spec, "--load"]);
+    let (_, cores) = statuses(&d, 1).expect("listed");
+    assert_eq!(cores, ["Inactive"]);
+    assert!(std::fs::read(&core).expect("core")[4 << 20..5 << 20]
+        .iter()
+        .all(|&b| b == 0));
+    let _server = Nbdkit::start(&sock, &core);
+    wait_status(&d, 1, "complete", |c, cores| {
+        c == "Running" && cores == ["Active"]
+    });
+    d.ok(&["-F", "-i", "1"]);
+    assert_eq!(
+        &std::fs::read(&core).expect("core")[4 << 20..5 << 20],
+        &data[..],
+        "the dirty data reached the remote core"
+    );
+}
+
+#[test]
+fn stop_daemon_with_its_remote_core_gone_keeps_the_dirty_data_and_says_so() {
+    if !have("nbdkit") {
+        eprintln!("skipped: needs nbdkit (make deps)");
+        return;
+    }
+    let dir = workdir();
+    let p = dir.path();
+    let cache = p.join("cache.img");
+    let core = p.join("core.img");
+    let sock = p.join("remote.sock");
+    sparse_file(&cache, 64 << 20);
+    sparse_file(&core, 64 << 20);
+    let mut server = Nbdkit::start(&sock, &core);
+    let mut d = Daemon::start(p);
+    let spec = format!("file:{}", cache.display());
+    d.ok(&["-S", "-d", &spec, "-c", "wb"]);
+    let uri = format!("nbd+unix:///?socket={}", sock.display());
+    d.ok(&["-A", "-i", "1", "-d", &uri]);
+    let data = pattern(11, 1 << 20);
+    let mut c = Client::connect_unix(&d.nbd, "cas1-1").expect("connect");
+    c.write(&data, 0, false).expect("write");
+    c.flush().expect("flush");
+    c.disconnect().expect("disconnect");
+    server.kill();
+
+    let err = d.fails(&["stop-daemon"]);
+    assert!(
+        err.contains("some dirty data could not be flushed"),
+        "{err}"
+    );
+    assert!(!d.stop(), "the daemon exits non-zero");
+    assert!(
+        d.log_text().contains("dirty data is kept"),
+        "{}",
+        d.log_text()
+    );
+
+    // The server is back: the dirty data loads with the cache and is cleaned to it.
+    let _server = Nbdkit::start(&sock, &core);
+    let d = Daemon::start(p);
+    d.ok(&["-S", "-d", &spec, "--load"]);
+    wait_status(&d, 1, "complete", |c, cores| {
+        c == "Running" && cores == ["Active"]
+    });
+    d.ok(&["-F", "-i", "1"]);
+    assert_eq!(
+        &std::fs::read(&core).expect("core")[..data.len()],
+        &data[..]
+    );
+}
