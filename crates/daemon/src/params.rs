@@ -12,6 +12,7 @@
 
 use std::collections::BTreeMap;
 
+use hybridcache_engine::policy::{on_off, parse_on_off};
 use hybridcache_engine::{Cache, CacheMode, CleaningPolicy, CoreId, PromotionPolicy};
 
 /// One field of a group.
@@ -290,6 +291,25 @@ fn set_nhit(c: &Cache, _: Option<CoreId>, v: &BTreeMap<String, String>) -> Resul
     engine(c.set_promotion(p))
 }
 
+fn get_lazy_flush(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
+    Ok(vec![on_off(c.lazy_flush().enabled).to_string()])
+}
+
+fn set_lazy_flush(
+    c: &Cache,
+    _: Option<CoreId>,
+    v: &BTreeMap<String, String>,
+) -> Result<(), String> {
+    let mut p = c.lazy_flush();
+    each("lazy-flush", v, |k, v| {
+        Ok(k == "policy" && {
+            p.enabled = parse_on_off("lazy-flush", v)?;
+            true
+        })
+    })?;
+    engine(c.set_lazy_flush(p))
+}
+
 const fn field(key: &'static str, flag: &'static str, label: &'static str) -> Field {
     Field { key, flag, label }
 }
@@ -407,6 +427,17 @@ pub const GROUPS: &[Group] = &[
         in_config: true,
         get: get_nhit,
         set: Some(set_nhit),
+    },
+    Group {
+        // Its own group rather than a field of `cleaning`: it changes how writes are routed
+        // whatever the cleaning policy (nop included), so it must not read as one policy's knob.
+        name: "lazy-flush",
+        help: "write-back writes with no free or clean line go to the core: on or off (-p)",
+        fields: &[field("policy", "-p", "Lazy flush")],
+        per_core: false,
+        in_config: true,
+        get: get_lazy_flush,
+        set: Some(set_lazy_flush),
     },
 ];
 

@@ -252,6 +252,17 @@ pub struct StatsData {
     pub write_full_misses: u64,
     pub pass_through_reads: u64,
     pub pass_through_writes: u64,
+    /// Missing in replies of older daemons.
+    #[serde(default)]
+    pub lazy_flush_writes: u64,
+    #[serde(default)]
+    pub lazy_flush_bytes: u64,
+    #[serde(default)]
+    pub prefetch_requests: u64,
+    #[serde(default)]
+    pub prefetch_read_bytes: u64,
+    #[serde(default)]
+    pub prefetch_hits: u64,
     pub core_read_bytes: u64,
     pub core_written_bytes: u64,
     pub cache_read_bytes: u64,
@@ -280,6 +291,11 @@ impl From<hybridcache_engine::Stats> for StatsData {
             write_full_misses: s.requests.write_full_misses,
             pass_through_reads: s.requests.pass_through_reads,
             pass_through_writes: s.requests.pass_through_writes,
+            lazy_flush_writes: s.requests.lazy_flush_writes,
+            lazy_flush_bytes: s.blocks.lazy_flush_bytes,
+            prefetch_requests: s.requests.prefetch_requests,
+            prefetch_read_bytes: s.blocks.prefetch_read_bytes,
+            prefetch_hits: s.requests.prefetch_hits,
             core_read_bytes: s.blocks.core_read_bytes,
             core_written_bytes: s.blocks.core_written_bytes,
             cache_read_bytes: s.blocks.cache_read_bytes,

@@ -22,7 +22,7 @@ use parking_lot::{Mutex, RwLock};
 use crate::bits::{self, Mask};
 use crate::classes::{ClassState, ReqClass};
 use crate::cleaner::{CleaningCounters, CleaningStats, Pacer};
-use crate::cleaning::{CleanerState, CleanerThread, CleaningTick, ACP_CHUNK_BYTES};
+use crate::cleaning::{CleanerSignal, CleanerState, CleanerThread, CleaningTick, ACP_CHUNK_BYTES};
 use crate::format::{ConfigSlot, CoreRecord, Geometry, Superblock};
 use crate::ioclass::{ClassId, IoClasses};
 use crate::lists::{ListKind, Lists, RUN};
@@ -30,8 +30,8 @@ use crate::locks::{StripeGuard, StripedLocks};
 use crate::meta::{Key, LineTable, MAX_CORE_LINES, NONE};
 use crate::persist::{self, new_uuid, Persist};
 use crate::policy::{
-    CleaningConfig, PolicyRecord, Promotion, PromotionPolicy, PromotionState, SeqCutoff, SeqState,
-    FLUSH_BUFFERS,
+    CleaningConfig, LazyFlush, PolicyRecord, Prefetch, Promotion, PromotionPolicy, PromotionState,
+    SeqCutoff, SeqState, FLUSH_BUFFERS,
 };
 use crate::stats::{thread_slot, Counter, Counters, Stats, Usage, SLOTS};
 use crate::{
@@ -98,6 +98,9 @@ pub(crate) struct CacheInner {
     pub(crate) cleaning: RwLock<CleaningConfig>,
     pub(crate) cleaner: Mutex<CleanerState>,
     cleaner_thread: Mutex<Option<CleanerThread>>,
+    pub(crate) cleaner_signal: Arc<CleanerSignal>,
+    /// Lazy flush is on (policy.rs `LazyFlush`): read on every write-back write that lacks a line.
+    lazy_flush: AtomicBool,
     pub(crate) pacer: Pacer,
     pub(crate) cleaning_counters: CleaningCounters,
     pub(crate) promotion: PromotionState,
@@ -552,12 +555,8 @@ impl CacheInner {
         None
     }
 
-    /// Clean up to `want` of the oldest dirty lines so that eviction finds clean ones. Caller holds
-    /// no stripe.
-    fn make_room(&self, want: usize) -> Result<()> {
-        // Each round ends in a commit (device flushes), so clean enough lines to spread that
-        // cost over many writes; these are the oldest dirty lines, due for cleaning anyway.
-        let want = want.max(64);
+    /// Up to `want` of the oldest dirty lines, from every shard starting at the caller's.
+    pub(crate) fn oldest_dirty(&self, want: usize) -> Vec<u32> {
         let n = self.lists.shard_count();
         let home = home_shard(n);
         let mut picked = Vec::with_capacity(want);
@@ -575,6 +574,15 @@ impl CacheInner {
                 break;
             }
         }
+        picked
+    }
+
+    /// Clean up to `want` of the oldest dirty lines so that eviction finds clean ones. Caller holds
+    /// no stripe.
+    fn make_room(&self, want: usize) -> Result<()> {
+        // Each round ends in a commit (device flushes), so clean enough lines to spread that
+        // cost over many writes; these are the oldest dirty lines, due for cleaning anyway.
+        let picked = self.oldest_dirty(want.max(64));
         // A client waits for this room: not paced.
         self.clean_lines(picked, FLUSH_BUFFERS as usize, false)?;
         if self.persist.is_some() {
@@ -819,7 +827,8 @@ impl CacheInner {
         let mut spare: Vec<u32> = Vec::new();
         let mut round = 0;
         let mut declined = false;
-        let locks = loop {
+        let lazy = self.lazy_flush.load(Ordering::Relaxed);
+        let (locks, short) = loop {
             let locks = self.lock_keys(segs.iter().map(|s| s.key));
             self.lookup(&mut segs);
             // Promotion is asked once: a retry after making room must not count accesses again.
@@ -842,7 +851,13 @@ impl CacheInner {
             // would not make room for it, so what it cannot place goes to the core.
             let capped = class.is_some_and(|c| self.classes.full(c));
             if spare.len() >= needed || round == MAKE_ROOM_ROUNDS || capped {
-                break locks;
+                break (locks, false);
+            }
+            if lazy {
+                // Lazy flush: what has no line goes to the core now (those core lines are not
+                // mapped, so no cached copy can go stale), and background cleaning makes room
+                // for the writes to come.
+                break (locks, true);
             }
             // Nothing has changed yet, so the locks can go while cleaning makes room.
             drop(locks);
@@ -883,6 +898,14 @@ impl CacheInner {
         }
         for line in spare {
             self.release_line(line);
+        }
+        if short {
+            let bytes: u64 = core_runs.iter().map(|r| r.len as u64).sum();
+            core.counters.add(Counter::LazyFlushWrites, 1);
+            core.counters.add(Counter::LazyFlushBytes, bytes);
+            self.classes.count(class, Counter::LazyFlushWrites, 1);
+            self.classes.count(class, Counter::LazyFlushBytes, bytes);
+            self.cleaner_signal.want_room();
         }
         self.core_write(core, buf, &core_runs)?;
 
@@ -1181,6 +1204,8 @@ impl CacheInner {
             cleaning: RwLock::new(CleaningConfig::default()),
             cleaner: Mutex::new(CleanerState::default()),
             cleaner_thread: Mutex::new(None),
+            cleaner_signal: Arc::new(CleanerSignal::default()),
+            lazy_flush: AtomicBool::new(false),
             pacer: Pacer::default(),
             cleaning_counters: CleaningCounters::default(),
             promotion: PromotionState::new(Promotion::default()),
@@ -1215,6 +1240,10 @@ impl CacheInner {
             promotion: self.promotion.params(),
             seq_cutoff,
             io_classes: self.classes.active().then(|| self.classes.table().to_csv()),
+            lazy_flush: LazyFlush {
+                enabled: self.lazy_flush.load(Ordering::Relaxed),
+            },
+            prefetch: Prefetch::default(),
         }
     }
 
@@ -1467,6 +1496,9 @@ impl Cache {
             inner.classes.install(table, &inner.table);
         }
         *inner.cleaning.write() = policies.cleaning;
+        inner
+            .lazy_flush
+            .store(policies.lazy_flush.enabled, Ordering::Relaxed);
         inner.promotion.set_params(policies.promotion, inner.lines);
         let seq_of = |id: CoreId| policies.seq_cutoff.get(&id).copied().unwrap_or_default();
         for (id, vol) in active {
@@ -1857,6 +1889,26 @@ impl Cache {
         self.inner.promotion.set_params(params, self.inner.lines);
         if let Err(e) = self.inner.save_policies() {
             self.inner.promotion.set_params(old, self.inner.lines);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Lazy flush (policy.rs `LazyFlush`).
+    pub fn lazy_flush(&self) -> LazyFlush {
+        LazyFlush {
+            enabled: self.inner.lazy_flush.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Switch lazy flush at run time; recorded in the superblock.
+    pub fn set_lazy_flush(&self, params: LazyFlush) -> Result<()> {
+        let old = self
+            .inner
+            .lazy_flush
+            .swap(params.enabled, Ordering::Relaxed);
+        if let Err(e) = self.inner.save_policies() {
+            self.inner.lazy_flush.store(old, Ordering::Relaxed);
             return Err(e);
         }
         Ok(())

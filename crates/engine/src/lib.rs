@@ -33,8 +33,8 @@ pub use cleaner::{CleaningStats, WRITE_SIZE_BUCKETS};
 pub use cleaning::CleaningTick;
 pub use format::{CoreRecord, Superblock};
 pub use policy::{
-    AcpParams, AlruParams, CleaningConfig, CleaningIo, CleaningPolicy, Promotion, PromotionPolicy,
-    SeqCutoff, SeqCutoffPolicy,
+    AcpParams, AlruParams, CleaningConfig, CleaningIo, CleaningPolicy, LazyFlush, Prefetch,
+    PrefetchPolicy, Promotion, PromotionPolicy, SeqCutoff, SeqCutoffPolicy,
 };
 pub use stats::{BlockStats, ErrorStats, RequestStats, Stats, Usage};
 
