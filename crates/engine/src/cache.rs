@@ -33,6 +33,7 @@ use crate::policy::{
     CleaningConfig, LazyFlush, PolicyRecord, Prefetch, Promotion, PromotionPolicy, PromotionState,
     SeqCutoff, SeqState, FLUSH_BUFFERS,
 };
+use crate::prefetch::{PrefetchState, PrefetchThread, ReadStreams};
 use crate::stats::{thread_slot, Counter, Counters, Stats, Usage, SLOTS};
 use crate::{
     CacheConfig, CacheMode, CoreId, EngineError, LineSize, Result, MAX_CORES, MAX_REQUEST, SECTOR,
@@ -98,6 +99,8 @@ pub(crate) struct CacheInner {
     pub(crate) cleaning: RwLock<CleaningConfig>,
     pub(crate) cleaner: Mutex<CleanerState>,
     cleaner_thread: Mutex<Option<CleanerThread>>,
+    pub(crate) prefetch: PrefetchState,
+    prefetch_thread: Mutex<Option<PrefetchThread>>,
     pub(crate) cleaner_signal: Arc<CleanerSignal>,
     /// Lazy flush is on (policy.rs `LazyFlush`): read on every write-back write that lacks a line.
     lazy_flush: AtomicBool,
@@ -132,16 +135,17 @@ pub(crate) struct CoreState {
     /// Requests in progress, per thread slot; removal waits for these to drain.
     in_flight: Box<[InFlight]>,
     pub(crate) seq: SeqState,
+    pub(crate) read_streams: ReadStreams,
 }
 
 /// Held by a request for its duration; see [`CoreState::enter`].
-struct Entered<'a>(&'a CoreState, usize);
+pub(crate) struct Entered<'a>(&'a CoreState, usize);
 
 impl CoreState {
     /// Register a request. Fails once removal has begun. The increment comes before the check
     /// (both SeqCst) and removal sets the flag before summing, so either removal sees this request
     /// or this request sees removal.
-    fn enter(&self) -> Result<Entered<'_>> {
+    pub(crate) fn enter(&self) -> Result<Entered<'_>> {
         let slot = thread_slot() % SLOTS;
         self.in_flight[slot].0.fetch_add(1, Ordering::SeqCst);
         let entered = Entered(self, slot);
@@ -268,7 +272,7 @@ impl CacheInner {
         }
     }
 
-    fn segments(&self, core: CoreId, offset: u64, len: u64) -> Vec<Seg> {
+    pub(crate) fn segments(&self, core: CoreId, offset: u64, len: u64) -> Vec<Seg> {
         let mut segs = Vec::with_capacity((len / self.line_bytes + 2) as usize);
         let mut pos = offset;
         let end = offset + len;
@@ -290,7 +294,7 @@ impl CacheInner {
         segs
     }
 
-    fn lock_keys(&self, keys: impl Iterator<Item = Key>) -> StripeGuard<'_> {
+    pub(crate) fn lock_keys(&self, keys: impl Iterator<Item = Key>) -> StripeGuard<'_> {
         let mut stripes: Vec<u32> = keys.map(|k| self.table.stripe(k)).collect();
         stripes.sort_unstable();
         stripes.dedup();
@@ -298,7 +302,7 @@ impl CacheInner {
     }
 
     /// Fill in each segment's line and masks. Caller holds the segments' stripes.
-    fn lookup(&self, segs: &mut [Seg]) {
+    pub(crate) fn lookup(&self, segs: &mut [Seg]) {
         for s in segs.iter_mut() {
             match self.table.lookup(s.key) {
                 Some(line) => {
@@ -421,8 +425,16 @@ impl CacheInner {
     }
 
     /// Map an owned free line. Caller holds `key`'s stripe.
-    fn insert_line(&self, line: u32, key: Key, valid: Mask, dirty: Mask, class: Option<ReqClass>) {
+    pub(crate) fn insert_line(
+        &self,
+        line: u32,
+        key: Key,
+        valid: Mask,
+        dirty: Mask,
+        class: Option<ReqClass>,
+    ) {
         self.table.map(line, key, valid, dirty);
+        self.prefetch.clear_mark(line);
         self.classes
             .mapped(line, class.map_or(0, |c| c.id), dirty != 0);
         if let Some(p) = &self.persist {
@@ -440,7 +452,7 @@ impl CacheInner {
     }
 
     /// Give back an owned, unmapped line.
-    fn release_line(&self, line: u32) {
+    pub(crate) fn release_line(&self, line: u32) {
         let mut s = self.lists.lock(self.lists.shard_of(line));
         self.lists.push_back(&mut s, ListKind::Free, line);
         self.free_lines.fetch_add(1, Ordering::Relaxed);
@@ -468,6 +480,12 @@ impl CacheInner {
             }
         }
         (0..n).find_map(|i| self.evict_from((home + i) % n, None))
+    }
+
+    /// A free line, never an evicted one.
+    pub(crate) fn take_free_line(&self) -> Option<u32> {
+        let n = self.lists.shard_count();
+        self.alloc_free(home_shard(n), n)
     }
 
     fn alloc_free(&self, home: usize, n: usize) -> Option<u32> {
@@ -625,7 +643,7 @@ impl CacheInner {
         occupied * 100 >= p.trigger_pct as u64 * self.lines as u64
     }
 
-    fn core_by_id(&self, id: CoreId) -> Result<Arc<CoreState>> {
+    pub(crate) fn core_by_id(&self, id: CoreId) -> Result<Arc<CoreState>> {
         self.cores
             .read()
             .get(&id)
@@ -651,16 +669,20 @@ impl CacheInner {
             || class.is_some_and(|c| c.cap == 0)
             || self.cut_off(core, offset, buf.len() as u64, false);
         let mut segs = self.segments(core.id, offset, buf.len() as u64);
-        let _locks = self.lock_keys(segs.iter().map(|s| s.key));
+        let locks = self.lock_keys(segs.iter().map(|s| s.key));
         self.lookup(&mut segs);
         bypass = bypass || self.promotion_declines(&segs);
 
         let mut core_runs = Vec::new();
         let mut cache_runs = Vec::new();
         let mut cached_sectors = 0u64;
+        let mut prefetch_hits = 0;
         for s in &segs {
             let m = s.mask();
             let from_cache = m & if bypass { s.dirty } else { s.valid };
+            if from_cache != 0 && self.prefetch.take_mark(s.line) {
+                prefetch_hits += 1;
+            }
             cached_sectors += (m & s.valid).count_ones() as u64;
             for (first, n) in bits::runs(m & !from_cache) {
                 let len = n as usize * SECTOR as usize;
@@ -688,6 +710,9 @@ impl CacheInner {
         };
         c.add(outcome, 1);
         c.add(Counter::ExportedReadBytes, buf.len() as u64);
+        c.add(Counter::PrefetchHits, prefetch_hits);
+        self.classes
+            .count(class, Counter::PrefetchHits, prefetch_hits);
         self.classes.count(class, outcome, 1);
         self.classes
             .count(class, Counter::ExportedReadBytes, buf.len() as u64);
@@ -714,6 +739,12 @@ impl CacheInner {
             return Ok(());
         }
         self.insert_after_read(core, buf, &segs, class);
+        drop(locks);
+        if self.prefetch.enabled() {
+            // Only queued here: the worker does the IO, this read does not wait for it.
+            let len = buf.len() as u64;
+            self.readahead(core.id, &core.read_streams, core.size, offset, len, class);
+        }
         Ok(())
     }
 
@@ -1074,7 +1105,7 @@ impl CacheInner {
 
     // ---- device IO with accounting --------------------------------------------------------
 
-    fn core_read(&self, core: &CoreState, buf: &mut [u8], runs: &[Run]) -> Result<()> {
+    pub(crate) fn core_read(&self, core: &CoreState, buf: &mut [u8], runs: &[Run]) -> Result<()> {
         for r in runs {
             core.volume
                 .read_at(&mut buf[r.buf_off..r.buf_off + r.len], r.dev_off)
@@ -1104,7 +1135,7 @@ impl CacheInner {
         Ok(())
     }
 
-    fn cache_write(&self, core: &CoreState, buf: &[u8], runs: &[Run]) -> Result<()> {
+    pub(crate) fn cache_write(&self, core: &CoreState, buf: &[u8], runs: &[Run]) -> Result<()> {
         for r in runs {
             self.volume
                 .write_at(&buf[r.buf_off..r.buf_off + r.len], r.dev_off)
@@ -1204,6 +1235,8 @@ impl CacheInner {
             cleaning: RwLock::new(CleaningConfig::default()),
             cleaner: Mutex::new(CleanerState::default()),
             cleaner_thread: Mutex::new(None),
+            prefetch: PrefetchState::new(),
+            prefetch_thread: Mutex::new(None),
             cleaner_signal: Arc::new(CleanerSignal::default()),
             lazy_flush: AtomicBool::new(false),
             pacer: Pacer::default(),
@@ -1226,6 +1259,7 @@ impl CacheInner {
             stopped: AtomicBool::new(false),
             in_flight: (0..SLOTS).map(|_| InFlight(AtomicU64::new(0))).collect(),
             seq: SeqState::new(seq),
+            read_streams: ReadStreams::default(),
         })
     }
 
@@ -1243,7 +1277,7 @@ impl CacheInner {
             lazy_flush: LazyFlush {
                 enabled: self.lazy_flush.load(Ordering::Relaxed),
             },
-            prefetch: Prefetch::default(),
+            prefetch: self.prefetch.params(),
         }
     }
 
@@ -1323,6 +1357,7 @@ impl Cache {
     fn started(inner: CacheInner) -> Cache {
         let inner = Arc::new(inner);
         *inner.cleaner_thread.lock() = Some(CleanerThread::start(&inner));
+        *inner.prefetch_thread.lock() = Some(PrefetchThread::start(&inner));
         Cache { inner }
     }
 
@@ -1464,6 +1499,7 @@ impl Cache {
             })?;
         let valid = policies.cleaning.validate().and_then(|()| {
             policies.promotion.validate()?;
+            policies.prefetch.validate()?;
             policies.seq_cutoff.values().try_for_each(|s| s.validate())
         });
         if let Err(e) = valid {
@@ -1500,6 +1536,7 @@ impl Cache {
             .lazy_flush
             .store(policies.lazy_flush.enabled, Ordering::Relaxed);
         inner.promotion.set_params(policies.promotion, inner.lines);
+        inner.prefetch.set_params(policies.prefetch, inner.lines);
         let seq_of = |id: CoreId| policies.seq_cutoff.get(&id).copied().unwrap_or_default();
         for (id, vol) in active {
             let state = inner.new_core_state(id, vol, seq_of(id));
@@ -1553,6 +1590,7 @@ impl Cache {
             ));
         }
         self.stop_background_cleaner();
+        self.stop_background_prefetch();
         let cores: Vec<Arc<CoreState>> = self.inner.cores.read().values().cloned().collect();
         for c in &cores {
             c.stopped.store(true, Ordering::SeqCst);
@@ -1914,6 +1952,38 @@ impl Cache {
         Ok(())
     }
 
+    /// Read-ahead's settings (policy.rs `Prefetch`).
+    pub fn prefetch(&self) -> Prefetch {
+        self.inner.prefetch.params()
+    }
+
+    /// Change read-ahead at run time; recorded in the superblock. Invalid values are refused
+    /// and change nothing.
+    pub fn set_prefetch(&self, params: Prefetch) -> Result<()> {
+        params.validate()?;
+        let old = self.inner.prefetch.params();
+        self.inner.prefetch.set_params(params, self.inner.lines);
+        if let Err(e) = self.inner.save_policies() {
+            self.inner.prefetch.set_params(old, self.inner.lines);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Stop the prefetch worker thread (it is not restarted): queued read-ahead then waits for
+    /// [`run_prefetch`](Cache::run_prefetch). For tests that need a deterministic order.
+    pub fn stop_background_prefetch(&self) {
+        let thread = self.inner.prefetch_thread.lock().take();
+        if let Some(t) = thread {
+            t.stop();
+        }
+    }
+
+    /// Run the queued read-ahead on the calling thread; returns how many prefetch jobs ran.
+    pub fn run_prefetch(&self) -> usize {
+        self.inner.drain_prefetch()
+    }
+
     /// The IO classes in force (the default single class until a file is loaded).
     pub fn io_classes(&self) -> Arc<IoClasses> {
         self.inner.classes.table()
@@ -2019,6 +2089,7 @@ impl Cache {
             + self.inner.persist.as_ref().map_or(0, |p| p.bytes())
             + self.inner.promotion.table.get().map_or(0, |t| t.bytes())
             + self.inner.classes.bytes()
+            + self.inner.prefetch.bytes()
     }
 
     /// Check internal invariants (list membership, counters, hash chains); panics with a

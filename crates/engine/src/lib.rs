@@ -26,6 +26,7 @@ mod locks;
 mod meta;
 mod persist;
 pub mod policy;
+mod prefetch;
 mod stats;
 
 pub use cache::{Cache, Core, CoreInfo, CoreStatus};
