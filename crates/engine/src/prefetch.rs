@@ -286,7 +286,7 @@ impl CacheInner {
             || job
                 .offset
                 .checked_add(job.len)
-                .is_none_or(|e| e > core.size)
+                .map_or(true, |e| e > core.size)
         {
             return;
         }
