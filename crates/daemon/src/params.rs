@@ -13,7 +13,9 @@
 use std::collections::BTreeMap;
 
 use hybridcache_engine::policy::{on_off, parse_on_off};
-use hybridcache_engine::{Cache, CacheMode, CleaningPolicy, CoreId, PromotionPolicy};
+use hybridcache_engine::{
+    Cache, CacheMode, CleaningPolicy, CoreId, PrefetchPolicy, PromotionPolicy,
+};
 
 /// One field of a group.
 pub struct Field {
@@ -310,6 +312,43 @@ fn set_lazy_flush(
     engine(c.set_lazy_flush(p))
 }
 
+fn get_prefetch(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
+    Ok(vec![c.prefetch().policy.to_string()])
+}
+
+fn set_prefetch(c: &Cache, _: Option<CoreId>, v: &BTreeMap<String, String>) -> Result<(), String> {
+    let mut p = c.prefetch();
+    each("prefetch", v, |k, v| {
+        Ok(k == "policy" && {
+            p.policy = v.parse::<PrefetchPolicy>()?;
+            true
+        })
+    })?;
+    engine(c.set_prefetch(p))
+}
+
+fn get_readahead(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
+    let p = c.prefetch();
+    Ok([p.threshold_kib, p.distance_kib, p.max_in_flight]
+        .iter()
+        .map(u32::to_string)
+        .collect())
+}
+
+fn set_readahead(c: &Cache, _: Option<CoreId>, v: &BTreeMap<String, String>) -> Result<(), String> {
+    let mut p = c.prefetch();
+    set_u32s(
+        "prefetch-readahead",
+        v,
+        &mut [
+            ("threshold", &mut p.threshold_kib),
+            ("distance", &mut p.distance_kib),
+            ("max-in-flight", &mut p.max_in_flight),
+        ],
+    )?;
+    engine(c.set_prefetch(p))
+}
+
 const fn field(key: &'static str, flag: &'static str, label: &'static str) -> Field {
     Field { key, flag, label }
 }
@@ -438,6 +477,32 @@ pub const GROUPS: &[Group] = &[
         in_config: true,
         get: get_lazy_flush,
         set: Some(set_lazy_flush),
+    },
+    Group {
+        name: "prefetch",
+        help: "prefetch policy: readahead or none (-p)",
+        fields: &[field("policy", "-p", "Prefetch policy")],
+        per_core: false,
+        in_config: true,
+        get: get_prefetch,
+        set: Some(set_prefetch),
+    },
+    Group {
+        name: "prefetch-readahead",
+        help: "read-ahead tunables (-t threshold KiB, --distance KiB, --max-in-flight)",
+        fields: &[
+            field("threshold", "-t", "Read-ahead threshold [KiB]"),
+            field("distance", "--distance", "Read-ahead distance [KiB]"),
+            field(
+                "max-in-flight",
+                "--max-in-flight",
+                "Prefetch requests in flight at most",
+            ),
+        ],
+        per_core: false,
+        in_config: true,
+        get: get_readahead,
+        set: Some(set_readahead),
     },
 ];
 
