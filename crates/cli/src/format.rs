@@ -577,6 +577,10 @@ pub fn stats(r: &StatsReport, format: OutputFormat) -> String {
                 out.push('\n');
                 table(&mut out, s);
             }
+            if !r.latency.is_empty() {
+                out.push('\n');
+                latency_table(&mut out, &r.latency);
+            }
             out
         }
         OutputFormat::Csv => {
@@ -594,6 +598,14 @@ pub fn stats(r: &StatsReport, format: OutputFormat) -> String {
                         names.push(csv_cell(&format!("{} [%]", row.name)));
                         values.push(format!("{p:.1}"));
                     }
+                }
+            }
+            for l in &r.latency {
+                names.push(csv_cell(&format!("{} [count]", l.name)));
+                values.push(l.count.to_string());
+                for (label, v) in latency_cells(l) {
+                    names.push(csv_cell(&format!("{} {label} [us]", l.name)));
+                    values.push(v.map(|v| format!("{v:.1}")).unwrap_or_default());
                 }
             }
             format!("{}\n{}\n", names.join(","), values.join(","))
@@ -624,6 +636,19 @@ pub fn stats(r: &StatsReport, format: OutputFormat) -> String {
                 }
                 top.insert(s.key.into(), Value::Object(m));
             }
+            if !r.latency.is_empty() {
+                let mut m = Map::new();
+                for l in &r.latency {
+                    let mut row = Map::new();
+                    row.insert("count".into(), Value::from(l.count));
+                    for (label, v) in latency_cells(l) {
+                        let key = format!("{}_us", label.replace('.', ""));
+                        row.insert(key, v.map(Value::from).unwrap_or(Value::Null));
+                    }
+                    m.insert(l.key.clone(), Value::Object(row));
+                }
+                top.insert("latency".into(), Value::Object(m));
+            }
             top.insert(
                 "raw".into(),
                 serde_json::to_value(r.stats).unwrap_or(Value::Null),
@@ -631,6 +656,71 @@ pub fn stats(r: &StatsReport, format: OutputFormat) -> String {
             serde_json::to_string_pretty(&Value::Object(top)).unwrap_or_default() + "\n"
         }
     }
+}
+
+/// A latency row's figures in column order: mean and the percentiles, in microseconds.
+fn latency_cells(l: &crate::protocol::LatencyRow) -> [(&'static str, Option<f64>); 5] {
+    [
+        ("mean", l.mean_us),
+        ("p50", l.p50_us),
+        ("p99", l.p99_us),
+        ("p99.9", l.p999_us),
+        ("p99.99", l.p9999_us),
+    ]
+}
+
+/// Request latency percentiles as a box table like casadm's, in microseconds.
+fn latency_table(out: &mut String, rows: &[crate::protocol::LatencyRow]) {
+    let title = "Latency [us]";
+    let mut cells: Vec<Vec<String>> = Vec::new();
+    for l in rows {
+        let mut c = vec![l.name.clone(), l.count.to_string()];
+        c.extend(
+            latency_cells(l)
+                .iter()
+                .map(|(_, v)| v.map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into())),
+        );
+        cells.push(c);
+    }
+    let head: Vec<String> = [title, "Count", "Mean", "p50", "p99", "p99.9", "p99.99"]
+        .iter()
+        .map(|h| h.to_string())
+        .collect();
+    let widths: Vec<usize> = (0..head.len())
+        .map(|i| {
+            cells
+                .iter()
+                .map(|c| c[i].chars().count())
+                .chain([head[i].len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let bar = |l: &str, m: &str, r: &str| {
+        let parts: Vec<String> = widths.iter().map(|w| "═".repeat(w + 2)).collect();
+        format!("{l}{}{r}\n", parts.join(m))
+    };
+    let line = |c: &[String]| {
+        let parts: Vec<String> = c
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                if i == 0 {
+                    format!(" {v:<w$} ", w = widths[i])
+                } else {
+                    format!(" {v:>w$} ", w = widths[i])
+                }
+            })
+            .collect();
+        format!("║{}║\n", parts.join("│"))
+    };
+    out.push_str(&bar("╔", "╤", "╗"));
+    out.push_str(&line(&head));
+    out.push_str(&bar("╠", "╪", "╣"));
+    for c in &cells {
+        out.push_str(&line(c));
+    }
+    out.push_str(&bar("╚", "╧", "╝"));
 }
 
 /// One casadm-style box table.
@@ -716,6 +806,28 @@ mod tests {
                 core_read_bytes: 8192,
                 ..StatsData::default()
             },
+            latency: vec![
+                crate::protocol::LatencyRow {
+                    name: "Reads".into(),
+                    key: "read".into(),
+                    count: 4,
+                    mean_us: Some(30.5),
+                    p50_us: Some(20.0),
+                    p99_us: Some(95.0),
+                    p999_us: Some(95.0),
+                    p9999_us: Some(95.0),
+                },
+                crate::protocol::LatencyRow {
+                    name: "Writes".into(),
+                    key: "write".into(),
+                    count: 0,
+                    mean_us: None,
+                    p50_us: None,
+                    p99_us: None,
+                    p999_us: None,
+                    p9999_us: None,
+                },
+            ],
         }
     }
 
@@ -734,6 +846,13 @@ mod tests {
         assert_eq!(j["usage"]["dirty"]["percent"], 12.5);
         assert_eq!(j["requests"]["read_hits"]["percent"], 75.0);
         assert_eq!(j["blocks"]["core_reads"]["count"], 2);
+        // Latency: numbers in JSON, "-" in the table where nothing completed.
+        assert_eq!(j["latency"]["read"]["p99_us"], 95.0);
+        assert_eq!(j["latency"]["read"]["p9999_us"], 95.0);
+        assert!(j["latency"]["write"]["p50_us"].is_null());
+        assert!(t.contains("║ Reads "), "{t}");
+        assert!(t.contains("p99.99"), "{t}");
+        assert!(csv.contains("Reads p99.9 [us]"), "{csv}");
     }
 
     #[test]

@@ -107,6 +107,7 @@ fn run(cli: Cli) -> Result<()> {
             nbd_listen,
             nbd_workers,
             save_config,
+            metrics_listen,
         } => {
             return daemon::run(daemon::DaemonOptions {
                 config: config.clone(),
@@ -115,6 +116,7 @@ fn run(cli: Cli) -> Result<()> {
                 nbd_listen: nbd_listen.clone(),
                 nbd_workers: *nbd_workers,
                 save_config: *save_config,
+                metrics_listen: metrics_listen.clone(),
             })
         }
         Command::Serve(args) => return serve::run(args),

@@ -30,6 +30,7 @@ use serde_json::{json, Value};
 use crate::config::{CacheSection, ConfigFile, CoreSection, DaemonSection};
 use crate::devices::{device_key, open_device, DeviceKey};
 use crate::export::CoreExport;
+use crate::metrics::{CacheView, CoreView, MetricsServer};
 use crate::params;
 use crate::protocol::{self, CacheInfo, CoreInfo, Request, Response, StatsReport};
 use hybridcache_volume::VolumeRef;
@@ -49,6 +50,8 @@ pub struct DaemonOptions {
     pub nbd_listen: Option<String>,
     pub nbd_workers: Option<usize>,
     pub save_config: bool,
+    /// Serve Prometheus metrics over HTTP here (`--metrics-listen`); off when None.
+    pub metrics_listen: Option<String>,
 }
 
 struct CoreEntry {
@@ -844,10 +847,11 @@ impl Daemon {
                 core: None,
                 io_class: class,
                 stats: stats.into(),
+                latency: Vec::new(),
             })
             .map_err(|e| e.to_string());
         }
-        let (core_info, stats) = match core {
+        let (core_info, stats, latency) = match core {
             Some(core) => {
                 let ci = info
                     .cores
@@ -856,17 +860,47 @@ impl Daemon {
                     .cloned()
                     .ok_or_else(|| format!("core {core} does not exist in cache {cache_id}"))?;
                 st.active_core(cache_id, core)?;
-                (Some(ci), c.cache.core_stats(core).map_err(engine_err)?)
+                (
+                    Some(ci),
+                    c.cache.core_stats(core).map_err(engine_err)?,
+                    c.cache.core_latency(core).map_err(engine_err)?,
+                )
             }
-            None => (None, c.cache.stats()),
+            None => (None, c.cache.stats(), c.cache.latency()),
         };
         serde_json::to_value(StatsReport {
             cache: info,
             core: core_info,
             io_class: None,
             stats: stats.into(),
+            latency: protocol::LatencyRow::rows(&latency),
         })
         .map_err(|e| e.to_string())
+    }
+
+    /// What a metrics scrape sees: every cache and core, read under the state lock (the
+    /// figures themselves are read from the engine afterwards, outside it).
+    fn metrics_view(&self) -> Vec<CacheView> {
+        let st = self.state.lock();
+        st.caches
+            .iter()
+            .map(|(id, c)| CacheView {
+                id: *id,
+                device: c.device.clone(),
+                status: cache_info(*id, c).status,
+                cache: c.cache.clone(),
+                cores: c
+                    .cores
+                    .iter()
+                    .map(|(core_id, core)| CoreView {
+                        id: *core_id,
+                        device: core.device.clone(),
+                        active: core.active,
+                        clients: 0,
+                    })
+                    .collect(),
+            })
+            .collect()
     }
 
     fn save(&self) {
@@ -1023,19 +1057,20 @@ fn bind_control(path: &Path) -> Result<UnixListener> {
     bound.with_context(|| format!("cannot listen on {}", path.display()))
 }
 
-fn parse_listen(text: &str) -> Result<SocketAddr> {
+/// A listen address: a bare `PORT` (or `:PORT`) means loopback only; `flag` names the option in
+/// errors.
+fn parse_listen(flag: &str, text: &str) -> Result<SocketAddr> {
     if let Ok(port) = text.parse::<u16>() {
         return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
     }
     if let Some(port) = text.strip_prefix(':') {
         let port: u16 = port
             .parse()
-            .map_err(|_| anyhow!("--nbd-listen {text}: bad port"))?;
+            .map_err(|_| anyhow!("{flag} {text}: bad port"))?;
         return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
     }
-    text.parse().map_err(|_| {
-        anyhow!("--nbd-listen {text}: expected PORT or ADDRESS:PORT (e.g. 127.0.0.1:10809)")
-    })
+    text.parse()
+        .map_err(|_| anyhow!("{flag} {text}: expected PORT or ADDRESS:PORT (e.g. 127.0.0.1:10809)"))
 }
 
 fn ensure_parent(path: &Path) -> Result<()> {
@@ -1141,7 +1176,7 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
             .with_context(|| format!("cannot serve NBD on {}", nbd_socket.display()))?;
         match &nbd_listen {
             Some(text) => {
-                let addr = parse_listen(text)?;
+                let addr = parse_listen("--nbd-listen", text)?;
                 Ok(Some(
                     server
                         .serve_tcp(addr)
@@ -1167,9 +1202,34 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
         stopping: AtomicBool::new(false),
         traces: Default::default(),
     });
+    // The metrics endpoint comes up before the configuration is applied (a refused address
+    // must not leave devices touched), and shows the caches as they start.
+    let metrics_listen = opts
+        .metrics_listen
+        .clone()
+        .or_else(|| d.metrics_listen.clone());
+    let metrics = match metrics_listen
+        .as_deref()
+        .map(|text| -> Result<MetricsServer> {
+            let addr = parse_listen("--metrics-listen", text)?;
+            let view = daemon.clone();
+            MetricsServer::start(addr, Arc::new(move || view.metrics_view()))
+        })
+        .transpose()
+    {
+        Ok(m) => m,
+        Err(e) => {
+            server.shutdown();
+            cleanup_control();
+            return Err(e);
+        }
+    };
     if let Err(e) = daemon.apply(&file_cfg) {
         daemon.shutdown();
         server.shutdown();
+        if let Some(m) = &metrics {
+            m.shutdown();
+        }
         cleanup_control();
         return Err(e.context("applying the configuration"));
     }
@@ -1203,6 +1263,9 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
     daemon.stopping.store(true, Ordering::SeqCst);
     cleanup_control();
     server.shutdown();
+    if let Some(m) = &metrics {
+        m.shutdown();
+    }
     let clean = daemon.shutdown();
     if !clean {
         bail!("some dirty data could not be flushed at shutdown");
@@ -1229,13 +1292,13 @@ mod tests {
     #[test]
     fn listen_addresses() {
         assert_eq!(
-            parse_listen("10809").unwrap(),
+            parse_listen("--nbd-listen", "10809").unwrap(),
             "127.0.0.1:10809".parse().unwrap()
         );
         assert_eq!(
-            parse_listen("0.0.0.0:1").unwrap(),
+            parse_listen("--nbd-listen", "0.0.0.0:1").unwrap(),
             "0.0.0.0:1".parse().unwrap()
         );
-        assert!(parse_listen("localhost").is_err());
+        assert!(parse_listen("--nbd-listen", "localhost").is_err());
     }
 }

@@ -12,6 +12,7 @@ pub mod daemon;
 pub mod devices;
 pub mod export;
 pub mod log;
+pub mod metrics;
 pub mod nbd_volume;
 pub mod params;
 pub mod protocol;

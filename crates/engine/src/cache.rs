@@ -25,6 +25,7 @@ use crate::cleaner::{CleaningCounters, CleaningStats, Pacer};
 use crate::cleaning::{CleanerSignal, CleanerState, CleanerThread, CleaningTick, ACP_CHUNK_BYTES};
 use crate::format::{ConfigSlot, CoreRecord, Geometry, Superblock};
 use crate::ioclass::{ClassId, IoClasses};
+use crate::latency::{self, Latency, LatencyKind, LatencyStats};
 use crate::lists::{ListKind, Lists, RUN};
 use crate::locks::{StripeGuard, StripedLocks};
 use crate::meta::{Key, LineTable, MAX_CORE_LINES, NONE};
@@ -136,6 +137,7 @@ pub(crate) struct CoreState {
     in_flight: Box<[InFlight]>,
     pub(crate) seq: SeqState,
     pub(crate) read_streams: ReadStreams,
+    pub(crate) latency: Latency,
 }
 
 /// Held by a request for its duration; see [`CoreState::enter`].
@@ -598,6 +600,8 @@ impl CacheInner {
     /// Clean up to `want` of the oldest dirty lines so that eviction finds clean ones. Caller holds
     /// no stripe.
     fn make_room(&self, want: usize) -> Result<()> {
+        // The request that waits here waits for the core (cleaning may run on other threads).
+        latency::touched_core();
         // Each round ends in a commit (device flushes), so clean enough lines to spread that
         // cost over many writes; these are the oldest dirty lines, due for cleaning anyway.
         let picked = self.oldest_dirty(want.max(64));
@@ -1106,6 +1110,9 @@ impl CacheInner {
     // ---- device IO with accounting --------------------------------------------------------
 
     pub(crate) fn core_read(&self, core: &CoreState, buf: &mut [u8], runs: &[Run]) -> Result<()> {
+        if !runs.is_empty() {
+            latency::touched_core();
+        }
         for r in runs {
             core.volume
                 .read_at(&mut buf[r.buf_off..r.buf_off + r.len], r.dev_off)
@@ -1116,6 +1123,9 @@ impl CacheInner {
     }
 
     pub(crate) fn core_write(&self, core: &CoreState, buf: &[u8], runs: &[Run]) -> Result<()> {
+        if !runs.is_empty() {
+            latency::touched_core();
+        }
         for r in runs {
             core.volume
                 .write_at(&buf[r.buf_off..r.buf_off + r.len], r.dev_off)
@@ -1260,6 +1270,7 @@ impl CacheInner {
             in_flight: (0..SLOTS).map(|_| InFlight(AtomicU64::new(0))).collect(),
             seq: SeqState::new(seq),
             read_streams: ReadStreams::default(),
+            latency: Latency::new(),
         })
     }
 
@@ -2071,13 +2082,30 @@ impl Cache {
 
     /// Reset one core's counters (`casadm -Z -j`).
     pub fn reset_core_stats(&self, id: CoreId) -> Result<()> {
-        self.inner.core_by_id(id)?.counters.reset();
+        let core = self.inner.core_by_id(id)?;
+        core.counters.reset();
+        core.latency.reset();
         Ok(())
+    }
+
+    /// One core's request latency histograms.
+    pub fn core_latency(&self, id: CoreId) -> Result<LatencyStats> {
+        Ok(self.inner.core_by_id(id)?.latency.snapshot())
+    }
+
+    /// Request latency histograms of every attached core, merged.
+    pub fn latency(&self) -> LatencyStats {
+        let mut all = LatencyStats::default();
+        for core in self.inner.cores.read().values() {
+            all.merge(&core.latency.snapshot());
+        }
+        all
     }
 
     pub fn reset_stats(&self) {
         for core in self.inner.cores.read().values() {
             core.counters.reset();
+            core.latency.reset();
         }
         self.inner.classes.reset();
     }
@@ -2233,11 +2261,27 @@ impl Core {
     }
 
     pub fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        self.cache.read(&self.core, buf, offset)
+        let start = latency::begin();
+        self.cache.read(&self.core, buf, offset)?;
+        let kind = if latency::ended_on_core() {
+            LatencyKind::ReadCore
+        } else {
+            LatencyKind::ReadCache
+        };
+        self.core.latency.record(kind, start.elapsed());
+        Ok(())
     }
 
     pub fn write(&self, buf: &[u8], offset: u64) -> Result<()> {
-        self.cache.write(&self.core, buf, offset)
+        let start = latency::begin();
+        self.cache.write(&self.core, buf, offset)?;
+        let kind = if latency::ended_on_core() {
+            LatencyKind::WriteCore
+        } else {
+            LatencyKind::WriteCache
+        };
+        self.core.latency.record(kind, start.elapsed());
+        Ok(())
     }
 
     /// A write that is durable when it returns (NBD's FUA): the write, then a flush.

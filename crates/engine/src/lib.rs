@@ -21,6 +21,7 @@ mod cleaner;
 mod cleaning;
 mod format;
 pub mod ioclass;
+pub mod latency;
 mod lists;
 mod locks;
 mod meta;
@@ -33,6 +34,7 @@ pub use cache::{Cache, Core, CoreInfo, CoreStatus};
 pub use cleaner::{CleaningStats, WRITE_SIZE_BUCKETS};
 pub use cleaning::CleaningTick;
 pub use format::{CoreRecord, Superblock};
+pub use latency::{Histogram, LatencyKind, LatencyStats};
 pub use policy::{
     AcpParams, AlruParams, CleaningConfig, CleaningIo, CleaningPolicy, LazyFlush, Prefetch,
     PrefetchPolicy, Promotion, PromotionPolicy, SeqCutoff, SeqCutoffPolicy,
