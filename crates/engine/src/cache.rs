@@ -11,6 +11,10 @@
 //! A write-back write that finds no line to take (every line dirty, or locked by others) drops its
 //! locks without having changed anything, cleans the oldest dirty lines, and tries again; after a
 //! few rounds it writes the remaining segments straight to the core, which is always correct.
+//! With lazy flush on it does that at once and asks the cleaner thread for room instead.
+//!
+//! A read that continues a sequential stream may queue read-ahead (prefetch.rs) after it has
+//! released its locks; the prefetch worker fills only invalid sectors, under the same locks.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
