@@ -72,6 +72,9 @@ fn yes_no(s: &str) -> Result<bool, String> {
     }
 }
 
+// Parsed once per invocation: set-param's many optional flags make one variant large, which
+// costs nothing here, while boxing them would split the flags from the command clap documents.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the daemon in the foreground.
