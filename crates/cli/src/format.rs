@@ -97,10 +97,46 @@ pub fn list(caches: &[CacheInfo], format: OutputFormat) -> String {
     }
 }
 
+/// The protocol carries parameter values as text (each group formats its own units); JSON for
+/// scripts gives every string that is a plain number as a number ("1024" -> 1024, "0.99" ->
+/// 0.99), and leaves words ("Pinned", "alru") and names ("cas1-1", "unclassified") as strings.
+fn numbers_as_numbers(v: &mut Value) {
+    match v {
+        Value::String(text) => {
+            let plain = !text.is_empty()
+                && text.chars().all(|c| c.is_ascii_digit() || c == '.')
+                && text.chars().filter(|c| *c == '.').count() <= 1
+                && !text.starts_with('.')
+                && !text.ends_with('.');
+            if plain {
+                if let Ok(n) = text.parse::<u64>() {
+                    *v = Value::from(n);
+                } else if let Ok(f) = text.parse::<f64>() {
+                    *v = Value::from(f);
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(numbers_as_numbers),
+        Value::Object(map) => {
+            for (key, item) in map.iter_mut() {
+                // Names are names even when they look like numbers.
+                if key != "name" && key != "label" && key != "key" {
+                    numbers_as_numbers(item);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
 /// `-C -L`: the IO classes in force.
 pub fn io_classes(l: &crate::protocol::IoClassList, format: OutputFormat) -> String {
     match format {
-        OutputFormat::Json => serde_json::to_string_pretty(l).unwrap_or_default() + "\n",
+        OutputFormat::Json => {
+            let mut v = serde_json::to_value(l).unwrap_or(Value::Null);
+            numbers_as_numbers(&mut v);
+            serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
+        }
         OutputFormat::Csv => {
             let mut out = String::from("IO class id,IO class name,Eviction priority,Allocation\n");
             for c in &l.classes {
@@ -194,7 +230,11 @@ pub fn params(p: &crate::protocol::ParamValue, format: OutputFormat) -> String {
     }
     let per_core = !p.cores.is_empty();
     match format {
-        OutputFormat::Json => serde_json::to_string_pretty(p).unwrap_or_default() + "\n",
+        OutputFormat::Json => {
+            let mut v = serde_json::to_value(p).unwrap_or(Value::Null);
+            numbers_as_numbers(&mut v);
+            serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
+        }
         OutputFormat::Csv => {
             let mut out = String::from(if per_core {
                 "Core,Parameter name,Value\n"
@@ -853,6 +893,36 @@ mod tests {
         assert!(t.contains("║ Reads "), "{t}");
         assert!(t.contains("p99.99"), "{t}");
         assert!(csv.contains("Reads p99.9 [us]"), "{csv}");
+    }
+
+    #[test]
+    fn json_gives_numbers_as_numbers() {
+        let p = crate::protocol::ParamValue {
+            name: "cleaning-alru".into(),
+            value: "20".into(),
+            read_only: false,
+            fields: vec![crate::protocol::ParamField {
+                key: "wake_up".into(),
+                label: "Wake up time [s]".into(),
+                value: "20".into(),
+            }],
+            cores: Vec::new(),
+        };
+        let j: Value = serde_json::from_str(&params(&p, OutputFormat::Json)).unwrap();
+        assert_eq!(j["value"], 20);
+        assert_eq!(j["fields"][0]["value"], 20);
+        let l = crate::protocol::IoClassList {
+            classes: vec![crate::protocol::IoClassInfo {
+                id: 1,
+                name: "1".into(),
+                eviction_priority: "Pinned".into(),
+                allocation: "0.99".into(),
+            }],
+        };
+        let j: Value = serde_json::from_str(&io_classes(&l, OutputFormat::Json)).unwrap();
+        assert_eq!(j["classes"][0]["allocation"], 0.99);
+        assert_eq!(j["classes"][0]["eviction_priority"], "Pinned");
+        assert_eq!(j["classes"][0]["name"], "1");
     }
 
     #[test]

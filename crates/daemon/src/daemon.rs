@@ -214,7 +214,7 @@ fn cache_info(id: u16, c: &CacheEntry) -> CacheInfo {
         mode: c.cache.mode().to_string(),
         line_size_kib: c.cache.line_size().kib(),
         lines: c.cache.line_count(),
-        cleaning: c.cache.cleaning().policy.to_string(),
+        cleaning: c.cache.cleaning().policy_name(),
         promotion: c.cache.promotion().policy.to_string(),
         cores: c
             .cores
