@@ -597,6 +597,8 @@ fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
         ));
         v.push(("cleaning_policy", "Cleaning Policy", c.cleaning.clone()));
         v.push(("promotion_policy", "Promotion Policy", c.promotion.clone()));
+        v.push(("lazy_flush", "Lazy Flush", c.lazy_flush.clone()));
+        v.push(("prefetch_policy", "Prefetch Policy", c.prefetch.clone()));
         v.push(("status", "Status", c.status.clone()));
     }
     v
@@ -825,6 +827,8 @@ mod tests {
                 lines: 4096,
                 cleaning: "alru".into(),
                 promotion: "always".into(),
+                lazy_flush: "off".into(),
+                prefetch: "none".into(),
                 cores: vec![CoreInfo {
                     id: 1,
                     device: "/x".into(),

@@ -270,6 +270,8 @@ fn lazy_flush_and_prefetch_are_set_shown_and_kept() {
 
     // -P shows the new counters in every format.
     let json = d.stats_json(1, None);
+    assert_eq!(json["info"]["lazy_flush"], "on", "{json}");
+    assert_eq!(json["info"]["prefetch_policy"], "readahead", "{json}");
     assert_eq!(json["policies"]["lazy_flush_writes"]["count"], 0, "{json}");
     assert_eq!(json["policies"]["prefetch_hits"]["count"], 0, "{json}");
     let table = d.ok(&["-P", "-i", "1"]);

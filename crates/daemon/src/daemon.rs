@@ -216,6 +216,8 @@ fn cache_info(id: u16, c: &CacheEntry) -> CacheInfo {
         lines: c.cache.line_count(),
         cleaning: c.cache.cleaning().policy_name(),
         promotion: c.cache.promotion().policy.to_string(),
+        lazy_flush: hybridcache_engine::policy::on_off(c.cache.lazy_flush().enabled).into(),
+        prefetch: c.cache.prefetch().policy.to_string(),
         cores: c
             .cores
             .iter()

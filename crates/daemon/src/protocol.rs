@@ -195,6 +195,11 @@ pub struct CacheInfo {
     pub cleaning: String,
     #[serde(default)]
     pub promotion: String,
+    /// `on` or `off`, and the prefetch policy name (empty from older daemons).
+    #[serde(default)]
+    pub lazy_flush: String,
+    #[serde(default)]
+    pub prefetch: String,
     pub cores: Vec<CoreInfo>,
 }
 
