@@ -14,6 +14,7 @@
 //! - pressure: prefetch takes only free lines and leaves a reserve of them (an eighth of the cache,
 //!   at most 512 lines, as seq cutoff's `full` margin); it never evicts. Speculative data must not
 //!   push out lines clients used, and the reserve keeps room for clients' own misses;
+//! - a class at its allocation gets no read-ahead lines (the request's class, which the lines join);
 //! - reads that bypass the cache (pt and wo, seq cutoff, an IO class with allocation 0, nhit
 //!   declining) start no read-ahead: prefetching what the cache would not insert would work around
 //!   those policies.
@@ -296,6 +297,8 @@ impl CacheInner {
         let reserve = reserve(self.lines);
         // (segment, line, newly taken, sectors to fill)
         let mut plan = Vec::new();
+        // New lines taken so far (not yet counted in their class).
+        let mut taken = 0u64;
         for (i, s) in segs.iter().enumerate() {
             let m = bits::range(s.first, s.count);
             if s.line != crate::meta::NONE {
@@ -308,8 +311,15 @@ impl CacheInner {
             if self.free_lines.load(Ordering::Relaxed) <= reserve {
                 break;
             }
+            // Read-ahead never grows a class past its allocation (it never evicts to stay in it).
+            if job.class.is_some_and(|c| !self.classes.has_room(c, taken)) {
+                break;
+            }
             match self.take_free_line() {
-                Some(line) => plan.push((i, line, true, m)),
+                Some(line) => {
+                    plan.push((i, line, true, m));
+                    taken += 1;
+                }
                 None => break,
             }
         }

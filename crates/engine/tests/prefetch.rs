@@ -234,3 +234,26 @@ fn settings_are_checked_and_survive_a_load() {
     let cache = Cache::load(as_ref(&vol), &mut |_| None).unwrap();
     assert_eq!(cache.prefetch(), p);
 }
+
+#[test]
+fn read_ahead_keeps_to_the_reading_class_allocation() {
+    // 256 lines; the unclassified class may hold 10% (25 lines). A stream reads 2 lines and
+    // asks for 64 more: prefetch must stop at the class's share, not fill free lines past it.
+    let (cache, c) = setup(256, 1 << 20, CacheMode::Wt, readahead(8, 256, 4));
+    let csv = "IO class id,IO class name,Eviction priority,Allocation\n0,unclassified,22,0.1\n";
+    let table = hybridcache_engine::ioclass::IoClasses::parse(
+        csv,
+        &hybridcache_engine::ioclass::LoadOptions::default(),
+    )
+    .unwrap();
+    cache.load_io_classes(table).unwrap();
+    stream8(&c, 0);
+    assert_eq!(cache.run_prefetch(), 1);
+    let occupancy = cache.io_class_stats(0).unwrap().usage.occupancy_lines;
+    assert!(
+        occupancy <= 25,
+        "class 0 holds {occupancy} lines, its share is 25"
+    );
+    assert!(occupancy > 2, "read-ahead filled nothing: {occupancy}");
+    cache.check_invariants();
+}
