@@ -600,8 +600,34 @@ fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
         v.push(("lazy_flush", "Lazy Flush", c.lazy_flush.clone()));
         v.push(("prefetch_policy", "Prefetch Policy", c.prefetch.clone()));
         v.push(("status", "Status", c.status.clone()));
+        v.push((
+            "dirty_for_s",
+            "Dirty for [s]",
+            c.dirty_for_s.map_or("0".into(), |d| d.to_string()),
+        ));
+        v.push((
+            "dirty_for",
+            "Dirty for",
+            c.dirty_for_s.map_or("clean".into(), duration_text),
+        ));
     }
     v
+}
+
+/// "1 h 5 min 3 s", as casadm prints "Dirty for".
+fn duration_text(secs: u64) -> String {
+    let (h, m, s) = (secs / 3600, secs / 60 % 60, secs % 60);
+    let mut parts = Vec::new();
+    if h > 0 {
+        parts.push(format!("{h} h"));
+    }
+    if m > 0 {
+        parts.push(format!("{m} min"));
+    }
+    if s > 0 || parts.is_empty() {
+        parts.push(format!("{s} s"));
+    }
+    parts.join(" ")
 }
 
 /// `stats` in the chosen format.
@@ -836,6 +862,8 @@ mod tests {
                     status: "Active".into(),
                     export: "cas1-1".into(),
                 }],
+                flush: None,
+                dirty_for_s: Some(3723),
             },
             core: None,
             io_class: None,
@@ -890,6 +918,8 @@ mod tests {
         assert_eq!(j["usage"]["dirty"]["percent"], 12.5);
         assert_eq!(j["requests"]["read_hits"]["percent"], 75.0);
         assert_eq!(j["blocks"]["core_reads"]["count"], 2);
+        assert_eq!(j["info"]["dirty_for_s"], 3723);
+        assert!(t.contains("1 h 2 min 3 s"), "{t}");
         // Latency: numbers in JSON, "-" in the table where nothing completed.
         assert_eq!(j["latency"]["read"]["p99_us"], 95.0);
         assert_eq!(j["latency"]["read"]["p9999_us"], 95.0);

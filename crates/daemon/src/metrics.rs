@@ -318,6 +318,18 @@ impl Collector for Collected {
             "hybridcache_cache_dirty_ratio",
             "Dirty lines over all cache lines (0 to 1), as -P's Dirty percentage",
         );
+        let mut dirty_for = Family::gauge(
+            "hybridcache_cache_dirty_for_seconds",
+            "How long the cache has held dirty data (0 while clean), as -P's Dirty for",
+        );
+        let mut flushing = Family::gauge(
+            "hybridcache_flush_in_progress",
+            "1 while a flush runs (-F, a mode switch that flushes, a stop)",
+        );
+        let mut flush_ratio = Family::gauge(
+            "hybridcache_flush_progress_ratio",
+            "Share of the running flush's dirty lines written so far (0 to 1); absent when none runs",
+        );
         let mut core_occupancy = Family::gauge(
             "hybridcache_core_occupancy_lines",
             "Cache lines mapped to the core",
@@ -440,6 +452,15 @@ impl Collector for Collected {
             occupancy.push(base.clone(), s.usage.occupancy_lines as f64);
             dirty.push(base.clone(), s.usage.dirty_lines as f64);
             dirty_ratio.push(base.clone(), s.usage.dirty_lines as f64 / total);
+            dirty_for.push(
+                base.clone(),
+                cache.dirty_for(None).map_or(0.0, |d| d.as_secs_f64()),
+            );
+            let flush = cache.flush_status();
+            flushing.push(base.clone(), if flush.is_some() { 1.0 } else { 0.0 });
+            if let Some(f) = flush {
+                flush_ratio.push(base.clone(), f.percent() / 100.0);
+            }
             let cs = cache.cleaning_stats();
             cleaned.push(base.clone(), cs.cleaned_lines as f64);
             cleaning_writes.push(base.clone(), cs.core_writes as f64);
@@ -540,6 +561,9 @@ impl Collector for Collected {
             &occupancy,
             &dirty,
             &dirty_ratio,
+            &dirty_for,
+            &flushing,
+            &flush_ratio,
             &core_info,
             &core_active,
             &core_occupancy,

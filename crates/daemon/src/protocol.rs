@@ -80,6 +80,10 @@ pub enum Request {
         #[serde(default)]
         core: Option<u16>,
     },
+    /// Stop the running flushes of a cache after their current batch (`-F` interrupted).
+    InterruptFlush {
+        cache: u16,
+    },
     /// Set fields of the parameter group `name` (params.rs): `values` maps field names to
     /// values; `value` alone sets the group's first field.
     SetParam {
@@ -201,6 +205,28 @@ pub struct CacheInfo {
     #[serde(default)]
     pub prefetch: String,
     pub cores: Vec<CoreInfo>,
+    /// Set while a flush runs (`-F`, a mode switch that flushes, a stop).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flush: Option<FlushInfo>,
+    /// Seconds since the cache last went from clean to dirty; None while clean.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dirty_for_s: Option<u64>,
+}
+
+/// How far a running flush has got.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct FlushInfo {
+    pub percent: f64,
+    pub total_lines: u64,
+    pub done_lines: u64,
+    pub elapsed_s: f64,
+    /// Bytes written per second so far.
+    pub bytes_per_s: f64,
+    /// Seconds left at the rate so far; None until something was written.
+    pub eta_s: Option<f64>,
+    /// "wb->wt" while a mode switch flushes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode_change: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

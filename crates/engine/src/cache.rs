@@ -39,6 +39,7 @@ use crate::policy::{
     SeqCutoff, SeqState, FLUSH_BUFFERS,
 };
 use crate::prefetch::{PrefetchState, PrefetchThread, ReadStreams};
+use crate::progress::{FlushProgress, FlushStatus};
 use crate::stats::{thread_slot, Counter, Counters, Stats, Usage, SLOTS};
 use crate::{
     CacheConfig, CacheMode, CoreId, EngineError, LineSize, Result, MAX_CORES, MAX_REQUEST, SECTOR,
@@ -113,6 +114,7 @@ pub(crate) struct CacheInner {
     pub(crate) cleaning_counters: CleaningCounters,
     pub(crate) promotion: PromotionState,
     pub(crate) classes: ClassState,
+    pub(crate) flush_progress: FlushProgress,
     /// Sequential cutoff settings of cores recorded but not attached (inactive), kept so that
     /// the superblock keeps them.
     seq_cutoff_inactive: RwLock<BTreeMap<CoreId, SeqCutoff>>,
@@ -122,8 +124,58 @@ pub(crate) struct CacheInner {
 pub(crate) struct CoreGauges {
     pub(crate) occupancy: AtomicU64,
     pub(crate) dirty: AtomicU64,
+    /// When the core last went from no dirty line to some (ms on the process clock), 0 while
+    /// clean: "Dirty for" in -P. Written only on those transitions, never per request.
+    dirty_since_ms: AtomicU64,
     /// Dirty lines per 100 MiB chunk of the core, for acp. Sized when the core is attached.
     pub(crate) chunks: RwLock<Box<[std::sync::atomic::AtomicU32]>>,
+}
+
+impl CoreGauges {
+    fn dirty_up(&self) {
+        if self.dirty.fetch_add(1, Ordering::Relaxed) == 0 {
+            let _ = self.dirty_since_ms.compare_exchange(
+                0,
+                clock_ms(),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+        }
+    }
+
+    fn dirty_down(&self) {
+        if self.dirty.fetch_sub(1, Ordering::Relaxed) == 1 {
+            self.dirty_since_ms.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// How long the core has held dirty data; None while clean. A race between the last line
+    /// going clean and a new one going dirty can leave the mark unset: it is set on read then.
+    fn dirty_for(&self) -> Option<std::time::Duration> {
+        if self.dirty.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        let now = clock_ms();
+        let since =
+            match self
+                .dirty_since_ms
+                .compare_exchange(0, now, Ordering::Relaxed, Ordering::Relaxed)
+            {
+                Ok(_) => now,
+                Err(since) => since,
+            };
+        Some(std::time::Duration::from_millis(now.saturating_sub(since)))
+    }
+}
+
+/// Milliseconds on a process-wide monotonic clock, never 0 (0 means "unset").
+fn clock_ms() -> u64 {
+    static START: OnceLock<std::time::Instant> = OnceLock::new();
+    START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_millis() as u64
+        + 1
 }
 
 #[repr(align(128))]
@@ -398,7 +450,7 @@ impl CacheInner {
             drop(s);
             gauges.occupancy.fetch_sub(1, Ordering::Relaxed);
             if old_dirty != 0 {
-                gauges.dirty.fetch_sub(1, Ordering::Relaxed);
+                gauges.dirty_down();
                 self.chunk_dirty(key, false);
             }
             return;
@@ -417,12 +469,12 @@ impl CacheInner {
         }
         match (old_dirty != 0, dirty != 0) {
             (false, true) => {
-                gauges.dirty.fetch_add(1, Ordering::Relaxed);
+                gauges.dirty_up();
                 self.chunk_dirty(key, true);
                 self.classes.dirtied(line, true);
             }
             (true, false) => {
-                gauges.dirty.fetch_sub(1, Ordering::Relaxed);
+                gauges.dirty_down();
                 self.chunk_dirty(key, false);
                 self.classes.dirtied(line, false);
             }
@@ -452,7 +504,7 @@ impl CacheInner {
         let g = &self.gauges[key.core() as usize];
         g.occupancy.fetch_add(1, Ordering::Relaxed);
         if dirty != 0 {
-            g.dirty.fetch_add(1, Ordering::Relaxed);
+            g.dirty_up();
             self.chunk_dirty(key, true);
         }
     }
@@ -1257,6 +1309,7 @@ impl CacheInner {
             cleaning_counters: CleaningCounters::default(),
             promotion: PromotionState::new(Promotion::default()),
             classes: ClassState::new(lines),
+            flush_progress: FlushProgress::default(),
             seq_cutoff_inactive: RwLock::new(BTreeMap::new()),
         }
     }
@@ -1370,6 +1423,10 @@ impl Cache {
 
     /// Wrap a built cache and start its cleaner thread.
     fn started(inner: CacheInner) -> Cache {
+        // Dirty data a load brought back has been dirty at least since the load.
+        for g in inner.gauges.iter() {
+            let _ = g.dirty_for();
+        }
         let inner = Arc::new(inner);
         *inner.cleaner_thread.lock() = Some(CleanerThread::start(&inner));
         *inner.prefetch_thread.lock() = Some(PrefetchThread::start(&inner));
@@ -1653,12 +1710,19 @@ impl Cache {
         if let Some(p) = &self.inner.persist {
             p.update_superblock(&*self.inner.volume, |sb| sb.mode = mode.as_str().into())?;
         }
+        let old = self.mode();
         self.inner.mode.store(mode as u8, Ordering::Relaxed);
         if flush_first && !mode.makes_dirty() {
+            // One progress entry over every pass, showing the change as -L's status does.
+            let _progress = self
+                .inner
+                .flush_progress
+                .begin(self.inner.usage(None).dirty_lines);
+            self.inner.flush_progress.set_mode_change(Some((old, mode)));
             // Requests that read the old mode before the switch may still be adding dirty data;
             // they finish quickly, so a few passes leave none.
             for _ in 0..1000 {
-                self.flush()?;
+                self.flush_cores()?;
                 if self.inner.usage(None).dirty_lines == 0 {
                     return Ok(());
                 }
@@ -1845,9 +1909,18 @@ impl Cache {
 
     /// Write all dirty data of every core to the cores, mark it clean, and flush the cores.
     pub fn flush(&self) -> Result<()> {
-        let ids: Vec<CoreId> = self.inner.cores.read().keys().copied().collect();
-        for id in ids {
-            self.flush_core(id)?;
+        let _progress = self
+            .inner
+            .flush_progress
+            .begin(self.inner.usage(None).dirty_lines);
+        self.flush_cores()
+    }
+
+    /// Flush every core, counted in the progress entry the caller began.
+    fn flush_cores(&self) -> Result<()> {
+        let cores: Vec<Arc<CoreState>> = self.inner.cores.read().values().cloned().collect();
+        for core in cores {
+            self.inner.flush_core_dirty(&core)?;
         }
         Ok(())
     }
@@ -1855,7 +1928,32 @@ impl Cache {
     /// As [`flush`](Cache::flush), for one core.
     pub fn flush_core(&self, id: CoreId) -> Result<()> {
         let core = self.inner.core_by_id(id)?;
+        let _progress = self
+            .inner
+            .flush_progress
+            .begin(self.inner.usage(Some(id)).dirty_lines);
         self.inner.flush_core_dirty(&core)
+    }
+
+    /// How long the cache (or one core) has held dirty data: since the oldest core's last
+    /// transition from clean to dirty (after a load, since the load). None while clean.
+    pub fn dirty_for(&self, core: Option<CoreId>) -> Option<std::time::Duration> {
+        match core {
+            Some(id) => self.inner.gauges.get(id as usize)?.dirty_for(),
+            None => self.inner.gauges.iter().filter_map(|g| g.dirty_for()).max(),
+        }
+    }
+
+    /// How far the running flushes have got; None when none runs.
+    pub fn flush_status(&self) -> Option<FlushStatus> {
+        self.inner.flush_progress.status()
+    }
+
+    /// Stop the running flushes after their current batch: what they cleaned is recorded clean,
+    /// the rest stays dirty, and they fail with [`EngineError::FlushInterrupted`]. False when no
+    /// flush runs.
+    pub fn interrupt_flush(&self) -> bool {
+        self.inner.flush_progress.interrupt()
     }
 
     // ---- policies (policy.rs; docs/policies.md) ----------------------------------------------

@@ -28,6 +28,7 @@ mod meta;
 mod persist;
 pub mod policy;
 mod prefetch;
+mod progress;
 mod stats;
 
 pub use cache::{Cache, Core, CoreInfo, CoreStatus};
@@ -39,6 +40,7 @@ pub use policy::{
     AcpParams, AlruParams, CleaningConfig, CleaningIo, CleaningPolicy, LazyFlush, Prefetch,
     PrefetchPolicy, Promotion, PromotionPolicy, SeqCutoff, SeqCutoffPolicy,
 };
+pub use progress::FlushStatus;
 pub use stats::{BlockStats, ErrorStats, RequestStats, Stats, Usage};
 
 use std::fmt;
@@ -230,6 +232,8 @@ pub enum EngineError {
     CoreInactive(CoreId),
     #[error("the cache is stopped")]
     Stopped,
+    #[error("the flush was interrupted; the lines not yet written stay dirty")]
+    FlushInterrupted,
     #[error("{0}")]
     Invalid(String),
 }
