@@ -72,6 +72,9 @@ fn yes_no(s: &str) -> Result<bool, String> {
     }
 }
 
+// Parsed once per invocation: set-param's many optional flags make one variant large, which
+// costs nothing here, while boxing them would split the flags from the command clap documents.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the daemon in the foreground.
@@ -224,7 +227,8 @@ pub enum Command {
 
     /// Set parameters of a group: cache-mode (-v), cleaning (-p), cleaning-alru (-w -s -b -t -d),
     /// cleaning-acp (-w -b), cleaning-io, seq-cutoff (-j; -p -t), promotion (-p),
-    /// promotion-nhit (-t -o). See docs/policies.md.
+    /// promotion-nhit (-t -o), lazy-flush (-p on|off), prefetch (-p readahead|none),
+    /// prefetch-readahead (-t --distance --max-in-flight). See docs/policies.md.
     #[command(short_flag = 'X', long_flag = "set-param")]
     SetParam {
         #[arg(short = 'n', long = "name")]
@@ -238,7 +242,8 @@ pub enum Command {
         #[arg(short = 'v', long = "value")]
         value: Option<String>,
         /// Policy: cleaning nop|alru|acp|alru-very-aggressive|acp-very-aggressive|alru-lazy;
-        /// seq-cutoff always|full|never; promotion always|nhit.
+        /// seq-cutoff always|full|never; promotion always|nhit; lazy-flush on|off;
+        /// prefetch readahead|none.
         #[arg(short = 'p', long = "policy")]
         policy: Option<String>,
         /// Wake-up: seconds (alru) or milliseconds (acp).
@@ -250,7 +255,8 @@ pub enum Command {
         /// Lines cleaned per run (alru, acp).
         #[arg(short = 'b', long = "flush-max-buffers")]
         flush_max_buffers: Option<String>,
-        /// alru activity threshold (ms); seq-cutoff threshold (KiB); nhit threshold (accesses).
+        /// alru activity threshold (ms); seq-cutoff threshold (KiB); nhit threshold (accesses);
+        /// prefetch-readahead threshold (KiB).
         #[arg(short = 't', long = "threshold", visible_alias = "activity-threshold")]
         threshold: Option<String>,
         /// alru dirty ratio threshold, percent (100 = off).
@@ -271,6 +277,12 @@ pub enum Command {
         /// cleaning-io: cleaning bandwidth cap, MiB/s (0 = none).
         #[arg(long = "max-bandwidth")]
         max_bandwidth: Option<String>,
+        /// prefetch-readahead: how far ahead of a stream to read, KiB.
+        #[arg(long = "distance")]
+        distance: Option<String>,
+        /// prefetch-readahead: prefetch requests queued or running at most.
+        #[arg(long = "max-in-flight")]
+        max_in_flight: Option<String>,
     },
 
     /// Print a parameter group (names as for set-param, and cache-line-size).
@@ -444,6 +456,8 @@ impl Command {
                 promotion_count,
                 merge_max,
                 max_bandwidth,
+                distance,
+                max_in_flight,
             } => {
                 let given = [
                     ("-v", value),
@@ -458,6 +472,8 @@ impl Command {
                     ("--promotion-count", promotion_count),
                     ("--merge-max", merge_max),
                     ("--max-bandwidth", max_bandwidth),
+                    ("--distance", distance),
+                    ("--max-in-flight", max_in_flight),
                 ];
                 let group = crate::params::find(name).ok();
                 let mut values = std::collections::BTreeMap::new();

@@ -484,6 +484,49 @@ fn sections(r: &StatsReport) -> Vec<Section> {
         err("total_errors", "Total errors", all_err),
     ];
 
+    // Lazy flush's writes are also counted as write misses above, prefetch's requests are not
+    // client requests: their own section, each as a share of what it is part of.
+    let (lazy_b, pre_b) = (b4(s.lazy_flush_bytes), b4(s.prefetch_read_bytes));
+    // Hits are lines, prefetch's reads 4 KiB blocks: the share compares blocks.
+    let line4 = (s.line_size as u64 / 4096).max(1);
+    let policies = vec![
+        row(
+            "lazy_flush_writes",
+            "Writes sent to core by lazy flush",
+            s.lazy_flush_writes,
+            pct(s.lazy_flush_writes, writes),
+            REQUESTS,
+        ),
+        row(
+            "lazy_flush_blocks",
+            "Blocks written to core by lazy flush",
+            lazy_b,
+            pct(lazy_b, b4(s.core_written_bytes)),
+            BLOCKS,
+        ),
+        row(
+            "prefetch_requests",
+            "Prefetch requests",
+            s.prefetch_requests,
+            pct(s.prefetch_requests, all + s.prefetch_requests),
+            REQUESTS,
+        ),
+        row(
+            "prefetch_blocks",
+            "Blocks read from core by prefetch",
+            pre_b,
+            pct(pre_b, b4(s.core_read_bytes)),
+            BLOCKS,
+        ),
+        row(
+            "prefetch_hits",
+            "Prefetched lines hit",
+            s.prefetch_hits,
+            pct(s.prefetch_hits * line4, pre_b),
+            "Cache lines",
+        ),
+    ];
+
     vec![
         Section {
             key: "usage",
@@ -499,6 +542,11 @@ fn sections(r: &StatsReport) -> Vec<Section> {
             key: "blocks",
             title: "Block statistics",
             rows: blocks,
+        },
+        Section {
+            key: "policies",
+            title: "Lazy flush and prefetch statistics",
+            rows: policies,
         },
         Section {
             key: "errors",
@@ -560,6 +608,8 @@ fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
         ));
         v.push(("cleaning_policy", "Cleaning Policy", c.cleaning.clone()));
         v.push(("promotion_policy", "Promotion Policy", c.promotion.clone()));
+        v.push(("lazy_flush", "Lazy Flush", c.lazy_flush.clone()));
+        v.push(("prefetch_policy", "Prefetch Policy", c.prefetch.clone()));
         v.push(("status", "Status", c.status.clone()));
         v.push((
             "dirty_for_s",
@@ -816,6 +866,8 @@ mod tests {
                 lines: 4096,
                 cleaning: "alru".into(),
                 promotion: "always".into(),
+                lazy_flush: "off".into(),
+                prefetch: "none".into(),
                 cores: vec![CoreInfo {
                     id: 1,
                     device: "/x".into(),

@@ -209,6 +209,95 @@ fn every_group_is_set_read_back_and_survives_a_restart() {
 }
 
 #[test]
+fn lazy_flush_and_prefetch_are_set_shown_and_kept() {
+    let FileCache {
+        dir,
+        spec,
+        daemon: d,
+        ..
+    } = file_cache(64 << 20, 256 << 20, &["-c", "wb"]);
+    // Defaults: both off.
+    assert_eq!(d.ok(&["-G", "-n", "lazy-flush", "-i", "1"]), "off\n");
+    assert_eq!(d.ok(&["-G", "-n", "prefetch", "-i", "1"]), "none\n");
+    assert_eq!(
+        csv(&d, "prefetch-readahead"),
+        "Parameter name,Value\nRead-ahead threshold [KiB],256\nRead-ahead distance [KiB],1024\n\
+         Prefetch requests in flight at most,4\n"
+    );
+    d.ok(&["-X", "-n", "lazy-flush", "-i", "1", "-p", "on"]);
+    d.ok(&["-X", "-n", "prefetch", "-i", "1", "-p", "readahead"]);
+    d.ok(&[
+        "-X",
+        "-n",
+        "prefetch-readahead",
+        "-i",
+        "1",
+        "-t",
+        "64",
+        "--distance",
+        "512",
+        "--max-in-flight",
+        "8",
+    ]);
+    let expect = |d: &Daemon| {
+        assert_eq!(d.ok(&["-G", "-n", "lazy-flush", "-i", "1"]), "on\n");
+        assert_eq!(d.ok(&["-G", "-n", "prefetch", "-i", "1"]), "readahead\n");
+        assert_eq!(
+            csv(d, "prefetch-readahead"),
+            "Parameter name,Value\nRead-ahead threshold [KiB],64\nRead-ahead distance [KiB],512\n\
+             Prefetch requests in flight at most,8\n"
+        );
+    };
+    expect(&d);
+    let err = d.fails(&["-X", "-n", "lazy-flush", "-i", "1", "-p", "maybe"]);
+    assert!(err.contains("neither on nor off"), "{err}");
+    let err = d.fails(&["-X", "-n", "prefetch", "-i", "1", "-p", "always"]);
+    assert!(err.contains("readahead or none"), "{err}");
+    let err = d.fails(&[
+        "-X",
+        "-n",
+        "prefetch-readahead",
+        "-i",
+        "1",
+        "--distance",
+        "1",
+    ]);
+    assert!(
+        err.contains("distance 1 is out of range 4..32768 KiB"),
+        "{err}"
+    );
+    expect(&d);
+
+    // -P shows the new counters in every format.
+    let json = d.stats_json(1, None);
+    assert_eq!(json["info"]["lazy_flush"], "on", "{json}");
+    assert_eq!(json["info"]["prefetch_policy"], "readahead", "{json}");
+    assert_eq!(json["policies"]["lazy_flush_writes"]["count"], 0, "{json}");
+    assert_eq!(json["policies"]["prefetch_hits"]["count"], 0, "{json}");
+    let table = d.ok(&["-P", "-i", "1"]);
+    assert!(
+        table.contains("Writes sent to core by lazy flush"),
+        "{table}"
+    );
+    assert!(
+        table.contains("Blocks read from core by prefetch"),
+        "{table}"
+    );
+    let csv_out = d.ok(&["-P", "-i", "1", "-j", "1", "-o", "csv"]);
+    assert!(
+        csv_out.contains("Prefetch requests [Requests]"),
+        "{csv_out}"
+    );
+
+    d.ok(&["-T", "-i", "1"]);
+    let mut d = d;
+    assert!(d.stop());
+    let d = Daemon::start(dir.path());
+    assert_eq!(d.ok(&["-S", "-d", &spec, "--load"]), "cache 1 loaded\n");
+    expect(&d);
+}
+
+#[test]
 fn background_cleaning_drains_what_nop_keeps() {
     if !have("fio") {
         eprintln!("skipped: fio is not installed (make deps)");

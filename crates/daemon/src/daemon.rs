@@ -282,6 +282,8 @@ fn cache_info(id: u16, c: &CacheEntry, registry: &ExportRegistry) -> CacheInfo {
         lines: c.cache.line_count(),
         cleaning: c.cache.cleaning().policy_name(),
         promotion: c.cache.promotion().policy.to_string(),
+        lazy_flush: hybridcache_engine::policy::on_off(c.cache.lazy_flush().enabled).into(),
+        prefetch: c.cache.prefetch().policy.to_string(),
         cores: c
             .cores
             .iter()
@@ -335,6 +337,8 @@ fn waiting_info(w: &Waiting) -> CacheInfo {
         lines: 0,
         cleaning: String::new(),
         promotion: String::new(),
+        lazy_flush: String::new(),
+        prefetch: String::new(),
         flush: None,
         dirty_for_s: None,
         cores: w

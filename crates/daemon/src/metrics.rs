@@ -373,6 +373,28 @@ impl Collector for Collected {
             "hybridcache_errors",
             "Failed device operations, by device and direction",
         );
+        let mut lazy_writes = Family::counter(
+            "hybridcache_lazy_flush_writes",
+            "Write requests lazy flush sent (partly) to the core for want of a free or clean line",
+        );
+        let mut lazy_bytes = Family::counter(
+            "hybridcache_lazy_flush_written",
+            "Bytes lazy flush wrote to the core (part of the core's written bytes)",
+        )
+        .bytes();
+        let mut prefetch_requests = Family::counter(
+            "hybridcache_prefetch_requests",
+            "Read-ahead requests the prefetch worker issued to the core (not client requests)",
+        );
+        let mut prefetch_bytes = Family::counter(
+            "hybridcache_prefetch_read",
+            "Bytes read-ahead read from the core (part of the core's read bytes)",
+        )
+        .bytes();
+        let mut prefetch_hits = Family::counter(
+            "hybridcache_prefetch_hit_lines",
+            "Cache lines filled by read-ahead that a client read later hit (once per line)",
+        );
         let mut cleaned = Family::counter(
             "hybridcache_cleaned_lines",
             "Dirty cache lines written to their core and marked clean (cleaning and flushes)",
@@ -465,6 +487,11 @@ impl Collector for Collected {
                 push_requests(&mut requests, &l, &s);
                 push_bytes(&mut read, &mut written, &l, &s);
                 push_errors(&mut errors, &l, &s);
+                lazy_writes.push(l.clone(), s.requests.lazy_flush_writes as f64);
+                lazy_bytes.push(l.clone(), s.blocks.lazy_flush_bytes as f64);
+                prefetch_requests.push(l.clone(), s.requests.prefetch_requests as f64);
+                prefetch_bytes.push(l.clone(), s.blocks.prefetch_read_bytes as f64);
+                prefetch_hits.push(l.clone(), s.requests.prefetch_hits as f64);
             }
 
             for class in cache.io_classes().iter() {
@@ -548,6 +575,11 @@ impl Collector for Collected {
             &read,
             &written,
             &errors,
+            &lazy_writes,
+            &lazy_bytes,
+            &prefetch_requests,
+            &prefetch_bytes,
+            &prefetch_hits,
             &cleaned,
             &cleaning_writes,
             &cleaning_bytes,
@@ -685,6 +717,15 @@ mod tests {
             value(&text, r#"hybridcache_core_dirty_lines{cache="3",core="1"}"#),
             2.0
         );
+        for series in [
+            r#"hybridcache_lazy_flush_writes_total{cache="3",core="1"}"#,
+            r#"hybridcache_lazy_flush_written_bytes_total{cache="3",core="1"}"#,
+            r#"hybridcache_prefetch_requests_total{cache="3",core="1"}"#,
+            r#"hybridcache_prefetch_read_bytes_total{cache="3",core="1"}"#,
+            r#"hybridcache_prefetch_hit_lines_total{cache="3",core="1"}"#,
+        ] {
+            assert_eq!(value(&text, series), 0.0, "{series}");
+        }
         assert_eq!(
             value(&text, r#"hybridcache_export_clients{cache="3",core="1"}"#),
             2.0

@@ -12,7 +12,10 @@
 
 use std::collections::BTreeMap;
 
-use hybridcache_engine::{Cache, CacheMode, CleaningPolicy, CoreId, PromotionPolicy};
+use hybridcache_engine::policy::{on_off, parse_on_off};
+use hybridcache_engine::{
+    Cache, CacheMode, CleaningPolicy, CoreId, PrefetchPolicy, PromotionPolicy,
+};
 
 /// One field of a group.
 pub struct Field {
@@ -290,6 +293,62 @@ fn set_nhit(c: &Cache, _: Option<CoreId>, v: &BTreeMap<String, String>) -> Resul
     engine(c.set_promotion(p))
 }
 
+fn get_lazy_flush(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
+    Ok(vec![on_off(c.lazy_flush().enabled).to_string()])
+}
+
+fn set_lazy_flush(
+    c: &Cache,
+    _: Option<CoreId>,
+    v: &BTreeMap<String, String>,
+) -> Result<(), String> {
+    let mut p = c.lazy_flush();
+    each("lazy-flush", v, |k, v| {
+        Ok(k == "policy" && {
+            p.enabled = parse_on_off("lazy-flush", v)?;
+            true
+        })
+    })?;
+    engine(c.set_lazy_flush(p))
+}
+
+fn get_prefetch(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
+    Ok(vec![c.prefetch().policy.to_string()])
+}
+
+fn set_prefetch(c: &Cache, _: Option<CoreId>, v: &BTreeMap<String, String>) -> Result<(), String> {
+    let mut p = c.prefetch();
+    each("prefetch", v, |k, v| {
+        Ok(k == "policy" && {
+            p.policy = v.parse::<PrefetchPolicy>()?;
+            true
+        })
+    })?;
+    engine(c.set_prefetch(p))
+}
+
+fn get_readahead(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
+    let p = c.prefetch();
+    Ok([p.threshold_kib, p.distance_kib, p.max_in_flight]
+        .iter()
+        .map(u32::to_string)
+        .collect())
+}
+
+fn set_readahead(c: &Cache, _: Option<CoreId>, v: &BTreeMap<String, String>) -> Result<(), String> {
+    let mut p = c.prefetch();
+    set_u32s(
+        "prefetch-readahead",
+        v,
+        &mut [
+            ("threshold", &mut p.threshold_kib),
+            ("distance", &mut p.distance_kib),
+            ("max-in-flight", &mut p.max_in_flight),
+        ],
+    )?;
+    engine(c.set_prefetch(p))
+}
+
 const fn field(key: &'static str, flag: &'static str, label: &'static str) -> Field {
     Field { key, flag, label }
 }
@@ -407,6 +466,43 @@ pub const GROUPS: &[Group] = &[
         in_config: true,
         get: get_nhit,
         set: Some(set_nhit),
+    },
+    Group {
+        // Its own group rather than a field of `cleaning`: it changes how writes are routed
+        // whatever the cleaning policy (nop included), so it must not read as one policy's knob.
+        name: "lazy-flush",
+        help: "write-back writes with no free or clean line go to the core: on or off (-p)",
+        fields: &[field("policy", "-p", "Lazy flush")],
+        per_core: false,
+        in_config: true,
+        get: get_lazy_flush,
+        set: Some(set_lazy_flush),
+    },
+    Group {
+        name: "prefetch",
+        help: "prefetch policy: readahead or none (-p)",
+        fields: &[field("policy", "-p", "Prefetch policy")],
+        per_core: false,
+        in_config: true,
+        get: get_prefetch,
+        set: Some(set_prefetch),
+    },
+    Group {
+        name: "prefetch-readahead",
+        help: "read-ahead tunables (-t threshold KiB, --distance KiB, --max-in-flight)",
+        fields: &[
+            field("threshold", "-t", "Read-ahead threshold [KiB]"),
+            field("distance", "--distance", "Read-ahead distance [KiB]"),
+            field(
+                "max-in-flight",
+                "--max-in-flight",
+                "Prefetch requests in flight at most",
+            ),
+        ],
+        per_core: false,
+        in_config: true,
+        get: get_readahead,
+        set: Some(set_readahead),
     },
 ];
 

@@ -215,6 +215,11 @@ pub struct CacheInfo {
     pub cleaning: String,
     #[serde(default)]
     pub promotion: String,
+    /// `on` or `off`, and the prefetch policy name (empty from older daemons).
+    #[serde(default)]
+    pub lazy_flush: String,
+    #[serde(default)]
+    pub prefetch: String,
     pub cores: Vec<CoreInfo>,
     /// Set while a flush runs (`-F`, a mode switch that flushes, a stop).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -369,6 +374,17 @@ pub struct StatsData {
     pub write_full_misses: u64,
     pub pass_through_reads: u64,
     pub pass_through_writes: u64,
+    /// Missing in replies of older daemons.
+    #[serde(default)]
+    pub lazy_flush_writes: u64,
+    #[serde(default)]
+    pub lazy_flush_bytes: u64,
+    #[serde(default)]
+    pub prefetch_requests: u64,
+    #[serde(default)]
+    pub prefetch_read_bytes: u64,
+    #[serde(default)]
+    pub prefetch_hits: u64,
     pub core_read_bytes: u64,
     pub core_written_bytes: u64,
     pub cache_read_bytes: u64,
@@ -397,6 +413,11 @@ impl From<hybridcache_engine::Stats> for StatsData {
             write_full_misses: s.requests.write_full_misses,
             pass_through_reads: s.requests.pass_through_reads,
             pass_through_writes: s.requests.pass_through_writes,
+            lazy_flush_writes: s.requests.lazy_flush_writes,
+            lazy_flush_bytes: s.blocks.lazy_flush_bytes,
+            prefetch_requests: s.requests.prefetch_requests,
+            prefetch_read_bytes: s.blocks.prefetch_read_bytes,
+            prefetch_hits: s.requests.prefetch_hits,
             core_read_bytes: s.blocks.core_read_bytes,
             core_written_bytes: s.blocks.core_written_bytes,
             cache_read_bytes: s.blocks.cache_read_bytes,

@@ -11,6 +11,10 @@
 //! A write-back write that finds no line to take (every line dirty, or locked by others) drops its
 //! locks without having changed anything, cleans the oldest dirty lines, and tries again; after a
 //! few rounds it writes the remaining segments straight to the core, which is always correct.
+//! With lazy flush on it does that at once and asks the cleaner thread for room instead.
+//!
+//! A read that continues a sequential stream may queue read-ahead (prefetch.rs) after it has
+//! released its locks; the prefetch worker fills only invalid sectors, under the same locks.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
@@ -22,7 +26,7 @@ use parking_lot::{Mutex, RwLock};
 use crate::bits::{self, Mask};
 use crate::classes::{ClassState, ReqClass};
 use crate::cleaner::{CleaningCounters, CleaningStats, Pacer};
-use crate::cleaning::{CleanerState, CleanerThread, CleaningTick, ACP_CHUNK_BYTES};
+use crate::cleaning::{CleanerSignal, CleanerState, CleanerThread, CleaningTick, ACP_CHUNK_BYTES};
 use crate::format::{ConfigSlot, CoreRecord, Geometry, Superblock};
 use crate::ioclass::{ClassId, IoClasses};
 use crate::latency::{self, Latency, LatencyKind, LatencyStats};
@@ -31,9 +35,10 @@ use crate::locks::{StripeGuard, StripedLocks};
 use crate::meta::{Key, LineTable, MAX_CORE_LINES, NONE};
 use crate::persist::{self, new_uuid, Persist};
 use crate::policy::{
-    CleaningConfig, PolicyRecord, Promotion, PromotionPolicy, PromotionState, SeqCutoff, SeqState,
-    FLUSH_BUFFERS,
+    CleaningConfig, LazyFlush, PolicyRecord, Prefetch, Promotion, PromotionPolicy, PromotionState,
+    SeqCutoff, SeqState, FLUSH_BUFFERS,
 };
+use crate::prefetch::{PrefetchState, PrefetchThread, ReadStreams};
 use crate::progress::{FlushProgress, FlushStatus};
 use crate::stats::{thread_slot, Counter, Counters, Stats, Usage, SLOTS};
 use crate::{
@@ -100,6 +105,11 @@ pub(crate) struct CacheInner {
     pub(crate) cleaning: RwLock<CleaningConfig>,
     pub(crate) cleaner: Mutex<CleanerState>,
     cleaner_thread: Mutex<Option<CleanerThread>>,
+    pub(crate) prefetch: PrefetchState,
+    prefetch_thread: Mutex<Option<PrefetchThread>>,
+    pub(crate) cleaner_signal: Arc<CleanerSignal>,
+    /// Lazy flush is on (policy.rs `LazyFlush`): read on every write-back write that lacks a line.
+    lazy_flush: AtomicBool,
     pub(crate) pacer: Pacer,
     pub(crate) cleaning_counters: CleaningCounters,
     pub(crate) promotion: PromotionState,
@@ -187,17 +197,18 @@ pub(crate) struct CoreState {
     pub(crate) seq: SeqState,
     /// Writes reached the device since its last flush: the next commit flushes it.
     pub(crate) unflushed: AtomicBool,
+    pub(crate) read_streams: ReadStreams,
     pub(crate) latency: Latency,
 }
 
 /// Held by a request for its duration; see [`CoreState::enter`].
-struct Entered<'a>(&'a CoreState, usize);
+pub(crate) struct Entered<'a>(&'a CoreState, usize);
 
 impl CoreState {
     /// Register a request. Fails once removal has begun. The increment comes before the check
     /// (both SeqCst) and removal sets the flag before summing, so either removal sees this request
     /// or this request sees removal.
-    fn enter(&self) -> Result<Entered<'_>> {
+    pub(crate) fn enter(&self) -> Result<Entered<'_>> {
         let slot = thread_slot() % SLOTS;
         self.in_flight[slot].0.fetch_add(1, Ordering::SeqCst);
         let entered = Entered(self, slot);
@@ -324,7 +335,7 @@ impl CacheInner {
         }
     }
 
-    fn segments(&self, core: CoreId, offset: u64, len: u64) -> Vec<Seg> {
+    pub(crate) fn segments(&self, core: CoreId, offset: u64, len: u64) -> Vec<Seg> {
         let mut segs = Vec::with_capacity((len / self.line_bytes + 2) as usize);
         let mut pos = offset;
         let end = offset + len;
@@ -346,7 +357,7 @@ impl CacheInner {
         segs
     }
 
-    fn lock_keys(&self, keys: impl Iterator<Item = Key>) -> StripeGuard<'_> {
+    pub(crate) fn lock_keys(&self, keys: impl Iterator<Item = Key>) -> StripeGuard<'_> {
         let mut stripes: Vec<u32> = keys.map(|k| self.table.stripe(k)).collect();
         stripes.sort_unstable();
         stripes.dedup();
@@ -354,7 +365,7 @@ impl CacheInner {
     }
 
     /// Fill in each segment's line and masks. Caller holds the segments' stripes.
-    fn lookup(&self, segs: &mut [Seg]) {
+    pub(crate) fn lookup(&self, segs: &mut [Seg]) {
         for s in segs.iter_mut() {
             match self.table.lookup(s.key) {
                 Some(line) => {
@@ -477,8 +488,16 @@ impl CacheInner {
     }
 
     /// Map an owned free line. Caller holds `key`'s stripe.
-    fn insert_line(&self, line: u32, key: Key, valid: Mask, dirty: Mask, class: Option<ReqClass>) {
+    pub(crate) fn insert_line(
+        &self,
+        line: u32,
+        key: Key,
+        valid: Mask,
+        dirty: Mask,
+        class: Option<ReqClass>,
+    ) {
         self.table.map(line, key, valid, dirty);
+        self.prefetch.clear_mark(line);
         self.classes
             .mapped(line, class.map_or(0, |c| c.id), dirty != 0);
         if let Some(p) = &self.persist {
@@ -496,7 +515,7 @@ impl CacheInner {
     }
 
     /// Give back an owned, unmapped line.
-    fn release_line(&self, line: u32) {
+    pub(crate) fn release_line(&self, line: u32) {
         let mut s = self.lists.lock(self.lists.shard_of(line));
         self.lists.push_back(&mut s, ListKind::Free, line);
         self.free_lines.fetch_add(1, Ordering::Relaxed);
@@ -524,6 +543,12 @@ impl CacheInner {
             }
         }
         (0..n).find_map(|i| self.evict_from((home + i) % n, None))
+    }
+
+    /// A free line, never an evicted one.
+    pub(crate) fn take_free_line(&self) -> Option<u32> {
+        let n = self.lists.shard_count();
+        self.alloc_free(home_shard(n), n)
     }
 
     fn alloc_free(&self, home: usize, n: usize) -> Option<u32> {
@@ -611,14 +636,8 @@ impl CacheInner {
         None
     }
 
-    /// Clean up to `want` of the oldest dirty lines so that eviction finds clean ones. Caller holds
-    /// no stripe.
-    fn make_room(&self, want: usize) -> Result<()> {
-        // The request that waits here waits for the core (cleaning may run on other threads).
-        latency::touched_core();
-        // Each round ends in a commit (device flushes), so clean enough lines to spread that
-        // cost over many writes; these are the oldest dirty lines, due for cleaning anyway.
-        let want = want.max(64);
+    /// Up to `want` of the oldest dirty lines, from every shard starting at the caller's.
+    pub(crate) fn oldest_dirty(&self, want: usize) -> Vec<u32> {
         let n = self.lists.shard_count();
         let home = home_shard(n);
         let mut picked = Vec::with_capacity(want);
@@ -639,6 +658,17 @@ impl CacheInner {
                 break;
             }
         }
+        picked
+    }
+
+    /// Clean up to `want` of the oldest dirty lines so that eviction finds clean ones. Caller holds
+    /// no stripe.
+    fn make_room(&self, want: usize) -> Result<()> {
+        // The request that waits here waits for the core (cleaning may run on other threads).
+        latency::touched_core();
+        // Each round ends in a commit (device flushes), so clean enough lines to spread that
+        // cost over many writes; these are the oldest dirty lines, due for cleaning anyway.
+        let picked = self.oldest_dirty(want.max(64));
         // A client waits for this room: not paced. A core whose lines fail to clean has the
         // error counted on it and is marked failing; the room then has to come from the other
         // cores' lines, or this write goes around the cache, never failing for that core.
@@ -683,7 +713,7 @@ impl CacheInner {
         occupied * 100 >= p.trigger_pct as u64 * self.lines as u64
     }
 
-    fn core_by_id(&self, id: CoreId) -> Result<Arc<CoreState>> {
+    pub(crate) fn core_by_id(&self, id: CoreId) -> Result<Arc<CoreState>> {
         self.cores
             .read()
             .get(&id)
@@ -709,16 +739,20 @@ impl CacheInner {
             || class.is_some_and(|c| c.cap == 0)
             || self.cut_off(core, offset, buf.len() as u64, false);
         let mut segs = self.segments(core.id, offset, buf.len() as u64);
-        let _locks = self.lock_keys(segs.iter().map(|s| s.key));
+        let locks = self.lock_keys(segs.iter().map(|s| s.key));
         self.lookup(&mut segs);
         bypass = bypass || self.promotion_declines(&segs);
 
         let mut core_runs = Vec::new();
         let mut cache_runs = Vec::new();
         let mut cached_sectors = 0u64;
+        let mut prefetch_hits = 0;
         for s in &segs {
             let m = s.mask();
             let from_cache = m & if bypass { s.dirty } else { s.valid };
+            if from_cache != 0 && self.prefetch.take_mark(s.line) {
+                prefetch_hits += 1;
+            }
             cached_sectors += (m & s.valid).count_ones() as u64;
             for (first, n) in bits::runs(m & !from_cache) {
                 let len = n as usize * SECTOR as usize;
@@ -746,6 +780,9 @@ impl CacheInner {
         };
         c.add(outcome, 1);
         c.add(Counter::ExportedReadBytes, buf.len() as u64);
+        c.add(Counter::PrefetchHits, prefetch_hits);
+        self.classes
+            .count(class, Counter::PrefetchHits, prefetch_hits);
         self.classes.count(class, outcome, 1);
         self.classes
             .count(class, Counter::ExportedReadBytes, buf.len() as u64);
@@ -772,6 +809,12 @@ impl CacheInner {
             return Ok(());
         }
         self.insert_after_read(core, buf, &segs, class);
+        drop(locks);
+        if self.prefetch.enabled() {
+            // Only queued here: the worker does the IO, this read does not wait for it.
+            let len = buf.len() as u64;
+            self.readahead(core.id, &core.read_streams, core.size, offset, len, class);
+        }
         Ok(())
     }
 
@@ -885,7 +928,8 @@ impl CacheInner {
         let mut spare: Vec<u32> = Vec::new();
         let mut round = 0;
         let mut declined = false;
-        let locks = loop {
+        let lazy = self.lazy_flush.load(Ordering::Relaxed);
+        let (locks, short) = loop {
             let locks = self.lock_keys(segs.iter().map(|s| s.key));
             self.lookup(&mut segs);
             // Promotion is asked once: a retry after making room must not count accesses again.
@@ -908,7 +952,13 @@ impl CacheInner {
             // would not make room for it, so what it cannot place goes to the core.
             let capped = class.is_some_and(|c| self.classes.full(c));
             if spare.len() >= needed || round == MAKE_ROOM_ROUNDS || capped {
-                break locks;
+                break (locks, false);
+            }
+            if lazy {
+                // Lazy flush: what has no line goes to the core now (those core lines are not
+                // mapped, so no cached copy can go stale), and background cleaning makes room
+                // for the writes to come.
+                break (locks, true);
             }
             // Nothing has changed yet, so the locks can go while cleaning makes room.
             drop(locks);
@@ -949,6 +999,14 @@ impl CacheInner {
         }
         for line in spare {
             self.release_line(line);
+        }
+        if short {
+            let bytes: u64 = core_runs.iter().map(|r| r.len as u64).sum();
+            core.counters.add(Counter::LazyFlushWrites, 1);
+            core.counters.add(Counter::LazyFlushBytes, bytes);
+            self.classes.count(class, Counter::LazyFlushWrites, 1);
+            self.classes.count(class, Counter::LazyFlushBytes, bytes);
+            self.cleaner_signal.want_room();
         }
         self.core_write(core, buf, &core_runs)?;
 
@@ -1120,7 +1178,7 @@ impl CacheInner {
 
     // ---- device IO with accounting --------------------------------------------------------
 
-    fn core_read(&self, core: &CoreState, buf: &mut [u8], runs: &[Run]) -> Result<()> {
+    pub(crate) fn core_read(&self, core: &CoreState, buf: &mut [u8], runs: &[Run]) -> Result<()> {
         if !runs.is_empty() {
             latency::touched_core();
         }
@@ -1164,7 +1222,7 @@ impl CacheInner {
         Ok(())
     }
 
-    fn cache_write(&self, core: &CoreState, buf: &[u8], runs: &[Run]) -> Result<()> {
+    pub(crate) fn cache_write(&self, core: &CoreState, buf: &[u8], runs: &[Run]) -> Result<()> {
         for r in runs {
             self.volume
                 .write_at(&buf[r.buf_off..r.buf_off + r.len], r.dev_off)
@@ -1264,6 +1322,10 @@ impl CacheInner {
             cleaning: RwLock::new(CleaningConfig::default()),
             cleaner: Mutex::new(CleanerState::default()),
             cleaner_thread: Mutex::new(None),
+            prefetch: PrefetchState::new(),
+            prefetch_thread: Mutex::new(None),
+            cleaner_signal: Arc::new(CleanerSignal::default()),
+            lazy_flush: AtomicBool::new(false),
             pacer: Pacer::default(),
             cleaning_counters: CleaningCounters::default(),
             promotion: PromotionState::new(Promotion::default()),
@@ -1289,6 +1351,7 @@ impl CacheInner {
             in_flight: (0..SLOTS).map(|_| InFlight(AtomicU64::new(0))).collect(),
             seq: SeqState::new(seq),
             unflushed: AtomicBool::new(false),
+            read_streams: ReadStreams::default(),
             latency: Latency::new(),
         })
     }
@@ -1304,6 +1367,10 @@ impl CacheInner {
             promotion: self.promotion.params(),
             seq_cutoff,
             io_classes: self.classes.active().then(|| self.classes.table().to_csv()),
+            lazy_flush: LazyFlush {
+                enabled: self.lazy_flush.load(Ordering::Relaxed),
+            },
+            prefetch: self.prefetch.params(),
         }
     }
 
@@ -1387,6 +1454,7 @@ impl Cache {
         }
         let inner = Arc::new(inner);
         *inner.cleaner_thread.lock() = Some(CleanerThread::start(&inner));
+        *inner.prefetch_thread.lock() = Some(PrefetchThread::start(&inner));
         Cache { inner }
     }
 
@@ -1528,6 +1596,7 @@ impl Cache {
             })?;
         let valid = policies.cleaning.validate().and_then(|()| {
             policies.promotion.validate()?;
+            policies.prefetch.validate()?;
             policies.seq_cutoff.values().try_for_each(|s| s.validate())
         });
         if let Err(e) = valid {
@@ -1566,7 +1635,11 @@ impl Cache {
             inner.classes.install(table, &inner.table);
         }
         *inner.cleaning.write() = policies.cleaning;
+        inner
+            .lazy_flush
+            .store(policies.lazy_flush.enabled, Ordering::Relaxed);
         inner.promotion.set_params(policies.promotion, inner.lines);
+        inner.prefetch.set_params(policies.prefetch, inner.lines);
         let seq_of = |id: CoreId| policies.seq_cutoff.get(&id).copied().unwrap_or_default();
         for (id, vol) in active {
             let state = inner.new_core_state(id, vol, seq_of(id));
@@ -1625,6 +1698,7 @@ impl Cache {
             ));
         }
         self.stop_background_cleaner();
+        self.stop_background_prefetch();
         let cores: Vec<Arc<CoreState>> = self.inner.cores.read().values().cloned().collect();
         for c in &cores {
             c.stopped.store(true, Ordering::SeqCst);
@@ -2007,6 +2081,58 @@ impl Cache {
         Ok(())
     }
 
+    /// Lazy flush (policy.rs `LazyFlush`).
+    pub fn lazy_flush(&self) -> LazyFlush {
+        LazyFlush {
+            enabled: self.inner.lazy_flush.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Switch lazy flush at run time; recorded in the superblock.
+    pub fn set_lazy_flush(&self, params: LazyFlush) -> Result<()> {
+        let old = self
+            .inner
+            .lazy_flush
+            .swap(params.enabled, Ordering::Relaxed);
+        if let Err(e) = self.inner.save_policies() {
+            self.inner.lazy_flush.store(old, Ordering::Relaxed);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Read-ahead's settings (policy.rs `Prefetch`).
+    pub fn prefetch(&self) -> Prefetch {
+        self.inner.prefetch.params()
+    }
+
+    /// Change read-ahead at run time; recorded in the superblock. Invalid values are refused
+    /// and change nothing.
+    pub fn set_prefetch(&self, params: Prefetch) -> Result<()> {
+        params.validate()?;
+        let old = self.inner.prefetch.params();
+        self.inner.prefetch.set_params(params, self.inner.lines);
+        if let Err(e) = self.inner.save_policies() {
+            self.inner.prefetch.set_params(old, self.inner.lines);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Stop the prefetch worker thread (it is not restarted): queued read-ahead then waits for
+    /// [`run_prefetch`](Cache::run_prefetch). For tests that need a deterministic order.
+    pub fn stop_background_prefetch(&self) {
+        let thread = self.inner.prefetch_thread.lock().take();
+        if let Some(t) = thread {
+            t.stop();
+        }
+    }
+
+    /// Run the queued read-ahead on the calling thread; returns how many prefetch jobs ran.
+    pub fn run_prefetch(&self) -> usize {
+        self.inner.drain_prefetch()
+    }
+
     /// The IO classes in force (the default single class until a file is loaded).
     pub fn io_classes(&self) -> Arc<IoClasses> {
         self.inner.classes.table()
@@ -2129,6 +2255,7 @@ impl Cache {
             + self.inner.persist.as_ref().map_or(0, |p| p.bytes())
             + self.inner.promotion.table.get().map_or(0, |t| t.bytes())
             + self.inner.classes.bytes()
+            + self.inner.prefetch.bytes()
     }
 
     /// Check internal invariants (list membership, counters, hash chains); panics with a

@@ -127,6 +127,12 @@ impl ClassState {
         c.cap < self.lines as u64 && self.occupancy[c.id as usize].load(Relaxed) >= c.cap
     }
 
+    /// Whether the class may grow by `more` lines beyond those it holds (read-ahead takes its
+    /// lines before inserting any of them).
+    pub(crate) fn has_room(&self, c: ReqClass, more: u64) -> bool {
+        c.cap >= self.lines as u64 || self.occupancy[c.id as usize].load(Relaxed) + more < c.cap
+    }
+
     pub(crate) fn class_of(&self, line: u32) -> ClassId {
         self.line_class
             .get()

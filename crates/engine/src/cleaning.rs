@@ -18,7 +18,7 @@
 //! merged into large writes, `flush-max-buffers` in flight. A persistent cache then commits, so
 //! the cleaned lines become reusable.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -35,6 +35,9 @@ use crate::Result;
 pub(crate) const ACP_CHUNK_BYTES: u64 = 100 << 20;
 /// How often the cleaner looks, at most, when it has nothing to do.
 const TICK: Duration = Duration::from_millis(100);
+/// Lines cleaned per room request at least (the policy's flush-max-buffers when larger): each
+/// round ends in a commit, so it is spread over a good number of lines.
+const ROOM_BATCH: usize = 128;
 /// Age marks kept per shard (see `Lists::place_fence`).
 const FENCES: usize = 40;
 
@@ -72,18 +75,41 @@ impl CleanerState {
     }
 }
 
+/// How requests reach the cleaner thread: lazy flush asks for room here instead of cleaning
+/// inside the request.
+#[derive(Default)]
+pub(crate) struct CleanerSignal {
+    stopped: Mutex<bool>,
+    cv: Condvar,
+    /// A write found no free or clean line and went to the core: the next tick cleans the
+    /// oldest dirty lines whatever the policy (nop included).
+    room_wanted: AtomicBool,
+}
+
+impl CleanerSignal {
+    /// Ask for room and wake the thread. Only the request that raises the flag pays for the
+    /// wake-up; the lock around the notify pairs with the thread's look at the flag under the
+    /// same lock, so the wake-up cannot fall between that look and its wait.
+    pub(crate) fn want_room(&self) {
+        if !self.room_wanted.swap(true, Ordering::SeqCst) {
+            let _g = self.stopped.lock();
+            self.cv.notify_one();
+        }
+    }
+}
+
 /// The cleaner thread of a cache.
 pub(crate) struct CleanerThread {
-    stop: Arc<(Mutex<bool>, Condvar)>,
+    signal: Arc<CleanerSignal>,
     handle: JoinHandle<()>,
     cache: Weak<CacheInner>,
 }
 
 impl CleanerThread {
     pub(crate) fn start(cache: &Arc<CacheInner>) -> CleanerThread {
-        let stop = Arc::new((Mutex::new(false), Condvar::new()));
         let weak: Weak<CacheInner> = Arc::downgrade(cache);
-        let stop2 = stop.clone();
+        let signal = cache.cleaner_signal.clone();
+        let sig = signal.clone();
         let epoch = Instant::now();
         let handle = std::thread::Builder::new()
             .name(format!("hc-cleaner-{}", cache.id))
@@ -96,13 +122,12 @@ impl CleanerThread {
                     }
                     None => return,
                 };
-                let (lock, cv) = &*stop2;
-                let mut stopped = lock.lock();
+                let mut stopped = sig.stopped.lock();
                 if *stopped {
                     return;
                 }
-                if !tick.more {
-                    cv.wait_for(&mut stopped, wait);
+                if !tick.more && !sig.room_wanted.load(Ordering::SeqCst) {
+                    sig.cv.wait_for(&mut stopped, wait);
                     if *stopped {
                         return;
                     }
@@ -110,7 +135,7 @@ impl CleanerThread {
             })
             .expect("spawning the cleaner thread");
         CleanerThread {
-            stop,
+            signal,
             handle,
             cache: Arc::downgrade(cache),
         }
@@ -119,9 +144,8 @@ impl CleanerThread {
     /// Stop the thread. Its clock goes with it: whoever ticks the cleaner next (a test with its
     /// own clock) starts from a clean schedule.
     pub(crate) fn stop(self) {
-        let (lock, cv) = &*self.stop;
-        *lock.lock() = true;
-        cv.notify_all();
+        *self.signal.stopped.lock() = true;
+        self.signal.cv.notify_all();
         let _ = self.handle.join();
         if let Some(cache) = self.cache.upgrade() {
             let mut st = cache.cleaner.lock();
@@ -196,11 +220,33 @@ impl CacheInner {
         };
         // A failed clean leaves its lines dirty; the next run tries again. The error is already
         // counted in the core's error statistics.
-        result.unwrap_or(CleaningTick {
+        let mut tick = result.unwrap_or(CleaningTick {
             ran: true,
             cleaned: 0,
             more: false,
-        })
+        });
+        if self
+            .cleaner_signal
+            .room_wanted
+            .swap(false, Ordering::SeqCst)
+        {
+            // Lazy flush sent writes to the core for want of a line: make room now, under any
+            // policy (nop means no periodic cleaning, not no room). The oldest dirty lines go,
+            // as an inline make-room would have taken them, a policy-sized batch at a time.
+            let batch = match cfg.policy {
+                CleaningPolicy::Nop => ROOM_BATCH,
+                CleaningPolicy::Alru => cfg.alru.flush_max_buffers as usize,
+                CleaningPolicy::Acp => cfg.acp.flush_max_buffers as usize,
+            }
+            .max(ROOM_BATCH);
+            let picked = self.oldest_dirty(batch);
+            let cleaned = self.clean_and_commit(picked, batch).unwrap_or(0);
+            tick.ran = true;
+            tick.cleaned += cleaned;
+        }
+        // Writes that found no room since the look above: go again at once.
+        tick.more |= self.cleaner_signal.room_wanted.load(Ordering::SeqCst);
+        tick
     }
 
     fn alru_tick(&self, st: &mut CleanerState, now: u64) -> Result<CleaningTick> {

@@ -27,6 +27,7 @@ mod locks;
 mod meta;
 mod persist;
 pub mod policy;
+mod prefetch;
 mod progress;
 mod stats;
 
@@ -36,8 +37,8 @@ pub use cleaning::CleaningTick;
 pub use format::{CoreRecord, Superblock};
 pub use latency::{Histogram, LatencyKind, LatencyStats};
 pub use policy::{
-    AcpParams, AlruParams, CleaningConfig, CleaningIo, CleaningPolicy, Promotion, PromotionPolicy,
-    SeqCutoff, SeqCutoffPolicy,
+    AcpParams, AlruParams, CleaningConfig, CleaningIo, CleaningPolicy, LazyFlush, Prefetch,
+    PrefetchPolicy, Promotion, PromotionPolicy, SeqCutoff, SeqCutoffPolicy,
 };
 pub use progress::FlushStatus;
 pub use stats::{BlockStats, ErrorStats, RequestStats, Stats, Usage};

@@ -643,6 +643,106 @@ impl PromotionState {
     }
 }
 
+/// Lazy flush (`-X -n lazy-flush -p on|off`; ASPLOS'23's "lazy flushing"). With it on, a
+/// write-back write that finds no free or clean line sends its unmapped sectors straight to the
+/// core instead of cleaning victims inside the request, and asks background cleaning for room.
+/// Off by default until the bench runner's write-burst measurements decide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(default)]
+pub struct LazyFlush {
+    pub enabled: bool,
+}
+
+/// `on`/`off`, the words the CLI and the configuration file use for switches.
+pub fn on_off(enabled: bool) -> &'static str {
+    if enabled {
+        "on"
+    } else {
+        "off"
+    }
+}
+
+/// Parse `on`/`off` (also `yes`/`no`, `true`/`false`, `1`/`0`).
+pub fn parse_on_off(name: &str, v: &str) -> std::result::Result<bool, String> {
+    match v.trim() {
+        "on" | "yes" | "true" | "1" => Ok(true),
+        "off" | "no" | "false" | "0" => Ok(false),
+        _ => Err(format!("{name}: '{v}' is neither on nor off")),
+    }
+}
+
+/// Prefetch policy (`-X -n prefetch -p readahead|none`; Open CAS v26.09).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum PrefetchPolicy {
+    #[default]
+    None,
+    Readahead,
+}
+
+impl PrefetchPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PrefetchPolicy::None => "none",
+            PrefetchPolicy::Readahead => "readahead",
+        }
+    }
+}
+
+impl fmt::Display for PrefetchPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for PrefetchPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "none" => Ok(PrefetchPolicy::None),
+            "readahead" => Ok(PrefetchPolicy::Readahead),
+            _ => Err(format!(
+                "unknown prefetch policy '{s}' (expected readahead or none)"
+            )),
+        }
+    }
+}
+
+/// Read-ahead's settings (`-X -n prefetch` and `-X -n prefetch-readahead`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Prefetch {
+    pub policy: PrefetchPolicy,
+    /// Bytes a sequential read stream must have read before prefetching starts, KiB
+    /// (1..4194181, Open CAS's range for seq cutoff's threshold).
+    pub threshold_kib: u32,
+    /// How far past a stream's last read prefetch reads, KiB (4..32768: one prefetch request
+    /// at most, which is capped at the largest request, 32 MiB).
+    pub distance_kib: u32,
+    /// Prefetch requests queued or running at most, per cache (1..64); beyond it a stream's
+    /// read-ahead is skipped, never waited for.
+    pub max_in_flight: u32,
+}
+
+impl Default for Prefetch {
+    fn default() -> Self {
+        Prefetch {
+            policy: PrefetchPolicy::None,
+            threshold_kib: 256,
+            distance_kib: 1024,
+            max_in_flight: 4,
+        }
+    }
+}
+
+impl Prefetch {
+    pub fn validate(&self) -> Result<()> {
+        check_range("threshold", self.threshold_kib as u64, 1, 4_194_181, "KiB")?;
+        check_range("distance", self.distance_kib as u64, 4, 32_768, "KiB")?;
+        check_range("max-in-flight", self.max_in_flight as u64, 1, 64, "")
+    }
+}
+
 /// Everything of this module as the superblock records it.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -653,6 +753,8 @@ pub struct PolicyRecord {
     pub seq_cutoff: std::collections::BTreeMap<u16, SeqCutoff>,
     /// The loaded IO class file, as CSV (None: the default single class).
     pub io_classes: Option<String>,
+    pub lazy_flush: LazyFlush,
+    pub prefetch: Prefetch,
 }
 
 #[cfg(test)]

@@ -31,6 +31,14 @@ pub struct RequestStats {
     pub write_full_misses: u64,
     pub pass_through_reads: u64,
     pub pass_through_writes: u64,
+    /// Write requests of which lazy flush sent some part to the core because no clean or free
+    /// line was at hand (they are also counted as write hits or misses above).
+    pub lazy_flush_writes: u64,
+    /// Read-ahead requests issued to the core by the prefetch worker (not client requests, so
+    /// not in the totals).
+    pub prefetch_requests: u64,
+    /// Cache lines filled by prefetch that a client read later hit (counted once per line).
+    pub prefetch_hits: u64,
 }
 
 /// Bytes moved, by device.
@@ -42,6 +50,10 @@ pub struct BlockStats {
     pub cache_written_bytes: u64,
     pub exported_read_bytes: u64,
     pub exported_written_bytes: u64,
+    /// Bytes lazy flush wrote to the core (part of `core_written_bytes`).
+    pub lazy_flush_bytes: u64,
+    /// Bytes prefetch read from the core (part of `core_read_bytes`).
+    pub prefetch_read_bytes: u64,
 }
 
 /// Failed device operations.
@@ -101,8 +113,13 @@ pub(crate) enum Counter {
     CacheWriteErrors,
     CoreReadErrors,
     CoreWriteErrors,
+    LazyFlushWrites,
+    LazyFlushBytes,
+    PrefetchRequests,
+    PrefetchHits,
+    PrefetchReadBytes,
 }
-const COUNTERS: usize = Counter::CoreWriteErrors as usize + 1;
+const COUNTERS: usize = Counter::PrefetchReadBytes as usize + 1;
 
 #[repr(align(128))]
 struct Slot([AtomicU64; COUNTERS]);
@@ -154,6 +171,9 @@ impl Counters {
                 write_full_misses: self.get(WriteFullMisses),
                 pass_through_reads: self.get(PassThroughReads),
                 pass_through_writes: self.get(PassThroughWrites),
+                lazy_flush_writes: self.get(LazyFlushWrites),
+                prefetch_requests: self.get(PrefetchRequests),
+                prefetch_hits: self.get(PrefetchHits),
             },
             BlockStats {
                 core_read_bytes: self.get(CoreReadBytes),
@@ -162,6 +182,8 @@ impl Counters {
                 cache_written_bytes: self.get(CacheWrittenBytes),
                 exported_read_bytes: self.get(ExportedReadBytes),
                 exported_written_bytes: self.get(ExportedWrittenBytes),
+                lazy_flush_bytes: self.get(LazyFlushBytes),
+                prefetch_read_bytes: self.get(PrefetchReadBytes),
             },
             ErrorStats {
                 cache_read: self.get(CacheReadErrors),
@@ -199,6 +221,9 @@ impl RequestStats {
         self.write_full_misses += o.write_full_misses;
         self.pass_through_reads += o.pass_through_reads;
         self.pass_through_writes += o.pass_through_writes;
+        self.lazy_flush_writes += o.lazy_flush_writes;
+        self.prefetch_requests += o.prefetch_requests;
+        self.prefetch_hits += o.prefetch_hits;
     }
 }
 
@@ -210,6 +235,8 @@ impl BlockStats {
         self.cache_written_bytes += o.cache_written_bytes;
         self.exported_read_bytes += o.exported_read_bytes;
         self.exported_written_bytes += o.exported_written_bytes;
+        self.lazy_flush_bytes += o.lazy_flush_bytes;
+        self.prefetch_read_bytes += o.prefetch_read_bytes;
     }
 }
 

@@ -1,5 +1,6 @@
-//! Concurrency: several threads issue requests against one cache while another switches modes
-//! and flushes.
+//! Concurrency: several threads issue requests against one cache while another switches modes,
+//! flushes, and switches lazy flush and read-ahead (whose worker thread then fills lines next to
+//! the requests).
 //!
 //! Every write stamps each sector with (thread, sequence number, sector), so any sector read can
 //! be traced to the write that produced it (see `common::stamp`).
@@ -21,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::*;
-use hybridcache_engine::{Cache, CacheMode, Core};
+use hybridcache_engine::{Cache, CacheMode, Core, LazyFlush, Prefetch, PrefetchPolicy};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -72,6 +73,7 @@ fn split_tag(tag: u64) -> (usize, usize) {
 /// A random plan for one thread inside sectors `lo..hi`: mostly reads and writes of up to two
 /// lines, sometimes a request spanning most of the range (many line locks at once).
 fn plan(rng: &mut StdRng, lo: u64, hi: u64, ls: u64, ops: usize) -> Vec<Planned> {
+    let mut read_end = lo;
     (0..ops)
         .map(|_| {
             let kind = match rng.gen_range(0..100) {
@@ -81,9 +83,16 @@ fn plan(rng: &mut StdRng, lo: u64, hi: u64, ls: u64, ops: usize) -> Vec<Planned>
                 88..=93 => Kind::WriteZeroes,
                 _ => Kind::Flush,
             };
-            let start = rng.gen_range(lo..hi);
+            let mut start = rng.gen_range(lo..hi);
+            // Some reads continue the previous one: streams for read-ahead.
+            if matches!(kind, Kind::Read) && read_end < hi && rng.gen_bool(0.4) {
+                start = read_end;
+            }
             let max = if rng.gen_bool(0.2) { hi - lo } else { 2 * ls };
             let len = rng.gen_range(1..=max).min(hi - start);
+            if matches!(kind, Kind::Read) {
+                read_end = start + len;
+            }
             Planned { kind, start, len }
         })
         .collect()
@@ -95,12 +104,26 @@ fn switcher(cache: &Cache, seed: u64, done: &AtomicBool) -> Result<usize, String
     let mut n = 0;
     while !done.load(Ordering::Acquire) {
         std::thread::sleep(Duration::from_micros(rng.gen_range(20..500)));
-        let r = match rng.gen_range(0..10) {
+        let r = match rng.gen_range(0..13) {
             0..=6 => {
                 let mode = CacheMode::ALL[rng.gen_range(0..6)];
                 cache.set_mode(mode, rng.gen_bool(0.5))
             }
             7 | 8 => cache.flush(),
+            // Lazy flush and read-ahead (its worker thread running) switched under load.
+            10 => cache.set_lazy_flush(LazyFlush {
+                enabled: rng.gen_bool(0.5),
+            }),
+            11 | 12 => cache.set_prefetch(Prefetch {
+                policy: if rng.gen_bool(0.7) {
+                    PrefetchPolicy::Readahead
+                } else {
+                    PrefetchPolicy::None
+                },
+                threshold_kib: rng.gen_range(1..16),
+                distance_kib: rng.gen_range(4..128),
+                max_in_flight: rng.gen_range(1..4),
+            }),
             _ => {
                 let ids: Vec<_> = cache.cores().iter().map(|c| c.id).collect();
                 cache.flush_core(ids[rng.gen_range(0..ids.len())])

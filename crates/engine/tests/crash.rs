@@ -14,7 +14,9 @@
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 
-use hybridcache_engine::{Cache, CacheConfig, CacheMode, Core, LineSize};
+use hybridcache_engine::{
+    Cache, CacheConfig, CacheMode, Core, LazyFlush, LineSize, Prefetch, PrefetchPolicy,
+};
 use hybridcache_volume::{CrashVolume, RamVolume, Volume, VolumeRef};
 
 mod durability;
@@ -138,6 +140,24 @@ fn crash_round(seed: u64) -> usize {
     let core_vol = rig.mortal(&rig.core_media);
     let id = cache.add_core(core_vol, None).unwrap();
     let core = cache.core(id).unwrap();
+    // Lazy flush and read-ahead are on in some rounds; cleaning (lazy flush's room) and read-ahead
+    // run only when an op says so, on this thread, so a seed replays the same crash.
+    cache.stop_background_cleaner();
+    cache.stop_background_prefetch();
+    if rng.below(2) == 0 {
+        cache.set_lazy_flush(LazyFlush { enabled: true }).unwrap();
+    }
+    if rng.below(2) == 0 {
+        let p = Prefetch {
+            policy: PrefetchPolicy::Readahead,
+            threshold_kib: 1 + rng.below(8) as u32,
+            distance_kib: 4 + rng.below(61) as u32,
+            max_in_flight: 1 + rng.below(3) as u32,
+        };
+        cache.set_prefetch(p).unwrap();
+    }
+    let mut now_ms = 0u64;
+    let mut read_end = 0u64;
     let sectors = core_bytes / 512;
     let mut model = Model::new(sectors as usize);
     // Everything so far is durable (create and add_core flush); now pick the crash point.
@@ -165,7 +185,18 @@ fn crash_round(seed: u64) -> usize {
             (first, (1 + rng.below(24)).min(sectors - first))
         };
         let dead_before = rig.budget.load(Ordering::SeqCst) <= 0;
-        let r = rng.below(100);
+        let r = rng.below(112);
+        let (first, count) = if r >= 106 {
+            // A read continuing the previous one: read-ahead's streams.
+            let first = if read_end + count <= sectors {
+                read_end
+            } else {
+                0
+            };
+            (first, count)
+        } else {
+            (first, count)
+        };
         let durable_point = match r {
             0..=49 => {
                 stamp += 1;
@@ -180,7 +211,8 @@ fn crash_round(seed: u64) -> usize {
                 model.write(first, count, stamp);
                 fua
             }
-            50..=64 => {
+            50..=64 | 106..=111 => {
+                read_end = first + count;
                 let mut buf = vec![0u8; (count * 512) as usize];
                 core.read(&mut buf, first * 512).unwrap();
                 if rig.budget.load(Ordering::SeqCst) > 0 {
@@ -219,9 +251,24 @@ fn crash_round(seed: u64) -> usize {
                 cache.set_mode(next, flush_first).unwrap();
                 flush_first && !next.makes_dirty()
             }
-            _ => {
+            98..=99 => {
                 cache.flush_core(id).unwrap();
                 true
+            }
+            100..=102 => {
+                // The cleaner: the policy's run and lazy flush's room.
+                now_ms += rng.below(2500);
+                cache.cleaner_tick(now_ms);
+                false
+            }
+            103..=104 => {
+                cache.run_prefetch();
+                false
+            }
+            _ => {
+                let on = !cache.lazy_flush().enabled;
+                cache.set_lazy_flush(LazyFlush { enabled: on }).unwrap();
+                false
             }
         };
         // A durability point counts only if the devices were alive through all of it.

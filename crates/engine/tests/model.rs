@@ -4,8 +4,10 @@
 //!
 //! Policy changes join the sequence (cleaning policy and tunables, including tiny
 //! flush-max-buffers and 4 KiB merge-max; sequential cutoff with small thresholds so it
-//! triggers; nhit promotion with a low trigger), and the cleaner runs on a fake clock that the
-//! ops advance: none of it may change what reads return.
+//! triggers; nhit promotion with a low trigger; lazy flush on and off; read-ahead on and off with
+//! small thresholds, fed by reads that continue the previous one), the cleaner runs on a fake
+//! clock that the ops advance, and queued read-ahead runs when an op says so: none of it may
+//! change what reads return.
 //!
 //! Operations address sectors through "shapes" resolved against the core size at run time, so
 //! shrinking by proptest keeps every operation valid. Written data is stamped with (core, op
@@ -17,8 +19,8 @@ use std::time::Duration;
 
 use common::*;
 use hybridcache_engine::{
-    Cache, CacheMode, CleaningConfig, CleaningPolicy, LineSize, Promotion, PromotionPolicy,
-    SeqCutoff, SeqCutoffPolicy,
+    Cache, CacheMode, CleaningConfig, CleaningPolicy, LazyFlush, LineSize, Prefetch,
+    PrefetchPolicy, Promotion, PromotionPolicy, SeqCutoff, SeqCutoffPolicy,
 };
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
@@ -44,6 +46,14 @@ enum Kind {
     SetSeqCutoff,
     /// Promotion always or nhit (see [`promotion`]).
     SetPromotion,
+    /// Lazy flush on (odd `a`) or off.
+    SetLazyFlush,
+    /// Read-ahead on with small thresholds, or off (see [`prefetch`]).
+    SetPrefetch,
+    /// Run the queued read-ahead (the worker thread is stopped, so it runs only here).
+    RunPrefetch,
+    /// A read starting where the core's previous read ended: sequential streams for read-ahead.
+    ReadNext,
 }
 
 /// One generated operation. `shape`, `a` and `b` are resolved to an offset and a length once the
@@ -96,6 +106,10 @@ fn kind() -> impl Strategy<Value = Kind> {
         6 => Just(Kind::Tick),
         2 => Just(Kind::SetSeqCutoff),
         2 => Just(Kind::SetPromotion),
+        2 => Just(Kind::SetLazyFlush),
+        2 => Just(Kind::SetPrefetch),
+        5 => Just(Kind::RunPrefetch),
+        12 => Just(Kind::ReadNext),
     ]
 }
 
@@ -153,7 +167,7 @@ fn resolve(op: &RawOp, n: u64, ls: u64) -> (u64, u64) {
 
 fn describe(kind: Kind, core: usize, start: u64, len: u64) -> String {
     match kind {
-        Kind::Read | Kind::Write | Kind::Discard | Kind::WriteZeroes => format!(
+        Kind::Read | Kind::ReadNext | Kind::Write | Kind::Discard | Kind::WriteZeroes => format!(
             "{kind:?} core#{core} sectors {start}..{} (offset {}, len {})",
             start + len,
             start * SECTOR,
@@ -206,6 +220,20 @@ fn promotion(a: u32, b: u32) -> Promotion {
     }
 }
 
+/// Read-ahead with thresholds and distances small enough to trigger on these cores, or none.
+fn prefetch(a: u32, b: u32) -> Prefetch {
+    Prefetch {
+        policy: if a % 3 == 0 {
+            PrefetchPolicy::None
+        } else {
+            PrefetchPolicy::Readahead
+        },
+        threshold_kib: 1 + b % 16,
+        distance_kib: 4 + (b >> 8) % 61,
+        max_in_flight: 1 + (b >> 16) % 3,
+    }
+}
+
 /// The log of resolved operations, for failure messages.
 struct Log(Vec<String>);
 
@@ -236,6 +264,8 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
     let (cache, _cache_vol) = new_cache(s.line_kib, s.cache_lines, s.mode);
     // The cleaner runs only when an op ticks it, on the ops' fake clock.
     cache.stop_background_cleaner();
+    // Read-ahead too runs only when an op says so.
+    cache.stop_background_prefetch();
     let mut now_ms = 0u64;
     let ls = (s.line_kib as u64 * 1024) / SECTOR;
     let cores: Vec<TestCore> = s
@@ -248,6 +278,8 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
         .map(|c| vec![0u8; c.core.size() as usize])
         .collect();
     let mut log = Log(Vec::new());
+    // Where each core's last read ended, in sectors (for ReadNext).
+    let mut read_end = vec![0u64; cores.len()];
 
     macro_rules! check {
         ($res:expr, $what:expr) => {
@@ -261,7 +293,21 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
         let ci = op.core as usize % cores.len();
         let c = &cores[ci];
         let n = c.core.size() / SECTOR;
-        let (start, len) = resolve(op, n, ls);
+        let (start, len) = match op.kind {
+            Kind::ReadNext => {
+                let len = (1 + op.b as u64 % (2 * ls)).min(n);
+                let start = if read_end[ci] + len <= n {
+                    read_end[ci]
+                } else {
+                    0
+                };
+                (start, len)
+            }
+            _ => resolve(op, n, ls),
+        };
+        if matches!(op.kind, Kind::Read | Kind::ReadNext) {
+            read_end[ci] = start + len;
+        }
         let (off, bytes) = (start * SECTOR, len * SECTOR);
         let range = off as usize..(off + bytes) as usize;
         log.0.push(match op.kind {
@@ -277,11 +323,13 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
                 seq_cutoff(op.a, op.b)
             ),
             Kind::SetPromotion => format!("SetPromotion {:?}", promotion(op.a, op.b)),
+            Kind::SetLazyFlush => format!("SetLazyFlush {}", op.a % 2 == 1),
+            Kind::SetPrefetch => format!("SetPrefetch {:?}", prefetch(op.a, op.b)),
             _ => describe(op.kind, ci, start, len),
         });
         let what = format!("op #{i}");
         match op.kind {
-            Kind::Read => {
+            Kind::Read | Kind::ReadNext => {
                 // Pre-fill with junk so a read that leaves bytes untouched is caught.
                 let mut buf = vec![0xEEu8; bytes as usize];
                 check!(c.core.read(&mut buf, off), what);
@@ -373,6 +421,16 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
                 check!(cache.set_seq_cutoff(target, seq_cutoff(op.a, op.b)), what);
             }
             Kind::SetPromotion => check!(cache.set_promotion(promotion(op.a, op.b)), what),
+            Kind::SetLazyFlush => check!(
+                cache.set_lazy_flush(LazyFlush {
+                    enabled: op.a % 2 == 1
+                }),
+                what
+            ),
+            Kind::SetPrefetch => check!(cache.set_prefetch(prefetch(op.a, op.b)), what),
+            Kind::RunPrefetch => {
+                cache.run_prefetch();
+            }
         }
         if let Err(e) = check_usage(&cache) {
             return Err(log.fail(s, format!("after op #{i}: {e}")));

@@ -22,9 +22,9 @@ mod uri;
 pub use emul::{
     calibration_cells, calibration_table, nanos, simulate, Backing, Cell, Clock, ClockRef,
     EmulConfig, EmulatedVolume, HddConfig, IoKind, Nanos, ParityEngine, Pattern, RaidConfig,
-    RaidLevel, RealClock, SimResult, SplitMix64, ThrottleConfig, ThrottledVolume, VirtualClock,
-    Workload, STARVATION_LIMIT, STUDY_DEPTHS, STUDY_RANDOM_WRITE_IOPS, STUDY_SEQ_WRITE_MBS,
-    STUDY_SPAN,
+    RaidLevel, RealClock, SimResult, SplitMix64, SsdConfig, SsdVolume, ThrottleConfig,
+    ThrottledVolume, VirtualClock, Workload, STARVATION_LIMIT, STUDY_DEPTHS,
+    STUDY_RANDOM_WRITE_IOPS, STUDY_SEQ_WRITE_MBS, STUDY_SPAN,
 };
 pub use fault::{CrashVolume, FaultConfig, FaultyVolume, WriteFate};
 pub use file::{FileVolume, IoPath};

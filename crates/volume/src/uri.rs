@@ -15,6 +15,12 @@
 //!   keys of `hdd:` apply to every member. `raid:preset=study60,disk_size=4T` starts from the
 //!   calibrated RAID 60 of [`crate::RaidConfig::study_raid60`] and lets other keys override.
 //!
+//! - `ssd:size=1T[,preset=sata|sata-raid5x9][,parallelism=8][,iops=..|,read_iops=..,write_iops=..]
+//!   [,bw=..|,read_bw=..,write_bw=..][,latency_us=..|,read_latency_us=..,write_latency_us=..]
+//!   [,max_iops=..][,nodata|,file=PATH]`: a flash SSD ([`crate::SsdVolume`]); without a preset it
+//!   starts from [`crate::SsdConfig::sata`], and `sata-raid5x9` is nine of those behind a RAID
+//!   controller ([`crate::SsdConfig::sata_raid5x9`]); other keys override.
+//!
 //! Emulated devices keep their data in a lazily allocated RAM volume of their size, or with
 //! `file=PATH` in a sparse file (created if missing; the path cannot contain a comma), or nowhere
 //! with `nodata` (writes are dropped, reads return zeroes; the name says `nodata`). A big array
@@ -27,8 +33,8 @@ use std::time::Duration;
 
 use crate::{
     parse_size, Backing, EmulConfig, EmulatedVolume, ErrorKind, FileVolume, HddConfig, NullVolume,
-    Op, ParityEngine, RaidConfig, RaidLevel, RamVolume, Result, ThrottleConfig, ThrottledVolume,
-    VolumeError, VolumeRef,
+    Op, ParityEngine, RaidConfig, RaidLevel, RamVolume, Result, SsdConfig, SsdVolume,
+    ThrottleConfig, ThrottledVolume, VolumeError, VolumeRef,
 };
 
 type ParamResult<T> = std::result::Result<T, String>;
@@ -218,8 +224,70 @@ fn emul_config(text: &str, raid: bool) -> ParamResult<(EmulConfig, Backing)> {
     Ok((EmulConfig::Raid(raid_cfg), backing))
 }
 
+const SSD_KEYS: &str = "size, preset, parallelism, iops, read_iops, write_iops, bw, read_bw, \
+     write_bw, latency_us, read_latency_us, write_latency_us, max_iops, nodata, file";
+
+/// The config and data backing of an `ssd:` spec's parameters.
+fn ssd_config(text: &str) -> ParamResult<(SsdConfig, Backing)> {
+    let ps = params(text)?;
+    let get = |key: &str| ps.iter().find(|(k, _)| *k == key).map(|(_, v)| *v);
+    let bytes = size(
+        "size",
+        get("size").ok_or_else(|| "parameter 'size' is required".to_string())?,
+    )?;
+    let mut c = match get("preset") {
+        None => SsdConfig::sata(bytes),
+        Some(v) => match value("preset", v)? {
+            "sata" => SsdConfig::sata(bytes),
+            "sata-raid5x9" => SsdConfig::sata_raid5x9(bytes),
+            other => {
+                return Err(format!(
+                    "parameter 'preset': '{other}' is not a preset (accepted: sata, sata-raid5x9)"
+                ))
+            }
+        },
+    };
+    let rate = |k: &str, v: Option<&str>| -> ParamResult<u64> {
+        let n = size(k, v)?;
+        if n == 0 {
+            return Err(format!("parameter '{k}' must be above 0"));
+        }
+        Ok(n)
+    };
+    let mut backing = Backing::Ram;
+    for &(k, v) in &ps {
+        match k {
+            "size" | "preset" => {}
+            "parallelism" => c.parallelism = int(k, v, 1..=4096)? as u32,
+            "iops" => {
+                let n = int(k, v, 1..=1_000_000_000)?;
+                (c.read_iops, c.write_iops) = (n, n);
+            }
+            "read_iops" => c.read_iops = int(k, v, 1..=1_000_000_000)?,
+            "write_iops" => c.write_iops = int(k, v, 1..=1_000_000_000)?,
+            "max_iops" => c.max_iops = Some(int(k, v, 1..=1_000_000_000)?),
+            "bw" => {
+                let n = rate(k, v)?;
+                (c.read_bw, c.write_bw) = (n, n);
+            }
+            "read_bw" => c.read_bw = rate(k, v)?,
+            "write_bw" => c.write_bw = rate(k, v)?,
+            "latency_us" => {
+                let t = time(k, v, 1e-6, 1.0)?;
+                (c.read_latency, c.write_latency) = (t, t);
+            }
+            "read_latency_us" => c.read_latency = time(k, v, 1e-6, 1.0)?,
+            "write_latency_us" => c.write_latency = time(k, v, 1e-6, 1.0)?,
+            "nodata" if v.is_none() => backing = Backing::NoData,
+            "file" => backing = Backing::File(value(k, v)?.into()),
+            _ => return Err(format!("unknown parameter '{k}' (accepted: {SSD_KEYS})")),
+        }
+    }
+    Ok((c, backing))
+}
+
 const FORMS: &str = "expected ram:SIZE, null:SIZE, file:PATH, throttle:PARAMS:SPEC, hdd:PARAMS, \
-     raid:PARAMS, or the path of an existing file or block device";
+     raid:PARAMS, ssd:PARAMS, or the path of an existing file or block device";
 
 /// Open the volume a spec names: `ram:SIZE` (e.g. `ram:1G`), `null:SIZE`, `file:PATH`, or a
 /// plain path to an existing regular file or block device. RAM and null volumes are named by
@@ -253,6 +321,10 @@ pub fn open_volume(spec: &str) -> Result<VolumeRef> {
         let (config, backing) =
             emul_config(params, true).map_err(|e| invalid(format!("raid: {e}")))?;
         return Ok(Arc::new(EmulatedVolume::new(spec, &config, backing)?));
+    }
+    if let Some(params) = spec.strip_prefix("ssd:") {
+        let (config, backing) = ssd_config(params).map_err(|e| invalid(format!("ssd: {e}")))?;
+        return Ok(Arc::new(SsdVolume::new(spec, &config, backing)?));
     }
     let path = spec.strip_prefix("file:").unwrap_or(spec);
     if path.is_empty() {
@@ -305,6 +377,52 @@ mod tests {
         let text = path.to_str().unwrap();
         assert_eq!(open_volume(text).unwrap().size(), 8192);
         assert_eq!(open_volume(&format!("file:{text}")).unwrap().size(), 8192);
+    }
+
+    #[test]
+    fn ssd_specs_start_from_a_preset_and_override_it() {
+        let (c, b) = ssd_config("size=1G").unwrap();
+        assert_eq!(c, SsdConfig::sata(1 << 30));
+        assert!(matches!(b, Backing::Ram));
+        let (c, b) = ssd_config("size=4T,preset=sata-raid5x9,write_iops=100000,nodata").unwrap();
+        assert_eq!(
+            c,
+            SsdConfig {
+                write_iops: 100_000,
+                ..SsdConfig::sata_raid5x9(4 << 40)
+            }
+        );
+        assert!(matches!(b, Backing::NoData));
+        let (c, _) =
+            ssd_config("size=1G,parallelism=16,iops=200000,bw=1G,latency_us=10,max_iops=5000")
+                .unwrap();
+        assert_eq!(
+            (c.parallelism, c.read_iops, c.write_iops),
+            (16, 200_000, 200_000)
+        );
+        assert_eq!((c.read_bw, c.write_bw), (1 << 30, 1 << 30));
+        assert_eq!(c.read_latency, Duration::from_micros(10));
+        assert_eq!(c.max_iops, Some(5000));
+        for (spec, why) in [
+            ("parallelism=8", "'size' is required"),
+            ("size=1G,preset=nvme", "not a preset"),
+            ("size=1G,parallelism=0", "out of range 1..=4096"),
+            ("size=1G,bw=0", "'bw' must be above 0"),
+            ("size=1G,speed=9", "accepted: size, preset"),
+        ] {
+            let e = ssd_config(spec).err().expect("refused");
+            assert!(e.contains(why), "{spec}: {e}");
+        }
+        let v = open_volume("ssd:size=16M,latency_us=1").unwrap();
+        assert_eq!(
+            (v.name(), v.size()),
+            ("ssd:size=16M,latency_us=1", 16 << 20)
+        );
+        v.write_at(&[6; 4096], 8192).unwrap();
+        let mut b = [0; 4096];
+        v.read_at(&mut b, 8192).unwrap();
+        assert_eq!(b, [6; 4096]);
+        assert!(invalid_msg("ssd:size=1G,preset=x").starts_with("ssd: parameter 'preset'"));
     }
 
     #[test]

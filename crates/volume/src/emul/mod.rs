@@ -1,6 +1,8 @@
 //! Emulated slow devices, so fio and the cache can be run against an HDD or an HDD RAID without
-//! owning one: [`ThrottledVolume`] (latency, IOPS and bandwidth caps around another volume) and
-//! [`EmulatedVolume`] (a model of a hard disk or of a RAID 0/1/10/5/6/50/60 array of them).
+//! owning one: [`ThrottledVolume`] (latency, IOPS and bandwidth caps around another volume),
+//! [`EmulatedVolume`] (a model of a hard disk or of a RAID 0/1/10/5/6/50/60 array of them) and
+//! [`SsdVolume`] (a flash SSD, or an SSD array behind a RAID controller, by its parallelism,
+//! IOPS, bandwidth and latency).
 //!
 //! Job: make requests take the time the modelled device would take — the calling thread really
 //! sleeps until the modelled completion, several threads can be in flight against one device, and
@@ -24,6 +26,7 @@ mod device;
 mod hdd;
 mod raid;
 mod sim;
+mod ssd;
 mod throttle;
 
 pub use clock::{nanos, Clock, ClockRef, Nanos, RealClock, VirtualClock};
@@ -34,4 +37,5 @@ pub use sim::{
     calibration_cells, calibration_table, simulate, Cell, Pattern, SimResult, SplitMix64, Workload,
     STUDY_DEPTHS, STUDY_RANDOM_WRITE_IOPS, STUDY_SEQ_WRITE_MBS, STUDY_SPAN,
 };
+pub use ssd::{SsdConfig, SsdVolume};
 pub use throttle::{ThrottleConfig, ThrottledVolume};

@@ -1,0 +1,432 @@
+//! Read-ahead (Open CAS v26.09's prefetch subsystem, policy `readahead`).
+//!
+//! A client read that continues a sequential read stream which has read at least `threshold`
+//! bytes asks for the next `distance` bytes to be brought into the cache. The request path only
+//! decides and queues (a mutex and a few compares); a prefetch worker thread per cache does the
+//! IO, so the client's read never waits for it. The rules that keep it safe and useful:
+//!
+//! - it fills only invalid sectors, from the core: a dirty or valid sector is never overwritten.
+//!   The worker takes the same stripe locks as a read, so a write to the same lines either comes
+//!   first (its sectors are then valid and skipped) or after (and overwrites the prefetched data);
+//! - never past the core's end, and one job is at most one request (32 MiB);
+//! - at most `max-in-flight` jobs queued or running per cache; a stream whose job does not fit is
+//!   skipped, never waited for;
+//! - pressure: prefetch takes only free lines and leaves a reserve of them (an eighth of the cache,
+//!   at most 512 lines, as seq cutoff's `full` margin); it never evicts. Speculative data must not
+//!   push out lines clients used, and the reserve keeps room for clients' own misses;
+//! - a class at its allocation gets no read-ahead lines (the request's class, which the lines join);
+//! - reads that bypass the cache (pt and wo, seq cutoff, an IO class with allocation 0, nhit
+//!   declining) start no read-ahead: prefetching what the cache would not insert would work around
+//!   those policies.
+//!
+//! Streams are tracked per core here, not in seq cutoff's table: seq cutoff counts reads and
+//! writes with its own promotion rule and is skipped under its `never` policy, while read-ahead
+//! needs, per read stream, how far it has already prefetched.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex, RwLock};
+
+use crate::bits;
+use crate::cache::{push_run, CacheInner};
+use crate::classes::ReqClass;
+use crate::policy::{Prefetch, PrefetchPolicy};
+use crate::stats::Counter;
+use crate::{CacheMode, CoreId, MAX_REQUEST, SECTOR};
+
+/// Read streams tracked per core.
+const STREAMS: usize = 16;
+
+#[derive(Clone, Copy, Default)]
+struct Stream {
+    /// Where the stream's next read would start; 0 with `bytes` 0 = unused.
+    next: u64,
+    bytes: u64,
+    /// Everything below this has been queued for prefetch already.
+    prefetched_to: u64,
+    stamp: u64,
+}
+
+/// One core's read streams.
+#[derive(Default)]
+pub(crate) struct ReadStreams {
+    table: Mutex<([Stream; STREAMS], u64)>,
+}
+
+/// A range of one core to bring into the cache.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Job {
+    pub(crate) core: CoreId,
+    pub(crate) offset: u64,
+    pub(crate) len: u64,
+    pub(crate) class: Option<ReqClass>,
+}
+
+struct Queue {
+    jobs: VecDeque<Job>,
+    /// Jobs queued plus running: what `max-in-flight` caps.
+    in_flight: usize,
+    stopped: bool,
+}
+
+/// Shared by the cache and its worker thread.
+pub(crate) struct PrefetchQueue {
+    queue: Mutex<Queue>,
+    cv: Condvar,
+}
+
+pub(crate) struct PrefetchState {
+    /// Read on every client read: the one check paid while read-ahead is off.
+    enabled: AtomicBool,
+    params: RwLock<Prefetch>,
+    pub(crate) queue: Arc<PrefetchQueue>,
+    /// One bit per cache line: filled by prefetch and not hit since. Allocated when read-ahead
+    /// is first switched on.
+    marks: OnceLock<Box<[AtomicU64]>>,
+}
+
+impl PrefetchState {
+    pub(crate) fn new() -> PrefetchState {
+        PrefetchState {
+            enabled: AtomicBool::new(false),
+            params: RwLock::new(Prefetch::default()),
+            queue: Arc::new(PrefetchQueue {
+                queue: Mutex::new(Queue {
+                    jobs: VecDeque::new(),
+                    in_flight: 0,
+                    stopped: false,
+                }),
+                cv: Condvar::new(),
+            }),
+            marks: OnceLock::new(),
+        }
+    }
+
+    pub(crate) fn params(&self) -> Prefetch {
+        *self.params.read()
+    }
+
+    pub(crate) fn set_params(&self, p: Prefetch, lines: u32) {
+        let on = p.policy == PrefetchPolicy::Readahead;
+        if on {
+            self.marks
+                .get_or_init(|| (0..lines.div_ceil(64)).map(|_| AtomicU64::new(0)).collect());
+        }
+        *self.params.write() = p;
+        self.enabled.store(on, Ordering::Relaxed);
+    }
+
+    #[inline]
+    pub(crate) fn enabled(&self) -> bool {
+        self.enabled.load(Ordering::Relaxed)
+    }
+
+    fn mark(&self, line: u32) {
+        if let Some(m) = self.marks.get() {
+            m[line as usize / 64].fetch_or(1 << (line % 64), Ordering::Relaxed);
+        }
+    }
+
+    /// Forget a line's mark (it is being filled by something other than prefetch).
+    #[inline]
+    pub(crate) fn clear_mark(&self, line: u32) {
+        if let Some(m) = self.marks.get() {
+            let bit = 1u64 << (line % 64);
+            let w = &m[line as usize / 64];
+            if w.load(Ordering::Relaxed) & bit != 0 {
+                w.fetch_and(!bit, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// A client read hit `line`: whether it was prefetched and not hit before (the mark goes).
+    #[inline]
+    pub(crate) fn take_mark(&self, line: u32) -> bool {
+        let Some(m) = self.marks.get() else {
+            return false;
+        };
+        let bit = 1u64 << (line % 64);
+        let w = &m[line as usize / 64];
+        w.load(Ordering::Relaxed) & bit != 0 && w.fetch_and(!bit, Ordering::Relaxed) & bit != 0
+    }
+
+    pub(crate) fn bytes(&self) -> u64 {
+        self.marks.get().map_or(0, |m| m.len() as u64 * 8)
+    }
+
+    /// Queue a job unless `max-in-flight` are already queued or running.
+    fn push(&self, job: Job, max: usize) -> bool {
+        let mut q = self.queue.queue.lock();
+        if q.in_flight >= max {
+            return false;
+        }
+        q.in_flight += 1;
+        q.jobs.push_back(job);
+        drop(q);
+        self.queue.cv.notify_one();
+        true
+    }
+
+    /// Take the next job (it stays counted in flight until [`done`](Self::done)).
+    fn pop(&self) -> Option<Job> {
+        self.queue.queue.lock().jobs.pop_front()
+    }
+
+    fn done(&self) {
+        let mut q = self.queue.queue.lock();
+        q.in_flight = q.in_flight.saturating_sub(1);
+    }
+}
+
+impl ReadStreams {
+    /// Record a read and say which range to prefetch, if any. The range is recorded as queued
+    /// only through [`commit`](Self::commit), once the job is accepted.
+    fn plan(&self, offset: u64, len: u64, core_size: u64, p: &Prefetch) -> Option<(u64, u64)> {
+        let mut t = self.table.lock();
+        t.1 += 1;
+        let clock = t.1;
+        let end = offset + len;
+        let (streams, _) = &mut *t;
+        let s = match streams.iter_mut().find(|s| s.bytes > 0 && s.next == offset) {
+            Some(s) => {
+                s.next = end;
+                s.bytes = s.bytes.saturating_add(len);
+                s.stamp = clock;
+                s
+            }
+            None => {
+                let oldest = streams
+                    .iter_mut()
+                    .min_by_key(|s| s.stamp)
+                    .expect("STREAMS > 0");
+                *oldest = Stream {
+                    next: end,
+                    bytes: len,
+                    prefetched_to: end,
+                    stamp: clock,
+                };
+                // One read is no stream yet, however large: only a read that continues one
+                // starts read-ahead, so random reads never do.
+                return None;
+            }
+        };
+        if s.bytes < p.threshold_kib as u64 * 1024 {
+            return None;
+        }
+        let distance = p.distance_kib as u64 * 1024;
+        // Go again only once half the distance has been read: fewer, larger prefetch requests.
+        if s.prefetched_to >= end + distance / 2 {
+            return None;
+        }
+        let from = s.prefetched_to.max(end);
+        let to = (end + distance).min(core_size).min(from + MAX_REQUEST);
+        (to > from).then_some((from, to - from))
+    }
+
+    fn commit(&self, next: u64, to: u64) {
+        let mut t = self.table.lock();
+        if let Some(s) = t.0.iter_mut().find(|s| s.bytes > 0 && s.next == next) {
+            s.prefetched_to = s.prefetched_to.max(to);
+        }
+    }
+}
+
+/// Free lines prefetch leaves alone.
+fn reserve(lines: u32) -> u64 {
+    (lines as u64 / 8).min(512)
+}
+
+impl CacheInner {
+    /// After a client read that the cache served (not bypassed): queue read-ahead if the read
+    /// continues a stream past the threshold. Caller holds no stripe.
+    pub(crate) fn readahead(
+        &self,
+        core: CoreId,
+        streams: &ReadStreams,
+        core_size: u64,
+        offset: u64,
+        len: u64,
+        class: Option<ReqClass>,
+    ) {
+        let p = self.prefetch.params();
+        let Some((from, n)) = streams.plan(offset, len, core_size, &p) else {
+            return;
+        };
+        if self.free_lines.load(Ordering::Relaxed) <= reserve(self.lines) {
+            return;
+        }
+        let job = Job {
+            core,
+            offset: from,
+            len: n,
+            class,
+        };
+        if self.prefetch.push(job, p.max_in_flight as usize) {
+            streams.commit(offset + len, from + n);
+        }
+    }
+
+    /// Run one prefetch job: bring the invalid sectors of its range into the cache.
+    pub(crate) fn run_prefetch_job(&self, job: Job) {
+        let Ok(core) = self.core_by_id(job.core) else {
+            return;
+        };
+        let Ok(_entered) = core.enter() else {
+            return;
+        };
+        if matches!(self.mode(), CacheMode::Pt | CacheMode::Wo) {
+            return;
+        }
+        // Checked as a client request is: a job must never read past the core's end.
+        if job.offset % SECTOR != 0
+            || job.len % SECTOR != 0
+            || job
+                .offset
+                .checked_add(job.len)
+                .map_or(true, |e| e > core.size)
+        {
+            return;
+        }
+        let mut segs = self.segments(core.id, job.offset, job.len);
+        let _locks = self.lock_keys(segs.iter().map(|s| s.key));
+        self.lookup(&mut segs);
+        let reserve = reserve(self.lines);
+        // (segment, line, newly taken, sectors to fill)
+        let mut plan = Vec::new();
+        // New lines taken so far (not yet counted in their class).
+        let mut taken = 0u64;
+        for (i, s) in segs.iter().enumerate() {
+            let m = bits::range(s.first, s.count);
+            if s.line != crate::meta::NONE {
+                let missing = m & !s.valid;
+                if missing != 0 {
+                    plan.push((i, s.line, false, missing));
+                }
+                continue;
+            }
+            if self.free_lines.load(Ordering::Relaxed) <= reserve {
+                break;
+            }
+            // Read-ahead never grows a class past its allocation (it never evicts to stay in it).
+            if job.class.is_some_and(|c| !self.classes.has_room(c, taken)) {
+                break;
+            }
+            match self.take_free_line() {
+                Some(line) => {
+                    plan.push((i, line, true, m));
+                    taken += 1;
+                }
+                None => break,
+            }
+        }
+        if plan.is_empty() {
+            return;
+        }
+        let mut buf = vec![0u8; job.len as usize];
+        let mut core_runs = Vec::new();
+        let mut cache_runs = Vec::new();
+        for &(i, line, _, missing) in &plan {
+            let s = &segs[i];
+            for (first, n) in bits::runs(missing) {
+                let len = n as usize * SECTOR as usize;
+                let buf_off = s.buf_off + (first - s.first) as usize * SECTOR as usize;
+                push_run(
+                    &mut core_runs,
+                    s.key.line() * self.line_bytes + first as u64 * SECTOR,
+                    buf_off,
+                    len,
+                );
+                push_run(
+                    &mut cache_runs,
+                    self.data_offset + line as u64 * self.line_bytes + first as u64 * SECTOR,
+                    buf_off,
+                    len,
+                );
+            }
+        }
+        let read: u64 = core_runs.iter().map(|r| r.len as u64).sum();
+        let ok = self.core_read(&core, &mut buf, &core_runs).is_ok()
+            && self.cache_write(&core, &buf, &cache_runs).is_ok();
+        core.counters.add(Counter::PrefetchRequests, 1);
+        self.classes.count(job.class, Counter::PrefetchRequests, 1);
+        if ok {
+            core.counters.add(Counter::PrefetchReadBytes, read);
+            self.classes
+                .count(job.class, Counter::PrefetchReadBytes, read);
+        }
+        for &(i, line, new, missing) in &plan {
+            let s = &segs[i];
+            match (ok, new) {
+                (true, true) => {
+                    self.insert_line(line, s.key, missing, 0, job.class);
+                    self.prefetch.mark(line);
+                }
+                // Not touched: speculative data does not make a line recently used.
+                (true, false) => self.update_line(line, s.key, s.valid | missing, s.dirty, false),
+                // Nothing changed in the metadata: the sectors stay invalid.
+                (false, true) => self.release_line(line),
+                (false, false) => {}
+            }
+        }
+    }
+
+    /// Run queued prefetch jobs on the calling thread until none is left; how many ran.
+    pub(crate) fn drain_prefetch(&self) -> usize {
+        let mut ran = 0;
+        while let Some(job) = self.prefetch.pop() {
+            self.run_prefetch_job(job);
+            self.prefetch.done();
+            ran += 1;
+        }
+        ran
+    }
+}
+
+/// The prefetch worker thread of a cache.
+pub(crate) struct PrefetchThread {
+    queue: Arc<PrefetchQueue>,
+    handle: JoinHandle<()>,
+}
+
+impl PrefetchThread {
+    pub(crate) fn start(cache: &Arc<CacheInner>) -> PrefetchThread {
+        let weak: Weak<CacheInner> = Arc::downgrade(cache);
+        let queue = cache.prefetch.queue.clone();
+        let q = queue.clone();
+        let handle = std::thread::Builder::new()
+            .name(format!("hc-prefetch-{}", cache.id))
+            .spawn(move || loop {
+                {
+                    let mut g = q.queue.lock();
+                    if g.stopped {
+                        return;
+                    }
+                    if g.jobs.is_empty() {
+                        // Bounded, so a dropped cache (no stop) ends the thread too.
+                        q.cv.wait_for(&mut g, Duration::from_millis(100));
+                        if g.stopped {
+                            return;
+                        }
+                    }
+                }
+                let Some(cache) = weak.upgrade() else {
+                    return;
+                };
+                cache.drain_prefetch();
+            })
+            .expect("spawning the prefetch thread");
+        PrefetchThread { queue, handle }
+    }
+
+    /// Stop the thread; queued jobs stay queued (a test then runs them itself).
+    pub(crate) fn stop(self) {
+        self.queue.queue.lock().stopped = true;
+        self.queue.cv.notify_all();
+        let _ = self.handle.join();
+        self.queue.queue.lock().stopped = false;
+    }
+}
