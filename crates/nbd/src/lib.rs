@@ -48,6 +48,7 @@
 pub mod client;
 mod export;
 mod handshake;
+mod memory;
 mod observe;
 pub mod proto;
 mod registry;
