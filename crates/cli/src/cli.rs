@@ -88,6 +88,9 @@ pub enum Command {
         /// Requests in flight per NBD connection [default: 4].
         #[arg(long, value_name = "N")]
         nbd_workers: Option<usize>,
+        /// Serve Prometheus metrics at http://ADDR:PORT/metrics: PORT (loopback) or ADDRESS:PORT.
+        #[arg(long, value_name = "ADDR:PORT")]
+        metrics_listen: Option<String>,
         /// Write every setup change back to the --config file.
         #[arg(long)]
         save_config: bool,

@@ -1,5 +1,6 @@
-//! `hybridcache`: the daemon (`hybridcache daemon`) and the casadm-style management CLI that
-//! talks to it over the control socket.
+//! `hybridcache`: the casadm-style management CLI, the bench runner and the analyzer glue, and
+//! the entry point of the daemon (`hybridcache daemon`, implemented in crates/daemon), which the
+//! CLI talks to over the control socket.
 //!
 //! Exit codes: 0 on success, 1 when the daemon refuses or fails a command (or cannot be
 //! reached), 2 for a bad command line. Errors are one line on stderr. `analyze` needs no daemon
@@ -10,17 +11,13 @@ mod apply;
 mod bench;
 mod chart;
 mod cli;
-mod config;
-mod daemon;
-mod devices;
-mod export;
 mod format;
-mod nbd_volume;
-mod params;
-mod protocol;
 mod report_charts;
 mod serve;
 mod trace;
+
+// The daemon and its control protocol live in crates/daemon; the CLI is one of its clients.
+use hybridcache_daemon::{daemon, devices, export, params, protocol};
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -110,6 +107,7 @@ fn run(cli: Cli) -> Result<()> {
             nbd_listen,
             nbd_workers,
             save_config,
+            metrics_listen,
         } => {
             return daemon::run(daemon::DaemonOptions {
                 config: config.clone(),
@@ -118,16 +116,17 @@ fn run(cli: Cli) -> Result<()> {
                 nbd_listen: nbd_listen.clone(),
                 nbd_workers: *nbd_workers,
                 save_config: *save_config,
+                metrics_listen: metrics_listen.clone(),
             })
         }
         Command::Serve(args) => return serve::run(args),
         Command::Trace(args) => return trace::run_cli(args, &control),
         Command::Version => {
             println!("hybridcache CLI {}", env!("CARGO_PKG_VERSION"));
-            match call::<VersionInfo>(&control, &Request::Version) {
-                Ok(v) => println!("hybridcache daemon {}", v.version),
-                Err(e) => println!("hybridcache daemon: not reachable ({e:#})"),
-            }
+            // The CLI's own version is printed either way; an unreachable daemon is still an
+            // error (exit 1), so `hybridcache -V` tells a script whether the daemon is up.
+            let v: VersionInfo = call(&control, &Request::Version)?;
+            println!("hybridcache daemon {}", v.version);
             return Ok(());
         }
         Command::IoClass {

@@ -302,6 +302,18 @@ fn cli_errors_without_daemon() {
         .unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains(&*sock.to_string_lossy()));
 
+    // -V still prints the CLI's version, but an unreachable daemon is a failure: scripts use
+    // `hybridcache -V` to check that the daemon is up.
+    let out = Command::new(BIN)
+        .args(["-V", "--control"])
+        .arg(&sock)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("hybridcache CLI"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot reach the daemon"), "{err}");
+
     // Usage errors exit 2 with one line.
     let out = Command::new(BIN)
         .args(["-S", "-d", "x", "-c", "fast"])

@@ -1,4 +1,4 @@
-//! The daemon: owns every cache, serves the exported volumes over NBD, and answers management
+//! The daemon proper: owns every cache, serves the exported volumes over NBD, and answers management
 //! requests on the control socket until SIGTERM/SIGINT.
 //!
 //! Threads: the main thread sets everything up and then waits for a signal (`sigwait`; the
@@ -30,6 +30,7 @@ use serde_json::{json, Value};
 use crate::config::{CacheSection, ConfigFile, CoreSection, DaemonSection};
 use crate::devices::{device_key, open_device, DeviceKey};
 use crate::export::CoreExport;
+use crate::metrics::{CacheView, CoreView, MetricsServer};
 use crate::params;
 use crate::protocol::{self, CacheInfo, CoreInfo, Request, Response, StatsReport};
 use hybridcache_volume::VolumeRef;
@@ -49,6 +50,8 @@ pub struct DaemonOptions {
     pub nbd_listen: Option<String>,
     pub nbd_workers: Option<usize>,
     pub save_config: bool,
+    /// Serve Prometheus metrics over HTTP here (`--metrics-listen`); off when None.
+    pub metrics_listen: Option<String>,
 }
 
 struct CoreEntry {
@@ -73,8 +76,8 @@ enum Start {
 /// Give up a cache just loaded: stop it keeping its dirty data, so it loads again later.
 fn abandon(cache: &Cache) {
     if let Err(e) = cache.stop(false) {
-        eprintln!(
-            "hybridcache: warning: releasing cache {} again failed: {}",
+        tracing::warn!(
+            "releasing cache {} again failed: {}",
             cache.id(),
             engine_err(e)
         );
@@ -534,8 +537,8 @@ impl Daemon {
             },
         );
         self.save_locked(&st);
-        eprintln!(
-            "hybridcache: started {} cache {id} on {device} ({mode}, {} KiB lines)",
+        tracing::info!(
+            "started {} cache {id} on {device} ({mode}, {} KiB lines)",
             if persistent { "persistent" } else { "volatile" },
             line_size.kib()
         );
@@ -654,12 +657,12 @@ impl Daemon {
             },
         );
         self.save_locked(st);
-        eprintln!(
-            "hybridcache: loaded cache {id} from {device} ({mode}, {line_kib} KiB lines, {count} cores, {} inactive)",
+        tracing::info!(
+            "loaded cache {id} from {device} ({mode}, {line_kib} KiB lines, {count} cores, {} inactive)",
             inactive.len()
         );
         for n in notes {
-            eprintln!("hybridcache: cache {id}: {n}");
+            tracing::info!("cache {id}: {n}");
         }
         serde_json::to_value(protocol::Started {
             id,
@@ -711,8 +714,8 @@ impl Daemon {
         match stopped {
             Ok(()) => {
                 let dirty = cache.stats().usage.dirty_lines;
-                eprintln!(
-                    "hybridcache: stopped cache {id}{}",
+                tracing::info!(
+                    "stopped cache {id}{}",
                     if dirty > 0 {
                         format!(" ({dirty} dirty lines kept on {device})")
                     } else {
@@ -723,7 +726,7 @@ impl Daemon {
             }
             Err(e) => {
                 let e = engine_err(e);
-                eprintln!("hybridcache: cache {id}: stopping failed: {e}");
+                tracing::error!("cache {id}: stopping failed: {e}");
                 if !no_data_flush && cache.persistent() && cache.stop(false).is_ok() {
                     Err(format!("cache {id} was stopped without flushing all dirty data ({e}); the dirty data is kept on {device}: load it with start-cache --load"))
                 } else if cache.persistent() {
@@ -779,7 +782,7 @@ impl Daemon {
             }
             // An attached core cannot be detached again without losing its dirty data: keep
             // it attached (flush or remove it to get rid of it) and say what failed.
-            eprintln!("hybridcache: cache {cache_id}: core {core_id} attached but {e}");
+            tracing::warn!("cache {cache_id}: core {core_id} attached but {e}");
         }
         if let Some(c) = st.caches.get_mut(&cache_id) {
             c.cores.insert(
@@ -793,8 +796,8 @@ impl Daemon {
         }
         self.save_locked(&st);
         exported?;
-        eprintln!(
-            "hybridcache: cache {cache_id}: {} core {core_id} ({device}) as {name}",
+        tracing::info!(
+            "cache {cache_id}: {} core {core_id} ({device}) as {name}",
             if reattach.is_some() {
                 "attached again"
             } else {
@@ -825,7 +828,7 @@ impl Daemon {
             c.cores.remove(&core);
         }
         self.save_locked(&st);
-        eprintln!("hybridcache: cache {cache_id}: removed core {core}");
+        tracing::info!("cache {cache_id}: removed core {core}");
         Ok(json!({}))
     }
 
@@ -869,6 +872,31 @@ impl Daemon {
         .map_err(|e| e.to_string())
     }
 
+    /// What a metrics scrape sees: every cache and core, read under the state lock (the
+    /// figures themselves are read from the engine afterwards, outside it).
+    fn metrics_view(&self) -> Vec<CacheView> {
+        let st = self.state.lock();
+        st.caches
+            .iter()
+            .map(|(id, c)| CacheView {
+                id: *id,
+                device: c.device.clone(),
+                status: cache_info(*id, c).status,
+                cache: c.cache.clone(),
+                cores: c
+                    .cores
+                    .iter()
+                    .map(|(core_id, core)| CoreView {
+                        id: *core_id,
+                        device: core.device.clone(),
+                        active: core.active,
+                        clients: 0,
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
     fn save(&self) {
         let st = self.state.lock();
         self.save_locked(&st);
@@ -877,7 +905,7 @@ impl Daemon {
     fn save_locked(&self, st: &State) {
         if let Some((path, daemon)) = &self.save_to {
             if let Err(e) = st.to_config(daemon).save(path) {
-                eprintln!("hybridcache: warning: saving the configuration failed: {e:#}");
+                tracing::warn!("saving the configuration failed: {e:#}");
             }
         }
     }
@@ -930,9 +958,10 @@ impl Daemon {
             if let Err(e) = self.add_core(core.cache, &core.device, Some(core.id)) {
                 if known.is_some() {
                     // An inactive core stays inactive; the daemon serves the rest.
-                    eprintln!(
-                        "hybridcache: core {} of cache {} stays inactive: {e}",
-                        core.id, core.cache
+                    tracing::warn!(
+                        "core {} of cache {} stays inactive: {e}",
+                        core.id,
+                        core.cache
                     );
                     continue;
                 }
@@ -951,19 +980,19 @@ impl Daemon {
         let mut clean = true;
         for (id, c) in &st.caches {
             if let Err(e) = c.cache.stop(true) {
-                eprintln!(
-                    "hybridcache: cache {id}: stopping with a flush failed: {}",
+                tracing::error!(
+                    "cache {id}: stopping with a flush failed: {}",
                     engine_err(e)
                 );
                 clean = false;
                 if c.cache.persistent() {
                     match c.cache.stop(false) {
-                        Ok(()) => eprintln!(
-                            "hybridcache: cache {id}: its dirty data is kept on {}",
+                        Ok(()) => tracing::info!(
+                            "cache {id}: its dirty data is kept on {}",
                             c.device
                         ),
-                        Err(e) => eprintln!(
-                            "hybridcache: cache {id}: writing the metadata failed too ({}); the next load recovers it as after a crash",
+                        Err(e) => tracing::error!(
+                            "cache {id}: writing the metadata failed too ({}); the next load recovers it as after a crash",
                             engine_err(e)
                         ),
                     }
@@ -977,7 +1006,7 @@ impl Daemon {
 
 /// Block SIGINT and SIGTERM in the calling thread and every thread it starts afterwards, and
 /// return the set for `sigwait`.
-pub(crate) fn block_signals() -> libc::sigset_t {
+pub fn block_signals() -> libc::sigset_t {
     // SAFETY: plain libc calls on a zero-initialised sigset_t we own.
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
@@ -989,7 +1018,7 @@ pub(crate) fn block_signals() -> libc::sigset_t {
     }
 }
 
-pub(crate) fn wait_for_signal(set: &libc::sigset_t) -> i32 {
+pub fn wait_for_signal(set: &libc::sigset_t) -> i32 {
     let mut sig: libc::c_int = 0;
     loop {
         // SAFETY: `set` is a valid, initialised signal set; `sig` is a valid out pointer.
@@ -1022,19 +1051,20 @@ fn bind_control(path: &Path) -> Result<UnixListener> {
     bound.with_context(|| format!("cannot listen on {}", path.display()))
 }
 
-fn parse_listen(text: &str) -> Result<SocketAddr> {
+/// A listen address: a bare `PORT` (or `:PORT`) means loopback only; `flag` names the option in
+/// errors.
+fn parse_listen(flag: &str, text: &str) -> Result<SocketAddr> {
     if let Ok(port) = text.parse::<u16>() {
         return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
     }
     if let Some(port) = text.strip_prefix(':') {
         let port: u16 = port
             .parse()
-            .map_err(|_| anyhow!("--nbd-listen {text}: bad port"))?;
+            .map_err(|_| anyhow!("{flag} {text}: bad port"))?;
         return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
     }
-    text.parse().map_err(|_| {
-        anyhow!("--nbd-listen {text}: expected PORT or ADDRESS:PORT (e.g. 127.0.0.1:10809)")
-    })
+    text.parse()
+        .map_err(|_| anyhow!("{flag} {text}: expected PORT or ADDRESS:PORT (e.g. 127.0.0.1:10809)"))
 }
 
 fn ensure_parent(path: &Path) -> Result<()> {
@@ -1089,6 +1119,7 @@ use std::io::Read as _;
 
 /// Run the daemon in the foreground until SIGTERM/SIGINT (or a `shutdown` request).
 pub fn run(opts: DaemonOptions) -> Result<()> {
+    crate::log::init();
     let file_cfg = match &opts.config {
         Some(path) if !path.exists() && opts.save_config => ConfigFile::default(),
         Some(path) => ConfigFile::load(path)?,
@@ -1139,7 +1170,7 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
             .with_context(|| format!("cannot serve NBD on {}", nbd_socket.display()))?;
         match &nbd_listen {
             Some(text) => {
-                let addr = parse_listen(text)?;
+                let addr = parse_listen("--nbd-listen", text)?;
                 Ok(Some(
                     server
                         .serve_tcp(addr)
@@ -1165,9 +1196,34 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
         stopping: AtomicBool::new(false),
         traces: Default::default(),
     });
+    // The metrics endpoint comes up before the configuration is applied (a refused address
+    // must not leave devices touched), and shows the caches as they start.
+    let metrics_listen = opts
+        .metrics_listen
+        .clone()
+        .or_else(|| d.metrics_listen.clone());
+    let metrics = match metrics_listen
+        .as_deref()
+        .map(|text| -> Result<MetricsServer> {
+            let addr = parse_listen("--metrics-listen", text)?;
+            let view = daemon.clone();
+            MetricsServer::start(addr, Arc::new(move || view.metrics_view()))
+        })
+        .transpose()
+    {
+        Ok(m) => m,
+        Err(e) => {
+            server.shutdown();
+            cleanup_control();
+            return Err(e);
+        }
+    };
     if let Err(e) = daemon.apply(&file_cfg) {
         daemon.shutdown();
         server.shutdown();
+        if let Some(m) = &metrics {
+            m.shutdown();
+        }
         cleanup_control();
         return Err(e.context("applying the configuration"));
     }
@@ -1187,8 +1243,8 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
             })
             .context("cannot start the control thread")?;
     }
-    eprintln!(
-        "hybridcache: daemon {} ready: control {}, NBD {}{}",
+    tracing::info!(
+        "daemon {} ready: control {}, NBD {}{}",
         env!("CARGO_PKG_VERSION"),
         control.display(),
         nbd_socket.display(),
@@ -1196,16 +1252,19 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
     );
 
     let sig = wait_for_signal(&signals);
-    eprintln!("hybridcache: signal {sig}: shutting down");
+    tracing::info!("signal {sig}: shutting down");
     // Stop taking requests first: the management lock and the NBD connections, then flush.
     daemon.stopping.store(true, Ordering::SeqCst);
     cleanup_control();
     server.shutdown();
+    if let Some(m) = &metrics {
+        m.shutdown();
+    }
     let clean = daemon.shutdown();
     if !clean {
         bail!("some dirty data could not be flushed at shutdown");
     }
-    eprintln!("hybridcache: stopped");
+    tracing::info!("stopped");
     Ok(())
 }
 
@@ -1227,13 +1286,13 @@ mod tests {
     #[test]
     fn listen_addresses() {
         assert_eq!(
-            parse_listen("10809").unwrap(),
+            parse_listen("--nbd-listen", "10809").unwrap(),
             "127.0.0.1:10809".parse().unwrap()
         );
         assert_eq!(
-            parse_listen("0.0.0.0:1").unwrap(),
+            parse_listen("--nbd-listen", "0.0.0.0:1").unwrap(),
             "0.0.0.0:1".parse().unwrap()
         );
-        assert!(parse_listen("localhost").is_err());
+        assert!(parse_listen("--nbd-listen", "localhost").is_err());
     }
 }

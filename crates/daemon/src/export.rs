@@ -38,7 +38,7 @@ fn to_export_error(e: EngineError) -> ExportError {
 
 /// The NBD error a volume error becomes: the OS error where there is one (so ENOSPC stays
 /// ENOSPC), EINVAL for requests the volume refuses as malformed, EIO otherwise.
-pub(crate) fn volume_error_kind(v: &hybridcache_volume::VolumeError) -> ErrorKind {
+pub fn volume_error_kind(v: &hybridcache_volume::VolumeError) -> ErrorKind {
     match &v.kind {
         hybridcache_volume::ErrorKind::Io(io) => {
             let copy = match io.raw_os_error() {

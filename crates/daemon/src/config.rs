@@ -7,6 +7,7 @@
 //! nbd_listen = "127.0.0.1:10809"   # optional; TCP is off without it
 //! nbd_workers = 4                  # requests in flight per NBD connection
 //! save_config = true               # write setup changes back to this file
+//! metrics_listen = "127.0.0.1:9563" # optional; Prometheus metrics at /metrics
 //!
 //! [[cache]]
 //! id = 1
@@ -54,6 +55,9 @@ pub struct DaemonSection {
     pub nbd_workers: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub save_config: Option<bool>,
+    /// Prometheus metrics endpoint, `PORT` (loopback) or `ADDRESS:PORT`; off when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics_listen: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -1,0 +1,21 @@
+//! The hybridcache daemon, front-end agnostic: it owns every cache, keeps the registry of
+//! exported volumes, answers management requests on the control socket, reads and saves the
+//! configuration file, opens the devices users name, and records block traces.
+//!
+//! Boundaries: the caching itself is the engine's (`hybridcache-engine`); devices come from
+//! `hybridcache-volume`; the NBD front-end (`hybridcache-nbd`) serves the exports. The command
+//! line, output formats, the bench runner and the analyzer glue are the CLI's (`crates/cli`),
+//! which talks to the daemon only through [`protocol`] over the control socket.
+
+pub mod config;
+pub mod daemon;
+pub mod devices;
+pub mod export;
+pub mod log;
+pub mod metrics;
+pub mod nbd_volume;
+pub mod params;
+pub mod protocol;
+pub mod trace;
+
+pub use daemon::{run, DaemonOptions, DEFAULT_CONTROL, DEFAULT_NBD_SOCKET};
