@@ -43,7 +43,11 @@
 //! - *Limits.* Option data over 64 KiB is refused; READ/WRITE over the
 //!   maximum block size get `EINVAL` (a rejected write's payload is read and
 //!   dropped up to 32 MiB, beyond that the connection is closed); malformed
-//!   input closes only the offending connection.
+//!   input closes only the offending connection. Connections are limited in
+//!   all, per client and per export, the handshake has a deadline, a client
+//!   stalled mid-request is dropped, and request memory is bounded by a
+//!   budget with backpressure (see [`ServerConfig`] and memory.rs); refusals
+//!   are logged through `tracing`.
 
 pub mod client;
 mod export;
