@@ -277,6 +277,43 @@ fn verify_pattern(c: &mut Client, base: u64, round: u8) {
 
 const BOUND: u64 = 512 << 20;
 
+/// fio's nbd engine (libnbd) writes 16 MiB at random with mixed block sizes, reads it all
+/// back and checks crc32c; skipped with a message when fio is not installed.
+fn fio_verify(addr: SocketAddr) {
+    if Command::new("fio").arg("--version").output().is_err() {
+        eprintln!("SKIPPED: fio is not installed; the crate's own client verifies instead");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("fio.json");
+    let res = Command::new("fio")
+        .current_dir(dir.path())
+        .args([
+            "--name=verify",
+            "--ioengine=nbd",
+            "--rw=randwrite",
+            "--bsrange=4k-256k",
+            "--iodepth=16",
+            "--offset=16M",
+            "--size=16M",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_state_save=0",
+            "--output-format=json",
+        ])
+        .arg(format!("--uri=nbd://127.0.0.1:{}/ram", addr.port()))
+        .arg(format!("--output={}", out.display()))
+        .output()
+        .unwrap();
+    let json = std::fs::read_to_string(&out).unwrap_or_default();
+    assert!(
+        res.status.success() && json.contains("\"error\" : 0"),
+        "fio failed: {}\n{}\n{json}",
+        String::from_utf8_lossy(&res.stdout),
+        String::from_utf8_lossy(&res.stderr)
+    );
+}
+
 /// The hostile mix: 256 connections from two client addresses, a third each idle
 /// after the handshake, sending a bare header announcing a 32 MiB write, and asking for a
 /// 32 MiB read whose reply they never read. Meanwhile a client on another address writes and
@@ -330,6 +367,7 @@ fn hostile_mix_cannot_exhaust_the_server() {
     }
     // Let the server take in what the hostile clients sent and fill their sockets.
     std::thread::sleep(Duration::from_millis(500));
+    fio_verify(srv.addr);
     let mut c = Client::connect_tcp(srv.addr, "ram").expect("a new client must get in");
     verify_pattern(&mut c, 32 << 20, 99);
     stop.store(true, Ordering::Relaxed);
