@@ -108,7 +108,7 @@ fn impossible_limits_stop_the_daemon_from_starting() {
     let dir = workdir();
     for (args, msg) in [
         (
-            &["--nbd-memory-limit", "64M"][..],
+            &["--nbd-memory-limit", "64M", "--nbd-max-connections", "256"][..],
             "too small for 256 connections",
         ),
         (&["--nbd-max-connections", "0"][..], "at least 1"),

@@ -86,7 +86,8 @@ pub fn nbd_server_config(
         }
         Ok(n)
     };
-    let max_connections = count(
+    let max_connections_set = cli.max_connections.or(file.nbd_max_connections).is_some();
+    let mut max_connections = count(
         "nbd max connections",
         cli.max_connections,
         file.nbd_max_connections,
@@ -121,7 +122,7 @@ pub fn nbd_server_config(
         }
         (None, None) => d.memory_limit,
     };
-    let cfg = ServerConfig {
+    let mut cfg = ServerConfig {
         workers_per_connection: workers,
         max_connections,
         max_connections_per_client: per_client,
@@ -132,8 +133,25 @@ pub fn nbd_server_config(
         ..d
     };
     // The bound must leave room for at least a few in-flight requests beside what every
-    // connection holds on its own; otherwise the server would exceed it by design.
-    let fixed = max_connections as u64 * cfg.connection_overhead();
+    // connection holds on its own; otherwise the server would exceed it by design. Many
+    // workers per connection make connections dearer: unless the connection count was set
+    // explicitly, it shrinks to what the limit holds.
+    let per_conn = cfg.connection_overhead();
+    let room = memory_limit.saturating_sub(48 << 20);
+    if !max_connections_set && (max_connections as u64) * per_conn > room {
+        let fits = (room / per_conn) as usize;
+        if fits >= 16 {
+            tracing::warn!(
+                "NBD: {max_connections} connections of {workers} workers do not fit in the \
+                 memory limit of {} MiB; serving at most {fits} (set nbd_max_connections or \
+                 nbd_memory_limit to choose)",
+                memory_limit >> 20
+            );
+            max_connections = fits;
+            cfg.max_connections = fits;
+        }
+    }
+    let fixed = max_connections as u64 * per_conn;
     if memory_limit < fixed + (32 << 20) {
         bail!(
             "nbd memory limit {} MiB is too small for {max_connections} connections \
@@ -1389,5 +1407,43 @@ mod tests {
             "0.0.0.0:1".parse().unwrap()
         );
         assert!(parse_listen("--nbd-listen", "localhost").is_err());
+    }
+
+    #[test]
+    fn nbd_limits_merge_and_fit_the_memory_limit() {
+        let file = DaemonSection {
+            nbd_max_connections_per_client: Some(5),
+            nbd_memory_limit: Some("1G".into()),
+            nbd_stall_timeout: Some(0),
+            ..DaemonSection::default()
+        };
+        let cli = NbdLimits {
+            max_connections_per_client: Some(3),
+            ..NbdLimits::default()
+        };
+        let c = nbd_server_config(4, &cli, &file).unwrap();
+        assert_eq!(c.max_connections_per_client, 3, "the command line wins");
+        assert_eq!(c.memory_limit, 1 << 30);
+        assert_eq!(c.stall_timeout, None);
+        assert_eq!(c.max_connections, 256);
+        // Many workers make connections dear: the default count shrinks to fit 512 MiB...
+        let c = nbd_server_config(64, &NbdLimits::default(), &DaemonSection::default()).unwrap();
+        assert!(c.max_connections < 256 && c.max_connections >= 16);
+        assert!(
+            c.max_connections as u64 * c.connection_overhead() + (48 << 20) <= 512 << 20,
+            "{c:?}"
+        );
+        // ... but a count given explicitly is kept, and refused if it cannot fit.
+        let cli = NbdLimits {
+            max_connections: Some(256),
+            ..NbdLimits::default()
+        };
+        let e = nbd_server_config(64, &cli, &DaemonSection::default()).unwrap_err();
+        assert!(e.to_string().contains("too small"), "{e}");
+        let bad = DaemonSection {
+            nbd_memory_limit: Some("lots".into()),
+            ..DaemonSection::default()
+        };
+        assert!(nbd_server_config(4, &NbdLimits::default(), &bad).is_err());
     }
 }

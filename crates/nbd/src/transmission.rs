@@ -255,6 +255,9 @@ enum Payload {
     Large(LargeBuf),
 }
 
+/// The largest read-modify-write block a worker keeps between requests.
+pub(crate) const KEPT_BLOCK: usize = 4 << 10;
+
 /// The buffers of the request a worker is handling, and the budget they
 /// cost. Released after each request (and on drop, whatever path the worker
 /// leaves by), so an idle worker holds nothing but its RMW block.
@@ -292,6 +295,9 @@ impl<'m> Buffers<'m> {
         }
         if let Some(b) = self.reply.take() {
             self.mem.pool.put(b);
+        }
+        if self.block.capacity() > KEPT_BLOCK {
+            self.block = Vec::new();
         }
         self.mem.budget.release(std::mem::take(&mut self.charged));
     }
