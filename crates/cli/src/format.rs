@@ -97,10 +97,46 @@ pub fn list(caches: &[CacheInfo], format: OutputFormat) -> String {
     }
 }
 
+/// The protocol carries parameter values as text (each group formats its own units); JSON for
+/// scripts gives every string that is a plain number as a number ("1024" -> 1024, "0.99" ->
+/// 0.99), and leaves words ("Pinned", "alru") and names ("cas1-1", "unclassified") as strings.
+fn numbers_as_numbers(v: &mut Value) {
+    match v {
+        Value::String(text) => {
+            let plain = !text.is_empty()
+                && text.chars().all(|c| c.is_ascii_digit() || c == '.')
+                && text.chars().filter(|c| *c == '.').count() <= 1
+                && !text.starts_with('.')
+                && !text.ends_with('.');
+            if plain {
+                if let Ok(n) = text.parse::<u64>() {
+                    *v = Value::from(n);
+                } else if let Ok(f) = text.parse::<f64>() {
+                    *v = Value::from(f);
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(numbers_as_numbers),
+        Value::Object(map) => {
+            for (key, item) in map.iter_mut() {
+                // Names are names even when they look like numbers.
+                if key != "name" && key != "label" && key != "key" {
+                    numbers_as_numbers(item);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
 /// `-C -L`: the IO classes in force.
 pub fn io_classes(l: &crate::protocol::IoClassList, format: OutputFormat) -> String {
     match format {
-        OutputFormat::Json => serde_json::to_string_pretty(l).unwrap_or_default() + "\n",
+        OutputFormat::Json => {
+            let mut v = serde_json::to_value(l).unwrap_or(Value::Null);
+            numbers_as_numbers(&mut v);
+            serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
+        }
         OutputFormat::Csv => {
             let mut out = String::from("IO class id,IO class name,Eviction priority,Allocation\n");
             for c in &l.classes {
@@ -194,7 +230,11 @@ pub fn params(p: &crate::protocol::ParamValue, format: OutputFormat) -> String {
     }
     let per_core = !p.cores.is_empty();
     match format {
-        OutputFormat::Json => serde_json::to_string_pretty(p).unwrap_or_default() + "\n",
+        OutputFormat::Json => {
+            let mut v = serde_json::to_value(p).unwrap_or(Value::Null);
+            numbers_as_numbers(&mut v);
+            serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
+        }
         OutputFormat::Csv => {
             let mut out = String::from(if per_core {
                 "Core,Parameter name,Value\n"
@@ -510,8 +550,34 @@ fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
         v.push(("cleaning_policy", "Cleaning Policy", c.cleaning.clone()));
         v.push(("promotion_policy", "Promotion Policy", c.promotion.clone()));
         v.push(("status", "Status", c.status.clone()));
+        v.push((
+            "dirty_for_s",
+            "Dirty for [s]",
+            c.dirty_for_s.map_or("0".into(), |d| d.to_string()),
+        ));
+        v.push((
+            "dirty_for",
+            "Dirty for",
+            c.dirty_for_s.map_or("clean".into(), duration_text),
+        ));
     }
     v
+}
+
+/// "1 h 5 min 3 s", as casadm prints "Dirty for".
+fn duration_text(secs: u64) -> String {
+    let (h, m, s) = (secs / 3600, secs / 60 % 60, secs % 60);
+    let mut parts = Vec::new();
+    if h > 0 {
+        parts.push(format!("{h} h"));
+    }
+    if m > 0 {
+        parts.push(format!("{m} min"));
+    }
+    if s > 0 || parts.is_empty() {
+        parts.push(format!("{s} s"));
+    }
+    parts.join(" ")
 }
 
 /// `stats` in the chosen format.
@@ -528,6 +594,10 @@ pub fn stats(r: &StatsReport, format: OutputFormat) -> String {
             for s in &secs {
                 out.push('\n');
                 table(&mut out, s);
+            }
+            if !r.latency.is_empty() {
+                out.push('\n');
+                latency_table(&mut out, &r.latency);
             }
             out
         }
@@ -546,6 +616,14 @@ pub fn stats(r: &StatsReport, format: OutputFormat) -> String {
                         names.push(csv_cell(&format!("{} [%]", row.name)));
                         values.push(format!("{p:.1}"));
                     }
+                }
+            }
+            for l in &r.latency {
+                names.push(csv_cell(&format!("{} [count]", l.name)));
+                values.push(l.count.to_string());
+                for (label, v) in latency_cells(l) {
+                    names.push(csv_cell(&format!("{} {label} [us]", l.name)));
+                    values.push(v.map(|v| format!("{v:.1}")).unwrap_or_default());
                 }
             }
             format!("{}\n{}\n", names.join(","), values.join(","))
@@ -576,6 +654,19 @@ pub fn stats(r: &StatsReport, format: OutputFormat) -> String {
                 }
                 top.insert(s.key.into(), Value::Object(m));
             }
+            if !r.latency.is_empty() {
+                let mut m = Map::new();
+                for l in &r.latency {
+                    let mut row = Map::new();
+                    row.insert("count".into(), Value::from(l.count));
+                    for (label, v) in latency_cells(l) {
+                        let key = format!("{}_us", label.replace('.', ""));
+                        row.insert(key, v.map(Value::from).unwrap_or(Value::Null));
+                    }
+                    m.insert(l.key.clone(), Value::Object(row));
+                }
+                top.insert("latency".into(), Value::Object(m));
+            }
             top.insert(
                 "raw".into(),
                 serde_json::to_value(r.stats).unwrap_or(Value::Null),
@@ -583,6 +674,71 @@ pub fn stats(r: &StatsReport, format: OutputFormat) -> String {
             serde_json::to_string_pretty(&Value::Object(top)).unwrap_or_default() + "\n"
         }
     }
+}
+
+/// A latency row's figures in column order: mean and the percentiles, in microseconds.
+fn latency_cells(l: &crate::protocol::LatencyRow) -> [(&'static str, Option<f64>); 5] {
+    [
+        ("mean", l.mean_us),
+        ("p50", l.p50_us),
+        ("p99", l.p99_us),
+        ("p99.9", l.p999_us),
+        ("p99.99", l.p9999_us),
+    ]
+}
+
+/// Request latency percentiles as a box table like casadm's, in microseconds.
+fn latency_table(out: &mut String, rows: &[crate::protocol::LatencyRow]) {
+    let title = "Latency [us]";
+    let mut cells: Vec<Vec<String>> = Vec::new();
+    for l in rows {
+        let mut c = vec![l.name.clone(), l.count.to_string()];
+        c.extend(
+            latency_cells(l)
+                .iter()
+                .map(|(_, v)| v.map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into())),
+        );
+        cells.push(c);
+    }
+    let head: Vec<String> = [title, "Count", "Mean", "p50", "p99", "p99.9", "p99.99"]
+        .iter()
+        .map(|h| h.to_string())
+        .collect();
+    let widths: Vec<usize> = (0..head.len())
+        .map(|i| {
+            cells
+                .iter()
+                .map(|c| c[i].chars().count())
+                .chain([head[i].len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let bar = |l: &str, m: &str, r: &str| {
+        let parts: Vec<String> = widths.iter().map(|w| "═".repeat(w + 2)).collect();
+        format!("{l}{}{r}\n", parts.join(m))
+    };
+    let line = |c: &[String]| {
+        let parts: Vec<String> = c
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                if i == 0 {
+                    format!(" {v:<w$} ", w = widths[i])
+                } else {
+                    format!(" {v:>w$} ", w = widths[i])
+                }
+            })
+            .collect();
+        format!("║{}║\n", parts.join("│"))
+    };
+    out.push_str(&bar("╔", "╤", "╗"));
+    out.push_str(&line(&head));
+    out.push_str(&bar("╠", "╪", "╣"));
+    for c in &cells {
+        out.push_str(&line(c));
+    }
+    out.push_str(&bar("╚", "╧", "╝"));
 }
 
 /// One casadm-style box table.
@@ -654,6 +810,8 @@ mod tests {
                     status: "Active".into(),
                     export: "cas1-1".into(),
                 }],
+                flush: None,
+                dirty_for_s: Some(3723),
             },
             core: None,
             io_class: None,
@@ -668,6 +826,28 @@ mod tests {
                 core_read_bytes: 8192,
                 ..StatsData::default()
             },
+            latency: vec![
+                crate::protocol::LatencyRow {
+                    name: "Reads".into(),
+                    key: "read".into(),
+                    count: 4,
+                    mean_us: Some(30.5),
+                    p50_us: Some(20.0),
+                    p99_us: Some(95.0),
+                    p999_us: Some(95.0),
+                    p9999_us: Some(95.0),
+                },
+                crate::protocol::LatencyRow {
+                    name: "Writes".into(),
+                    key: "write".into(),
+                    count: 0,
+                    mean_us: None,
+                    p50_us: None,
+                    p99_us: None,
+                    p999_us: None,
+                    p9999_us: None,
+                },
+            ],
         }
     }
 
@@ -686,6 +866,45 @@ mod tests {
         assert_eq!(j["usage"]["dirty"]["percent"], 12.5);
         assert_eq!(j["requests"]["read_hits"]["percent"], 75.0);
         assert_eq!(j["blocks"]["core_reads"]["count"], 2);
+        assert_eq!(j["info"]["dirty_for_s"], 3723);
+        assert!(t.contains("1 h 2 min 3 s"), "{t}");
+        // Latency: numbers in JSON, "-" in the table where nothing completed.
+        assert_eq!(j["latency"]["read"]["p99_us"], 95.0);
+        assert_eq!(j["latency"]["read"]["p9999_us"], 95.0);
+        assert!(j["latency"]["write"]["p50_us"].is_null());
+        assert!(t.contains("║ Reads "), "{t}");
+        assert!(t.contains("p99.99"), "{t}");
+        assert!(csv.contains("Reads p99.9 [us]"), "{csv}");
+    }
+
+    #[test]
+    fn json_gives_numbers_as_numbers() {
+        let p = crate::protocol::ParamValue {
+            name: "cleaning-alru".into(),
+            value: "20".into(),
+            read_only: false,
+            fields: vec![crate::protocol::ParamField {
+                key: "wake_up".into(),
+                label: "Wake up time [s]".into(),
+                value: "20".into(),
+            }],
+            cores: Vec::new(),
+        };
+        let j: Value = serde_json::from_str(&params(&p, OutputFormat::Json)).unwrap();
+        assert_eq!(j["value"], 20);
+        assert_eq!(j["fields"][0]["value"], 20);
+        let l = crate::protocol::IoClassList {
+            classes: vec![crate::protocol::IoClassInfo {
+                id: 1,
+                name: "1".into(),
+                eviction_priority: "Pinned".into(),
+                allocation: "0.99".into(),
+            }],
+        };
+        let j: Value = serde_json::from_str(&io_classes(&l, OutputFormat::Json)).unwrap();
+        assert_eq!(j["classes"][0]["allocation"], 0.99);
+        assert_eq!(j["classes"][0]["eviction_priority"], "Pinned");
+        assert_eq!(j["classes"][0]["name"], "1");
     }
 
     #[test]

@@ -11,6 +11,7 @@ mod apply;
 mod bench;
 mod chart;
 mod cli;
+mod flush;
 mod format;
 mod report_charts;
 mod serve;
@@ -129,6 +130,7 @@ fn run(cli: Cli) -> Result<()> {
             })
         }
         Command::Serve(args) => return serve::run(args),
+        Command::FlushCache { id, core } => return flush::run(&control, *id, *core),
         Command::Trace(args) => return trace::run_cli(args, &control),
         Command::Version => {
             println!("hybridcache CLI {}", env!("CARGO_PKG_VERSION"));

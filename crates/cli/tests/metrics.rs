@@ -202,6 +202,12 @@ fn prometheus_scrapes_the_metrics_endpoint() {
         |v| v > 0.0,
     );
     assert!(exported >= 4096.0);
+    // Latency histograms: Prometheus computes a p99 of the writes from the buckets.
+    let p99 = prom.wait_for(
+        r#"histogram_quantile(0.99, sum by (le) (rate(hybridcache_request_duration_seconds_bucket{cache="1",direction="write"}[20s])))"#,
+        |v| v > 0.0 && v.is_finite(),
+    );
+    assert!(p99 < 10.0, "p99 {p99} s");
 
     // The dirty ratio Prometheus stored is what -P says now (nothing changes any more).
     let stats = d.stats_json(1, None);
@@ -211,6 +217,13 @@ fn prometheus_scrapes_the_metrics_endpoint() {
         raw["total_lines"].as_f64().expect("total_lines"),
     );
     assert!(dirty > 0.0, "{stats}");
+    // -P reports the same requests' latency percentiles, as numbers.
+    let writes = &stats["latency"]["write"];
+    assert!(writes["count"].as_u64().unwrap_or(0) > 0, "{stats}");
+    for key in ["mean_us", "p50_us", "p99_us", "p999_us", "p9999_us"] {
+        assert!(writes[key].as_f64().unwrap_or(0.0) > 0.0, "{key}: {stats}");
+    }
+    assert!(writes["p50_us"].as_f64() <= writes["p9999_us"].as_f64());
     let ratio = prom.wait_for(r#"hybridcache_cache_dirty_ratio{cache="1"}"#, |v| {
         (v - dirty / total).abs() < 1e-9
     });

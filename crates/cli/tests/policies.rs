@@ -174,7 +174,13 @@ fn every_group_is_set_read_back_and_survives_a_restart() {
 
     // Presets set their values and select their policy.
     d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "alru-lazy"]);
-    assert_eq!(d.ok(&["-G", "-n", "cleaning", "-i", "1"]), "alru\n");
+    // A preset reads back by its name (-G, -P) while its tunables hold its values.
+    assert_eq!(d.ok(&["-G", "-n", "cleaning", "-i", "1"]), "alru-lazy\n");
+    let p = d.ok(&["-P", "-i", "1"]);
+    assert!(
+        p.contains("Cleaning Policy") && p.contains("alru-lazy"),
+        "{p}"
+    );
     assert!(csv(&d, "cleaning-alru").contains("Wake up time [s],2\nStale buffer time [s],5\nFlush max buffers,256\nActivity threshold [ms],500"));
     d.ok(&[
         "-X",
@@ -191,6 +197,7 @@ fn every_group_is_set_read_back_and_survives_a_restart() {
         "-t",
         "250",
     ]);
+    assert_eq!(d.ok(&["-G", "-n", "cleaning", "-i", "1"]), "alru\n");
     d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "acp"]);
 
     // A new daemon loading the cache finds everything as it was.

@@ -311,19 +311,48 @@ impl State {
 fn cache_info(id: u16, c: &CacheEntry) -> CacheInfo {
     let sizes: BTreeMap<u16, u64> = c.cache.cores().iter().map(|i| (i.id, i.size)).collect();
     // As Open CAS: a cache with a core missing is "Incomplete".
-    let status = if c.cores.values().all(|core| core.active) {
-        "Running"
+    let mut status = if c.cores.values().all(|core| core.active) {
+        "Running".to_string()
     } else {
-        "Incomplete"
+        "Incomplete".to_string()
     };
+    let flush = c.cache.flush_status().map(|f| {
+        let elapsed = f.elapsed.as_secs_f64();
+        let line = c.cache.line_size().bytes() as f64;
+        let rate = if elapsed > 0.0 {
+            f.done_lines as f64 * line / elapsed
+        } else {
+            0.0
+        };
+        let left = f.total_lines.saturating_sub(f.done_lines) as f64 * line;
+        protocol::FlushInfo {
+            percent: (f.percent() * 10.0).round() / 10.0,
+            total_lines: f.total_lines,
+            done_lines: f.done_lines,
+            elapsed_s: elapsed,
+            bytes_per_s: rate,
+            eta_s: (rate > 0.0).then(|| left / rate),
+            mode_change: f.mode_change.map(|(a, b)| format!("{a}->{b}")),
+        }
+    });
+    let mut mode = c.cache.mode().to_string();
+    if let Some(f) = &flush {
+        // As casadm: "Flushing" with how far, and the mode switch in progress.
+        status = format!("Flushing ({:.1} %)", f.percent);
+        if let Some(change) = &f.mode_change {
+            mode = change.clone();
+        }
+    }
     CacheInfo {
         id,
         device: c.device.clone(),
-        status: status.into(),
-        mode: c.cache.mode().to_string(),
+        status,
+        flush,
+        dirty_for_s: c.cache.dirty_for(None).map(|d| d.as_secs()),
+        mode,
         line_size_kib: c.cache.line_size().kib(),
         lines: c.cache.line_count(),
-        cleaning: c.cache.cleaning().policy.to_string(),
+        cleaning: c.cache.cleaning().policy_name(),
         promotion: c.cache.promotion().policy.to_string(),
         cores: c
             .cores
@@ -434,6 +463,14 @@ impl Daemon {
                 let handle = self.state.lock().cache(cache)?.cache.clone();
                 handle.set_mode(mode, flush).map_err(engine_err)?;
                 self.save();
+                Ok(json!({}))
+            }
+            Request::InterruptFlush { cache } => {
+                let handle = self.state.lock().cache(cache)?.cache.clone();
+                if !handle.interrupt_flush() {
+                    return Err(format!("cache {cache} is not flushing"));
+                }
+                tracing::info!("cache {cache}: flush interrupted on request");
                 Ok(json!({}))
             }
             Request::Flush { cache, core } => {
@@ -956,10 +993,11 @@ impl Daemon {
                 core: None,
                 io_class: class,
                 stats: stats.into(),
+                latency: Vec::new(),
             })
             .map_err(|e| e.to_string());
         }
-        let (core_info, stats) = match core {
+        let (core_info, stats, latency) = match core {
             Some(core) => {
                 let ci = info
                     .cores
@@ -968,15 +1006,20 @@ impl Daemon {
                     .cloned()
                     .ok_or_else(|| format!("core {core} does not exist in cache {cache_id}"))?;
                 st.active_core(cache_id, core)?;
-                (Some(ci), c.cache.core_stats(core).map_err(engine_err)?)
+                (
+                    Some(ci),
+                    c.cache.core_stats(core).map_err(engine_err)?,
+                    c.cache.core_latency(core).map_err(engine_err)?,
+                )
             }
-            None => (None, c.cache.stats()),
+            None => (None, c.cache.stats(), c.cache.latency()),
         };
         serde_json::to_value(StatsReport {
             cache: info,
             core: core_info,
             io_class: None,
             stats: stats.into(),
+            latency: protocol::LatencyRow::rows(&latency),
         })
         .map_err(|e| e.to_string())
     }
@@ -990,7 +1033,13 @@ impl Daemon {
             .map(|(id, c)| CacheView {
                 id: *id,
                 device: c.device.clone(),
-                status: cache_info(*id, c).status,
+                // A label must not change with every scrape: the percentage has its own metric.
+                status: cache_info(*id, c)
+                    .status
+                    .split(" (")
+                    .next()
+                    .unwrap_or_default()
+                    .to_string(),
                 cache: c.cache.clone(),
                 cores: c
                     .cores

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use hybridcache_engine::{Cache, Stats};
+use hybridcache_engine::{Cache, LatencyKind, Stats};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::counter::ConstCounter;
@@ -318,6 +318,18 @@ impl Collector for Collected {
             "hybridcache_cache_dirty_ratio",
             "Dirty lines over all cache lines (0 to 1), as -P's Dirty percentage",
         );
+        let mut dirty_for = Family::gauge(
+            "hybridcache_cache_dirty_for_seconds",
+            "How long the cache has held dirty data (0 while clean), as -P's Dirty for",
+        );
+        let mut flushing = Family::gauge(
+            "hybridcache_flush_in_progress",
+            "1 while a flush runs (-F, a mode switch that flushes, a stop)",
+        );
+        let mut flush_ratio = Family::gauge(
+            "hybridcache_flush_progress_ratio",
+            "Share of the running flush's dirty lines written so far (0 to 1); absent when none runs",
+        );
         let mut core_occupancy = Family::gauge(
             "hybridcache_core_occupancy_lines",
             "Cache lines mapped to the core",
@@ -418,6 +430,15 @@ impl Collector for Collected {
             occupancy.push(base.clone(), s.usage.occupancy_lines as f64);
             dirty.push(base.clone(), s.usage.dirty_lines as f64);
             dirty_ratio.push(base.clone(), s.usage.dirty_lines as f64 / total);
+            dirty_for.push(
+                base.clone(),
+                cache.dirty_for(None).map_or(0.0, |d| d.as_secs_f64()),
+            );
+            let flush = cache.flush_status();
+            flushing.push(base.clone(), if flush.is_some() { 1.0 } else { 0.0 });
+            if let Some(f) = flush {
+                flush_ratio.push(base.clone(), f.percent() / 100.0);
+            }
             let cs = cache.cleaning_stats();
             cleaned.push(base.clone(), cs.cleaned_lines as f64);
             cleaning_writes.push(base.clone(), cs.core_writes as f64);
@@ -475,6 +496,27 @@ impl Collector for Collected {
             }
         }
 
+        let mut durations: Vec<(Labels, hybridcache_engine::Histogram)> = Vec::new();
+        for c in &self.caches {
+            for core in c.cores.iter().filter(|core| core.active) {
+                let Ok(l) = c.cache.core_latency(core.id) else {
+                    continue;
+                };
+                for kind in LatencyKind::ALL {
+                    let labels = labels(&[
+                        ("cache", c.id.to_string()),
+                        ("core", core.id.to_string()),
+                        (
+                            "direction",
+                            if kind.is_read() { "read" } else { "write" }.into(),
+                        ),
+                        ("served_by", kind.served_by().into()),
+                    ]);
+                    durations.push((labels, l.get(kind).clone()));
+                }
+            }
+        }
+
         let mut build = Family::gauge(
             "hybridcache_build_info",
             "The daemon's version as a label; always 1",
@@ -492,6 +534,9 @@ impl Collector for Collected {
             &occupancy,
             &dirty,
             &dirty_ratio,
+            &dirty_for,
+            &flushing,
+            &flush_ratio,
             &core_info,
             &core_active,
             &core_occupancy,
@@ -514,8 +559,51 @@ impl Collector for Collected {
         ] {
             f.encode(&mut encoder)?;
         }
-        Ok(())
+        encode_durations(&mut encoder, &durations)
     }
+}
+
+/// Upper bounds (seconds) of the exported latency buckets; `+Inf` follows.
+const DURATION_BOUNDS: [f64; 19] = [
+    10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1,
+    0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+/// Request latency as a Prometheus histogram. The engine's own buckets are finer (eight per power
+/// of two); each is counted in the first exported bucket whose bound is not below its upper end,
+/// so a count may sit one exported bucket high by at most the engine's 12.5% resolution.
+fn encode_durations(
+    encoder: &mut DescriptorEncoder,
+    rows: &[(Labels, hybridcache_engine::Histogram)],
+) -> std::fmt::Result {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let mut m = encoder.encode_descriptor(
+        "hybridcache_request_duration",
+        "Time from a request's arrival at the engine to its completion, by direction and by what served it (cache alone, or waiting for the core)",
+        Some(&Unit::Seconds),
+        MetricType::Histogram,
+    )?;
+    for (l, h) in rows {
+        let mut buckets: Vec<(f64, u64)> = DURATION_BOUNDS
+            .iter()
+            .map(|b| (*b, 0))
+            // prometheus-client writes f64::MAX as le="+Inf".
+            .chain([(f64::MAX, 0)])
+            .collect();
+        for (i, n) in h.counts.iter().enumerate().filter(|(_, n)| **n > 0) {
+            let upper = hybridcache_engine::latency::bucket_upper(i) as f64 / 1e9;
+            let slot = DURATION_BOUNDS
+                .iter()
+                .position(|b| *b >= upper)
+                .unwrap_or(DURATION_BOUNDS.len());
+            buckets[slot].1 += n;
+        }
+        let mut fam = m.encode_family(l)?;
+        fam.encode_histogram::<Labels>(h.sum_ns as f64 / 1e9, h.count(), &buckets, None)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -609,6 +697,21 @@ mod tests {
             "{text}"
         );
         assert!(text.trim_end().ends_with("# EOF"), "{text}");
+        // One read hit and one write: each counted once in its latency histogram.
+        assert_eq!(
+            value(
+                &text,
+                r#"hybridcache_request_duration_seconds_count{cache="3",core="1",direction="read",served_by="cache"}"#
+            ),
+            1.0
+        );
+        assert_eq!(
+            value(
+                &text,
+                r#"hybridcache_request_duration_seconds_bucket{le="+Inf",cache="3",core="1",direction="write",served_by="cache"}"#
+            ),
+            1.0
+        );
     }
 
     #[test]

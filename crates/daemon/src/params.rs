@@ -104,7 +104,7 @@ fn get_line_size(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
 }
 
 fn get_cleaning(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
-    Ok(vec![c.cleaning().policy.to_string()])
+    Ok(vec![c.cleaning().policy_name()])
 }
 
 fn set_cleaning(c: &Cache, _: Option<CoreId>, v: &BTreeMap<String, String>) -> Result<(), String> {

@@ -80,6 +80,10 @@ pub enum Request {
         #[serde(default)]
         core: Option<u16>,
     },
+    /// Stop the running flushes of a cache after their current batch (`-F` interrupted).
+    InterruptFlush {
+        cache: u16,
+    },
     /// Set fields of the parameter group `name` (params.rs): `values` maps field names to
     /// values; `value` alone sets the group's first field.
     SetParam {
@@ -196,6 +200,28 @@ pub struct CacheInfo {
     #[serde(default)]
     pub promotion: String,
     pub cores: Vec<CoreInfo>,
+    /// Set while a flush runs (`-F`, a mode switch that flushes, a stop).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flush: Option<FlushInfo>,
+    /// Seconds since the cache last went from clean to dirty; None while clean.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dirty_for_s: Option<u64>,
+}
+
+/// How far a running flush has got.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct FlushInfo {
+    pub percent: f64,
+    pub total_lines: u64,
+    pub done_lines: u64,
+    pub elapsed_s: f64,
+    /// Bytes written per second so far.
+    pub bytes_per_s: f64,
+    /// Seconds left at the rate so far; None until something was written.
+    pub eta_s: Option<f64>,
+    /// "wb->wt" while a mode switch flushes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode_change: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -218,6 +244,67 @@ pub struct StatsReport {
     #[serde(default)]
     pub io_class: Option<IoClassInfo>,
     pub stats: StatsData,
+    /// Request latency percentiles (none for IO class statistics).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub latency: Vec<LatencyRow>,
+}
+
+/// Latency of one kind of request, in microseconds (percentiles are bucket upper bounds, within
+/// 12.5% of the true value). `None` where no request of the kind completed.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct LatencyRow {
+    /// "read", "read from cache", "read from core", "write", ...
+    pub name: String,
+    /// Machine name: `read`, `read_cache`, `read_core`, `write`, `write_cache`, `write_core`.
+    pub key: String,
+    pub count: u64,
+    pub mean_us: Option<f64>,
+    pub p50_us: Option<f64>,
+    pub p99_us: Option<f64>,
+    pub p999_us: Option<f64>,
+    pub p9999_us: Option<f64>,
+}
+
+impl LatencyRow {
+    fn of(key: &str, name: &str, h: &hybridcache_engine::Histogram) -> LatencyRow {
+        let count = h.count();
+        let us = |q: f64| h.quantile(q).map(|ns| ns as f64 / 1000.0);
+        LatencyRow {
+            name: name.into(),
+            key: key.into(),
+            count,
+            mean_us: (count > 0).then(|| h.sum_ns as f64 / count as f64 / 1000.0),
+            p50_us: us(0.5),
+            p99_us: us(0.99),
+            p999_us: us(0.999),
+            p9999_us: us(0.9999),
+        }
+    }
+
+    /// The rows `-P` shows: reads and writes, each in all and split by what served them.
+    pub fn rows(l: &hybridcache_engine::LatencyStats) -> Vec<LatencyRow> {
+        use hybridcache_engine::LatencyKind as K;
+        vec![
+            LatencyRow::of("read", "Reads", &l.direction(true)),
+            LatencyRow::of(
+                "read_cache",
+                "Reads served by the cache",
+                l.get(K::ReadCache),
+            ),
+            LatencyRow::of("read_core", "Reads that read the core", l.get(K::ReadCore)),
+            LatencyRow::of("write", "Writes", &l.direction(false)),
+            LatencyRow::of(
+                "write_cache",
+                "Writes served by the cache",
+                l.get(K::WriteCache),
+            ),
+            LatencyRow::of(
+                "write_core",
+                "Writes that waited for the core",
+                l.get(K::WriteCore),
+            ),
+        ]
+    }
 }
 
 /// One IO class as `-C -L` lists it.

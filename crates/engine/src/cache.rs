@@ -25,6 +25,7 @@ use crate::cleaner::{CleaningCounters, CleaningStats, Pacer};
 use crate::cleaning::{CleanerState, CleanerThread, CleaningTick, ACP_CHUNK_BYTES};
 use crate::format::{ConfigSlot, CoreRecord, Geometry, Superblock};
 use crate::ioclass::{ClassId, IoClasses};
+use crate::latency::{self, Latency, LatencyKind, LatencyStats};
 use crate::lists::{ListKind, Lists, RUN};
 use crate::locks::{StripeGuard, StripedLocks};
 use crate::meta::{Key, LineTable, MAX_CORE_LINES, NONE};
@@ -33,6 +34,7 @@ use crate::policy::{
     CleaningConfig, PolicyRecord, Promotion, PromotionPolicy, PromotionState, SeqCutoff, SeqState,
     FLUSH_BUFFERS,
 };
+use crate::progress::{FlushProgress, FlushStatus};
 use crate::stats::{thread_slot, Counter, Counters, Stats, Usage, SLOTS};
 use crate::{
     CacheConfig, CacheMode, CoreId, EngineError, LineSize, Result, MAX_CORES, MAX_REQUEST, SECTOR,
@@ -102,6 +104,7 @@ pub(crate) struct CacheInner {
     pub(crate) cleaning_counters: CleaningCounters,
     pub(crate) promotion: PromotionState,
     pub(crate) classes: ClassState,
+    pub(crate) flush_progress: FlushProgress,
     /// Sequential cutoff settings of cores recorded but not attached (inactive), kept so that
     /// the superblock keeps them.
     seq_cutoff_inactive: RwLock<BTreeMap<CoreId, SeqCutoff>>,
@@ -111,8 +114,58 @@ pub(crate) struct CacheInner {
 pub(crate) struct CoreGauges {
     pub(crate) occupancy: AtomicU64,
     pub(crate) dirty: AtomicU64,
+    /// When the core last went from no dirty line to some (ms on the process clock), 0 while
+    /// clean: "Dirty for" in -P. Written only on those transitions, never per request.
+    dirty_since_ms: AtomicU64,
     /// Dirty lines per 100 MiB chunk of the core, for acp. Sized when the core is attached.
     pub(crate) chunks: RwLock<Box<[std::sync::atomic::AtomicU32]>>,
+}
+
+impl CoreGauges {
+    fn dirty_up(&self) {
+        if self.dirty.fetch_add(1, Ordering::Relaxed) == 0 {
+            let _ = self.dirty_since_ms.compare_exchange(
+                0,
+                clock_ms(),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+        }
+    }
+
+    fn dirty_down(&self) {
+        if self.dirty.fetch_sub(1, Ordering::Relaxed) == 1 {
+            self.dirty_since_ms.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// How long the core has held dirty data; None while clean. A race between the last line
+    /// going clean and a new one going dirty can leave the mark unset: it is set on read then.
+    fn dirty_for(&self) -> Option<std::time::Duration> {
+        if self.dirty.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        let now = clock_ms();
+        let since =
+            match self
+                .dirty_since_ms
+                .compare_exchange(0, now, Ordering::Relaxed, Ordering::Relaxed)
+            {
+                Ok(_) => now,
+                Err(since) => since,
+            };
+        Some(std::time::Duration::from_millis(now.saturating_sub(since)))
+    }
+}
+
+/// Milliseconds on a process-wide monotonic clock, never 0 (0 means "unset").
+fn clock_ms() -> u64 {
+    static START: OnceLock<std::time::Instant> = OnceLock::new();
+    START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_millis() as u64
+        + 1
 }
 
 #[repr(align(128))]
@@ -129,6 +182,7 @@ pub(crate) struct CoreState {
     /// Requests in progress, per thread slot; removal waits for these to drain.
     in_flight: Box<[InFlight]>,
     pub(crate) seq: SeqState,
+    pub(crate) latency: Latency,
 }
 
 /// Held by a request for its duration; see [`CoreState::enter`].
@@ -385,7 +439,7 @@ impl CacheInner {
             drop(s);
             gauges.occupancy.fetch_sub(1, Ordering::Relaxed);
             if old_dirty != 0 {
-                gauges.dirty.fetch_sub(1, Ordering::Relaxed);
+                gauges.dirty_down();
                 self.chunk_dirty(key, false);
             }
             return;
@@ -404,12 +458,12 @@ impl CacheInner {
         }
         match (old_dirty != 0, dirty != 0) {
             (false, true) => {
-                gauges.dirty.fetch_add(1, Ordering::Relaxed);
+                gauges.dirty_up();
                 self.chunk_dirty(key, true);
                 self.classes.dirtied(line, true);
             }
             (true, false) => {
-                gauges.dirty.fetch_sub(1, Ordering::Relaxed);
+                gauges.dirty_down();
                 self.chunk_dirty(key, false);
                 self.classes.dirtied(line, false);
             }
@@ -431,7 +485,7 @@ impl CacheInner {
         let g = &self.gauges[key.core() as usize];
         g.occupancy.fetch_add(1, Ordering::Relaxed);
         if dirty != 0 {
-            g.dirty.fetch_add(1, Ordering::Relaxed);
+            g.dirty_up();
             self.chunk_dirty(key, true);
         }
     }
@@ -555,6 +609,8 @@ impl CacheInner {
     /// Clean up to `want` of the oldest dirty lines so that eviction finds clean ones. Caller holds
     /// no stripe.
     fn make_room(&self, want: usize) -> Result<()> {
+        // The request that waits here waits for the core (cleaning may run on other threads).
+        latency::touched_core();
         // Each round ends in a commit (device flushes), so clean enough lines to spread that
         // cost over many writes; these are the oldest dirty lines, due for cleaning anyway.
         let want = want.max(64);
@@ -1052,6 +1108,9 @@ impl CacheInner {
     // ---- device IO with accounting --------------------------------------------------------
 
     fn core_read(&self, core: &CoreState, buf: &mut [u8], runs: &[Run]) -> Result<()> {
+        if !runs.is_empty() {
+            latency::touched_core();
+        }
         for r in runs {
             core.volume
                 .read_at(&mut buf[r.buf_off..r.buf_off + r.len], r.dev_off)
@@ -1062,6 +1121,9 @@ impl CacheInner {
     }
 
     pub(crate) fn core_write(&self, core: &CoreState, buf: &[u8], runs: &[Run]) -> Result<()> {
+        if !runs.is_empty() {
+            latency::touched_core();
+        }
         for r in runs {
             core.volume
                 .write_at(&buf[r.buf_off..r.buf_off + r.len], r.dev_off)
@@ -1185,6 +1247,7 @@ impl CacheInner {
             cleaning_counters: CleaningCounters::default(),
             promotion: PromotionState::new(Promotion::default()),
             classes: ClassState::new(lines),
+            flush_progress: FlushProgress::default(),
             seq_cutoff_inactive: RwLock::new(BTreeMap::new()),
         }
     }
@@ -1201,6 +1264,7 @@ impl CacheInner {
             stopped: AtomicBool::new(false),
             in_flight: (0..SLOTS).map(|_| InFlight(AtomicU64::new(0))).collect(),
             seq: SeqState::new(seq),
+            latency: Latency::new(),
         })
     }
 
@@ -1292,6 +1356,10 @@ impl Cache {
 
     /// Wrap a built cache and start its cleaner thread.
     fn started(inner: CacheInner) -> Cache {
+        // Dirty data a load brought back has been dirty at least since the load.
+        for g in inner.gauges.iter() {
+            let _ = g.dirty_for();
+        }
         let inner = Arc::new(inner);
         *inner.cleaner_thread.lock() = Some(CleanerThread::start(&inner));
         Cache { inner }
@@ -1568,12 +1636,19 @@ impl Cache {
         if let Some(p) = &self.inner.persist {
             p.update_superblock(&*self.inner.volume, |sb| sb.mode = mode.as_str().into())?;
         }
+        let old = self.mode();
         self.inner.mode.store(mode as u8, Ordering::Relaxed);
         if flush_first && !mode.makes_dirty() {
+            // One progress entry over every pass, showing the change as -L's status does.
+            let _progress = self
+                .inner
+                .flush_progress
+                .begin(self.inner.usage(None).dirty_lines);
+            self.inner.flush_progress.set_mode_change(Some((old, mode)));
             // Requests that read the old mode before the switch may still be adding dirty data;
             // they finish quickly, so a few passes leave none.
             for _ in 0..1000 {
-                self.flush()?;
+                self.flush_cores()?;
                 if self.inner.usage(None).dirty_lines == 0 {
                     return Ok(());
                 }
@@ -1760,9 +1835,18 @@ impl Cache {
 
     /// Write all dirty data of every core to the cores, mark it clean, and flush the cores.
     pub fn flush(&self) -> Result<()> {
-        let ids: Vec<CoreId> = self.inner.cores.read().keys().copied().collect();
-        for id in ids {
-            self.flush_core(id)?;
+        let _progress = self
+            .inner
+            .flush_progress
+            .begin(self.inner.usage(None).dirty_lines);
+        self.flush_cores()
+    }
+
+    /// Flush every core, counted in the progress entry the caller began.
+    fn flush_cores(&self) -> Result<()> {
+        let cores: Vec<Arc<CoreState>> = self.inner.cores.read().values().cloned().collect();
+        for core in cores {
+            self.inner.flush_core_dirty(&core)?;
         }
         Ok(())
     }
@@ -1770,7 +1854,32 @@ impl Cache {
     /// As [`flush`](Cache::flush), for one core.
     pub fn flush_core(&self, id: CoreId) -> Result<()> {
         let core = self.inner.core_by_id(id)?;
+        let _progress = self
+            .inner
+            .flush_progress
+            .begin(self.inner.usage(Some(id)).dirty_lines);
         self.inner.flush_core_dirty(&core)
+    }
+
+    /// How long the cache (or one core) has held dirty data: since the oldest core's last
+    /// transition from clean to dirty (after a load, since the load). None while clean.
+    pub fn dirty_for(&self, core: Option<CoreId>) -> Option<std::time::Duration> {
+        match core {
+            Some(id) => self.inner.gauges.get(id as usize)?.dirty_for(),
+            None => self.inner.gauges.iter().filter_map(|g| g.dirty_for()).max(),
+        }
+    }
+
+    /// How far the running flushes have got; None when none runs.
+    pub fn flush_status(&self) -> Option<FlushStatus> {
+        self.inner.flush_progress.status()
+    }
+
+    /// Stop the running flushes after their current batch: what they cleaned is recorded clean,
+    /// the rest stays dirty, and they fail with [`EngineError::FlushInterrupted`]. False when no
+    /// flush runs.
+    pub fn interrupt_flush(&self) -> bool {
+        self.inner.flush_progress.interrupt()
     }
 
     // ---- policies (policy.rs; docs/policies.md) ----------------------------------------------
@@ -1949,13 +2058,30 @@ impl Cache {
 
     /// Reset one core's counters (`casadm -Z -j`).
     pub fn reset_core_stats(&self, id: CoreId) -> Result<()> {
-        self.inner.core_by_id(id)?.counters.reset();
+        let core = self.inner.core_by_id(id)?;
+        core.counters.reset();
+        core.latency.reset();
         Ok(())
+    }
+
+    /// One core's request latency histograms.
+    pub fn core_latency(&self, id: CoreId) -> Result<LatencyStats> {
+        Ok(self.inner.core_by_id(id)?.latency.snapshot())
+    }
+
+    /// Request latency histograms of every attached core, merged.
+    pub fn latency(&self) -> LatencyStats {
+        let mut all = LatencyStats::default();
+        for core in self.inner.cores.read().values() {
+            all.merge(&core.latency.snapshot());
+        }
+        all
     }
 
     pub fn reset_stats(&self) {
         for core in self.inner.cores.read().values() {
             core.counters.reset();
+            core.latency.reset();
         }
         self.inner.classes.reset();
     }
@@ -2110,11 +2236,27 @@ impl Core {
     }
 
     pub fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        self.cache.read(&self.core, buf, offset)
+        let start = latency::begin();
+        self.cache.read(&self.core, buf, offset)?;
+        let kind = if latency::ended_on_core() {
+            LatencyKind::ReadCore
+        } else {
+            LatencyKind::ReadCache
+        };
+        self.core.latency.record(kind, start.elapsed());
+        Ok(())
     }
 
     pub fn write(&self, buf: &[u8], offset: u64) -> Result<()> {
-        self.cache.write(&self.core, buf, offset)
+        let start = latency::begin();
+        self.cache.write(&self.core, buf, offset)?;
+        let kind = if latency::ended_on_core() {
+            LatencyKind::WriteCore
+        } else {
+            LatencyKind::WriteCache
+        };
+        self.core.latency.record(kind, start.elapsed());
+        Ok(())
     }
 
     /// A write that is durable when it returns (NBD's FUA): the write, then a flush.

@@ -284,12 +284,18 @@ impl CacheInner {
         items.sort_unstable();
         let batch = (BATCH_BYTES / self.line_bytes).clamp(1, FLUSH_BUFFERS as u64) as usize;
         for chunk in items.chunks(batch) {
+            if self.flush_progress.interrupted() {
+                // What was cleaned so far is recorded clean by the commit; the rest stays dirty.
+                self.commit()?;
+                return Err(crate::EngineError::FlushInterrupted);
+            }
             // A flush is what its caller waits for: never paced by the bandwidth cap.
             self.clean_lines(
                 chunk.iter().map(|&(_, l)| l).collect(),
                 FLUSH_BUFFERS as usize,
                 false,
             )?;
+            self.flush_progress.advance(chunk.len() as u64);
         }
         // The flush is done when the core has the data durably and, for a persistent cache, the
         // device records the lines clean.

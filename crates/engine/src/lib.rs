@@ -21,21 +21,25 @@ mod cleaner;
 mod cleaning;
 mod format;
 pub mod ioclass;
+pub mod latency;
 mod lists;
 mod locks;
 mod meta;
 mod persist;
 pub mod policy;
+mod progress;
 mod stats;
 
 pub use cache::{Cache, Core, CoreInfo, CoreStatus};
 pub use cleaner::{CleaningStats, WRITE_SIZE_BUCKETS};
 pub use cleaning::CleaningTick;
 pub use format::{CoreRecord, Superblock};
+pub use latency::{Histogram, LatencyKind, LatencyStats};
 pub use policy::{
     AcpParams, AlruParams, CleaningConfig, CleaningIo, CleaningPolicy, Promotion, PromotionPolicy,
     SeqCutoff, SeqCutoffPolicy,
 };
+pub use progress::FlushStatus;
 pub use stats::{BlockStats, ErrorStats, RequestStats, Stats, Usage};
 
 use std::fmt;
@@ -227,6 +231,8 @@ pub enum EngineError {
     CoreInactive(CoreId),
     #[error("the cache is stopped")]
     Stopped,
+    #[error("the flush was interrupted; the lines not yet written stay dirty")]
+    FlushInterrupted,
     #[error("{0}")]
     Invalid(String),
 }

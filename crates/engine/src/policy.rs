@@ -267,6 +267,23 @@ impl CleaningConfig {
         }
         Ok(())
     }
+
+    /// The preset these settings are, if any: its policy is selected and its tunables hold the
+    /// preset's values. Derived rather than stored, so a preset set by name reads back by name
+    /// (also after a load) and stops doing so once one of its tunables is changed.
+    pub fn preset(&self) -> Option<&'static str> {
+        CLEANING_PRESETS.into_iter().find(|name| {
+            let mut c = *self;
+            c.apply_preset(name).is_ok() && c == *self
+        })
+    }
+
+    /// What `-G -n cleaning`, `-L` and `-P` show: the preset's name, or the policy's.
+    pub fn policy_name(&self) -> String {
+        self.preset()
+            .map(str::to_string)
+            .unwrap_or_else(|| self.policy.to_string())
+    }
 }
 
 /// Sequential cutoff policy (domain.md §5).
@@ -713,6 +730,26 @@ mod tests {
             trigger_pct: 100,
         };
         assert_eq!(Promotion::unpack(p.pack()), p);
+    }
+
+    #[test]
+    fn presets_read_back_by_name_until_a_tunable_changes() {
+        let mut c = CleaningConfig::default();
+        assert_eq!(c.policy_name(), "alru");
+        for name in CLEANING_PRESETS {
+            c.apply_preset(name).unwrap();
+            assert_eq!(c.policy_name(), name);
+        }
+        c.apply_preset("alru-very-aggressive").unwrap();
+        c.alru.staleness_time_s = 2;
+        assert_eq!(c.policy_name(), "alru");
+        // The acp preset's tunables survive a switch to alru and back.
+        c.apply_preset("acp-very-aggressive").unwrap();
+        c.policy = CleaningPolicy::Alru;
+        c.policy = CleaningPolicy::Acp;
+        assert_eq!(c.policy_name(), "acp-very-aggressive");
+        c.policy = CleaningPolicy::Nop;
+        assert_eq!(c.policy_name(), "nop");
     }
 
     #[test]
