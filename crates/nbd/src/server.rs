@@ -764,7 +764,7 @@ fn run_connection<R: Read + Send, W: Write + Send>(
         let writer = bw.into_inner().map_err(|e| e.into_error())?;
         if let Outcome::Transmission(n) = outcome {
             enter_transmission()?;
-            transmission::run(
+            let stalled = transmission::run(
                 reader,
                 writer,
                 &n,
@@ -772,6 +772,15 @@ fn run_connection<R: Read + Send, W: Write + Send>(
                 &inner.memory,
                 on_fatal,
             );
+            if stalled {
+                tracing::info!(
+                    peer = %peer,
+                    export = n.entry.name.as_str(),
+                    "NBD client dropped: stalled mid-request or left a reply unread for {:?} \
+                     (stall_timeout)",
+                    inner.config.stall_timeout.unwrap_or_default()
+                );
+            }
         }
         Ok(())
     })();

@@ -344,6 +344,9 @@ pub(crate) struct Conn<'a, R, W> {
     /// Request observer hook (tracing) and this connection's id for it.
     observer: &'a ObserverSlot,
     conn_id: u64,
+    /// The connection was dropped because the client stalled mid-request or did not take a
+    /// reply within the socket's timeout.
+    stalled: std::sync::atomic::AtomicBool,
     /// Time of the last socket read, while observed (requests found already buffered arrived
     /// with it). Only touched under the reader lock.
     last_fill: Mutex<Option<Instant>>,
@@ -351,7 +354,8 @@ pub(crate) struct Conn<'a, R, W> {
 
 /// Serves requests until the client disconnects or the transport fails.
 /// `on_fatal` must unblock a thread stuck reading the transport (e.g. shut
-/// the socket down); it is called when a reply cannot be written.
+/// the socket down); it is called when a reply cannot be written. True if
+/// the connection ended because the client stalled (a socket timeout).
 pub(crate) fn run<R: Read + Send, W: Write + Send>(
     reader: BufReader<R>,
     writer: W,
@@ -359,7 +363,7 @@ pub(crate) fn run<R: Read + Send, W: Write + Send>(
     workers: usize,
     mem: &Memory,
     on_fatal: &(dyn Fn() + Sync),
-) {
+) -> bool {
     let conn = Conn {
         reader: Mutex::new(reader),
         writer: Mutex::new(writer),
@@ -383,6 +387,7 @@ pub(crate) fn run<R: Read + Send, W: Write + Send>(
         observer: &n.entry.observer,
         conn_id: observe::next_connection_id(),
         last_fill: Mutex::new(None),
+        stalled: Default::default(),
     };
     let workers = workers.max(1);
     std::thread::scope(|s| {
@@ -398,6 +403,7 @@ pub(crate) fn run<R: Read + Send, W: Write + Send>(
         }
         conn.worker_loop();
     });
+    conn.stalled.load(Ordering::Relaxed)
 }
 
 fn read_exact_or_eof<R: Read>(r: &mut R, buf: &mut [u8]) -> io::Result<bool> {
@@ -466,8 +472,8 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
                     let _ = self.flush_pending();
                     return;
                 }
-                Err(_) => {
-                    self.fail();
+                Err(e) => {
+                    self.fail_with(&e);
                     return;
                 }
             };
@@ -483,8 +489,8 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
                 res
             };
             bufs.finish();
-            if res.is_err() {
-                self.fail();
+            if let Err(e) = res {
+                self.fail_with(&e);
                 return;
             }
         }
@@ -618,6 +624,14 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
     fn fail(&self) {
         self.close();
         (self.on_fatal)();
+    }
+
+    /// As `fail`, remembering whether the client was dropped for stalling (a socket timeout).
+    fn fail_with(&self, e: &io::Error) {
+        if is_timeout(e) {
+            self.stalled.store(true, Ordering::Relaxed);
+        }
+        self.fail();
     }
 
     // ---- reading ------------------------------------------------------------

@@ -677,16 +677,20 @@ fn handshake_deadline_drops_a_trickling_client() {
 /// and the budget its payload held is given back; an idle client is not.
 #[test]
 fn stalled_write_payload_is_dropped_and_releases_budget() {
+    log();
     let t = start_with(
-        &[("s", MemExport::new(8 * MIB).arc() as Arc<dyn Export>)],
+        &[(
+            "stall-export",
+            MemExport::new(8 * MIB).arc() as Arc<dyn Export>,
+        )],
         ServerConfig {
             stall_timeout: Some(Duration::from_millis(300)),
             ..Default::default()
         },
     );
-    let mut idle = Client::connect_unix(&t.sock, "s").unwrap();
+    let mut idle = Client::connect_unix(&t.sock, "stall-export").unwrap();
     let mut raw = Raw::connect(&t.sock);
-    raw.go("s", &[]).unwrap();
+    raw.go("stall-export", &[]).unwrap();
     raw.request(CMD_WRITE, 0, 1, 0, 4 << 20);
     raw.s.write_all(&vec![5u8; 3 << 20]).unwrap();
     let deadline = Instant::now() + Duration::from_secs(2);
@@ -695,6 +699,9 @@ fn stalled_write_payload_is_dropped_and_releases_budget() {
         std::thread::sleep(Duration::from_millis(5));
     }
     assert!(raw.closed_by_server());
+    assert!(wait_for_log(|l| l.contains("NBD client dropped: stalled")
+        && l.contains("stall-export")
+        && l.contains("unix uid")));
     let deadline = Instant::now() + Duration::from_secs(2);
     while t.server.inflight_bytes().0 != 0 {
         assert!(Instant::now() < deadline, "budget not released");
