@@ -34,9 +34,10 @@
 //!   reading from an inline request that is still running after ~0.5 ms. So
 //!   up to `workers_per_connection` requests per connection are in flight and
 //!   replies go out in completion order, written whole (header + payload in
-//!   one buffer), batched when several are ready. Buffers are per worker and
-//!   reused. With `workers_per_connection = 1` requests run strictly one at
-//!   a time.
+//!   one buffer, or a piece at a time for reads over 1 MiB), batched when
+//!   several are ready. Request buffers come from a server-wide pool and are
+//!   charged to the in-flight budget. With `workers_per_connection = 1`
+//!   requests run strictly one at a time.
 //! - *Multi-conn.* `NBD_FLAG_CAN_MULTI_CONN` is advertised only when the
 //!   export's [`Capabilities::can_multi_conn`] says so; all other
 //!   transmission flags likewise come from [`Capabilities`].
