@@ -1,7 +1,7 @@
 # hybridcache: the two commands a new machine needs are `make demo` and `make test`.
 SHELL := /bin/bash
 CARGO ?= cargo
-DEB_PACKAGES := fio nbdkit libnbd-bin qemu-utils fuse3 python3-libnbd prometheus
+DEB_PACKAGES := fio nbdkit libnbd-bin qemu-utils fuse3 python3-libnbd prometheus tmux
 STAMP := target/.deps-installed
 
 .PHONY: all build deps test test-rust lint fmt bench demo clean

@@ -366,6 +366,9 @@ pub enum Command {
 
     /// Benchmarks: fio over a matrix (run), the emulated RAID's calibration (calibration).
     Bench(crate::bench::BenchArgs),
+
+    /// A live view of the caches: IOPS, MB/s, hit ratio, dirty %, cleaning, latency (q quits).
+    Top(crate::top::TopArgs),
 }
 
 impl Command {
@@ -379,6 +382,7 @@ impl Command {
             | Command::IoClass { .. }
             | Command::Trace(_)
             | Command::Serve(_)
+            | Command::Top(_)
             | Command::Bench(_) => return None,
             Command::StartCache {
                 device,

@@ -848,6 +848,7 @@ mod tests {
                     p9999_us: None,
                 },
             ],
+            cleaning: None,
         }
     }
 

@@ -15,6 +15,7 @@ mod flush;
 mod format;
 mod report_charts;
 mod serve;
+mod top;
 mod trace;
 
 // The daemon and its control protocol live in crates/daemon; the CLI is one of its clients.
@@ -131,6 +132,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Serve(args) => return serve::run(args),
         Command::FlushCache { id, core } => return flush::run(&control, *id, *core),
+        Command::Top(args) => return top::run(args, &control),
         Command::Trace(args) => return trace::run_cli(args, &control),
         Command::Version => {
             println!("hybridcache CLI {}", env!("CARGO_PKG_VERSION"));

@@ -994,6 +994,7 @@ impl Daemon {
                 io_class: class,
                 stats: stats.into(),
                 latency: Vec::new(),
+                cleaning: None,
             })
             .map_err(|e| e.to_string());
         }
@@ -1020,6 +1021,14 @@ impl Daemon {
             io_class: None,
             stats: stats.into(),
             latency: protocol::LatencyRow::rows(&latency),
+            cleaning: core.is_none().then(|| {
+                let c = c.cache.cleaning_stats();
+                protocol::CleaningData {
+                    cleaned_lines: c.cleaned_lines,
+                    core_writes: c.core_writes,
+                    core_write_bytes: c.core_write_bytes,
+                }
+            }),
         })
         .map_err(|e| e.to_string())
     }

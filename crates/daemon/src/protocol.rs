@@ -247,6 +247,17 @@ pub struct StatsReport {
     /// Request latency percentiles (none for IO class statistics).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub latency: Vec<LatencyRow>,
+    /// What cleaning and flushes have written (cache statistics only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cleaning: Option<CleaningData>,
+}
+
+/// Counters of the cache's cleaning (background cleaning and flushes together).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CleaningData {
+    pub cleaned_lines: u64,
+    pub core_writes: u64,
+    pub core_write_bytes: u64,
 }
 
 /// Latency of one kind of request, in microseconds (percentiles are bucket upper bounds, within

@@ -119,6 +119,9 @@ pub(crate) struct CoreGauges {
     dirty_since_ms: AtomicU64,
     /// Dirty lines per 100 MiB chunk of the core, for acp. Sized when the core is attached.
     pub(crate) chunks: RwLock<Box<[std::sync::atomic::AtomicU32]>>,
+    /// The core's device failed a write or a flush, and no flush has succeeded since: commits
+    /// record its lines dirty (persist.rs) and background cleaning passes it by.
+    pub(crate) failing: AtomicBool,
 }
 
 impl CoreGauges {
@@ -182,6 +185,8 @@ pub(crate) struct CoreState {
     /// Requests in progress, per thread slot; removal waits for these to drain.
     in_flight: Box<[InFlight]>,
     pub(crate) seq: SeqState,
+    /// Writes reached the device since its last flush: the next commit flushes it.
+    pub(crate) unflushed: AtomicBool,
     pub(crate) latency: Latency,
 }
 
@@ -624,15 +629,20 @@ impl CacheInner {
                 if picked.len() >= want {
                     break;
                 }
-                picked.push(line);
+                // A failing core's lines cannot be cleaned; room must come from the others.
+                if !self.of_failing_core(line) {
+                    picked.push(line);
+                }
                 cur = self.lists.next(line);
             }
             if picked.len() >= want {
                 break;
             }
         }
-        // A client waits for this room: not paced.
-        self.clean_lines(picked, FLUSH_BUFFERS as usize, false)?;
+        // A client waits for this room: not paced. A core whose lines fail to clean has the
+        // error counted on it and is marked failing; the room then has to come from the other
+        // cores' lines, or this write goes around the cache, never failing for that core.
+        let _ = self.clean_lines(picked, FLUSH_BUFFERS as usize, false);
         if self.persist.is_some() {
             // Cleaned lines (and lines in limbo) become reusable once the device records them.
             self.commit()?;
@@ -1081,6 +1091,7 @@ impl CacheInner {
             core.volume
                 .discard(offset + done, n)
                 .inspect_err(|_| core.counters.add(Counter::CoreWriteErrors, 1))?;
+            core.unflushed.store(true, Ordering::SeqCst);
             done += n;
         }
         Ok(())
@@ -1102,7 +1113,9 @@ impl CacheInner {
 
     fn flush_request(&self, core: &CoreState) -> Result<()> {
         let _entered = core.enter()?;
-        self.commit()
+        self.commit()?;
+        // A commit passes a failing core by: this core's own flush must still say so.
+        self.retry_failing_core(core)
     }
 
     // ---- device IO with accounting --------------------------------------------------------
@@ -1127,7 +1140,15 @@ impl CacheInner {
         for r in runs {
             core.volume
                 .write_at(&buf[r.buf_off..r.buf_off + r.len], r.dev_off)
-                .inspect_err(|_| core.counters.add(Counter::CoreWriteErrors, 1))?;
+                .inspect_err(|_| {
+                    core.counters.add(Counter::CoreWriteErrors, 1);
+                    self.gauges[core.id as usize]
+                        .failing
+                        .store(true, Ordering::SeqCst);
+                })?;
+            // Before the caller can mark anything clean: a commit that sees the line clean
+            // then sees this too, and flushes the core.
+            core.unflushed.store(true, Ordering::SeqCst);
             core.counters.add(Counter::CoreWrittenBytes, r.len as u64);
         }
         Ok(())
@@ -1255,6 +1276,9 @@ impl CacheInner {
     /// A core's state; its acp chunk counters are sized (and counted) here too.
     fn new_core_state(&self, id: CoreId, volume: VolumeRef, seq: SeqCutoff) -> Arc<CoreState> {
         self.rebuild_chunks(id, volume.size());
+        self.gauges[id as usize]
+            .failing
+            .store(false, Ordering::SeqCst);
         Arc::new(CoreState {
             id,
             size: volume.size(),
@@ -1264,6 +1288,7 @@ impl CacheInner {
             stopped: AtomicBool::new(false),
             in_flight: (0..SLOTS).map(|_| InFlight(AtomicU64::new(0))).collect(),
             seq: SeqState::new(seq),
+            unflushed: AtomicBool::new(false),
             latency: Latency::new(),
         })
     }
@@ -1370,7 +1395,7 @@ impl Cache {
     pub fn create(cache_volume: VolumeRef, config: CacheConfig, force: bool) -> Result<Cache> {
         let slots = persist::read_config(&*cache_volume)?;
         if !force {
-            if let Some((_, sb)) = persist::newest(&slots) {
+            if let Some((_, sb, _)) = persist::newest(&slots) {
                 return Err(EngineError::ExistingCache {
                     id: sb.cache_id,
                     uuid: sb.uuid.clone(),
@@ -1427,7 +1452,7 @@ impl Cache {
         open_core: &mut dyn FnMut(&CoreRecord) -> Option<VolumeRef>,
     ) -> Result<Cache> {
         let slots = persist::read_config(&*cache_volume)?;
-        let Some((sb_seq, sb)) = persist::newest(&slots) else {
+        let Some((sb_seq, sb, version)) = persist::newest(&slots) else {
             let damaged: Vec<String> = slots
                 .iter()
                 .zip(["A (offset 0)", "B (offset 1 MiB)"])
@@ -1519,7 +1544,13 @@ impl Cache {
             recorded.data_offset,
             Some(persist),
         );
-        persist::restore(&mut inner, &*cache_volume, &sb, line_size.sectors())?;
+        persist::restore(
+            &mut inner,
+            &*cache_volume,
+            &sb,
+            line_size.sectors(),
+            version,
+        )?;
         let p = inner
             .persist
             .as_ref()
@@ -1547,7 +1578,12 @@ impl Cache {
         }
         *inner.inactive.write() = inactive;
         // From here on the device changes: a crash must be recovered as a crash.
-        p.update_superblock(&*inner.volume, |sb| sb.clean_shutdown = false)?;
+        p.record_loaded_state(&*inner.volume)?;
+        // Both slots: an older superblock left with the clean-stop mark would make a load that
+        // falls back to it (the newer damaged) trust clean lines written over since.
+        for _ in 0..2 {
+            p.update_superblock(&*inner.volume, |sb| sb.clean_shutdown = false)?;
+        }
         Ok(Cache::started(inner))
     }
 
@@ -1555,7 +1591,7 @@ impl Cache {
     /// anything: what `casadm` shows before deciding to load.
     pub fn peek(cache_volume: &dyn Volume) -> Result<Superblock> {
         let slots = persist::read_config(cache_volume)?;
-        if let Some((_, sb)) = persist::newest(&slots) {
+        if let Some((_, sb, _)) = persist::newest(&slots) {
             return Ok(sb.clone());
         }
         Err(

@@ -299,6 +299,7 @@ impl CacheInner {
         }
         // The flush is done when the core has the data durably and, for a persistent cache, the
         // device records the lines clean.
-        self.commit()
+        self.commit()?;
+        self.retry_failing_core(core)
     }
 }

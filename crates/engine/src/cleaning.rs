@@ -296,9 +296,12 @@ impl CacheInner {
                     }
                     if skip > 0 {
                         skip -= 1;
-                    } else {
+                    } else if !self.of_failing_core(line) {
                         picked.push(line);
                         got += 1;
+                    } else {
+                        // Passed by, and by the next pass over this shard too.
+                        taken[shard] += 1;
                     }
                     if Some(line) == end {
                         break;
@@ -342,6 +345,11 @@ impl CacheInner {
         let per_chunk = (ACP_CHUNK_BYTES / self.line_bytes).max(1);
         let mut best: Option<(u64, u64, u16, u64)> = None; // (bucket, dirty, core, chunk)
         let cores: Vec<u16> = self.cores.read().keys().copied().collect();
+        // A failing core's chunks cannot be cleaned; trying them on every run would starve the
+        // other cores.
+        let cores = cores
+            .into_iter()
+            .filter(|&id| !self.gauges[id as usize].failing.load(Ordering::Relaxed));
         for id in cores {
             let chunks = self.gauges[id as usize].chunks.read();
             for (i, c) in chunks.iter().enumerate() {
@@ -381,11 +389,12 @@ impl CacheInner {
         if lines.is_empty() {
             return Ok(0);
         }
-        let cleaned = self.clean_lines(lines, depth, true)?;
-        if cleaned > 0 && self.persist.is_some() {
+        let cleaned = self.clean_lines(lines, depth, true);
+        // Lines of other cores may have been cleaned even when one core failed.
+        if !matches!(cleaned, Ok(0)) && self.persist.is_some() {
             // Cleaned lines are reusable only once the device records them clean.
             self.commit()?;
         }
-        Ok(cleaned as u64)
+        Ok(cleaned? as u64)
     }
 }

@@ -16,13 +16,24 @@ use crate::meta::{Key, FREE};
 use crate::{CacheMode, CoreId, SECTOR};
 
 pub(crate) const MAGIC: &[u8; 8] = b"HYBRIDC\0";
-pub(crate) const VERSION: u32 = 1;
+/// Version 2 added the commit records; version 1 volumes are still read (and upgraded on load).
+pub(crate) const VERSION: u32 = 2;
+/// The oldest format version this build still loads.
+pub(crate) const OLDEST_VERSION: u32 = 1;
 pub(crate) const CONFIG_SLOT_BYTES: u64 = 1 << 20;
 pub(crate) const META_OFFSET: u64 = 2 * CONFIG_SLOT_BYTES;
 pub(crate) const BLOCK: usize = SECTOR as usize;
 const CONFIG_HEADER: usize = 32;
 const BLOCK_HEADER: usize = 32;
 const BLOCK_MAGIC: u32 = 0x4d43_4248; // "HBCM" little-endian
+const COMMIT_MAGIC: &[u8; 8] = b"HCCOMMIT";
+
+/// Byte offsets of the two commit record slots: the last sector of each config slot. A record
+/// with sequence number `seq` goes to slot `seq % 2`.
+pub(crate) const COMMIT_SLOTS: [u64; 2] = [
+    CONFIG_SLOT_BYTES - BLOCK as u64,
+    2 * CONFIG_SLOT_BYTES - BLOCK as u64,
+];
 
 /// A core as the superblock records it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -138,7 +149,7 @@ pub(crate) fn encode_config(sb: &Superblock, seq: u64) -> Vec<u8> {
     out
 }
 
-fn config_crc(bytes: &[u8]) -> u32 {
+pub(crate) fn config_crc(bytes: &[u8]) -> u32 {
     let crc = crc32c::crc32c(&bytes[0..12]);
     crc32c::crc32c_append(crc, &bytes[16..])
 }
@@ -153,6 +164,8 @@ pub(crate) enum ConfigSlot {
     Valid {
         seq: u64,
         sb: Box<Superblock>,
+        /// The format version the slot was written with.
+        version: u32,
     },
 }
 
@@ -166,9 +179,9 @@ pub(crate) fn decode_config(
         return ConfigSlot::Empty;
     }
     let version = u32::from_le_bytes(head[8..12].try_into().expect("4 bytes"));
-    if version != VERSION {
+    if !(OLDEST_VERSION..=VERSION).contains(&version) {
         return ConfigSlot::Corrupt(format!(
-            "format version {version} is not supported (this build reads version {VERSION})"
+            "format version {version} is not supported (this build reads versions {OLDEST_VERSION} to {VERSION})"
         ));
     }
     let body_len = u32::from_le_bytes(head[24..28].try_into().expect("4 bytes")) as usize;
@@ -197,6 +210,7 @@ pub(crate) fn decode_config(
         Ok(sb) => ConfigSlot::Valid {
             seq,
             sb: Box::new(sb),
+            version,
         },
         Err(e) => ConfigSlot::Corrupt(format!("unreadable superblock: {e}")),
     }
@@ -286,6 +300,77 @@ pub(crate) fn decode_block(
     Ok(seq)
 }
 
+/// The stored checksum of an encoded (or read) metadata block copy.
+pub(crate) fn block_crc(bytes: &[u8]) -> u32 {
+    u32::from_le_bytes(bytes[0..4].try_into().expect("4 bytes"))
+}
+
+/// What one block version adds to a commit's digest. It names the block, its sequence number
+/// and (through the block's checksum) its content, so any other version of the block, older or
+/// written in another place, changes the sum.
+pub(crate) fn digest_term(index: u64, seq: u64, crc: u32) -> u32 {
+    let mut b = [0u8; 20];
+    b[0..8].copy_from_slice(&index.to_le_bytes());
+    b[8..16].copy_from_slice(&seq.to_le_bytes());
+    b[16..20].copy_from_slice(&crc.to_le_bytes());
+    crc32c::crc32c(&b)
+}
+
+/// A commit record: commit `seq` completed, and the metadata it left has `digest` (the sum of
+/// every block's [`digest_term`] for the version current after that commit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CommitRecord {
+    pub(crate) seq: u64,
+    pub(crate) digest: u64,
+}
+
+pub(crate) fn encode_commit(rec: CommitRecord, nonce: u64, meta_blocks: u64) -> Vec<u8> {
+    let mut out = vec![0u8; BLOCK];
+    out[0..8].copy_from_slice(COMMIT_MAGIC);
+    out[16..24].copy_from_slice(&rec.seq.to_le_bytes());
+    out[24..32].copy_from_slice(&nonce.to_le_bytes());
+    out[32..40].copy_from_slice(&meta_blocks.to_le_bytes());
+    out[40..48].copy_from_slice(&rec.digest.to_le_bytes());
+    let crc = crc32c::crc32c(&out[12..]);
+    out[8..12].copy_from_slice(&crc.to_le_bytes());
+    out
+}
+
+/// What a commit record slot holds.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum CommitSlot {
+    /// No magic: never written for this format version, or wiped.
+    Empty,
+    /// Left by an earlier cache on the same device.
+    Foreign,
+    Corrupt(String),
+    Valid(CommitRecord),
+}
+
+pub(crate) fn decode_commit(bytes: &[u8], nonce: u64, meta_blocks: u64) -> CommitSlot {
+    if &bytes[0..8] != COMMIT_MAGIC {
+        return CommitSlot::Empty;
+    }
+    let stored = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
+    if crc32c::crc32c(&bytes[12..BLOCK]) != stored {
+        return CommitSlot::Corrupt("checksum mismatch".into());
+    }
+    let word = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
+    if word(24) != nonce {
+        return CommitSlot::Foreign;
+    }
+    if word(32) != meta_blocks {
+        return CommitSlot::Corrupt(format!(
+            "records {} metadata blocks, the superblock {meta_blocks}",
+            word(32)
+        ));
+    }
+    CommitSlot::Valid(CommitRecord {
+        seq: word(16),
+        digest: word(40),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -328,5 +413,23 @@ mod tests {
         assert_eq!(bad(&buf, 9, 41), Err(BlockError::ForeignNonce));
         buf[100] ^= 1;
         assert_eq!(bad(&buf, 9, 42), Err(BlockError::Checksum));
+    }
+
+    #[test]
+    fn commit_records_round_trip_and_detect_damage() {
+        let rec = CommitRecord {
+            seq: 17,
+            digest: 0x1234_5678_9abc,
+        };
+        let mut buf = encode_commit(rec, 42, 3);
+        assert_eq!(decode_commit(&buf, 42, 3), CommitSlot::Valid(rec));
+        assert_eq!(decode_commit(&buf, 41, 3), CommitSlot::Foreign);
+        assert!(matches!(decode_commit(&buf, 42, 4), CommitSlot::Corrupt(_)));
+        buf[45] ^= 4;
+        assert!(matches!(decode_commit(&buf, 42, 3), CommitSlot::Corrupt(_)));
+        assert_eq!(decode_commit(&[0u8; BLOCK], 42, 3), CommitSlot::Empty);
+        assert_ne!(digest_term(1, 5, 7), digest_term(1, 4, 7));
+        assert_ne!(digest_term(1, 5, 7), digest_term(2, 5, 7));
+        assert_ne!(digest_term(1, 5, 7), digest_term(1, 5, 8));
     }
 }

@@ -3,7 +3,8 @@
 //! For every cache line: its key (which core line it holds), a hash-chain link, and two sector
 //! masks (valid, dirty). The lookup table is a bucket array of chain heads with four buckets per nine
 //! lines. Together with the two list links in `lists.rs` and persistence's bit per line, that is,
-//! for 4 KiB lines, 8 + 4 + 1.8 + 1 + 1 + 8 + 0.1 = 23.9 bytes per line.
+//! for 4 KiB lines, 8 + 4 + 1.8 + 1 + 1 + 8 + 0.2 = 24.0 bytes per line (the 0.2 includes the
+//! commit digest's 4 bytes per metadata block).
 //!
 //! Fields are atomics only so that safe Rust can share them between threads; their consistency
 //! comes from the striped locks (`locks.rs`): whoever changes a mapped line holds the stripe of

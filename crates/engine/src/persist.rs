@@ -3,10 +3,14 @@
 //! The contract is a disk's with a volatile write cache: writes acknowledged before a completed
 //! flush (or a FUA write) survive a crash; later ones may or may not. A commit makes that true:
 //! 1. snapshot the metadata blocks whose lines changed since the last commit;
-//! 2. flush the cache volume and every core, so all data the snapshot refers to is durable
-//!    (including core writes of lines the snapshot calls clean);
+//! 2. flush the cache volume and the cores written since their last flush, so all data the
+//!    snapshot refers to is durable (including core writes of lines the snapshot calls clean);
+//!    a core whose flush fails is marked failing and the snapshot is taken again, recording its
+//!    lines dirty, so that one core's failure never fails a commit;
 //! 3. write each block to the slot that does not hold its last committed copy;
-//! 4. flush the cache volume.
+//! 4. flush the cache volume;
+//! 5. write the commit record (sequence number and digest of the metadata), flush again: only
+//!    now has the commit completed, and a load insists on finding what it recorded.
 //!
 //! Two rules keep a crash from ever serving another address's data:
 //! - a line the device may record as dirty ("durably dirty") is never reused for another core
@@ -17,17 +21,20 @@
 //!   After a clean stop everything was committed and clean lines are kept too.
 
 use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::sync::Arc;
 
-use hybridcache_volume::{Volume, VolumeRef};
+use hybridcache_volume::Volume;
 use parking_lot::Mutex;
 
 use crate::bits::Mask;
-use crate::cache::CacheInner;
+use crate::cache::{CacheInner, CoreState};
 use crate::format::{
-    decode_block, decode_config, encode_block, encode_config, BlockError, ConfigSlot, Entry,
-    Geometry, Superblock, BLOCK, CONFIG_SLOT_BYTES,
+    block_crc, decode_block, decode_commit, decode_config, digest_term, encode_block,
+    encode_commit, encode_config, BlockError, CommitRecord, CommitSlot, ConfigSlot, Entry,
+    Geometry, Superblock, BLOCK, COMMIT_SLOTS, CONFIG_SLOT_BYTES,
 };
 use crate::lists::ListKind;
+use crate::stats::Counter;
 use crate::CoreId;
 use crate::{EngineError, Result};
 
@@ -83,8 +90,13 @@ pub(crate) struct Persist {
 }
 
 struct PersistState {
-    /// Sequence of the last metadata commit.
+    /// Sequence of the last metadata commit (completed or failed: a failed one's number is
+    /// never reused, so two versions of a block never share a sequence number).
     seq: u64,
+    /// Per block, its term in the digest of the metadata as last recorded complete.
+    terms: Vec<u32>,
+    /// Sum of `terms`: what the next commit record's digest starts from.
+    digest: u64,
     /// Sequence of the last superblock write; its parity picks the config slot.
     sb_seq: u64,
     sb: Superblock,
@@ -131,12 +143,33 @@ impl Persist {
             changed: Bits::new(geometry.meta_blocks),
             slot: Bits::new(geometry.meta_blocks),
             durable_dirty: Bits::new(geometry.lines as u64),
-            state: Mutex::new(PersistState { seq, sb_seq, sb }),
+            state: Mutex::new(PersistState {
+                seq,
+                terms: vec![0; geometry.meta_blocks as usize],
+                digest: 0,
+                sb_seq,
+                sb,
+            }),
         }
     }
 
     pub(crate) fn bytes(&self) -> u64 {
-        self.changed.bytes() + self.slot.bytes() + self.durable_dirty.bytes()
+        self.changed.bytes()
+            + self.slot.bytes()
+            + self.durable_dirty.bytes()
+            + self.geometry.meta_blocks * 4
+    }
+
+    /// Write a commit record for the state a load found (its newest block versions), so that
+    /// versions of a commit that never completed become the committed ones before anything
+    /// overwrites their older copies.
+    pub(crate) fn record_loaded_state(&self, volume: &dyn Volume) -> Result<()> {
+        let st = self.state.lock();
+        let rec = CommitRecord {
+            seq: st.seq,
+            digest: st.digest,
+        };
+        write_commit(volume, rec, self.nonce, self.geometry.meta_blocks)
     }
 
     /// Note that `line`'s state changed. Called after the change.
@@ -176,9 +209,24 @@ impl Persist {
     }
 }
 
+/// Write commit record `rec` to its slot (`seq % 2`) and flush. One sector: a device writes
+/// it whole or not at all, so a torn record write leaves the previous record in the other slot.
+fn write_commit(
+    volume: &dyn Volume,
+    rec: CommitRecord,
+    nonce: u64,
+    meta_blocks: u64,
+) -> Result<()> {
+    let bytes = encode_commit(rec, nonce, meta_blocks);
+    volume.write_at(&bytes, COMMIT_SLOTS[(rec.seq % 2) as usize])?;
+    volume.flush()?;
+    Ok(())
+}
+
 fn write_config(volume: &dyn Volume, sb: &Superblock, seq: u64) -> Result<()> {
     let bytes = encode_config(sb, seq);
-    if bytes.len() as u64 > CONFIG_SLOT_BYTES {
+    // The last sector of each slot holds a commit record.
+    if bytes.len() as u64 > CONFIG_SLOT_BYTES - BLOCK as u64 {
         return Err(EngineError::Invalid(
             "the superblock outgrew its 1 MiB slot (too many cores?)".into(),
         ));
@@ -207,34 +255,111 @@ pub(crate) fn read_config(volume: &dyn Volume) -> Result<[ConfigSlot; 2]> {
     Ok(out)
 }
 
-/// The newest valid superblock, with its sequence number.
-pub(crate) fn newest(slots: &[ConfigSlot; 2]) -> Option<(u64, &Superblock)> {
+/// The newest valid superblock, with its sequence number and format version.
+pub(crate) fn newest(slots: &[ConfigSlot; 2]) -> Option<(u64, &Superblock, u32)> {
     slots
         .iter()
         .filter_map(|s| match s {
-            ConfigSlot::Valid { seq, sb } => Some((*seq, &**sb)),
+            ConfigSlot::Valid { seq, sb, version } => Some((*seq, &**sb, *version)),
             _ => None,
         })
-        .max_by_key(|(seq, _)| *seq)
+        .max_by_key(|(seq, _, _)| *seq)
+}
+
+/// How one attempt at a commit ended.
+enum Attempt {
+    Done,
+    /// A core's flush failed for the first time after the snapshot was taken, which may call
+    /// lines of that core clean on the strength of writes that are not durable: snapshot again.
+    Retry,
 }
 
 impl CacheInner {
     /// Make everything acknowledged so far durable (see the module doc). Without persistence it
-    /// only flushes the devices.
+    /// only flushes the devices. Fails only when the cache volume fails: a core whose flush
+    /// fails has the error counted on it and its lines recorded dirty, so that it cannot keep
+    /// the other cores' writes from becoming durable.
     pub(crate) fn commit(&self) -> Result<()> {
-        let cores: Vec<VolumeRef> = self
-            .cores
-            .read()
-            .values()
-            .map(|c| c.volume.clone())
-            .collect();
         let Some(p) = &self.persist else {
             self.volume.flush()?;
-            for c in cores {
-                c.flush()?;
-            }
+            self.flush_cores();
             return Ok(());
         };
+        // Each retry follows a core newly marked failing, so there are at most as many as cores.
+        while let Attempt::Retry = self.commit_once(p)? {}
+        Ok(())
+    }
+
+    /// Whether `line` holds data of a core whose device is failing (a hint: no lock is taken).
+    pub(crate) fn of_failing_core(&self, line: u32) -> bool {
+        self.table.key(line).is_some_and(|k| {
+            self.gauges[k.core() as usize]
+                .failing
+                .load(Ordering::Relaxed)
+        })
+    }
+
+    /// Flush the cores that took writes since their last flush, and the failing ones (to learn
+    /// whether they came back). Returns whether a core failed that was not failing before.
+    fn flush_cores(&self) -> bool {
+        let cores: Vec<Arc<CoreState>> = self.cores.read().values().cloned().collect();
+        let mut newly_failing = false;
+        for c in cores {
+            let failing = &self.gauges[c.id as usize].failing;
+            let was_failing = failing.load(Ordering::SeqCst);
+            if !c.unflushed.swap(false, Ordering::SeqCst) && !was_failing {
+                continue;
+            }
+            match c.volume.flush() {
+                Ok(()) => {
+                    if was_failing {
+                        self.core_recovered(c.id);
+                    }
+                }
+                Err(_) => {
+                    c.unflushed.store(true, Ordering::SeqCst);
+                    c.counters.add(Counter::CoreWriteErrors, 1);
+                    if !was_failing {
+                        failing.store(true, Ordering::SeqCst);
+                        newly_failing = true;
+                    }
+                }
+            }
+        }
+        newly_failing
+    }
+
+    /// A failing core's flush succeeded: commits may record its lines as they are again. Its
+    /// blocks are rewritten at the next commit, or lines recorded dirty while it failed would
+    /// stay dirty on the device (and not reusable) until something else changed their block.
+    fn core_recovered(&self, id: CoreId) {
+        self.gauges[id as usize]
+            .failing
+            .store(false, Ordering::SeqCst);
+        if let Some(p) = &self.persist {
+            for line in 0..self.lines {
+                if self.table.key(line).is_some_and(|k| k.core() == id) {
+                    p.touch(line);
+                }
+            }
+        }
+    }
+
+    /// After a commit: if `core` is failing, its acknowledged writes are not known durable, and
+    /// a flush on it must fail, unless its device flushes now.
+    pub(crate) fn retry_failing_core(&self, core: &CoreState) -> Result<()> {
+        if !self.gauges[core.id as usize].failing.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        core.volume
+            .flush()
+            .inspect_err(|_| core.counters.add(Counter::CoreWriteErrors, 1))?;
+        // Everything written to it before this flush is durable now.
+        self.core_recovered(core.id);
+        Ok(())
+    }
+
+    fn commit_once(&self, p: &Persist) -> Result<Attempt> {
         let mut st = p.state.lock();
         let blocks = p.changed.take_all();
         let epb = p.geometry.entries_per_block as u64;
@@ -270,13 +395,25 @@ impl CacheInner {
             );
             dirty_lines.push(dirty);
         }
-        let result = (|| -> Result<()> {
+        // The record's digest: the last one with these blocks' terms replaced.
+        let terms: Vec<u32> = blocks
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| digest_term(b, seq, block_crc(&buf[i * BLOCK..])))
+            .collect();
+        let mut digest = st.digest;
+        for (&b, &t) in blocks.iter().zip(&terms) {
+            digest = digest
+                .wrapping_sub(st.terms[b as usize] as u64)
+                .wrapping_add(t as u64);
+        }
+        let result = (|| -> Result<Attempt> {
             self.volume.flush()?;
-            for c in &cores {
-                c.flush()?;
+            if self.flush_cores() {
+                return Ok(Attempt::Retry);
             }
             if blocks.is_empty() {
-                return Ok(());
+                return Ok(Attempt::Done);
             }
             for (i, &b) in blocks.iter().enumerate() {
                 let slot = !p.slot.get(b) as u32;
@@ -286,16 +423,30 @@ impl CacheInner {
                 )?;
             }
             self.volume.flush()?;
-            Ok(())
+            // Only now, with every block durable, may the record say the commit completed: a
+            // loader then insists on exactly these versions (docs/format.md).
+            write_commit(
+                &*self.volume,
+                CommitRecord { seq, digest },
+                p.nonce,
+                p.geometry.meta_blocks,
+            )?;
+            Ok(Attempt::Done)
         })();
-        if let Err(e) = result {
+        // A failed commit's number is burnt: its blocks may have reached the device, and the
+        // retry must not give other contents the same sequence number.
+        st.seq = seq;
+        if !matches!(result, Ok(Attempt::Done)) {
             // Nothing is known to be durable: the blocks go back into the next commit.
             for &b in &blocks {
                 p.changed.set(b, true);
             }
-            return Err(e);
+            return result;
         }
-        st.seq = seq;
+        st.digest = digest;
+        for (&b, &t) in blocks.iter().zip(&terms) {
+            st.terms[b as usize] = t;
+        }
         for (i, &b) in blocks.iter().enumerate() {
             p.slot.set(b, !p.slot.get(b));
             for (j, &dirty) in dirty_lines[i].iter().enumerate() {
@@ -306,7 +457,7 @@ impl CacheInner {
         if !blocks.is_empty() {
             self.release_limbo();
         }
-        Ok(())
+        Ok(Attempt::Done)
     }
 
     /// A line's state as it goes on disk: only consistent combinations.
@@ -315,7 +466,17 @@ impl CacheInner {
         let valid = self.table.valid(line);
         // A racing update may show new valid with old dirty bits; dirty data outside valid
         // sectors cannot exist, so it is dropped here.
-        let dirty = self.table.dirty(line) & valid;
+        let mut dirty = self.table.dirty(line) & valid;
+        if key.is_some_and(|k| {
+            self.gauges[k.core() as usize]
+                .failing
+                .load(Ordering::SeqCst)
+        }) {
+            // The core may not hold what cleaning wrote to it (its flush failed): the cache's
+            // copy stays the one to trust. Valid sectors hold the newest data, so this never
+            // serves anything older; the line is only cleaned again later.
+            dirty = valid;
+        }
         match key {
             Some(k) if valid != 0 => Entry {
                 key: Some(k),
@@ -364,6 +525,7 @@ pub(crate) fn format_volume(
     // checksum or carries a foreign nonce, and loses to slot 0 either way).
     const CHUNK_BLOCKS: u64 = 4096;
     let mut buf = vec![0u8; (CHUNK_BLOCKS * 2) as usize * BLOCK];
+    let mut terms = Vec::with_capacity(geometry.meta_blocks as usize);
     for (b, n) in geometry.block_runs(CHUNK_BLOCKS) {
         // Each block's slot 1 is read back first so the chunk write leaves it unchanged.
         let len = (n * 2) as usize * BLOCK;
@@ -388,32 +550,98 @@ pub(crate) fn format_volume(
                 mask_bytes,
                 &entries,
             );
+            terms.push(digest_term(block, 0, block_crc(&buf[at..])));
         }
         volume.write_at(&buf[..len], geometry.slot_offset(b, 0))?;
     }
     volume.flush()?;
-    write_config(volume, sb, 1)?;
-    Ok(Persist::new(
-        geometry,
+    let digest = terms.iter().map(|&t| t as u64).sum();
+    // Commit 0 is the empty metadata; the other record slot may hold a record of an earlier
+    // cache, which its nonce already disowns, but a wiped slot is plainer to read.
+    volume.write_at(&vec![0u8; BLOCK], COMMIT_SLOTS[1])?;
+    write_commit(
+        volume,
+        CommitRecord { seq: 0, digest },
         sb.nonce,
-        mask_bytes,
-        sb.clone(),
-        0,
-        1,
-    ))
+        geometry.meta_blocks,
+    )?;
+    write_config(volume, sb, 1)?;
+    let p = Persist::new(geometry, sb.nonce, mask_bytes, sb.clone(), 0, 1);
+    {
+        let mut st = p.state.lock();
+        st.terms = terms;
+        st.digest = digest;
+    }
+    Ok(p)
+}
+
+/// The last commit that completed, from the two record slots: the valid one with the higher
+/// sequence number. A damaged newest record only makes the loader insist on the commit before;
+/// that commit's block versions are still on the device, since the commit after it wrote only
+/// the other copies.
+fn last_commit(volume: &dyn Volume, nonce: u64, meta_blocks: u64) -> Result<CommitRecord> {
+    let mut found = Vec::with_capacity(2);
+    let mut buf = vec![0u8; BLOCK];
+    for at in COMMIT_SLOTS {
+        volume.read_at(&mut buf, at)?;
+        found.push((at, decode_commit(&buf, nonce, meta_blocks)));
+    }
+    if let Some(rec) = found
+        .iter()
+        .filter_map(|(_, s)| match s {
+            CommitSlot::Valid(r) => Some(*r),
+            _ => None,
+        })
+        .max_by_key(|r| r.seq)
+    {
+        return Ok(rec);
+    }
+    let why: Vec<String> = found
+        .iter()
+        .map(|(at, s)| {
+            let what = match s {
+                CommitSlot::Empty => "empty".to_string(),
+                CommitSlot::Foreign => "belongs to another cache".to_string(),
+                CommitSlot::Corrupt(why) => why.clone(),
+                CommitSlot::Valid(_) => unreachable!("handled above"),
+            };
+            format!("at byte offset {at} {what}")
+        })
+        .collect();
+    Err(EngineError::Corrupt(format!(
+        "no valid commit record, so the last completed commit is unknown: {}",
+        why.join(", ")
+    )))
 }
 
 /// Read and check every metadata block and rebuild `inner`'s lines from them. Nothing is
 /// written. `inner` is fresh (every line free) and not yet shared, so no lock is needed. Fails
 /// with a message saying what is corrupt and where.
+///
+/// From format version 2 on, the commit record names the last commit that completed and the
+/// digest of the block versions it left. Each block must still have that version (its newest
+/// valid copy with a sequence number up to the record's): anything else is damage, and the
+/// load is refused. A newer copy can only come from a commit that never completed; it is
+/// used, as its data was flushed before the block was written.
 pub(crate) fn restore(
     inner: &mut CacheInner,
     volume: &dyn Volume,
     sb: &Superblock,
     line_sectors: u32,
+    version: u32,
 ) -> Result<()> {
     let p = inner.persist.as_ref().expect("restore needs persistence");
     let geometry = p.geometry;
+    let record = if version >= 2 {
+        Some(last_commit(volume, sb.nonce, geometry.meta_blocks)?)
+    } else {
+        None
+    };
+    // The digest of the versions found for the recorded commit, and blocks with a damaged copy
+    // whose other copy might be an older version than that commit left (named on refusal).
+    let mut committed_digest = 0u64;
+    let mut suspects: Vec<String> = Vec::new();
+    let mut terms = vec![0u32; geometry.meta_blocks as usize];
     let mask_bytes = p.mask_bytes;
     let epb = geometry.entries_per_block as u64;
     let crashed = !sb.clean_shutdown;
@@ -462,33 +690,66 @@ pub(crate) fn restore(
                     &mut other_entries,
                 ),
             ];
-            let (slot, seq) = match copies {
-                [Ok(s0), Ok(s1)] if s1 > s0 => {
-                    std::mem::swap(&mut entries, &mut other_entries);
-                    (1, s1)
-                }
-                [Ok(s0), _] => (0, s0),
-                [Err(_), Ok(s1)] => {
-                    std::mem::swap(&mut entries, &mut other_entries);
-                    (1, s1)
-                }
+            let crcs = [block_crc(&buf[at..]), block_crc(&buf[at + BLOCK..])];
+            let why = |e: &BlockError| match e {
+                BlockError::Checksum => "checksum mismatch".to_string(),
+                BlockError::WrongIndex(i) => format!("holds block {i}"),
+                BlockError::ForeignNonce => "belongs to another cache".to_string(),
+            };
+            let lines = format!("lines {}..{}", block * epb, block * epb + count as u64);
+            let (slot, seq) = match &copies {
+                [Ok(s0), Ok(s1)] if s1 > s0 => (1, *s1),
+                [Ok(s0), _] => (0, *s0),
+                [Err(_), Ok(s1)] => (1, *s1),
                 [Err(e0), Err(e1)] => {
-                    let why = |e: &BlockError| match e {
-                        BlockError::Checksum => "checksum mismatch".to_string(),
-                        BlockError::WrongIndex(i) => format!("holds block {i}"),
-                        BlockError::ForeignNonce => "belongs to another cache".to_string(),
-                    };
                     return Err(corrupt(format!(
-                        "metadata block {block} (lines {}..{}) is damaged in both copies: at byte offset {} {}, at byte offset {} {}",
-                        block * epb,
-                        block * epb + count as u64,
+                        "metadata block {block} ({lines}) is damaged in both copies: at byte offset {} {}, at byte offset {} {}",
                         geometry.slot_offset(block, 0),
-                        why(&e0),
+                        why(e0),
                         geometry.slot_offset(block, 1),
-                        why(&e1)
+                        why(e1)
                     )));
                 }
             };
+            if slot == 1 {
+                std::mem::swap(&mut entries, &mut other_entries);
+            }
+            terms[block as usize] = digest_term(block, seq, crcs[slot]);
+            if let Some(rec) = record {
+                // The version the last completed commit left: the newest copy not newer than it.
+                let committed = (0..2)
+                    .filter_map(|c| match copies[c] {
+                        Ok(s) if s <= rec.seq => Some((s, c)),
+                        _ => None,
+                    })
+                    .max();
+                let Some((cseq, c)) = committed else {
+                    let describe = |c: usize| match &copies[c] {
+                        Ok(s) => format!("sequence {s}, from a commit that never completed"),
+                        Err(e) => why(e),
+                    };
+                    return Err(corrupt(format!(
+                        "metadata block {block} ({lines}) has no copy as of the last completed commit {}: at byte offset {} {}, at byte offset {} {}",
+                        rec.seq,
+                        geometry.slot_offset(block, 0),
+                        describe(0),
+                        geometry.slot_offset(block, 1),
+                        describe(1)
+                    )));
+                };
+                committed_digest =
+                    committed_digest.wrapping_add(digest_term(block, cseq, crcs[c]) as u64);
+                if let Some(bad) = (0..2).find(|&c| copies[c].is_err()) {
+                    if let Err(e) = &copies[bad] {
+                        suspects.push(format!(
+                            "block {block} ({lines}): copy at byte offset {} {}, copy at byte offset {} has sequence {cseq}",
+                            geometry.slot_offset(block, bad as u32),
+                            why(e),
+                            geometry.slot_offset(block, 1 - bad as u32),
+                        ));
+                    }
+                }
+            }
             p.slot.set(block, slot == 1);
             block_seq[block as usize] = seq;
             max_seq = max_seq.max(seq);
@@ -564,7 +825,32 @@ pub(crate) fn restore(
             }
         }
     }
-    p.state.lock().seq = max_seq;
+    if let Some(rec) = record {
+        if committed_digest != rec.digest {
+            let found = if suspects.is_empty() {
+                "every block has a valid copy, so one holds an older or misplaced version (a stale or misdirected sector)".to_string()
+            } else {
+                let n = suspects.len();
+                suspects.truncate(8);
+                format!(
+                    "{n} blocks have a damaged copy, and the other copy of at least one is older than that commit: {}",
+                    suspects.join("; ")
+                )
+            };
+            return Err(corrupt(format!(
+                "the metadata does not match the last completed commit {} (commit record in slot {} at byte offset {}): {found}",
+                rec.seq,
+                rec.seq % 2,
+                COMMIT_SLOTS[(rec.seq % 2) as usize]
+            )));
+        }
+    }
+    {
+        let mut st = p.state.lock();
+        st.seq = record.map_or(max_seq, |r| r.seq.max(max_seq));
+        st.digest = terms.iter().map(|&t| t as u64).sum();
+        st.terms = terms;
+    }
     for (id, (occupancy, dirty)) in gauges.into_iter().enumerate() {
         inner.gauges[id]
             .occupancy
@@ -595,7 +881,7 @@ mod tests {
     use crate::meta::Key;
     use crate::{Cache, CacheConfig, CacheMode, LineSize};
 
-    /// A stopped cache whose metadata block 0 is replaced by a well-formed block (right checksum,
+    /// A stopped cache whose metadata block 0 gets a well-formed newer copy (right checksum,
     /// index and nonce, newest sequence) holding `entry` for line 0.
     fn load_with_entry(entry: Entry) -> EngineError {
         let vol = Arc::new(RamVolume::new("cache", (3 << 20) + (64 << 10)).unwrap());
@@ -625,7 +911,10 @@ mod tests {
         ];
         entries[0] = entry;
         encode_block(&mut block, 0, u64::MAX / 2, sb.nonce, 1, &entries);
-        vol.write_at(&block, crate::format::META_OFFSET).unwrap();
+        // In the copy that the last commit did not write: the entries are then read as those
+        // of a commit that never completed, which passes the commit record's check.
+        vol.write_at(&block, crate::format::META_OFFSET + BLOCK as u64)
+            .unwrap();
         Cache::load(vol, &mut |_| Some(core.clone()))
             .err()
             .expect("refused")
@@ -664,5 +953,91 @@ mod tests {
             e.to_string().contains("free line 0 has sector state"),
             "{e}"
         );
+    }
+}
+
+#[cfg(test)]
+mod version_tests {
+    use std::sync::Arc;
+
+    use hybridcache_volume::{RamVolume, Volume, VolumeRef};
+
+    use super::*;
+    use crate::format::{config_crc, COMMIT_SLOTS, VERSION};
+    use crate::{Cache, CacheConfig, CacheMode, LineSize};
+
+    /// A stopped wb cache holding dirty data, with both superblock slots rewritten as format
+    /// `version` (checksums fixed up) and, when `version` is 1, no commit records (version 1
+    /// had none).
+    fn stopped_as_version(version: u32) -> (Arc<RamVolume>, VolumeRef) {
+        let vol = Arc::new(RamVolume::new("cache", (3 << 20) + (64 << 10)).unwrap());
+        let core: VolumeRef = Arc::new(RamVolume::new("core", 1 << 20).unwrap());
+        let cache = Cache::create(
+            vol.clone(),
+            CacheConfig {
+                id: 1,
+                line_size: LineSize::from_kib(4).unwrap(),
+                mode: CacheMode::Wb,
+            },
+            false,
+        )
+        .unwrap();
+        let id = cache.add_core(core.clone(), Some(1)).unwrap();
+        cache.core(id).unwrap().write(&[7u8; 4096], 8192).unwrap();
+        cache.stop(false).unwrap();
+        for slot in 0..2u64 {
+            let mut head = vec![0u8; 4096];
+            vol.read_at(&mut head, slot * CONFIG_SLOT_BYTES).unwrap();
+            let len = 32 + u32::from_le_bytes(head[24..28].try_into().unwrap()) as usize;
+            head[8..12].copy_from_slice(&version.to_le_bytes());
+            let crc = config_crc(&head[..len]);
+            head[12..16].copy_from_slice(&crc.to_le_bytes());
+            vol.write_at(&head, slot * CONFIG_SLOT_BYTES).unwrap();
+        }
+        if version == 1 {
+            for at in COMMIT_SLOTS {
+                vol.write_at(&[0u8; BLOCK], at).unwrap();
+            }
+        }
+        (vol, core)
+    }
+
+    #[test]
+    fn a_version_1_cache_loads_and_is_upgraded() {
+        let (vol, core) = stopped_as_version(1);
+        let cache = Cache::load(vol.clone(), &mut |_| Some(core.clone())).unwrap();
+        let mut buf = vec![0u8; 4096];
+        cache.core(1).unwrap().read(&mut buf, 8192).unwrap();
+        assert!(buf.iter().all(|&b| b == 7), "dirty data came back");
+        // The load wrote a commit record and version-2 superblocks, so it now loads by the
+        // version-2 rules.
+        let slots = read_config(&*vol).unwrap();
+        assert_eq!(newest(&slots).map(|(_, _, v)| v), Some(VERSION));
+        cache.stop(false).unwrap();
+        drop(cache);
+        let cache = Cache::load(vol, &mut |_| Some(core.clone())).unwrap();
+        cache.core(1).unwrap().read(&mut buf, 8192).unwrap();
+        assert!(buf.iter().all(|&b| b == 7));
+    }
+
+    #[test]
+    fn a_newer_version_is_refused_by_name() {
+        let (vol, core) = stopped_as_version(VERSION + 1);
+        let before = {
+            let mut b = vec![0u8; vol.size() as usize];
+            vol.read_at(&mut b, 0).unwrap();
+            b
+        };
+        let e = Cache::load(vol.clone(), &mut |_| Some(core.clone()))
+            .err()
+            .expect("refused");
+        assert!(
+            e.to_string()
+                .contains(&format!("format version {} is not supported", VERSION + 1)),
+            "{e}"
+        );
+        let mut after = vec![0u8; vol.size() as usize];
+        vol.read_at(&mut after, 0).unwrap();
+        assert!(before == after, "a refused load wrote nothing");
     }
 }

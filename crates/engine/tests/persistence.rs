@@ -261,6 +261,66 @@ fn a_metadata_block_damaged_in_both_copies_is_refused() {
     assert!(contents(&*core_vol).iter().all(|&b| b == 0));
 }
 
+/// The byte offset of the copy of metadata block `block` with the higher sequence number.
+fn newest_copy(cache_vol: &RamVolume, block: u64) -> u64 {
+    let c = contents(cache_vol);
+    let at = |copy: u64| (2 << 20) + (block * 2 + copy) * 512;
+    let seq = |copy: u64| {
+        let o = at(copy) as usize;
+        u64::from_le_bytes(c[o + 16..o + 24].try_into().unwrap())
+    };
+    if seq(1) > seq(0) {
+        at(1)
+    } else {
+        at(0)
+    }
+}
+
+/// Issue 13's reproduction: new data written and flushed in wb, `-T -n`, then one bit of the
+/// sequence number of block 0's newest copy flipped. The older copy is valid, and loading it
+/// served the core's old data. The commit record says which version must be found.
+#[test]
+fn damage_to_the_newest_copy_of_a_completed_commit_is_refused_not_rolled_back() {
+    // 16 lines: one metadata block, whichever lines the writes get.
+    let cache_vol = ram("cache", (3 << 20) + 16 * 4096);
+    let core_vol = ram("core", CORE_BYTES);
+    let mut old = vec![0u8; 8 * SECTOR];
+    fill(&mut old, 1, 0);
+    core_vol.write_at(&old, 0).unwrap();
+    let cache = Cache::create(cache_vol.clone(), config(CacheMode::Wb), false).unwrap();
+    cache.add_core(core_vol.clone(), Some(3)).unwrap();
+    // Two commits touching block 0, so that both of its copies are valid versions.
+    write_stamp(&cache, 3, 64, 8, 9);
+    cache.core(3).unwrap().flush().unwrap();
+    write_stamp(&cache, 3, 0, 8, 2);
+    cache.core(3).unwrap().flush().unwrap();
+    cache.stop(false).unwrap();
+    drop(cache);
+    let newest = newest_copy(&cache_vol, 0);
+    flip(&cache_vol, newest + 17);
+    let before = contents(&*cache_vol);
+    let core_before = contents(&*core_vol);
+    let err = reload(&cache_vol, Some(core_vol.clone()))
+        .err()
+        .expect("refused, not rolled back");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("does not match the last completed commit")
+            && msg.contains("block 0 (lines 0..")
+            && msg.contains(&format!("copy at byte offset {newest} checksum mismatch"))
+            && msg.contains("nothing was written"),
+        "{msg}"
+    );
+    assert!(
+        contents(&*cache_vol) == before,
+        "nothing written to the cache"
+    );
+    assert!(
+        contents(&*core_vol) == core_before,
+        "nothing written to the core"
+    );
+}
+
 #[test]
 fn mode_and_cores_survive_restart() {
     let cache_vol = ram("cache", CACHE_BYTES);
