@@ -72,6 +72,33 @@ fn yes_no(s: &str) -> Result<bool, String> {
     }
 }
 
+/// The daemon's NBD limits (docs/cli.md, "Limits"); each overrides the file's `nbd_*` key.
+#[derive(Debug, Clone, clap::Args)]
+pub struct NbdLimitArgs {
+    /// NBD connections in all [default: 256].
+    #[arg(long, value_name = "N")]
+    pub nbd_max_connections: Option<usize>,
+    /// NBD connections per client: a TCP address, or a Unix-socket user [default: 64].
+    #[arg(long, value_name = "N")]
+    pub nbd_max_connections_per_client: Option<usize>,
+    /// NBD connections per export [default: 192].
+    #[arg(long, value_name = "N")]
+    pub nbd_max_connections_per_export: Option<usize>,
+    /// Seconds a client may take to finish the NBD handshake [default: 10].
+    #[arg(long, value_name = "SECONDS")]
+    pub nbd_handshake_timeout: Option<u64>,
+    /// Seconds a client may stall mid-request or leave a reply unread; 0 = never [default: 60].
+    #[arg(long, value_name = "SECONDS")]
+    pub nbd_stall_timeout: Option<u64>,
+    /// Memory the NBD server may hold for connections and requests, e.g. 512M [default: 512M].
+    #[arg(long, value_name = "SIZE", value_parser = size_arg)]
+    pub nbd_memory_limit: Option<u64>,
+}
+
+fn size_arg(s: &str) -> Result<u64, String> {
+    hybridcache_volume::parse_size(s)
+}
+
 // Parsed once per invocation: set-param's many optional flags make one variant large, which
 // costs nothing here, while boxing them would split the flags from the command clap documents.
 #[allow(clippy::large_enum_variant)]
@@ -97,6 +124,8 @@ pub enum Command {
         /// Write every setup change back to the --config file.
         #[arg(long)]
         save_config: bool,
+        #[command(flatten)]
+        nbd_limits: NbdLimitArgs,
     },
 
     /// Start a cache on a device.

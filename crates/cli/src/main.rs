@@ -110,6 +110,7 @@ fn run(cli: Cli) -> Result<()> {
             nbd_workers,
             save_config,
             metrics_listen,
+            nbd_limits,
         } => {
             return daemon::run(daemon::DaemonOptions {
                 config: config.clone(),
@@ -119,6 +120,14 @@ fn run(cli: Cli) -> Result<()> {
                 nbd_workers: *nbd_workers,
                 save_config: *save_config,
                 metrics_listen: metrics_listen.clone(),
+                nbd_limits: daemon::NbdLimits {
+                    max_connections: nbd_limits.nbd_max_connections,
+                    max_connections_per_client: nbd_limits.nbd_max_connections_per_client,
+                    max_connections_per_export: nbd_limits.nbd_max_connections_per_export,
+                    handshake_timeout: nbd_limits.nbd_handshake_timeout,
+                    stall_timeout: nbd_limits.nbd_stall_timeout,
+                    memory_limit: nbd_limits.nbd_memory_limit,
+                },
             })
         }
         Command::Serve(args) => return serve::run(args),

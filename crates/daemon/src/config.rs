@@ -8,6 +8,12 @@
 //! nbd_workers = 4                  # requests in flight per NBD connection
 //! save_config = true               # write setup changes back to this file
 //! metrics_listen = "127.0.0.1:9563" # optional; Prometheus metrics at /metrics
+//! nbd_max_connections = 256        # NBD limits (docs/cli.md, "Limits")
+//! nbd_max_connections_per_client = 64
+//! nbd_max_connections_per_export = 192
+//! nbd_handshake_timeout = 10       # seconds
+//! nbd_stall_timeout = 60           # seconds, 0 = never
+//! nbd_memory_limit = "512M"
 //!
 //! [[cache]]
 //! id = 1
@@ -58,6 +64,22 @@ pub struct DaemonSection {
     /// Prometheus metrics endpoint, `PORT` (loopback) or `ADDRESS:PORT`; off when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metrics_listen: Option<String>,
+    /// NBD limits; absent keys keep the server's defaults (docs/cli.md, "Limits").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbd_max_connections: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbd_max_connections_per_client: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbd_max_connections_per_export: Option<usize>,
+    /// Seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbd_handshake_timeout: Option<u64>,
+    /// Seconds; 0 never drops a stalled client.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbd_stall_timeout: Option<u64>,
+    /// A size such as "512M" or a number of bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbd_memory_limit: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

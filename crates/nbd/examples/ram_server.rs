@@ -101,6 +101,11 @@ fn main() {
     };
     let mib: u64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(1024);
     let workers: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(4);
+    // Refused connections and dropped clients are logged to stderr.
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .init();
     let reg = ExportRegistry::new();
     reg.add_with_description("ram", "RAM disk", Arc::new(Ram::new(mib << 20)))
         .expect("register export");

@@ -75,6 +75,10 @@ pub(crate) struct HandshakeCtx<'a> {
     pub(crate) registry: &'a ExportRegistry,
     pub(crate) max_option_len: u32,
     pub(crate) shutting_down: &'a AtomicBool,
+    /// Counts the connection against the export it is about to enter; false
+    /// if the export has no room (the refusal is already logged). Called only
+    /// when the handshake is certain to enter transmission on success.
+    pub(crate) admit: &'a dyn Fn(&ExportEntry) -> bool,
 }
 
 fn read_exact_or_eof<R: Read>(r: &mut R, buf: &mut [u8]) -> io::Result<bool> {
@@ -192,6 +196,10 @@ pub(crate) fn negotiate<R: Read, W: Write>(
                 let Some(entry) = ctx.registry.lookup(&data) else {
                     return Ok(Outcome::Closed);
                 };
+                // No error reply exists for EXPORT_NAME.
+                if !(ctx.admit)(&entry) {
+                    return Ok(Outcome::Closed);
+                }
                 let n = negotiated(entry, structured, false);
                 out.clear();
                 encode_export_name_reply(&mut out, n.size, n.flags, no_zeroes);
@@ -242,6 +250,16 @@ pub(crate) fn negotiate<R: Read, W: Write>(
                     error_reply(w, &mut out, option, REP_ERR_UNKNOWN, "unknown export")?;
                     continue;
                 };
+                if option == OPT_GO && !(ctx.admit)(&entry) {
+                    error_reply(
+                        w,
+                        &mut out,
+                        option,
+                        REP_ERR_POLICY,
+                        "too many connections to this export",
+                    )?;
+                    continue;
+                }
                 let wants_bs = req.wants(INFO_BLOCK_SIZE);
                 let n = negotiated(entry, structured, wants_bs);
                 let bs = n.entry.block_sizes;

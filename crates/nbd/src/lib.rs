@@ -34,20 +34,26 @@
 //!   reading from an inline request that is still running after ~0.5 ms. So
 //!   up to `workers_per_connection` requests per connection are in flight and
 //!   replies go out in completion order, written whole (header + payload in
-//!   one buffer), batched when several are ready. Buffers are per worker and
-//!   reused. With `workers_per_connection = 1` requests run strictly one at
-//!   a time.
+//!   one buffer, or a piece at a time for reads over 1 MiB), batched when
+//!   several are ready. Request buffers come from a server-wide pool and are
+//!   charged to the in-flight budget. With `workers_per_connection = 1`
+//!   requests run strictly one at a time.
 //! - *Multi-conn.* `NBD_FLAG_CAN_MULTI_CONN` is advertised only when the
 //!   export's [`Capabilities::can_multi_conn`] says so; all other
 //!   transmission flags likewise come from [`Capabilities`].
 //! - *Limits.* Option data over 64 KiB is refused; READ/WRITE over the
 //!   maximum block size get `EINVAL` (a rejected write's payload is read and
 //!   dropped up to 32 MiB, beyond that the connection is closed); malformed
-//!   input closes only the offending connection.
+//!   input closes only the offending connection. Connections are limited in
+//!   all, per client and per export, the handshake has a deadline, a client
+//!   stalled mid-request is dropped, and request memory is bounded by a
+//!   budget with backpressure (see [`ServerConfig`] and memory.rs); refusals
+//!   are logged through `tracing`.
 
 pub mod client;
 mod export;
 mod handshake;
+mod memory;
 mod observe;
 pub mod proto;
 mod registry;

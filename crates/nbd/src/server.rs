@@ -1,8 +1,8 @@
-//! Listeners, per-connection threads and shutdown.
+//! Listeners, per-connection threads, admission limits and shutdown.
 
 use std::collections::HashMap;
 use std::io::{self, BufReader, BufWriter, Read, Write};
-use std::net::{Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -14,10 +14,18 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use crate::handshake::{self, HandshakeCtx, Outcome, DEFAULT_MAX_OPTION_LEN};
-use crate::registry::{ClientGuard, ExportRegistry};
-use crate::transmission;
+use crate::memory::{Memory, PIECE};
+use crate::registry::{ClientGuard, ExportEntry, ExportRegistry};
+use crate::transmission::{self, KEPT_BLOCK, MAX_DEFERRED, MAX_DEFERRED_REPLY};
 
 /// Tunables; `Default` gives the documented defaults.
+///
+/// Limits against clients that hold resources: `max_connections`,
+/// `max_connections_per_client` and `max_connections_per_export` bound the
+/// connections (each refusal is logged with the peer through `tracing`);
+/// `handshake_timeout` and `stall_timeout` drop clients that stop half-way;
+/// `memory_limit` bounds the memory the server itself holds for connections
+/// and requests, whatever clients send (not the exports' own memory).
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     /// Requests executed concurrently per connection (threads per
@@ -25,9 +33,36 @@ pub struct ServerConfig {
     pub workers_per_connection: usize,
     /// Connections beyond this are closed right after `accept`. Default 256.
     pub max_connections: usize,
-    /// A client that sends nothing for this long during the handshake is
-    /// dropped. Default 30 s.
+    /// Connections one client may hold; more are closed right after
+    /// `accept`. A TCP client is its IP address; a Unix-socket client is its
+    /// user id (SO_PEERCRED), so one local user cannot take every slot from
+    /// the others while each user's own processes share one quota.
+    /// Default 64.
+    pub max_connections_per_client: usize,
+    /// Connections one export may have: `NBD_OPT_GO` beyond it gets
+    /// `NBD_REP_ERR_POLICY` (the client may pick another export),
+    /// `NBD_OPT_EXPORT_NAME` a closed connection. Default 192, so clients of
+    /// one export cannot take every slot from the others.
+    pub max_connections_per_export: usize,
+    /// A client that has not finished the handshake (option haggling up to
+    /// `NBD_OPT_GO`) this long after connecting is dropped, however it
+    /// trickles its bytes. Default 10 s.
     pub handshake_timeout: Option<Duration>,
+    /// In transmission, a client that stops for this long in the middle of a
+    /// request (part of a header or write payload sent), or that does not
+    /// take a reply for this long, is dropped and its memory released. Idle
+    /// time between requests is never limited. Default 60 s.
+    pub stall_timeout: Option<Duration>,
+    /// Bound on the memory the server holds for its connections and
+    /// requests: the budget of in-flight request bytes is what remains after
+    /// each of the `max_connections` connections' fixed buffers and thread
+    /// stacks (see [`ServerConfig::inflight_budget`]). Default 512 MiB.
+    pub memory_limit: u64,
+    /// Bytes of request data (write payloads being read or executed, read
+    /// data until its reply has been written) held at once; over it, the
+    /// server stops reading requests until bytes are released. None (the
+    /// default) derives it from `memory_limit`.
+    pub inflight_budget: Option<u64>,
     /// Option data above this is refused (see the handshake module).
     /// Default 64 KiB.
     pub max_option_len: u32,
@@ -41,11 +76,111 @@ impl Default for ServerConfig {
         ServerConfig {
             workers_per_connection: 4,
             max_connections: 256,
-            handshake_timeout: Some(Duration::from_secs(30)),
+            max_connections_per_client: 64,
+            max_connections_per_export: 192,
+            handshake_timeout: Some(Duration::from_secs(10)),
+            stall_timeout: Some(Duration::from_secs(60)),
+            memory_limit: 512 << 20,
+            inflight_budget: None,
             max_option_len: DEFAULT_MAX_OPTION_LEN,
             shutdown_grace: Duration::from_secs(5),
         }
     }
+}
+
+/// Resident memory a thread's stack may reach in this crate's code paths (measured: the
+/// hostile-mix test's 131 connections of 5 threads cost about 0.3 MiB each in all).
+const STACK_RESIDENT: u64 = 32 << 10;
+/// The process's own memory besides connections: code, libraries, allocator.
+const BASE_RESIDENT: u64 = 16 << 20;
+
+impl ServerConfig {
+    /// The most one connection holds outside the budget: its read buffer,
+    /// its queue of small replies (the queue and the batch being written),
+    /// the handshake's option buffer, each worker's stack and the
+    /// read-modify-write block it keeps (up to 4 KiB; an export whose minimum
+    /// block size is larger needs that much per worker during an unaligned
+    /// request).
+    pub fn connection_overhead(&self) -> u64 {
+        let workers = self.workers_per_connection.max(1) as u64;
+        READ_BUFFER as u64
+            + 2 * (MAX_DEFERRED + MAX_DEFERRED_REPLY) as u64
+            + u64::from(self.max_option_len)
+            + STACK_RESIDENT
+            + workers * (STACK_RESIDENT + KEPT_BLOCK as u64)
+    }
+
+    /// Free buffers the pool keeps for reuse (outside the budget).
+    pub fn pool_retain(&self) -> u64 {
+        (self.memory_limit / 16).min(32 << 20)
+    }
+
+    /// The budget of in-flight request bytes: `inflight_budget` if set,
+    /// else `memory_limit` minus the process base, the pool and
+    /// `max_connections` times [`ServerConfig::connection_overhead`], but at
+    /// least 4 pieces (4 MiB), so a limit too small for the connection count
+    /// still serves (slowly) rather than not at all.
+    pub fn effective_budget(&self) -> u64 {
+        self.inflight_budget.unwrap_or_else(|| {
+            let fixed = BASE_RESIDENT
+                + self.pool_retain()
+                + self.max_connections as u64 * self.connection_overhead();
+            self.memory_limit
+                .saturating_sub(fixed)
+                .max(4 * PIECE as u64)
+        })
+    }
+}
+
+/// Who a connection counts against for `max_connections_per_client`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum ClientKey {
+    Ip(IpAddr),
+    Uid(u32),
+    /// Peer unknown (credentials unavailable, or `serve_stream`).
+    Unknown,
+}
+
+/// A connection's client, for limits and log lines.
+#[derive(Debug, Clone)]
+struct Peer {
+    key: ClientKey,
+    /// "tcp 10.0.0.5:41234", "unix uid 1000 pid 4242".
+    desc: String,
+}
+
+impl std::fmt::Display for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.desc)
+    }
+}
+
+/// Connection counts per client and per export name. Touched only when
+/// connections open and close.
+#[derive(Default)]
+struct Admission {
+    per_client: HashMap<ClientKey, usize>,
+    per_export: HashMap<String, usize>,
+}
+
+fn decrement<K: std::hash::Hash + Eq>(m: &mut HashMap<K, usize>, k: &K) {
+    if let Some(c) = m.get_mut(k) {
+        *c -= 1;
+        if *c == 0 {
+            m.remove(k);
+        }
+    }
+}
+
+/// Refusals logged per second at most; a flood of connection attempts must
+/// not become a flood of log lines. The next line logged says how many
+/// were left out.
+const REFUSAL_LOG_PER_SEC: u32 = 20;
+
+struct RefusalLog {
+    window: Instant,
+    in_window: u32,
+    suppressed: u64,
 }
 
 /// An accepted connection of either family.
@@ -55,6 +190,50 @@ enum Sock {
 }
 
 impl Sock {
+    fn peer(&self) -> Peer {
+        match self {
+            Sock::Tcp(s) => match s.peer_addr() {
+                Ok(a) => Peer {
+                    key: ClientKey::Ip(a.ip().to_canonical()),
+                    desc: format!("tcp {a}"),
+                },
+                Err(_) => Peer {
+                    key: ClientKey::Unknown,
+                    desc: "tcp (peer unknown)".into(),
+                },
+            },
+            Sock::Unix(s) => {
+                let mut cred = libc::ucred {
+                    pid: 0,
+                    uid: 0,
+                    gid: 0,
+                };
+                let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+                // SAFETY: getsockopt writes at most `len` bytes into `cred`.
+                let rc = unsafe {
+                    libc::getsockopt(
+                        s.as_raw_fd(),
+                        libc::SOL_SOCKET,
+                        libc::SO_PEERCRED,
+                        (&mut cred as *mut libc::ucred).cast(),
+                        &mut len,
+                    )
+                };
+                if rc == 0 {
+                    Peer {
+                        key: ClientKey::Uid(cred.uid),
+                        desc: format!("unix uid {} pid {}", cred.uid, cred.pid),
+                    }
+                } else {
+                    Peer {
+                        key: ClientKey::Unknown,
+                        desc: "unix (peer unknown)".into(),
+                    }
+                }
+            }
+        }
+    }
+
     fn try_clone(&self) -> io::Result<Sock> {
         Ok(match self {
             Sock::Unix(s) => Sock::Unix(s.try_clone()?),
@@ -70,18 +249,72 @@ impl Sock {
         };
     }
 
-    /// Bounds how long a read or write may block (None: forever).
-    fn set_timeouts(&self, t: Option<Duration>) -> io::Result<()> {
+    /// Bounds how long a read may block (None: forever).
+    fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
         match self {
-            Sock::Unix(s) => {
-                s.set_read_timeout(t)?;
-                s.set_write_timeout(t)
-            }
-            Sock::Tcp(s) => {
-                s.set_read_timeout(t)?;
-                s.set_write_timeout(t)
-            }
+            Sock::Unix(s) => s.set_read_timeout(t),
+            Sock::Tcp(s) => s.set_read_timeout(t),
         }
+    }
+
+    /// Bounds how long a write may block without progress (None: forever).
+    fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Sock::Unix(s) => s.set_write_timeout(t),
+            Sock::Tcp(s) => s.set_write_timeout(t),
+        }
+    }
+}
+
+/// A socket whose reads and writes fail with `TimedOut` once the handshake
+/// deadline has passed, until `handshaking` is cleared. A timeout per system
+/// call alone would let a client trickle a byte at a time forever.
+struct HandshakeSock<'a> {
+    sock: &'a Sock,
+    deadline: Option<Instant>,
+    handshaking: &'a AtomicBool,
+}
+
+impl HandshakeSock<'_> {
+    fn arm(&self, read: bool) -> io::Result<()> {
+        if !self.handshaking.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let Some(d) = self.deadline else {
+            return Ok(());
+        };
+        let left = d.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "handshake timeout"));
+        }
+        if read {
+            self.sock.set_read_timeout(Some(left))
+        } else {
+            self.sock.set_write_timeout(Some(left))
+        }
+    }
+}
+
+impl Read for HandshakeSock<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.arm(true)?;
+        (&mut &*self.sock).read(buf)
+    }
+}
+
+impl Write for HandshakeSock<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.arm(false)?;
+        (&mut &*self.sock).write(buf)
+    }
+
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        self.arm(false)?;
+        (&mut &*self.sock).write_vectored(bufs)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
     }
 }
 
@@ -149,6 +382,9 @@ struct ListenerSlot {
 struct Inner {
     registry: ExportRegistry,
     config: ServerConfig,
+    memory: Memory,
+    admission: Mutex<Admission>,
+    refusals: Mutex<RefusalLog>,
     shutting_down: AtomicBool,
     listeners: Mutex<Vec<ListenerSlot>>,
     /// Clones of live sockets, so shutdown can unblock their threads.
@@ -185,6 +421,13 @@ impl Server {
         Server {
             inner: Arc::new(Inner {
                 registry,
+                memory: Memory::new(config.effective_budget(), config.pool_retain()),
+                admission: Mutex::new(Admission::default()),
+                refusals: Mutex::new(RefusalLog {
+                    window: Instant::now(),
+                    in_window: 0,
+                    suppressed: 0,
+                }),
                 config,
                 shutting_down: AtomicBool::new(false),
                 listeners: Mutex::new(Vec::new()),
@@ -213,6 +456,12 @@ impl Server {
     /// Connections currently open (handshake or transmission).
     pub fn connection_count(&self) -> usize {
         self.inner.conns.lock().len()
+    }
+
+    /// Bytes of request data held now, and the budget for them.
+    pub fn inflight_bytes(&self) -> (u64, u64) {
+        let b = &self.inner.memory.budget;
+        (b.used(), b.limit())
     }
 
     /// Listens on a Unix socket at `path` and accepts on a new thread. A
@@ -275,7 +524,11 @@ impl Server {
         reader: R,
         writer: W,
     ) -> io::Result<()> {
-        serve_connection(&self.inner, reader, writer, &|| {})
+        let peer = Peer {
+            key: ClientKey::Unknown,
+            desc: "stream".into(),
+        };
+        serve_connection(&self.inner, &peer, reader, writer, &|| {})
     }
 
     /// Stops accepting, lets in-flight requests finish (up to
@@ -315,6 +568,56 @@ fn accept_loop(inner: &Arc<Inner>, listener: &Listener) {
     }
 }
 
+impl Inner {
+    /// Logs a refused connection or export, at most REFUSAL_LOG_PER_SEC a
+    /// second.
+    fn refuse(&self, peer: &Peer, export: Option<&str>, reason: &str) {
+        let suppressed = {
+            let mut log = self.refusals.lock();
+            if log.window.elapsed() >= Duration::from_secs(1) {
+                log.window = Instant::now();
+                log.in_window = 0;
+            }
+            if log.in_window >= REFUSAL_LOG_PER_SEC {
+                log.suppressed += 1;
+                return;
+            }
+            log.in_window += 1;
+            std::mem::take(&mut log.suppressed)
+        };
+        tracing::warn!(
+            peer = %peer,
+            export = export.unwrap_or(""),
+            suppressed_before = suppressed,
+            "NBD connection refused: {reason}"
+        );
+    }
+
+    /// Counts a connection against its export; false (and logged) if the
+    /// export is at its limit.
+    fn enter_export(&self, peer: &Peer, entry: &ExportEntry) -> bool {
+        let limit = self.config.max_connections_per_export;
+        {
+            let mut adm = self.admission.lock();
+            let c = adm.per_export.entry(entry.name.clone()).or_default();
+            if *c < limit {
+                *c += 1;
+                return true;
+            }
+        }
+        self.refuse(
+            peer,
+            Some(&entry.name),
+            &format!("export has {limit} connections (max_connections_per_export)"),
+        );
+        false
+    }
+
+    fn leave_export(&self, name: &str) {
+        decrement(&mut self.admission.lock().per_export, &name.to_string());
+    }
+}
+
 fn spawn_connection(inner: &Arc<Inner>, sock: Sock) {
     {
         let mut threads = inner.conn_threads.lock();
@@ -324,59 +627,103 @@ fn spawn_connection(inner: &Arc<Inner>, sock: Sock) {
             let _ = t.join();
         }
     }
+    let peer = sock.peer();
     let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
-    {
+    let refused = {
         let mut conns = inner.conns.lock();
+        let mut adm = inner.admission.lock();
+        let per_client = adm.per_client.get(&peer.key).copied().unwrap_or(0);
         if conns.len() >= inner.config.max_connections {
-            return;
+            Some(format!(
+                "server has {} connections (max_connections)",
+                conns.len()
+            ))
+        } else if per_client >= inner.config.max_connections_per_client {
+            Some(format!(
+                "client has {per_client} connections (max_connections_per_client)"
+            ))
+        } else {
+            match sock.try_clone() {
+                Ok(c) => {
+                    conns.insert(id, c);
+                    *adm.per_client.entry(peer.key.clone()).or_default() += 1;
+                    None
+                }
+                Err(e) => Some(format!("cannot clone socket: {e}")),
+            }
         }
-        match sock.try_clone() {
-            Ok(c) => conns.insert(id, c),
-            Err(_) => return,
-        };
+    };
+    if let Some(reason) = refused {
+        inner.refuse(&peer, None, &reason);
+        return;
     }
     let inner2 = inner.clone();
+    let peer2 = peer.clone();
     let spawned = std::thread::Builder::new()
         .name("nbd-conn".into())
         .spawn(move || {
-            handle_socket(&inner2, &sock);
+            handle_socket(&inner2, &peer2, &sock);
             sock.shutdown(Shutdown::Both);
-            inner2.conns.lock().remove(&id);
-            inner2.conns_changed.notify_all();
+            forget_connection(&inner2, id, &peer2);
         });
     match spawned {
         Ok(t) => inner.conn_threads.lock().push(t),
-        Err(_) => {
-            inner.conns.lock().remove(&id);
+        Err(e) => {
+            forget_connection(inner, id, &peer);
+            inner.refuse(&peer, None, &format!("cannot start a thread: {e}"));
         }
     }
 }
 
-/// Bytes a connection reads from its socket at once. Large enough that a client's pipelined
-/// requests with payloads (say eight 64 KiB writes) come in with one read: the server then sees,
-/// and a trace stamps, every request the client has sent, not one per system call. Payloads
-/// larger than this are still read straight into their own buffer.
-const READ_BUFFER: usize = 1 << 20;
+fn forget_connection(inner: &Inner, id: u64, peer: &Peer) {
+    let mut conns = inner.conns.lock();
+    conns.remove(&id);
+    decrement(&mut inner.admission.lock().per_client, &peer.key);
+    drop(conns);
+    inner.conns_changed.notify_all();
+}
 
-fn handle_socket(inner: &Inner, sock: &Sock) {
-    // A client that stalls the handshake (not sending, or not reading our
-    // replies) must not pin this thread forever.
-    if sock.set_timeouts(inner.config.handshake_timeout).is_err() {
-        return;
-    }
-    let reader = BufReader::with_capacity(READ_BUFFER, sock);
+/// Bytes a connection reads from its socket at once. Large enough that a client's pipelined
+/// requests with payloads (say four 64 KiB writes, or 32 requests of 4 KiB) come in with one
+/// read: the server then sees, and a trace stamps, the requests the client has sent, not one
+/// per system call. Small enough that every connection may hold a full one within the memory
+/// limit (a hostile client can fill it). Payloads larger than this are still read straight
+/// into their own buffer.
+const READ_BUFFER: usize = 256 << 10;
+
+fn handle_socket(inner: &Inner, peer: &Peer, sock: &Sock) {
+    let handshaking = AtomicBool::new(true);
+    let deadline = inner.config.handshake_timeout.map(|t| Instant::now() + t);
+    let io = || HandshakeSock {
+        sock,
+        deadline,
+        handshaking: &handshaking,
+    };
+    let reader = BufReader::with_capacity(READ_BUFFER, io());
     let on_fatal = || sock.shutdown(Shutdown::Both);
-    let _ = run_connection(inner, reader, sock, &on_fatal, || sock.set_timeouts(None));
+    let stall = inner.config.stall_timeout;
+    let res = run_connection(inner, peer, reader, io(), &on_fatal, || {
+        handshaking.store(false, Ordering::Relaxed);
+        sock.set_read_timeout(stall)?;
+        sock.set_write_timeout(stall)
+    });
+    if let Err(e) = res {
+        if e.kind() == io::ErrorKind::TimedOut || e.kind() == io::ErrorKind::WouldBlock {
+            tracing::info!(peer = %peer, "NBD client dropped: handshake timeout");
+        }
+    }
 }
 
 fn serve_connection<R: Read + Send, W: Write + Send>(
     inner: &Inner,
+    peer: &Peer,
     reader: R,
     writer: W,
     on_fatal: &(dyn Fn() + Sync),
 ) -> io::Result<()> {
     run_connection(
         inner,
+        peer,
         BufReader::with_capacity(READ_BUFFER, reader),
         writer,
         on_fatal,
@@ -386,36 +733,62 @@ fn serve_connection<R: Read + Send, W: Write + Send>(
 
 fn run_connection<R: Read + Send, W: Write + Send>(
     inner: &Inner,
+    peer: &Peer,
     mut reader: BufReader<R>,
     writer: W,
     on_fatal: &(dyn Fn() + Sync),
     enter_transmission: impl FnOnce() -> io::Result<()>,
 ) -> io::Result<()> {
+    // The export this connection was counted against, if any: released
+    // however the connection ends, even if the handshake fails after GO was
+    // admitted.
+    let admitted: Mutex<Option<String>> = Mutex::new(None);
+    let admit = |e: &ExportEntry| {
+        let ok = inner.enter_export(peer, e);
+        if ok {
+            *admitted.lock() = Some(e.name.clone());
+        }
+        ok
+    };
     let ctx = HandshakeCtx {
         registry: &inner.registry,
         max_option_len: inner.config.max_option_len,
         shutting_down: &inner.shutting_down,
+        admit: &admit,
     };
-    // Buffered during the handshake only: option replies come in bursts
-    // (LIST, INFO), and negotiate() flushes before every read.
-    let mut bw = BufWriter::new(writer);
-    let outcome = handshake::negotiate(&mut reader, &mut bw, &ctx)?;
-    let writer = bw.into_inner().map_err(|e| e.into_error())?;
-    match outcome {
-        Outcome::Closed => Ok(()),
-        Outcome::Transmission(n) => {
+    let res = (|| {
+        // Buffered during the handshake only: option replies come in bursts
+        // (LIST, INFO), and negotiate() flushes before every read.
+        let mut bw = BufWriter::new(writer);
+        let outcome = handshake::negotiate(&mut reader, &mut bw, &ctx)?;
+        let writer = bw.into_inner().map_err(|e| e.into_error())?;
+        if let Outcome::Transmission(n) = outcome {
             enter_transmission()?;
             let _client = ClientGuard::new(&n.entry);
-            transmission::run(
+            let stalled = transmission::run(
                 reader,
                 writer,
                 &n,
                 inner.config.workers_per_connection,
+                &inner.memory,
                 on_fatal,
             );
-            Ok(())
+            if stalled {
+                tracing::info!(
+                    peer = %peer,
+                    export = n.entry.name.as_str(),
+                    "NBD client dropped: stalled mid-request or left a reply unread for {:?} \
+                     (stall_timeout)",
+                    inner.config.stall_timeout.unwrap_or_default()
+                );
+            }
         }
+        Ok(())
+    })();
+    if let Some(name) = admitted.lock().take() {
+        inner.leave_export(&name);
     }
+    res
 }
 
 fn shutdown(inner: &Inner) {

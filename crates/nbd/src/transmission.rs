@@ -12,8 +12,17 @@
 //! a time; inline replies are batched until the reader would block. This
 //! keeps queue-depth-1 traffic free of thread switches and lets pipelined
 //! traffic use one read and one write system call per batch.
+//!
+//! Memory: request data lives in buffers charged to the server's budget
+//! (memory.rs). The reader takes a read's buffer before it dispatches the
+//! request and a write's buffer once its payload starts arriving, waiting
+//! while the budget is spent, so an over-budget server stops reading. Reads
+//! larger than a piece are streamed a piece at a time, so a client that
+//! never reads its replies pins one piece per connection, not the whole read.
+//! Deferred replies are bounded per connection: a worker whose reply finds
+//! the queue full waits for the writer instead of growing the queue.
 
-use std::io::{self, BufReader, Read, Write};
+use std::io::{self, BufRead, BufReader, Read, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -21,6 +30,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::export::{BlockSizes, ErrorKind, Export, ExportError, ExportResult, ZeroFlags};
 use crate::handshake::{discard, Negotiated};
+use crate::memory::{LargeBuf, Memory, Pool, PIECE};
 use crate::observe::{self, ObserverSlot};
 use crate::proto::*;
 
@@ -193,7 +203,8 @@ pub(crate) fn split(offset: u64, len: u64, min: u32) -> Split {
     }
 }
 
-/// Replies waiting to be written, and who is writing them.
+/// Replies waiting to be written, and who is writing them. Waiters for
+/// room in `pending` or for the writer role wait on `Conn::out_cv`.
 #[derive(Default)]
 struct OutQueue {
     pending: Vec<u8>,
@@ -204,10 +215,12 @@ struct OutQueue {
 }
 
 /// Above this, deferred replies are written even if more requests are
-/// buffered, to bound memory and latency.
-const MAX_DEFERRED: usize = 256 << 10;
-/// Replies above this are never deferred.
-const MAX_DEFERRED_REPLY: usize = 64 << 10;
+/// buffered, and further replies wait for the writer: it bounds the queue's
+/// memory (twice this plus one reply, with the batch being written) and
+/// latency.
+pub(crate) const MAX_DEFERRED: usize = 128 << 10;
+/// Replies above this are never deferred or copied into the queue.
+pub(crate) const MAX_DEFERRED_REPLY: usize = 64 << 10;
 /// How often a waiting worker checks whether an inline request is taking
 /// long enough that it should take over reading.
 const RESCUE_TICK: Duration = Duration::from_micros(500);
@@ -235,29 +248,64 @@ struct Role {
     closed: bool,
 }
 
-/// Buffers one worker reuses across requests, so steady-state requests do
-/// not allocate.
-#[derive(Default)]
-struct Buffers {
-    /// Write payload.
-    data: Vec<u8>,
-    /// Reply under construction: header room followed by read data.
-    reply: Vec<u8>,
-    /// One block for read-modify-write.
+/// A write payload as the worker holds it.
+enum Payload {
+    None,
+    Pooled(Box<[u8]>),
+    Large(LargeBuf),
+}
+
+/// The largest read-modify-write block a worker keeps between requests.
+pub(crate) const KEPT_BLOCK: usize = 4 << 10;
+
+/// The buffers of the request a worker is handling, and the budget they
+/// cost. Released after each request (and on drop, whatever path the worker
+/// leaves by), so an idle worker holds nothing but its RMW block.
+struct Buffers<'m> {
+    mem: &'m Memory,
+    payload: Payload,
+    /// A read's reply: header room followed by the data, or one piece of a
+    /// streamed read.
+    reply: Option<Box<[u8]>>,
+    /// Budget held for `payload` and `reply`.
+    charged: u64,
+    /// One block for read-modify-write (at most the export's minimum block
+    /// size, 64 KiB); kept across requests.
     block: Vec<u8>,
 }
 
-impl Buffers {
-    /// Drops buffers a rare huge request left behind, so idle workers do
-    /// not each pin up to the maximum block size; at that size the
-    /// allocation is cheap next to the transfer.
-    fn shrink(&mut self) {
-        const KEEP: usize = 4 << 20;
-        for v in [&mut self.data, &mut self.reply] {
-            if v.capacity() > KEEP {
-                *v = Vec::new();
-            }
+impl<'m> Buffers<'m> {
+    fn new(mem: &'m Memory) -> Self {
+        Buffers {
+            mem,
+            payload: Payload::None,
+            reply: None,
+            charged: 0,
+            block: Vec::new(),
         }
+    }
+
+    /// Gives the request's buffers back to the pool and its bytes back to
+    /// the budget.
+    fn finish(&mut self) {
+        match std::mem::replace(&mut self.payload, Payload::None) {
+            Payload::Pooled(b) => self.mem.pool.put(b),
+            Payload::Large(b) => drop(b),
+            Payload::None => {}
+        }
+        if let Some(b) = self.reply.take() {
+            self.mem.pool.put(b);
+        }
+        if self.block.capacity() > KEPT_BLOCK {
+            self.block = Vec::new();
+        }
+        self.mem.budget.release(std::mem::take(&mut self.charged));
+    }
+}
+
+impl Drop for Buffers<'_> {
+    fn drop(&mut self) {
+        self.finish();
     }
 }
 
@@ -268,10 +316,19 @@ fn grow(v: &mut Vec<u8>, len: usize) -> &mut [u8] {
     &mut v[..len]
 }
 
+fn is_timeout(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
+}
+
 pub(crate) struct Conn<'a, R, W> {
     reader: Mutex<BufReader<R>>,
     writer: Mutex<W>,
     out: Mutex<OutQueue>,
+    /// Room in `pending`, or the writer role, became free (or writing failed).
+    out_cv: Condvar,
     role: Mutex<Role>,
     /// Waiting workers other than the rescuer.
     follow_cv: Condvar,
@@ -280,12 +337,16 @@ pub(crate) struct Conn<'a, R, W> {
     /// Moving average of execution time (ns) per kind: read, write, other.
     ewma_ns: [AtomicU64; 3],
     export: &'a dyn Export,
+    mem: &'a Memory,
     write_gate: &'a parking_lot::RwLock<()>,
     p: Params,
     on_fatal: &'a (dyn Fn() + Sync),
     /// Request observer hook (tracing) and this connection's id for it.
     observer: &'a ObserverSlot,
     conn_id: u64,
+    /// The connection was dropped because the client stalled mid-request or did not take a
+    /// reply within the socket's timeout.
+    stalled: std::sync::atomic::AtomicBool,
     /// Time of the last socket read, while observed (requests found already buffered arrived
     /// with it). Only touched under the reader lock.
     last_fill: Mutex<Option<Instant>>,
@@ -293,23 +354,27 @@ pub(crate) struct Conn<'a, R, W> {
 
 /// Serves requests until the client disconnects or the transport fails.
 /// `on_fatal` must unblock a thread stuck reading the transport (e.g. shut
-/// the socket down); it is called when a reply cannot be written.
+/// the socket down); it is called when a reply cannot be written. True if
+/// the connection ended because the client stalled (a socket timeout).
 pub(crate) fn run<R: Read + Send, W: Write + Send>(
     reader: BufReader<R>,
     writer: W,
     n: &Negotiated,
     workers: usize,
+    mem: &Memory,
     on_fatal: &(dyn Fn() + Sync),
-) {
+) -> bool {
     let conn = Conn {
         reader: Mutex::new(reader),
         writer: Mutex::new(writer),
         out: Mutex::new(OutQueue::default()),
+        out_cv: Condvar::new(),
         role: Mutex::new(Role::default()),
         follow_cv: Condvar::new(),
         rescue_cv: Condvar::new(),
         ewma_ns: Default::default(),
         export: &*n.entry.export,
+        mem,
         write_gate: &n.entry.write_gate,
         p: Params {
             size: n.size,
@@ -322,6 +387,7 @@ pub(crate) fn run<R: Read + Send, W: Write + Send>(
         observer: &n.entry.observer,
         conn_id: observe::next_connection_id(),
         last_fill: Mutex::new(None),
+        stalled: Default::default(),
     };
     let workers = workers.max(1);
     std::thread::scope(|s| {
@@ -337,6 +403,7 @@ pub(crate) fn run<R: Read + Send, W: Write + Send>(
         }
         conn.worker_loop();
     });
+    conn.stalled.load(Ordering::Relaxed)
 }
 
 fn read_exact_or_eof<R: Read>(r: &mut R, buf: &mut [u8]) -> io::Result<bool> {
@@ -379,7 +446,7 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
     // role to a waiting worker before executing.
 
     fn worker_loop(&self) {
-        let mut bufs = Buffers::default();
+        let mut bufs = Buffers::new(self.mem);
         let mut holding = false;
         loop {
             if !holding && !self.acquire_reader() {
@@ -405,8 +472,8 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
                     let _ = self.flush_pending();
                     return;
                 }
-                Err(_) => {
-                    self.fail();
+                Err(e) => {
+                    self.fail_with(&e);
                     return;
                 }
             };
@@ -421,11 +488,11 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
                 holding = self.finish_inline(token);
                 res
             };
-            if res.is_err() {
-                self.fail();
+            bufs.finish();
+            if let Err(e) = res {
+                self.fail_with(&e);
                 return;
             }
-            bufs.shrink();
         }
     }
 
@@ -559,16 +626,37 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
         (self.on_fatal)();
     }
 
+    /// As `fail`, remembering whether the client was dropped for stalling (a socket timeout).
+    fn fail_with(&self, e: &io::Error) {
+        if is_timeout(e) {
+            self.stalled.store(true, Ordering::Relaxed);
+        }
+        self.fail();
+    }
+
     // ---- reading ------------------------------------------------------------
 
     /// Reads one request; an `Err` means the stream is unusable (bad magic,
-    /// oversized write payload, transport error) and the connection must be
-    /// dropped. Deferred replies are flushed before any read that may block.
-    fn next_request(&self, r: &mut BufReader<R>, bufs: &mut Buffers) -> io::Result<Next> {
+    /// oversized write payload, transport error, a client stalling mid-request
+    /// past the socket's timeout) and the connection must be dropped.
+    /// Deferred replies are flushed before any read that may block. Takes the
+    /// request's buffer and its budget (waiting while the budget is spent).
+    fn next_request(&self, r: &mut BufReader<R>, bufs: &mut Buffers<'_>) -> io::Result<Next> {
         if r.buffer().len() < REQUEST_LEN {
             self.flush_pending()?;
         }
         let refill = r.buffer().len() < REQUEST_LEN;
+        // Between requests a client may stay silent as long as it likes: a
+        // socket timeout here only means "still idle". Once a header has
+        // started, the timeout applies (a stalled client is dropped).
+        loop {
+            match r.fill_buf() {
+                Ok([]) => return Ok(Next::Stop),
+                Ok(_) => break,
+                Err(e) if is_timeout(&e) || e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
         let mut hdr = [0u8; REQUEST_LEN];
         if !read_exact_or_eof(r, &mut hdr)? {
             return Ok(Next::Stop);
@@ -593,36 +681,44 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
         if let (Ok(job), Some(o), Some(at)) = (&checked, &observer, arrived) {
             o.received(&observe::observed(self.conn_id, req.handle, job, at));
         }
-        if req.typ == CMD_WRITE {
-            let len = req.length as usize;
-            if r.buffer().len() < len {
-                self.flush_pending()?;
+        match checked {
+            Ok(Job::Read { len, .. }) => {
+                // Small reads are answered from one buffer; larger ones are
+                // streamed through one piece.
+                let whole = self.reply_prefix() + len as usize;
+                let n = if whole <= PIECE { whole } else { PIECE };
+                self.charge(bufs, Pool::cost(n));
+                bufs.reply = Some(self.mem.pool.get(n));
             }
-            match checked {
-                Ok(_) => {
-                    let refill = r.buffer().len() < len;
-                    if !read_exact_or_eof(r, grow(&mut bufs.data, len))? {
-                        return Ok(Next::Stop);
-                    }
-                    if refill && observer.is_some() {
-                        // Headers behind this payload may have come in with it.
-                        *self.last_fill.lock() = Some(Instant::now());
-                    }
+            Ok(Job::Write { len, .. }) => {
+                let len = len as usize;
+                if r.buffer().len() < len {
+                    self.flush_pending()?;
                 }
-                Err(_) => {
-                    // The payload must be consumed to stay in sync with the
-                    // stream, but not buffered.
-                    if req.length > WRITE_DISCARD_LIMIT.max(self.p.bs.max) {
-                        return Err(io::Error::new(
-                            io::ErrorKind::InvalidData,
-                            "write payload too large",
-                        ));
-                    }
-                    if !discard(r, u64::from(req.length))? {
-                        return Ok(Next::Stop);
-                    }
+                let refill = r.buffer().len() < len;
+                if !self.read_payload(r, bufs, len)? {
+                    return Ok(Next::Stop);
+                }
+                if refill && observer.is_some() {
+                    // Headers behind this payload may have come in with it.
+                    *self.last_fill.lock() = Some(Instant::now());
                 }
             }
+            Ok(_) => {}
+            Err(_) if req.typ == CMD_WRITE => {
+                // The payload must be consumed to stay in sync with the
+                // stream, but not buffered.
+                if req.length > WRITE_DISCARD_LIMIT.max(self.p.bs.max) {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        "write payload too large",
+                    ));
+                }
+                if !discard(r, u64::from(req.length))? {
+                    return Ok(Next::Stop);
+                }
+            }
+            Err(_) => {}
         }
         Ok(match checked {
             Ok(job) => Next::Job(req.handle, job),
@@ -630,32 +726,111 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
         })
     }
 
+    /// Takes `n` bytes of budget for the request in `bufs`; while the budget
+    /// is spent, this connection reads nothing, but first sends the replies
+    /// it has queued (the client may be waiting for them).
+    fn charge(&self, bufs: &mut Buffers<'_>, n: u64) {
+        self.mem.budget.acquire(n, bufs.charged, || {
+            let _ = self.flush_pending();
+        });
+        bufs.charged += n;
+    }
+
+    /// Reads a write payload of `len` bytes, taking its memory and budget
+    /// only as the bytes arrive: a header without its payload holds nothing.
+    /// False on end of stream.
+    fn read_payload(
+        &self,
+        r: &mut BufReader<R>,
+        bufs: &mut Buffers<'_>,
+        len: usize,
+    ) -> io::Result<bool> {
+        if r.fill_buf()?.is_empty() {
+            return Ok(false);
+        }
+        if len <= PIECE {
+            self.charge(bufs, Pool::cost(len));
+            let mut b = self.mem.pool.get(len);
+            let ok = read_exact_or_eof(r, &mut b[..len]);
+            bufs.payload = Payload::Pooled(b);
+            return ok;
+        }
+        let mut b = LargeBuf::new(len)?;
+        let mut done = 0;
+        while done < len {
+            if done > 0 && r.fill_buf()?.is_empty() {
+                return Ok(false);
+            }
+            let n = PIECE.min(len - done);
+            self.charge(bufs, n as u64);
+            if !read_exact_or_eof(r, &mut b[done..done + n])? {
+                return Ok(false);
+            }
+            done += n;
+        }
+        bufs.payload = Payload::Large(b);
+        Ok(true)
+    }
+
     // ---- replies ------------------------------------------------------------
 
     /// Queues a reply. Unless `defer`, it is written before returning (by
     /// this worker or by one already writing). Deferred replies go out with
-    /// the next flush, which the reader does before it could block.
+    /// the next flush, which the reader does before it could block. The
+    /// queue never holds more than MAX_DEFERRED (plus one small reply): a
+    /// reply that does not fit waits for the worker that is writing.
     fn send(&self, bytes: &[u8], defer: bool) -> io::Result<()> {
         // Large replies are not worth batching and would only be copied.
-        let defer = defer && bytes.len() <= MAX_DEFERRED_REPLY;
+        let small = bytes.len() <= MAX_DEFERRED_REPLY;
         let mut q = self.out.lock();
-        if q.failed {
-            return Err(io::ErrorKind::BrokenPipe.into());
-        }
-        if q.flushing || defer {
-            q.pending.extend_from_slice(bytes);
-            if q.flushing || q.pending.len() < MAX_DEFERRED {
+        loop {
+            if q.failed {
+                return Err(io::ErrorKind::BrokenPipe.into());
+            }
+            let fits = small && q.pending.len() + bytes.len() <= MAX_DEFERRED;
+            if q.flushing {
+                if fits {
+                    // The writing worker takes it along before it stops.
+                    q.pending.extend_from_slice(bytes);
+                    return Ok(());
+                }
+                self.out_cv.wait(&mut q);
+                continue;
+            }
+            if defer && fits {
+                q.pending.extend_from_slice(bytes);
                 return Ok(());
             }
             q.flushing = true;
+            if small && !q.pending.is_empty() {
+                q.pending.extend_from_slice(bytes);
+                drop(q);
+                return self.flush_loop();
+            }
             drop(q);
-            return self.flush_loop();
+            // Replies may go out in any order, so write this one directly
+            // (no copy) and then whatever was queued.
+            let res = self.write_out(bytes);
+            return self.after_write(res);
         }
-        // Replies may go out in any order, so write this one directly (no
-        // copy) and then whatever was queued.
+    }
+
+    /// Runs `f` as the only writer of this connection (after the worker
+    /// writing now, if any), then writes what was queued meanwhile.
+    fn with_writer(&self, f: impl FnOnce(&mut W) -> io::Result<()>) -> io::Result<()> {
+        let mut q = self.out.lock();
+        loop {
+            if q.failed {
+                return Err(io::ErrorKind::BrokenPipe.into());
+            }
+            if !q.flushing {
+                break;
+            }
+            self.out_cv.wait(&mut q);
+        }
         q.flushing = true;
         drop(q);
-        let res = self.write_out(bytes);
+        let res = f(&mut self.writer.lock());
         self.after_write(res)
     }
 
@@ -672,6 +847,7 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
             let mut q = self.out.lock();
             q.failed = true;
             q.flushing = false;
+            self.out_cv.notify_all();
             return Err(e);
         }
         self.flush_loop()
@@ -682,10 +858,13 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
         loop {
             if q.pending.is_empty() {
                 q.flushing = false;
+                self.out_cv.notify_all();
                 return Ok(());
             }
             let mut batch = std::mem::take(&mut q.spare);
             std::mem::swap(&mut batch, &mut q.pending);
+            // Room in the queue again.
+            self.out_cv.notify_all();
             drop(q);
             let res = self.write_out(&batch);
             batch.clear();
@@ -694,6 +873,7 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
             if let Err(e) = res {
                 q.failed = true;
                 q.flushing = false;
+                self.out_cv.notify_all();
                 return Err(e);
             }
         }
@@ -758,14 +938,25 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
 
     // ---- execution ----------------------------------------------------------
 
-    fn execute(&self, handle: u64, job: Job, bufs: &mut Buffers, defer: bool) -> io::Result<()> {
+    fn execute(
+        &self,
+        handle: u64,
+        job: Job,
+        bufs: &mut Buffers<'_>,
+        defer: bool,
+    ) -> io::Result<()> {
         let res = match job {
             Job::Read { offset, len } => {
                 return self.execute_read(handle, offset, len, bufs, defer)
             }
             Job::Write { offset, len, fua } => {
-                let data = &bufs.data[..len as usize];
-                self.write(offset, data, fua, &mut bufs.block)
+                let Buffers { payload, block, .. } = &mut *bufs;
+                let data = match payload {
+                    Payload::Pooled(b) => &b[..len as usize],
+                    Payload::Large(b) => &b[..len as usize],
+                    Payload::None => &[][..],
+                };
+                self.write(offset, data, fua, block)
             }
             Job::Flush => self.export.flush(),
             Job::Trim { offset, len, fua } => self.trim(offset, u64::from(len), fua),
@@ -787,41 +978,110 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
         }
     }
 
-    fn execute_read(
-        &self,
-        handle: u64,
-        offset: u64,
-        len: u32,
-        bufs: &mut Buffers,
-        defer: bool,
-    ) -> io::Result<()> {
-        let prefix = if self.p.structured {
+    /// Bytes before a read's data in its reply.
+    fn reply_prefix(&self) -> usize {
+        if self.p.structured {
             STRUCTURED_HEADER_LEN + 8
         } else {
             SIMPLE_REPLY_LEN
-        };
-        let total = prefix + len as usize;
-        let reply = grow(&mut bufs.reply, total);
-        let res = self.read(offset, &mut reply[prefix..], &mut bufs.block);
-        self.observe_replied(handle, &Job::Read { offset, len });
-        if let Err(e) = res {
-            return self.send_export_error(handle, &e, false, defer);
         }
+    }
+
+    /// Fills in a successful read reply's header in `out[..prefix]`. The
+    /// data goes out as one chunk (with DONE, for structured replies): a
+    /// later error cannot be reported in-band, so it ends the connection.
+    fn encode_read_header(&self, out: &mut [u8], handle: u64, offset: u64, len: u32) {
         if self.p.structured {
-            // Everything was read before the header goes out, so no error
-            // can follow and this single data chunk may carry DONE.
             encode_structured_header(
-                reply,
+                out,
                 REPLY_FLAG_DONE,
                 REPLY_TYPE_OFFSET_DATA,
                 handle,
                 8 + len,
             );
-            reply[STRUCTURED_HEADER_LEN..prefix].copy_from_slice(&offset.to_be_bytes());
+            out[STRUCTURED_HEADER_LEN..STRUCTURED_HEADER_LEN + 8]
+                .copy_from_slice(&offset.to_be_bytes());
         } else {
-            encode_simple_reply(reply, 0, handle);
+            encode_simple_reply(out, 0, handle);
         }
+    }
+
+    fn execute_read(
+        &self,
+        handle: u64,
+        offset: u64,
+        len: u32,
+        bufs: &mut Buffers<'_>,
+        defer: bool,
+    ) -> io::Result<()> {
+        let prefix = self.reply_prefix();
+        let total = prefix + len as usize;
+        let Buffers { reply, block, .. } = &mut *bufs;
+        let Some(reply) = reply.as_deref_mut() else {
+            return Err(io::Error::other("read without a reply buffer"));
+        };
+        if total > reply.len() {
+            return self.stream_read(handle, offset, len, reply, block);
+        }
+        let reply = &mut reply[..total];
+        let res = self.read(offset, &mut reply[prefix..], block);
+        self.observe_replied(handle, &Job::Read { offset, len });
+        if let Err(e) = res {
+            return self.send_export_error(handle, &e, false, defer);
+        }
+        self.encode_read_header(reply, handle, offset, len);
         self.send(reply, defer)
+    }
+
+    /// A read larger than its buffer `piece`: the first piece is read before
+    /// anything is sent (so an error then gets a proper error reply), then
+    /// the header and the pieces go out one after another while this worker
+    /// holds the writer. The memory held stays one piece, however long the
+    /// client takes to read.
+    fn stream_read(
+        &self,
+        handle: u64,
+        offset: u64,
+        len: u32,
+        piece: &mut [u8],
+        block: &mut Vec<u8>,
+    ) -> io::Result<()> {
+        let job = Job::Read { offset, len };
+        let len = len as usize;
+        let first = piece.len().min(len);
+        if let Err(e) = self.read(offset, &mut piece[..first], block) {
+            self.observe_replied(handle, &job);
+            return self.send_export_error(handle, &e, false, false);
+        }
+        if first == len {
+            self.observe_replied(handle, &job);
+        }
+        self.with_writer(|w| {
+            let mut hdr = [0u8; STRUCTURED_HEADER_LEN + 8];
+            let prefix = self.reply_prefix();
+            self.encode_read_header(&mut hdr, handle, offset, len as u32);
+            w.write_all(&hdr[..prefix])?;
+            let mut done = 0;
+            let mut n = first;
+            loop {
+                w.write_all(&piece[..n])?;
+                done += n;
+                if done == len {
+                    return w.flush();
+                }
+                n = piece.len().min(len - done);
+                let at = offset + done as u64;
+                if let Err(e) = self.read(at, &mut piece[..n], block) {
+                    self.observe_replied(handle, &job);
+                    return Err(io::Error::other(format!(
+                        "read error after the reply header was sent: {e}"
+                    )));
+                }
+                if done + n == len {
+                    self.observe_replied(handle, &job);
+                }
+            }
+        })
     }
 
     /// Before the reply goes out, so the client's next request is never observed first.

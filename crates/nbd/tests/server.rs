@@ -220,6 +220,61 @@ fn concurrent_rmw_does_not_lose_writes() {
     }
 }
 
+/// An unaligned write (read-modify-write of its edge sector) racing with a whole-sector write
+/// of the same sector on another connection, sector after sector, both sent at the same moment.
+/// Each sector must end as if the two ran one after the other: the whole-sector data, with or
+/// without the patch on top. A lost update (the RMW reading the sector before the whole-sector
+/// write and writing it back after) leaves the patch on zeroes.
+#[test]
+fn rmw_races_with_aligned_writes_on_other_connections() {
+    use std::sync::Barrier;
+    let mut m = MemExport::new(MIB);
+    // Every export call sleeps 2 ms first: the RMW's read and its write-back are then 2 ms
+    // apart, and the whole-sector write lands between them unless the server keeps them apart.
+    m.jitter_every = Some(1);
+    let mem = m.arc();
+    let t = start(&[("disk", mem.clone() as Arc<dyn Export>)]);
+    const SECTORS: u64 = 64;
+    let start_together = Arc::new(Barrier::new(2));
+    let unaligned = {
+        let (sock, b) = (t.sock.clone(), start_together.clone());
+        std::thread::spawn(move || {
+            let cfg = ClientConfig {
+                request_block_size: false,
+                ..ClientConfig::new("disk")
+            };
+            let mut c = Client::connect_unix_with(&sock, &cfg).unwrap();
+            for k in 0..SECTORS {
+                b.wait();
+                c.write(&[0xA1; 50], k * 512 + 100, false).unwrap();
+            }
+        })
+    };
+    let aligned = {
+        let (sock, b) = (t.sock.clone(), start_together.clone());
+        std::thread::spawn(move || {
+            let mut c = Client::connect_unix(&sock, "disk").unwrap();
+            for k in 0..SECTORS {
+                b.wait();
+                c.write(&[0xB0; 512], k * 512, false).unwrap();
+            }
+        })
+    };
+    unaligned.join().unwrap();
+    aligned.join().unwrap();
+    let data = mem.data.read();
+    for k in 0..SECTORS as usize {
+        let s = &data[k * 512..(k + 1) * 512];
+        let outside_ok = s[..100].iter().chain(&s[150..]).all(|&b| b == 0xB0);
+        let patch = &s[100..150];
+        assert!(
+            outside_ok && (patch.iter().all(|&b| b == 0xB0) || patch.iter().all(|&b| b == 0xA1)),
+            "sector {k} lost a write: {:?}",
+            &s[95..155]
+        );
+    }
+}
+
 #[test]
 fn registry_changes_at_run_time() {
     let reg = ExportRegistry::new();
