@@ -1,7 +1,10 @@
 # hybridcache: the two commands a new machine needs are `make demo` and `make test`.
 SHELL := /bin/bash
 CARGO ?= cargo
-DEB_PACKAGES := fio nbdkit libnbd-bin qemu-utils fuse3 python3-libnbd prometheus tmux
+# libclang-dev: libublk's bindgen (crates/ublk). xfsprogs ... bcache-tools: the signature tests make
+# each file system and volume signature with its own tool. prometheus: the metrics test. tmux: top.
+DEB_PACKAGES := fio nbdkit libnbd-bin qemu-utils fuse3 python3-libnbd prometheus tmux libclang-dev \
+	xfsprogs btrfs-progs lvm2 fdisk bcache-tools
 STAMP := target/.deps-installed
 
 .PHONY: all build deps test test-rust test-guest lint fmt bench demo clean
