@@ -1217,9 +1217,10 @@ impl Recommendation {
                 c.line_size_kib
             ),
             format!("hybridcache -Q -c {} -i {id}", c.mode.as_str()),
+            // A preset by its name, as the daemon reads it back; its tunables follow anyway.
             format!(
                 "hybridcache -X -n cleaning -i {id} -p {}",
-                c.cleaning.name()
+                c.cleaning.preset().unwrap_or(c.cleaning.name())
             ),
         ];
         match c.cleaning {
