@@ -61,6 +61,14 @@ fn a_dead_remote_core_does_not_block_another_cores_flushes() {
     std::fs::write(&inject, b"").unwrap();
     let err = d.fails(&["-F", "-i", "1", "-j", "1"]);
     assert!(!err.is_empty());
+    // A client read that needs the failing device fails, and the daemon's log says where.
+    let mut buf = vec![0u8; 4096];
+    assert!(c1.read(&mut buf, 32 << 20).is_err());
+    let log = d.log_text();
+    assert!(
+        log.contains("cas1-1: device error: read failed on"),
+        "no device error in the log: {log}"
+    );
 
     // The daemon started after the kill listens on the same socket path.
     let uri = d.uri("cas1-2");

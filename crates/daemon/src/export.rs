@@ -6,6 +6,8 @@
 //! any connection. The preferred block size is the cache line size: smaller writes still work,
 //! but a whole line is what the cache maps.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use hybridcache_engine::{Core, EngineError, MAX_REQUEST, SECTOR};
 use hybridcache_nbd::{
     BlockSizes, Capabilities, ErrorKind, Export, ExportError, ExportResult, ZeroFlags,
@@ -17,11 +19,63 @@ const PREFETCH_CHUNK: u64 = 1 << 20;
 pub struct CoreExport {
     core: Core,
     line_size: u32,
+    errors: ErrorLog,
 }
 
 impl CoreExport {
     pub fn new(core: Core, line_size: u32) -> CoreExport {
-        CoreExport { core, line_size }
+        CoreExport {
+            core,
+            line_size,
+            errors: ErrorLog::default(),
+        }
+    }
+
+    /// The NBD error for an engine error; device errors are logged (device, operation, offset,
+    /// length), at most [`ERRORS_PER_SECOND`] a second per export so a dying disk cannot flood
+    /// the log.
+    fn error(&self, e: EngineError) -> ExportError {
+        if let EngineError::Volume(v) = &e {
+            self.errors.log(&self.core.export_name(), v);
+        }
+        to_export_error(e)
+    }
+}
+
+const ERRORS_PER_SECOND: u64 = 10;
+
+#[derive(Default)]
+struct ErrorLog {
+    /// The second (since the epoch) the count is for, the count, and what was left out.
+    second: AtomicU64,
+    count: AtomicU64,
+    suppressed: AtomicU64,
+}
+
+impl ErrorLog {
+    fn log(&self, export: &str, v: &hybridcache_volume::VolumeError) {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        if self.second.swap(now, Ordering::Relaxed) != now {
+            self.count.store(0, Ordering::Relaxed);
+            let left_out = self.suppressed.swap(0, Ordering::Relaxed);
+            if left_out > 0 {
+                tracing::warn!("{export}: {left_out} more device errors were not logged");
+            }
+        }
+        if self.count.fetch_add(1, Ordering::Relaxed) < ERRORS_PER_SECOND {
+            tracing::error!(
+                "{export}: device error: {} failed on {} at offset {} length {}: {}",
+                v.op,
+                v.device,
+                v.offset,
+                v.len,
+                v.kind
+            );
+        } else {
+            self.suppressed.fetch_add(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -60,7 +114,7 @@ impl Export for CoreExport {
     }
 
     fn read(&self, buf: &mut [u8], offset: u64) -> ExportResult<()> {
-        self.core.read(buf, offset).map_err(to_export_error)
+        self.core.read(buf, offset).map_err(|e| self.error(e))
     }
 
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> ExportResult<()> {
@@ -69,15 +123,15 @@ impl Export for CoreExport {
         } else {
             self.core.write(buf, offset)
         }
-        .map_err(to_export_error)
+        .map_err(|e| self.error(e))
     }
 
     fn flush(&self) -> ExportResult<()> {
-        self.core.flush().map_err(to_export_error)
+        self.core.flush().map_err(|e| self.error(e))
     }
 
     fn trim(&self, offset: u64, len: u64) -> ExportResult<()> {
-        self.core.discard(offset, len).map_err(to_export_error)
+        self.core.discard(offset, len).map_err(|e| self.error(e))
     }
 
     fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> ExportResult<()> {
@@ -91,7 +145,7 @@ impl Export for CoreExport {
             let n = (len - done).min(MAX_REQUEST);
             self.core
                 .write_zeroes(offset + done, n)
-                .map_err(to_export_error)?;
+                .map_err(|e| self.error(e))?;
             done += n;
         }
         Ok(())
@@ -106,7 +160,7 @@ impl Export for CoreExport {
             let n = (len - done).min(PREFETCH_CHUNK) as usize;
             self.core
                 .read(&mut buf[..n], offset + done)
-                .map_err(to_export_error)?;
+                .map_err(|e| self.error(e))?;
             done += n as u64;
         }
         Ok(())
