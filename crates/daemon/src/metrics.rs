@@ -773,4 +773,46 @@ mod tests {
         assert!(get("/nope").starts_with("HTTP/1.1 404"));
         server.shutdown();
     }
+
+    /// The sample Grafana dashboard (docs/grafana/hybridcache.json) is valid JSON and asks only
+    /// for series this endpoint exports.
+    #[test]
+    fn the_grafana_dashboard_uses_only_exported_metrics() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../docs/grafana/hybridcache.json"
+        );
+        let text = std::fs::read_to_string(path).expect("the dashboard file");
+        let dash: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
+        let scrape = render(&source(cache_with_writes())).unwrap();
+        let exported: std::collections::BTreeSet<&str> = scrape
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .filter_map(|l| l.split(['{', ' ']).next())
+            .collect();
+        // Present only while a flush runs (the scrape above has none).
+        let while_flushing = ["hybridcache_flush_progress_ratio"];
+        let mut exprs = Vec::new();
+        for panel in dash["panels"].as_array().expect("panels") {
+            for t in panel["targets"].as_array().expect("targets") {
+                exprs.push(t["expr"].as_str().expect("expr").to_string());
+            }
+        }
+        assert!(exprs.len() >= 10);
+        let mut used = 0;
+        for e in &exprs {
+            for (i, _) in e.match_indices("hybridcache_") {
+                let name: String = e[i..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                used += 1;
+                assert!(
+                    exported.contains(name.as_str()) || while_flushing.contains(&name.as_str()),
+                    "the dashboard asks for {name}, which /metrics does not export"
+                );
+            }
+        }
+        assert!(used >= exprs.len());
+    }
 }
