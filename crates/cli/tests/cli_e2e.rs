@@ -464,3 +464,41 @@ fn remote_nbd_export_as_core() {
     r.read(&mut back, 1 << 20).unwrap();
     assert!(back == data, "remote core holds the data");
 }
+
+/// Every management change is logged with who asked (pid, uid), what, and for settings the
+/// fields that changed from what to what; refusals too; read-only requests are not.
+#[test]
+fn management_changes_are_logged_with_who_asked_and_what_changed() {
+    let dir = workdir();
+    let d = Daemon::start(dir.path());
+    d.ok(&["-S", "-d", "ram:32M", "-i", "1", "-c", "wb"]);
+    d.ok(&["-Q", "-c", "wt", "-i", "1", "-f", "no"]);
+    d.ok(&["-X", "-n", "cleaning-alru", "-i", "1", "-w", "5"]);
+    d.fails(&["-X", "-n", "cleaning-alru", "-i", "1", "-w", "99999"]);
+    d.ok(&["-L"]);
+    let log = d.log_text();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("control request from pid "))
+        .collect();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("set-cache-mode") && l.contains("mode wb -> wt")),
+        "{log}"
+    );
+    assert!(
+        lines.iter().any(|l| l.contains("cleaning-alru")
+            && l.contains("wake-up 20 -> 5")
+            && !l.contains("staleness")),
+        "{log}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains(" WARN ") && l.contains("refused")),
+        "{log}"
+    );
+    assert!(lines.iter().all(|l| l.contains(" uid ")), "{log}");
+    assert!(!lines.iter().any(|l| l.contains("\"list\"")), "{log}");
+}

@@ -1566,7 +1566,116 @@ fn ensure_parent(path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Who is on the other end of a control connection (the kernel's SO_PEERCRED), for the log.
+fn peer_text(stream: &UnixStream) -> String {
+    use std::os::fd::AsRawFd;
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `cred`, a valid ucred we own.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if rc == 0 {
+        format!("pid {} uid {}", cred.pid, cred.uid)
+    } else {
+        "an unknown peer".into()
+    }
+}
+
+/// Requests that change the setup; the others only read it.
+fn changes_something(req: &Request) -> bool {
+    !matches!(
+        req,
+        Request::List
+            | Request::Stats { .. }
+            | Request::GetParam { .. }
+            | Request::ListIoClasses { .. }
+            | Request::Version
+            | Request::TraceStatus
+    )
+}
+
+/// The settings a request is about to change, read before it runs, so the log can say what
+/// they were ("from what to what"): the cache mode, or the parameter group's fields, by name
+/// (per-core groups prefixed with the core).
+fn settings(daemon: &Daemon, req: &Request) -> Option<Vec<(String, String)>> {
+    let (cache, core, name) = match req {
+        Request::SetCacheMode { cache, .. } => (*cache, None, "cache-mode".to_string()),
+        Request::SetParam {
+            cache, core, name, ..
+        } => (*cache, *core, name.clone()),
+        _ => return None,
+    };
+    let v = daemon
+        .handle(Request::GetParam { cache, core, name })
+        .ok()?;
+    let p: protocol::ParamValue = serde_json::from_value(v).ok()?;
+    let mut out: Vec<(String, String)> = p
+        .fields
+        .iter()
+        .map(|f| (f.key.clone(), f.value.clone()))
+        .collect();
+    for c in &p.cores {
+        out.extend(
+            c.fields
+                .iter()
+                .map(|f| (format!("core {} {}", c.core, f.key), f.value.clone())),
+        );
+    }
+    Some(out)
+}
+
+/// One log line per management change: who asked, what, and for settings what changed from
+/// what to what.
+fn log_change(
+    daemon: &Daemon,
+    peer: &str,
+    req: &Request,
+    before: Option<Vec<(String, String)>>,
+    result: &Reply,
+) {
+    let mut what = serde_json::to_string(req).unwrap_or_default();
+    if let Request::LoadIoClasses { cache, csv, .. } = req {
+        what = format!(
+            "load IO classes of cache {cache} ({} lines)",
+            csv.lines().count()
+        );
+    }
+    match result {
+        Ok(_) => {
+            let mut change = String::new();
+            if let (Some(before), Some(after)) = (before, settings(daemon, req)) {
+                let diffs: Vec<String> = after
+                    .iter()
+                    .filter_map(|(k, new)| {
+                        let old = before.iter().find(|(bk, _)| bk == k).map(|(_, v)| v)?;
+                        (old != new).then(|| format!("{k} {old} -> {new}"))
+                    })
+                    .collect();
+                change = if diffs.is_empty() {
+                    ": nothing changed".into()
+                } else {
+                    format!(": {}", diffs.join(", "))
+                };
+            }
+            tracing::info!("control request from {peer}: {what} done{change}");
+        }
+        Err(e) => tracing::warn!("control request from {peer}: {what} refused: {e}"),
+    }
+}
+
 fn serve_control_client(daemon: &Daemon, stream: UnixStream) {
+    let peer = peer_text(&stream);
     let Ok(write_half) = stream.try_clone() else {
         return;
     };
@@ -1590,7 +1699,12 @@ fn serve_control_client(daemon: &Daemon, stream: UnixStream) {
         let response = match serde_json::from_str::<Request>(&line) {
             Ok(req) => {
                 stop_request = req == Request::Shutdown;
-                match daemon.handle(req) {
+                let audit = changes_something(&req).then(|| (req.clone(), settings(daemon, &req)));
+                let result = daemon.handle(req);
+                if let Some((req, before)) = audit {
+                    log_change(daemon, &peer, &req, before, &result);
+                }
+                match result {
                     Ok(v) => Response::ok(v),
                     Err(e) => {
                         // Refused (the daemon was already stopping): nobody waits for it.
