@@ -1568,27 +1568,9 @@ fn ensure_parent(path: &Path) -> Result<()> {
 
 /// Who is on the other end of a control connection (the kernel's SO_PEERCRED), for the log.
 fn peer_text(stream: &UnixStream) -> String {
-    use std::os::fd::AsRawFd;
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: getsockopt writes at most `len` bytes into `cred`, a valid ucred we own.
-    let rc = unsafe {
-        libc::getsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    if rc == 0 {
-        format!("pid {} uid {}", cred.pid, cred.uid)
-    } else {
-        "an unknown peer".into()
+    match hybridcache_nbd::unix_peer_credentials(stream) {
+        Some(c) => format!("pid {} uid {}", c.pid, c.uid),
+        None => "an unknown peer".into(),
     }
 }
 

@@ -67,5 +67,5 @@ pub use export::{
 };
 pub use observe::{ObservedRequest, RequestKind, RequestObserver};
 pub use registry::{ExportRegistry, RegistryError};
-pub use server::{Server, ServerConfig, ShutdownHandle};
+pub use server::{unix_peer_credentials, Server, ServerConfig, ShutdownHandle};
 pub use transmission::WRITE_DISCARD_LIMIT;

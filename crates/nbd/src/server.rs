@@ -203,23 +203,8 @@ impl Sock {
                 },
             },
             Sock::Unix(s) => {
-                let mut cred = libc::ucred {
-                    pid: 0,
-                    uid: 0,
-                    gid: 0,
-                };
-                let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-                // SAFETY: getsockopt writes at most `len` bytes into `cred`.
-                let rc = unsafe {
-                    libc::getsockopt(
-                        s.as_raw_fd(),
-                        libc::SOL_SOCKET,
-                        libc::SO_PEERCRED,
-                        (&mut cred as *mut libc::ucred).cast(),
-                        &mut len,
-                    )
-                };
-                if rc == 0 {
+                let cred = unix_peer_credentials(s);
+                if let Some(cred) = cred {
                     Peer {
                         key: ClientKey::Uid(cred.uid),
                         desc: format!("unix uid {} pid {}", cred.uid, cred.pid),
@@ -832,4 +817,26 @@ fn shutdown(inner: &Inner) {
     for t in threads {
         let _ = t.join();
     }
+}
+
+/// The pid, uid and gid the kernel records for the peer of a Unix socket (SO_PEERCRED); None if
+/// the kernel does not say. Also what the daemon's control socket logs as "who asked".
+pub fn unix_peer_credentials(s: &impl AsRawFd) -> Option<libc::ucred> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `cred`, a valid ucred we own.
+    let rc = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0).then_some(cred)
 }
