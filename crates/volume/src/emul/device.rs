@@ -79,6 +79,47 @@ pub enum Backing {
     NoData,
 }
 
+impl Backing {
+    /// Open the backing volume of a device `name` of `size` bytes, and return it with the
+    /// device's name and `description`, both marked when the device keeps no data.
+    pub(crate) fn open(
+        self,
+        name: &str,
+        size: u64,
+        mut description: String,
+    ) -> Result<(VolumeRef, String, String)> {
+        let keeps_data = !matches!(self, Backing::NoData);
+        let backing: VolumeRef = match self {
+            Backing::Ram => Arc::new(RamVolume::new(name, size)?),
+            Backing::File(path) => Arc::new(FileVolume::create(&path, size)?),
+            Backing::NoData => Arc::new(NullVolume::new(name, size)?),
+            Backing::Volume(v) if v.size() < size => {
+                let msg = format!(
+                    "backing volume {} has {} bytes, the device needs {size}",
+                    v.name(),
+                    v.size()
+                );
+                return Err(VolumeError::new(
+                    name,
+                    Op::Open,
+                    0,
+                    0,
+                    ErrorKind::Invalid(msg),
+                ));
+            }
+            Backing::Volume(v) => v,
+        };
+        let mut name = name.to_string();
+        if !keeps_data {
+            if !name.contains("nodata") {
+                name.push_str(",nodata");
+            }
+            description.push_str("; nodata: writes are dropped and reads return zeroes");
+        }
+        Ok((backing, name, description))
+    }
+}
+
 /// An emulated disk or RAID array; see the module documentation.
 pub struct EmulatedVolume {
     name: String,
@@ -107,27 +148,7 @@ impl EmulatedVolume {
         config.validate().map_err(invalid)?;
         let size = config.capacity();
         let keeps_data = !matches!(backing, Backing::NoData);
-        let backing: VolumeRef = match backing {
-            Backing::Ram => Arc::new(RamVolume::new(name, size)?),
-            Backing::File(path) => Arc::new(FileVolume::create(&path, size)?),
-            Backing::NoData => Arc::new(NullVolume::new(name, size)?),
-            Backing::Volume(v) if v.size() < size => {
-                return Err(invalid(format!(
-                    "backing volume {} has {} bytes, the device needs {size}",
-                    v.name(),
-                    v.size()
-                )))
-            }
-            Backing::Volume(v) => v,
-        };
-        let mut name = name.to_string();
-        let mut description = config.describe();
-        if !keeps_data {
-            if !name.contains("nodata") {
-                name.push_str(",nodata");
-            }
-            description.push_str("; nodata: writes are dropped and reads return zeroes");
-        }
+        let (backing, name, description) = backing.open(name, size, config.describe())?;
         Ok(EmulatedVolume {
             name,
             description,

@@ -22,17 +22,13 @@
 //! Flushes and discards take the latency only.
 
 use std::fmt;
-use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
 
 use super::clock::{nanos, ClockRef, Nanos, RealClock};
 use super::device::Backing;
-use crate::{
-    check_range, ErrorKind, FileVolume, NullVolume, Op, RamVolume, Result, Volume, VolumeError,
-    VolumeRef,
-};
+use crate::{check_range, ErrorKind, Op, Result, Volume, VolumeError, VolumeRef};
 
 /// The flash page a unit serves at once.
 pub(crate) const SSD_PAGE: u64 = 16 << 10;
@@ -225,28 +221,7 @@ impl SsdVolume {
         let invalid = |msg: String| VolumeError::new(name, Op::Open, 0, 0, ErrorKind::Invalid(msg));
         config.validate().map_err(invalid)?;
         let size = config.size;
-        let keeps_data = !matches!(backing, Backing::NoData);
-        let backing: VolumeRef = match backing {
-            Backing::Ram => Arc::new(RamVolume::new(name, size)?),
-            Backing::File(path) => Arc::new(FileVolume::create(&path, size)?),
-            Backing::NoData => Arc::new(NullVolume::new(name, size)?),
-            Backing::Volume(v) if v.size() < size => {
-                return Err(invalid(format!(
-                    "backing volume {} has {} bytes, the device needs {size}",
-                    v.name(),
-                    v.size()
-                )))
-            }
-            Backing::Volume(v) => v,
-        };
-        let mut name = name.to_string();
-        let mut description = config.describe();
-        if !keeps_data {
-            if !name.contains("nodata") {
-                name.push_str(",nodata");
-            }
-            description.push_str("; nodata: writes are dropped and reads return zeroes");
-        }
+        let (backing, name, description) = backing.open(name, size, config.describe())?;
         Ok(SsdVolume {
             name,
             description,
@@ -323,6 +298,7 @@ impl fmt::Debug for SsdVolume {
 mod tests {
     use super::*;
     use crate::emul::clock::{Clock, VirtualClock};
+    use std::sync::Arc;
 
     fn device(config: SsdConfig) -> (SsdVolume, Arc<VirtualClock>) {
         let clock = Arc::new(VirtualClock::new());
