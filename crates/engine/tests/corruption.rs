@@ -15,62 +15,7 @@ use hybridcache_engine::{Cache, CacheConfig, CacheMode, Core, LineSize};
 use hybridcache_volume::{CrashVolume, RamVolume, Volume, VolumeRef};
 
 mod durability;
-use durability::{decode, fill, Model, Rng, SECTOR};
-
-/// A device that dies when the shared operation budget runs out (as in crash.rs).
-struct Mortal {
-    inner: Arc<CrashVolume>,
-    budget: Arc<AtomicI64>,
-}
-
-impl Mortal {
-    fn alive(&self) -> bool {
-        self.budget.fetch_sub(1, Ordering::SeqCst) > 0
-    }
-}
-
-impl Volume for Mortal {
-    fn name(&self) -> &str {
-        self.inner.name()
-    }
-    fn size(&self) -> u64 {
-        self.inner.size()
-    }
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> hybridcache_volume::Result<()> {
-        self.inner.read_at(buf, offset)
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> hybridcache_volume::Result<()> {
-        if self.alive() {
-            self.inner.write_at(buf, offset)
-        } else {
-            Ok(())
-        }
-    }
-    fn flush(&self) -> hybridcache_volume::Result<()> {
-        if self.alive() {
-            self.inner.flush()
-        } else {
-            Ok(())
-        }
-    }
-    fn discard(&self, offset: u64, len: u64) -> hybridcache_volume::Result<()> {
-        if self.alive() {
-            self.inner.discard(offset, len)
-        } else {
-            Ok(())
-        }
-    }
-    fn discard_zeroes(&self) -> bool {
-        true
-    }
-    fn write_zeroes(&self, offset: u64, len: u64) -> hybridcache_volume::Result<()> {
-        if self.alive() {
-            self.inner.write_zeroes(offset, len)
-        } else {
-            Ok(())
-        }
-    }
-}
+use durability::{decode, fill, Model, Mortal, Rng, SECTOR};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Ending {

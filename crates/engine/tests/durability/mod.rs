@@ -71,3 +71,65 @@ impl Model {
         self.durable[sector] == stamp || self.since[sector].contains(&stamp)
     }
 }
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+
+use hybridcache_volume::{CrashVolume, Volume};
+
+/// A device that dies when the shared operation budget runs out: once it is spent, writes,
+/// flushes and discards are silently dropped, as a power cut would (the crash and corruption
+/// tests share it).
+pub struct Mortal {
+    pub inner: Arc<CrashVolume>,
+    pub budget: Arc<AtomicI64>,
+}
+
+impl Mortal {
+    pub fn alive(&self) -> bool {
+        self.budget.fetch_sub(1, Ordering::SeqCst) > 0
+    }
+}
+
+impl Volume for Mortal {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> hybridcache_volume::Result<()> {
+        self.inner.read_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> hybridcache_volume::Result<()> {
+        if self.alive() {
+            self.inner.write_at(buf, offset)
+        } else {
+            Ok(())
+        }
+    }
+    fn flush(&self) -> hybridcache_volume::Result<()> {
+        if self.alive() {
+            self.inner.flush()
+        } else {
+            Ok(())
+        }
+    }
+    fn discard(&self, offset: u64, len: u64) -> hybridcache_volume::Result<()> {
+        if self.alive() {
+            self.inner.discard(offset, len)
+        } else {
+            Ok(())
+        }
+    }
+    fn discard_zeroes(&self) -> bool {
+        true
+    }
+    fn write_zeroes(&self, offset: u64, len: u64) -> hybridcache_volume::Result<()> {
+        if self.alive() {
+            self.inner.write_zeroes(offset, len)
+        } else {
+            Ok(())
+        }
+    }
+}
