@@ -45,7 +45,7 @@ impl CoreExport {
 const ERRORS_PER_SECOND: u64 = 10;
 
 #[derive(Default)]
-struct ErrorLog {
+pub(crate) struct ErrorLog {
     /// The second (since the epoch) the count is for, the count, and what was left out.
     second: AtomicU64,
     count: AtomicU64,
@@ -53,7 +53,7 @@ struct ErrorLog {
 }
 
 impl ErrorLog {
-    fn log(&self, export: &str, v: &hybridcache_volume::VolumeError) {
+    pub(crate) fn log(&self, export: &str, v: &hybridcache_volume::VolumeError) {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());

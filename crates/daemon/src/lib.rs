@@ -12,6 +12,7 @@ pub mod config;
 pub mod daemon;
 pub mod devices;
 pub mod export;
+pub mod frontend;
 pub mod log;
 pub mod metrics;
 pub mod nbd_volume;
@@ -19,5 +20,6 @@ pub mod params;
 pub mod protocol;
 pub mod signature;
 pub mod trace;
+pub mod ublk_export;
 
 pub use daemon::{run, DaemonOptions, DEFAULT_CONTROL, DEFAULT_NBD_SOCKET};

@@ -282,6 +282,22 @@ pub fn stop(dev_id: u32) -> Result<(), Error> {
     Ok(())
 }
 
+/// Deletes device `dev_id` that no process serves any more (a server died and nobody will
+/// recover it): the driver fails its held requests, and `/dev/ublkbN` goes away.
+pub fn delete(dev_id: u32) -> Result<(), Error> {
+    let ctrl = UblkCtrl::new_simple(dev_id as i32)?;
+    // A quiesced device must be stopped before it can be deleted; one already stopped says so.
+    let _ = ctrl.kill_dev();
+    ctrl.del_dev()?;
+    Ok(())
+}
+
+/// Whether device `dev_id` exists (its control node is there).
+pub fn exists(dev_id: u32) -> bool {
+    std::path::Path::new(&format!("/dev/ublkc{dev_id}")).exists()
+        || std::path::Path::new(&format!("/sys/class/ublk-char/ublkc{dev_id}")).exists()
+}
+
 /// One request as a worker sees it.
 struct Job {
     tag: u16,
