@@ -240,6 +240,8 @@ struct Daemon {
     /// Front-ends the configuration file names for its cores, by export name: a core of a
     /// loaded cache gets its export from here when no front-end remembers serving it.
     preferred: Mutex<BTreeMap<String, String>>,
+    /// The front-end each export had, across restarts of the daemon.
+    kinds: crate::frontend::KindMemory,
     /// Where to save the setup after each change, and the `[daemon]` section to keep in it.
     save_to: Option<(PathBuf, DaemonSection)>,
     stopping: AtomicBool,
@@ -930,6 +932,7 @@ impl Daemon {
                     abandon(&cache);
                     return Err(format!("cannot export {name}: {e}"));
                 }
+                self.kinds.set(&name, device, frontend.kind());
                 exported.push((name, frontend));
             } else {
                 inactive.push(info.id);
@@ -1164,6 +1167,9 @@ impl Daemon {
         }
         self.save_locked(&st);
         exported?;
+        if let Some(c) = st.caches.get(&cache_id) {
+            self.kinds.set(&name, &c.device, frontend.kind());
+        }
         tracing::info!(
             "cache {cache_id}: {} core {core_id} ({device}) as {name}{}",
             if reattach.is_some() {
@@ -1215,6 +1221,7 @@ impl Daemon {
         if let Ok(f) = self.frontends.get(Some(kind)) {
             f.stop(&export_name(cache_id, core));
         }
+        self.kinds.forget(&export_name(cache_id, core));
         if let Some(c) = st.caches.get_mut(&cache_id) {
             c.cores.remove(&core);
         }
@@ -1371,7 +1378,7 @@ impl Daemon {
 
     /// The front-end of a core whose cache is being loaded: the one that served it before
     /// the daemon restarted (it resumes the same device), else the configuration's, else the
-    /// default.
+    /// one it had last (the state directory), else the default.
     fn frontend_at_load(&self, name: &str, cache_device: &str) -> &Arc<dyn Frontend> {
         if let Some(f) = self
             .frontends
@@ -1380,7 +1387,12 @@ impl Daemon {
         {
             return f;
         }
-        let preferred = self.preferred.lock().get(name).cloned();
+        let preferred = self
+            .preferred
+            .lock()
+            .get(name)
+            .cloned()
+            .or_else(|| self.kinds.get(name, cache_device));
         self.frontends
             .get(preferred.as_deref())
             .or_else(|_| self.frontends.get(None))
@@ -1919,6 +1931,7 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
         .clone()
         .or_else(|| d.frontend.clone())
         .unwrap_or_else(|| "nbd".into());
+    let kinds = crate::frontend::KindMemory::new(&state_dir);
     let frontends = Frontends::new(
         vec![
             Arc::new(NbdFrontend::new(registry.clone())),
@@ -1971,6 +1984,7 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
         registry,
         frontends,
         preferred: Mutex::new(BTreeMap::new()),
+        kinds,
         save_to,
         stopping: AtomicBool::new(false),
         applying: AtomicBool::new(false),

@@ -130,3 +130,87 @@ fn unknown(kind: &str, by_kind: &BTreeMap<&'static str, Arc<dyn Frontend>>) -> S
         by_kind.keys().copied().collect::<Vec<_>>().join(", ")
     )
 }
+
+/// Which front-end served each export, kept in the state directory (`frontends.json`), so a
+/// cache loaded again (`-S --load` after a restart or a stop) serves every core as before
+/// without a configuration file. Like the ublk devices, it does not outlive a reboot (/run).
+pub struct KindMemory {
+    path: std::path::PathBuf,
+    /// Export name -> (cache device, front-end).
+    kinds: parking_lot::Mutex<BTreeMap<String, (String, String)>>,
+}
+
+impl KindMemory {
+    pub fn new(state_dir: &std::path::Path) -> KindMemory {
+        let path = state_dir.join("frontends.json");
+        let kinds = std::fs::read_to_string(&path)
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+            .unwrap_or_default();
+        KindMemory {
+            path,
+            kinds: parking_lot::Mutex::new(kinds),
+        }
+    }
+
+    /// The front-end `name` of the cache on `cache_device` had.
+    pub fn get(&self, name: &str, cache_device: &str) -> Option<String> {
+        self.kinds
+            .lock()
+            .get(name)
+            .filter(|(d, _)| d == cache_device)
+            .map(|(_, k)| k.clone())
+    }
+
+    pub fn set(&self, name: &str, cache_device: &str, kind: &str) {
+        let mut kinds = self.kinds.lock();
+        let new = (cache_device.to_string(), kind.to_string());
+        if kinds.get(name) != Some(&new) {
+            kinds.insert(name.to_string(), new);
+            self.save(&kinds);
+        }
+    }
+
+    pub fn forget(&self, name: &str) {
+        let mut kinds = self.kinds.lock();
+        if kinds.remove(name).is_some() {
+            self.save(&kinds);
+        }
+    }
+
+    fn save(&self, kinds: &BTreeMap<String, (String, String)>) {
+        let write = || -> std::io::Result<()> {
+            if let Some(dir) = self.path.parent() {
+                std::fs::create_dir_all(dir)?;
+            }
+            let tmp = self.path.with_extension("json.tmp");
+            std::fs::write(&tmp, serde_json::to_string_pretty(kinds)?)?;
+            std::fs::rename(&tmp, &self.path)
+        };
+        if let Err(e) = write() {
+            tracing::warn!("cannot write {}: {e}", self.path.display());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn front_ends_are_remembered_per_export_and_cache_device() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = KindMemory::new(dir.path());
+        m.set("cas1-1", "/dev/nvme0n1", "ublk");
+        m.set("cas1-2", "/dev/nvme0n1", "nbd");
+        let again = KindMemory::new(dir.path());
+        assert_eq!(again.get("cas1-1", "/dev/nvme0n1").as_deref(), Some("ublk"));
+        assert_eq!(again.get("cas1-2", "/dev/nvme0n1").as_deref(), Some("nbd"));
+        assert_eq!(again.get("cas1-1", "/dev/sdz"), None);
+        again.forget("cas1-1");
+        assert_eq!(
+            KindMemory::new(dir.path()).get("cas1-1", "/dev/nvme0n1"),
+            None
+        );
+    }
+}
