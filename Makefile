@@ -37,7 +37,9 @@ test: deps lint
 	$(MAKE) test-guest
 
 # Kernel clients in a qemu guest (docs/guest.md): the Linux nbd driver against the daemon's TCP
-# export, and the ublk driver against crates/ublk's RAM disk example (ext4, fio verify, e2fsck).
+# export, and the ublk driver against crates/ublk's RAM disk example and against the daemon's
+# --frontend ublk, killed with SIGKILL under a mounted ext4 and fio and recovered (ext4, fio
+# verify, e2fsck, zero I/O errors).
 # scripts/guest/prepare.sh fetches the guest kernel and, when missing, qemu 10, busybox-static,
 # nbd-client and socat; cached in target/guest/.
 test-guest: deps

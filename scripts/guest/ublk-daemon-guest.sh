@@ -56,6 +56,10 @@ for i in 1 2 3 4; do
 done
 (cd /mnt/vol && sha256sum file*) >/tmp/sums
 sync
+hybridcache -L -o csv | grep -q "^core,1,/tmp/core1.img,Active,-,$dev,1\$" ||
+	fail "-L does not count the mount as a client: $(hybridcache -L -o csv)"
+hybridcache -L -o csv | grep -q "^core,2,/tmp/core2.img,Active,-,$raw,0\$" ||
+	fail "-L counts a client on $raw: $(hybridcache -L -o csv)"
 if hybridcache -T -i 1 2>/tmp/refused; then fail "-T stopped the cache under a mounted file system"; fi
 grep -q "cas1-1 ($dev) has 1 client connected; disconnect them or use --force" /tmp/refused ||
 	fail "-T was refused for another reason: $(cat /tmp/refused)"

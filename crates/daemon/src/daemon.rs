@@ -1261,7 +1261,7 @@ impl Daemon {
             .iter()
             .filter_map(|(name, kind)| {
                 let frontend = self.frontends.get(Some(kind)).ok()?;
-                let n = frontend.clients(name).unwrap_or(0);
+                let n = frontend.busy(name).unwrap_or(0);
                 // A block device is named too: that is what the operator sees mounted.
                 let label = match frontend.device(name) {
                     Some(dev) => format!("{name} ({dev})"),

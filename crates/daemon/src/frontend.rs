@@ -35,9 +35,14 @@ pub trait Frontend: Send + Sync {
     fn start(&self, spec: ExportSpec) -> FrontendResult<()>;
     /// Stop serving it; clients still holding it get errors. False if it was not served.
     fn stop(&self, name: &str) -> bool;
-    /// How many clients hold the export open (None: not served here). The in-use guard of
-    /// `-T`/`-R` refuses while this is above zero.
+    /// How many clients hold the export open (None: not served here), as `-L` and the
+    /// metrics show it: a look that disturbs no client.
     fn clients(&self, name: &str) -> Option<usize>;
+    /// The same for the in-use guard of `-T`/`-R`, which refuses while this is above zero:
+    /// it may probe harder than [`Frontend::clients`].
+    fn busy(&self, name: &str) -> Option<usize> {
+        self.clients(name)
+    }
     /// The path clients open (`/dev/ublkbN`), if the front-end makes one.
     fn device(&self, name: &str) -> Option<String>;
     /// Whether this front-end served `name` for the cache on `cache_device` before the daemon

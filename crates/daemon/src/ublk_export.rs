@@ -311,7 +311,12 @@ impl Frontend for UblkFrontend {
 
     fn clients(&self, name: &str) -> Option<usize> {
         let dev = self.served.lock().get(name)?.block_device.clone();
-        Some(usize::from(block_device_in_use(&dev)))
+        Some(usize::from(block_device_in_use(&dev, false)))
+    }
+
+    fn busy(&self, name: &str) -> Option<usize> {
+        let dev = self.served.lock().get(name)?.block_device.clone();
+        Some(usize::from(block_device_in_use(&dev, true)))
     }
 
     fn device(&self, name: &str) -> Option<String> {
@@ -361,18 +366,33 @@ impl Frontend for UblkFrontend {
     }
 }
 
-/// Whether a block device is held: mounted, claimed by another device (LVM, MD, a
-/// device-mapper target: `holders/`), or opened exclusively by a process. The kernel exposes
-/// no open count for a block device, so an exclusive open is the probe: it fails with EBUSY
-/// whenever the device is mounted or claimed. A plain shared open (dd, fio on the raw device)
-/// is not seen.
-pub fn block_device_in_use(dev: &str) -> bool {
+/// Whether a block device is held: claimed by another device (LVM, MD, a device-mapper
+/// target: `holders/`), mounted (its major:minor in the mount table), or, with `probe`,
+/// opened exclusively by anyone (swap, mkfs, another server). The kernel exposes no open
+/// count for a block device, so an exclusive open is the probe: it fails with EBUSY whenever
+/// the device is mounted or claimed. A plain shared open (dd, fio on the raw device) is not
+/// seen. The probe is kept for the in-use guard: while it holds the device for a moment, a
+/// `mount` by someone else would fail, which a listing must never cause.
+pub fn block_device_in_use(dev: &str, probe: bool) -> bool {
     let base = dev.rsplit('/').next().unwrap_or(dev);
     let holders = std::fs::read_dir(format!("/sys/block/{base}/holders"))
         .map(|mut d| d.next().is_some())
         .unwrap_or(false);
     if holders {
         return true;
+    }
+    if let Ok(devno) = std::fs::read_to_string(format!("/sys/block/{base}/dev")) {
+        let devno = devno.trim();
+        let mounted = std::fs::read_to_string("/proc/self/mountinfo").is_ok_and(|t| {
+            t.lines()
+                .any(|l| l.split_whitespace().nth(2) == Some(devno))
+        });
+        if mounted {
+            return true;
+        }
+    }
+    if !probe {
+        return false;
     }
     let probe = std::fs::OpenOptions::new()
         .read(true)
