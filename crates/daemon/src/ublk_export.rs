@@ -209,7 +209,7 @@ impl Frontend for UblkFrontend {
         let resume = previous
             .as_ref()
             .map(|r| r.dev_id)
-            .filter(|&id| hybridcache_ublk::exists(id));
+            .filter(|&id| hybridcache_ublk::orphaned(id));
         let backend = Arc::new(CoreBackend::new(spec.core));
         let config = self.config(spec.line_size);
         let (tx, rx) = mpsc::channel::<FrontendResult<Started>>();
@@ -260,7 +260,7 @@ impl Frontend for UblkFrontend {
             None => {
                 if let Some(r) = &previous {
                     tracing::warn!(
-                        "{}: its earlier device /dev/ublkb{} is gone; serving a new one",
+                        "{}: its earlier device /dev/ublkb{} is gone or served by another process; serving a new one",
                         spec.name,
                         r.dev_id
                     );
@@ -339,7 +339,8 @@ impl Frontend for UblkFrontend {
             .map(|(n, r)| (n.clone(), r.dev_id))
             .collect();
         for (name, id) in &stale {
-            if hybridcache_ublk::exists(*id) {
+            // Only a device no live process serves: the id may have been given to another.
+            if hybridcache_ublk::orphaned(*id) {
                 match hybridcache_ublk::delete(*id) {
                     Ok(()) => tracing::error!(
                         "{name}: deleted /dev/ublkb{id}, left by a daemon that died: the cache \
