@@ -437,6 +437,42 @@ mod tests {
         assert!(!third.remembers("cas1-1", "/dev/nvme0n1"));
     }
 
+    #[test]
+    fn engine_errors_reach_the_driver_as_errnos_and_write_zeroes_reads_back_zeroes() {
+        use hybridcache_volume::{FaultConfig, FaultyVolume};
+        let cache = Cache::new(
+            crate::devices::open_device("ram:16M").unwrap(),
+            CacheConfig {
+                id: 1,
+                line_size: LineSize::from_kib(4).unwrap(),
+                mode: CacheMode::Wt,
+            },
+        )
+        .unwrap();
+        let faulty = Arc::new(FaultyVolume::with_config(
+            crate::devices::open_device("ram:8M").unwrap(),
+            FaultConfig {
+                fail_reads_in: Some(1 << 20..2 << 20),
+                ..FaultConfig::default()
+            },
+        ));
+        let id = cache.add_core(faulty, None).unwrap();
+        let b = CoreBackend::new(cache.core(id).unwrap());
+        let mut buf = vec![0u8; 4096];
+        let e = b.read_at(&mut buf, 1 << 20).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
+        let e = b.read_at(&mut buf[..100], 0).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EINVAL), "{e}");
+        let e = b.read_at(&mut buf, 8 << 20).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EINVAL), "{e}");
+        b.write_at(&[0xee; 8192], 4 << 20, false).unwrap();
+        b.write_zeroes(4 << 20, 4096).unwrap();
+        let mut back = vec![0xffu8; 8192];
+        b.read_at(&mut back, 4 << 20).unwrap();
+        assert!(back[..4096].iter().all(|&x| x == 0));
+        assert!(back[4096..].iter().all(|&x| x == 0xee));
+    }
+
     /// A write acknowledged to the kernel must still be there when the daemon is killed and
     /// the cache loaded again: the file system above never saw a crash. Without the FUA in
     /// `write_at`, a write-back write lives only in uncommitted metadata and comes back stale.
