@@ -9,7 +9,9 @@
 #     4 KiB random read and write on the raw devices (3 s each), printed as ratios.
 #  4. umount, e2fsck -fn clean, checksums right after a remount; `-T` accepted once unmounted,
 #     and the ublk devices are gone with it.
-#  5. a cache that cannot be loaded after a kill -9: its stale device is deleted, the reason
+#  5. the same through the configuration file: a daemon killed with SIGKILL and started again
+#     with --config resumes the device; a clean stop-daemon deletes it.
+#  6. a cache that cannot be loaded after a kill -9: its stale device is deleted, the reason
 #     logged.
 set -eu
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin HYBRIDCACHE_CONTROL=/run/hc/control.sock
@@ -20,7 +22,7 @@ fail() { echo "ublk-daemon: FAILED: $*"; echo "--- daemon log"; cat /tmp/daemon.
 dpid=
 start_daemon() {
 	hybridcache daemon --control /run/hc/control.sock --nbd-socket /run/hc/nbd.sock \
-		--frontend ublk >>/tmp/daemon.log 2>&1 &
+		--frontend ublk "$@" >>/tmp/daemon.log 2>&1 &
 	dpid=$!
 	for _ in $(seq 300); do
 		hybridcache -L >/dev/null 2>&1 && return 0
@@ -116,6 +118,41 @@ hybridcache -T -i 1 || fail "-T refused after umount"
 [ ! -e "$dev" ] || fail "$dev still exists after -T"
 [ ! -e "$raw" ] || fail "$raw still exists after -T"
 step "-T accepted after umount; $dev and $raw are gone"
+
+# The configuration file's way: a daemon started with --config loads the cache it names and
+# resumes the device, as -S --load does.
+hybridcache stop-daemon >/dev/null
+wait $dpid || fail "the daemon did not stop cleanly"
+truncate -s 64M /tmp/cache3.img
+truncate -s 128M /tmp/core5.img
+printf '[[cache]]\nid = 3\ndevice = "/tmp/cache3.img"\nmode = "wb"\n\n[[core]]\ncache = 3\nid = 1\ndevice = "/tmp/core5.img"\n' >/tmp/hc.toml
+start_daemon --config /tmp/hc.toml
+dev3=$(hybridcache -L -o csv | awk -F, '$1 == "core" && $2 == 1 { print $6 }')
+[ -b "$dev3" ] || fail "no device for cache 3 from the configuration"
+/usr/sbin/mke2fs -q -t ext4 -F "$dev3"
+mount -t ext4 "$dev3" /mnt/vol
+dd if=/dev/urandom of=/mnt/vol/conf bs=64k count=32 2>/dev/null
+sync
+(cd /mnt/vol && sha256sum conf) >/tmp/sums3
+kill -9 $dpid
+wait $dpid 2>/dev/null || true
+t0=$(now)
+start_daemon --config /tmp/hc.toml
+grep -q "resumed $dev3" /tmp/daemon.log || fail "the configuration did not resume $dev3"
+step "configuration file: $dev3 resumed $(since "$t0") s after the restart began"
+dd if=/dev/urandom of=/mnt/vol/conf2 bs=64k count=16 conv=fsync 2>/dev/null ||
+	fail "writing after the resume failed"
+# From the device, not the page cache.
+sync
+echo 3 >/proc/sys/vm/drop_caches
+(cd /mnt/vol && sha256sum -c /tmp/sums3) >/dev/null || fail "checksum differs after the resume"
+umount /mnt/vol
+/usr/sbin/e2fsck -fn "$dev3" >/tmp/fsck.txt 2>&1 || { cat /tmp/fsck.txt; fail "e2fsck on $dev3"; }
+hybridcache stop-daemon >/dev/null
+wait $dpid || fail "the daemon did not stop cleanly"
+[ ! -e "$dev3" ] || fail "$dev3 still exists after stop-daemon"
+[ "$(io_errors)" = 0 ] || fail "the kernel logged I/O errors"
+start_daemon
 
 # A cache that cannot be loaded: the device it left is deleted, with the reason in the log.
 truncate -s 64M /tmp/cache2.img
