@@ -65,7 +65,10 @@ hybridcache -L -o csv | grep -q "^core,2,/tmp/core2.img,Active,-,$raw,0\$" ||
 if hybridcache -T -i 1 2>/tmp/refused; then fail "-T stopped the cache under a mounted file system"; fi
 grep -q "cas1-1 ($dev) has 1 client connected; disconnect them or use --force" /tmp/refused ||
 	fail "-T was refused for another reason: $(cat /tmp/refused)"
-step "-T refused while mounted: $(cat /tmp/refused)"
+if hybridcache -R -i 1 -j 1 2>/tmp/refused-r; then fail "-R removed a core under a mounted file system"; fi
+grep -q "cas1-1 ($dev) has 1 client connected; disconnect them or use --force" /tmp/refused-r ||
+	fail "-R was refused for another reason: $(cat /tmp/refused-r)"
+step "-T and -R refused while mounted: $(cat /tmp/refused)"
 
 fio --name=verify --filename=/mnt/vol/fio.dat --size=32M --rw=randwrite --bsrange=4k-64k \
 	--ioengine=libaio --direct=1 --iodepth=16 --verify=crc32c --verify_fatal=1 \

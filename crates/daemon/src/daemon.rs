@@ -1,5 +1,6 @@
-//! The daemon proper: owns every cache, serves the exported volumes over NBD, and answers management
-//! requests on the control socket until SIGTERM/SIGINT.
+//! The daemon proper: owns every cache, serves the exported volumes through their front-ends
+//! (NBD, ublk; frontend.rs), and answers management requests on the control socket until
+//! SIGTERM/SIGINT.
 //!
 //! Threads: the main thread sets everything up and then waits for a signal (`sigwait`; the
 //! signals are blocked in every thread, so no handler runs in an arbitrary context); the control

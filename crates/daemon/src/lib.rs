@@ -3,7 +3,8 @@
 //! configuration file, opens the devices users name, and records block traces.
 //!
 //! Boundaries: the caching itself is the engine's (`hybridcache-engine`); devices come from
-//! `hybridcache-volume`; the NBD front-end (`hybridcache-nbd`) serves the exports. The command
+//! `hybridcache-volume`; front-ends ([`frontend`]) serve the exports: NBD (`hybridcache-nbd`)
+//! and ublk block devices (`hybridcache-ublk`, [`ublk_export`]). The command
 //! line, output formats, the bench runner and the analyzer glue are the CLI's (`crates/cli`),
 //! which talks to the daemon only through [`protocol`] over the control socket.
 
