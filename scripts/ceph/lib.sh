@@ -66,32 +66,32 @@ kill_pidfiles() {
     for f in "$@"; do
         [ -f "$f" ] || continue
         pid=$(cat "$f")
-        [ -n "$pid" ] && kill -KILL "$pid" 2>/dev/null && pids+=("$pid")
+        if [ -n "$pid" ] && kill -KILL "$pid" 2>/dev/null; then pids+=("$pid"); fi
         rm -f "$f"
     done
-    for pid in "${pids[@]}"; do
+    for pid in ${pids[@]+"${pids[@]}"}; do
         for t in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.05; done
     done
 }
 
 # Loop devices first (they hold the FUSE files open), then the FUSE mounts and nbdfuse.
 detach_osd_devices() {
-    local f loopdev mnt
+    local f mnt
     for f in "$CEPH_DIR"/hc/loop.*; do
         [ -f "$f" ] || continue
-        loopdev=$(cat "$f")
-        losetup -d "$loopdev" 2>/dev/null
+        losetup -d "$(cat "$f")" 2>/dev/null || true
         rm -f "$f"
     done
+    # Every FUSE mount under the run directory, from the mount table: a mount whose nbdfuse died
+    # fails stat ("Transport endpoint is not connected"), so `[ -d ]` would skip it.
+    awk -v d="$CEPH_DIR/hc/" 'index($2, d) == 1 { print $2 }' /proc/mounts | while read -r mnt; do
+        fusermount3 -u -z "$mnt" 2>/dev/null || umount -l "$mnt" 2>/dev/null || true
+    done
+    kill_pidfiles "$CEPH_DIR"/hc/nbdfuse.*.pid
     for mnt in "$CEPH_DIR"/hc/fuse.*; do
-        [ -d "$mnt" ] || continue
-        fusermount3 -u -z "$mnt" 2>/dev/null
+        [ "$mnt" = "$CEPH_DIR/hc/fuse.*" ] && break
+        for _ in $(seq 50); do rmdir "$mnt" 2>/dev/null && break; sleep 0.1; done
     done
-    for f in "$CEPH_DIR"/hc/nbdfuse.*.pid; do
-        [ -f "$f" ] && kill -TERM "$(cat "$f")" 2>/dev/null
-        rm -f "$f"
-    done
-    rmdir "$CEPH_DIR"/hc/fuse.* 2>/dev/null
     return 0
 }
 
