@@ -80,6 +80,17 @@ fn probe() -> Result<(), String> {
     }
 }
 
+/// A ring for one thread. Only this thread submits to it and it waits for every completion
+/// itself, so the kernel may run completion work only when the thread waits (single issuer,
+/// deferred task work: Linux 6.1) instead of interrupting it; older kernels get a plain ring.
+fn new_ring() -> io::Result<IoUring> {
+    IoUring::builder()
+        .setup_single_issuer()
+        .setup_defer_taskrun()
+        .build(RING_ENTRIES)
+        .or_else(|_| IoUring::new(RING_ENTRIES))
+}
+
 thread_local! {
     /// This thread's ring; None until the first request, or after a ring broke (the next
     /// request makes a new one).
@@ -131,7 +142,7 @@ unsafe fn one(fd: RawFd, ptr: *mut u8, len: u32, offset: u64, dir: Dir) -> io::R
         // Never borrowed twice: nothing below calls back into this module.
         let mut slot = cell.borrow_mut();
         if slot.is_none() {
-            *slot = Some(IoUring::new(RING_ENTRIES)?);
+            *slot = Some(new_ring()?);
         }
         let ring = slot.as_mut().expect("the ring was just created");
         let sqe = match dir {
