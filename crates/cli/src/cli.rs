@@ -398,7 +398,8 @@ pub enum Command {
     /// Export a device over NBD with no cache (a bare core, e.g. for benchmarks).
     Serve(crate::serve::ServeArgs),
 
-    /// Benchmarks: fio over a matrix (run), the emulated RAID's calibration (calibration).
+    /// Benchmarks: fio over a matrix (run), the emulated RAID's calibration (calibration), the
+    /// engine alone (engine), a hit against the cache device itself (device).
     Bench(crate::bench::BenchArgs),
 
     /// A live view of the caches: IOPS, MB/s, hit ratio, dirty %, cleaning, latency (q quits).

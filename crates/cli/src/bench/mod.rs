@@ -9,12 +9,15 @@
 //! - `bench calibration`: the emulated RAID 60's no-cache figures next to the study's
 //!   (docs/devices.md), from the in-process simulation and/or through fio and NBD for real.
 //!
+//! - `bench device`: a cache hit against the cache device itself, raw and through nbdkit
+//!   (perf.md §4).
 //! - `bench engine`: the engine alone (`hybridcache_engine::bench`, also `cargo bench`) against
 //!   Open CAS's engine marks.
 //!
 //! docs/bench.md is the user's guide.
 
 pub mod calibration;
+pub mod device;
 pub mod engine;
 pub mod fio;
 pub mod matrix;
@@ -45,6 +48,9 @@ pub enum BenchCommand {
     Calibration(calibration::CalibrationArgs),
     /// The engine alone against Open CAS's engine marks (perf.md §1; docs/performance.md).
     Engine(engine::EngineArgs),
+    /// A cache hit against the cache device itself: fio raw, through hybridcache, through
+    /// nbdkit's file plugin (perf.md §4). WRITES to the device.
+    Device(device::DeviceArgs),
 }
 
 /// `bench run`. Lists are comma-separated (`--bs 4K,64K`); every flag overrides the same key
@@ -125,6 +131,7 @@ pub fn main(args: &BenchArgs) -> Result<u8> {
         BenchCommand::Run(a) => run::run(a),
         BenchCommand::Calibration(a) => calibration::run(a).map(|()| 0),
         BenchCommand::Engine(a) => engine::run(a).map(|()| 0),
+        BenchCommand::Device(a) => device::run(a).map(|()| 0),
     }
 }
 
