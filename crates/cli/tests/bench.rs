@@ -291,6 +291,59 @@ fn matrix_policy_keys_reach_the_daemon() {
     assert_eq!(after(&cells[1], "pass_through_reads"), 0, "{}", cells[1]);
 }
 
+/// The burst protocol writes a multiple of the cache from empty, for the core alone too, and
+/// charts IOPS over time.
+#[test]
+fn burst_writes_twice_the_cache_and_charts_iops_over_time() {
+    if !have("fio") {
+        eprintln!("skipped: fio is not installed (make deps)");
+        return;
+    }
+    let dir = workdir();
+    let out = dir.path().join("out");
+    let o = bench(&[
+        "run",
+        "-o",
+        out.to_str().unwrap(),
+        "--core",
+        "throttle:latency_us=100:ram:128M",
+        "--cache",
+        "ram:4M",
+        "--pattern",
+        "randwrite",
+        "--iodepth",
+        "8",
+        "--size",
+        "32M",
+        "--protocol",
+        "burst",
+        "--lazy-flush",
+        "on",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let r = load(&out);
+    assert_eq!(r["matrix"]["protocol"]["burst_factor"], 4.0);
+    assert_eq!(r["matrix"]["cache"]["lazy_flush"], true);
+    for c in r["cells"].as_array().unwrap() {
+        assert_eq!(c["status"], "ok", "{c}");
+        let written = c["outcome"]["fio"]["write"]["bytes"].as_u64().unwrap();
+        assert_eq!(written, 16 << 20, "{c}");
+        assert!(
+            c["outcome"]["fio"]["write"]["lat_p9999_us"]
+                .as_f64()
+                .unwrap()
+                > 0.0
+        );
+        if c["cell"]["config"] == "cache" {
+            assert_eq!(after(c, "exported_written_bytes"), 16 << 20, "{c}");
+        }
+    }
+    assert!(is_png(&out.join("charts/iops-time-randwrite-4K.png")));
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(md.contains("charts/iops-time-randwrite-4K.png"), "{md}");
+    assert!(md.contains("p99.99 latency, ms"), "{md}");
+}
+
 #[test]
 fn bad_matrix_files_name_the_key() {
     let dir = workdir();

@@ -163,6 +163,9 @@ pub enum ProtocolName {
     Flush,
     /// Warm the region, then measure on it (hits).
     Hits,
+    /// From an empty cache, write `burst_factor` times the cache's size and measure all of it
+    /// (IOPS over time and the tail as the cache fills with dirty data).
+    Burst,
 }
 
 impl ProtocolName {
@@ -173,6 +176,7 @@ impl ProtocolName {
             ProtocolName::Fill => "fill",
             ProtocolName::Flush => "flush",
             ProtocolName::Hits => "hits",
+            ProtocolName::Burst => "burst",
         }
     }
 }
@@ -330,6 +334,8 @@ pub struct ProtocolSection {
     pub flush_via: Option<String>,
     /// flush: give up waiting for the drain after this many seconds.
     pub drain_max: Option<u64>,
+    /// burst: bytes written, as a multiple of the cache's size.
+    pub burst_factor: Option<f64>,
 }
 
 // ------------------------------------------------------------------------------------------
@@ -438,6 +444,13 @@ pub struct ProtocolSettings {
     pub dirty_pct: f64,
     pub flush_via: String,
     pub drain_max: u64,
+    /// Absent in results.json files written before the burst protocol.
+    #[serde(default = "default_burst_factor")]
+    pub burst_factor: f64,
+}
+
+fn default_burst_factor() -> f64 {
+    4.0
 }
 
 /// Everything a run needs, checked. Stored verbatim in results.json ("the exact configuration").
@@ -543,6 +556,7 @@ pub struct Overrides {
     pub cache_mode: Option<String>,
     pub line_size: Option<u32>,
     pub cleaning: Option<String>,
+    pub lazy_flush: Option<bool>,
     pub protocol: Option<ProtocolName>,
     pub settle: Option<u64>,
     pub nbdkit_max_size: Option<String>,
@@ -759,7 +773,7 @@ pub fn resolve(file: &MatrixFile, o: &Overrides) -> Result<Matrix> {
         alru: c.alru.clone(),
         acp: c.acp.clone(),
         seq_cutoff: c.seq_cutoff.clone(),
-        lazy_flush: c.lazy_flush,
+        lazy_flush: o.lazy_flush.or(c.lazy_flush),
         prefetch: c.prefetch.clone(),
         promotion: c.promotion.clone(),
         nbd_workers,
@@ -813,6 +827,10 @@ pub fn resolve(file: &MatrixFile, o: &Overrides) -> Result<Matrix> {
             bail!("{key}: {v} is not a percentage in (0, 100]");
         }
     }
+    let burst_factor = p.burst_factor.unwrap_or_else(default_burst_factor);
+    if !(burst_factor > 0.0 && burst_factor <= 1000.0) {
+        bail!("protocol.burst_factor: {burst_factor} is not in (0, 1000]");
+    }
     let protocol = ProtocolSettings {
         name: o.protocol.or(p.name).unwrap_or(ProtocolName::Plain),
         settle: o.settle.or(p.settle).unwrap_or(60),
@@ -822,6 +840,7 @@ pub fn resolve(file: &MatrixFile, o: &Overrides) -> Result<Matrix> {
         dirty_pct,
         flush_via,
         drain_max: p.drain_max.unwrap_or(1800),
+        burst_factor,
     };
     let matrix = Matrix {
         patterns,
@@ -840,16 +859,23 @@ pub fn resolve(file: &MatrixFile, o: &Overrides) -> Result<Matrix> {
         nbdkit,
         protocol,
     };
-    if matches!(matrix.protocol.name, ProtocolName::Flush) {
+    if let ProtocolName::Flush | ProtocolName::Burst = matrix.protocol.name {
         if let Some(p) = matrix.patterns.iter().find(|p| !p.writes()) {
-            bail!("protocol.name: flush needs write patterns to fill the cache with dirty data, and {p} only reads");
+            bail!(
+                "protocol.name: {} needs write patterns to fill the cache with dirty data, and {p} only reads",
+                matrix.protocol.name.name()
+            );
         }
+    }
+    if matrix.protocol.name == ProtocolName::Burst && cache_capacity(&matrix.cache.device).is_none()
+    {
+        bail!("protocol.name: burst writes a multiple of the cache's size, so cache.device must be ram:SIZE or an existing file (got '{}')", matrix.cache.device);
     }
     Ok(matrix)
 }
 
 /// The capacity of a cache device spec when it can be told without opening it.
-fn cache_capacity(spec: &str) -> Option<u64> {
+pub fn cache_capacity(spec: &str) -> Option<u64> {
     if let Some(s) = spec.strip_prefix("ram:") {
         return parse_size(s).ok();
     }

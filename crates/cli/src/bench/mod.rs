@@ -108,6 +108,9 @@ pub struct RunArgs {
     /// Cleaning policy: nop, alru, acp [default: the daemon's].
     #[arg(long, value_name = "POLICY")]
     pub cleaning: Option<String>,
+    /// Lazy flush: on or off [default: the daemon's].
+    #[arg(long, value_name = "on|off", value_parser = on_off)]
+    pub lazy_flush: Option<bool>,
     /// Protocol [default: plain].
     #[arg(long, value_enum)]
     pub protocol: Option<ProtocolName>,
@@ -117,6 +120,10 @@ pub struct RunArgs {
     /// nbdkit-cache: cache-max-size [default: the cache device's size].
     #[arg(long, value_name = "SIZE")]
     pub nbdkit_max_size: Option<String>,
+}
+
+fn on_off(v: &str) -> Result<bool, String> {
+    hybridcache_engine::policy::parse_on_off("--lazy-flush", v)
 }
 
 /// Run a `bench` subcommand. Returns the process exit code (130 after an interruption).

@@ -321,6 +321,48 @@ pub fn charts(res: &Results, out: &Path) -> Result<Vec<String>> {
             }
             written.push(name);
 
+            // burst: IOPS over time, one line per configuration and iodepth (first numjobs,
+            // first rep): the shape of the burst is the finding, not its average.
+            if m.protocol.name == ProtocolName::Burst {
+                let mut over_time = Vec::new();
+                for c in res.cells.iter().filter(|c| c.ok()) {
+                    if c.cell.pattern != pattern
+                        || c.cell.bs != bs
+                        || c.cell.rep != 0
+                        || c.cell.numjobs != m.numjobs[0]
+                    {
+                        continue;
+                    }
+                    let Some(o) = &c.outcome else { continue };
+                    let points: Vec<(f64, f64)> = o
+                        .series
+                        .iter()
+                        .filter_map(|s| s.mb_s.map(|v| (s.t, v * 1e6 / bs as f64)))
+                        .collect();
+                    if !points.is_empty() {
+                        over_time.push(Series {
+                            label: format!("{} iodepth {}", c.cell.config.name(), c.cell.iodepth),
+                            points,
+                        });
+                    }
+                }
+                if !over_time.is_empty() {
+                    let name = chart_name("iops-time", pattern, bs);
+                    line_chart(
+                        &out.join(&name),
+                        &LineChart {
+                            title: &format!("{pattern} {}: IOPS during the burst", size_label(bs)),
+                            x_label: "time (s)",
+                            y_label: "IOPS",
+                            series: &over_time,
+                            log_x: false,
+                            log_y: false,
+                        },
+                    )?;
+                    written.push(name);
+                }
+            }
+
             // Dirty % over the measured run, one line per iodepth (first numjobs, first rep).
             let mut dirty = Vec::new();
             for c in res.cells.iter().filter(|c| c.ok()) {
