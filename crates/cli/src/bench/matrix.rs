@@ -235,6 +235,9 @@ pub struct MatrixSection {
     pub configs: Option<Vec<String>>,
     /// Repetitions of every cell (the report shows the median).
     pub repeat: Option<u32>,
+    /// fio's random_distribution for random patterns: "random" (uniform), "zipf:1.2",
+    /// "pareto:0.9", "normal:10", "zoned:...": skewed workloads for promotion and offload.
+    pub distribution: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -279,6 +282,15 @@ pub struct PrefetchParams {
     pub max_in_flight: Option<u32>,
 }
 
+/// `-X -n offload -p on|off` and `-X -n offload-queue --share PCT -t DEPTH`.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct OffloadParams {
+    pub enabled: bool,
+    pub share: Option<u32>,
+    pub threshold: Option<u32>,
+}
+
 /// `-X -n promotion -p POLICY` and `-X -n promotion-nhit -t N -o PCT`.
 #[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -301,6 +313,7 @@ pub struct CacheSection {
     pub lazy_flush: Option<bool>,
     pub prefetch: Option<PrefetchParams>,
     pub promotion: Option<PromotionParams>,
+    pub offload: Option<OffloadParams>,
     pub nbd_workers: Option<usize>,
 }
 
@@ -357,6 +370,8 @@ pub struct CacheSettings {
     pub prefetch: Option<PrefetchParams>,
     #[serde(default)]
     pub promotion: Option<PromotionParams>,
+    #[serde(default)]
+    pub offload: Option<OffloadParams>,
     pub nbd_workers: usize,
 }
 
@@ -420,6 +435,19 @@ impl CacheSettings {
             ));
             out.push(("prefetch", vec![("-p", p.policy.clone())]));
         }
+        if let Some(o) = &self.offload {
+            out.push((
+                "offload-queue",
+                some(&[("--share", o.share), ("-t", o.threshold)]),
+            ));
+            out.push((
+                "offload",
+                vec![(
+                    "-p",
+                    hybridcache_engine::policy::on_off(o.enabled).to_string(),
+                )],
+            ));
+        }
         out.retain(|(_, f)| !f.is_empty());
         out
     }
@@ -465,6 +493,9 @@ pub struct Matrix {
     pub size: u64,
     pub offset: u64,
     pub repeat: u32,
+    /// fio's random_distribution (None: fio's uniform default).
+    #[serde(default)]
+    pub distribution: Option<String>,
     pub configs: Vec<Config>,
     pub core_device: String,
     pub core_workers: usize,
@@ -681,6 +712,20 @@ pub fn resolve(file: &MatrixFile, o: &Overrides) -> Result<Matrix> {
     if repeat == 0 || repeat > 100 {
         bail!("matrix.repeat: {repeat} is not between 1 and 100");
     }
+    let distribution = m.distribution.clone();
+    if let Some(d) = &distribution {
+        let (kind, arg) = d.split_once(':').unwrap_or((d.as_str(), ""));
+        let ok = match kind {
+            "random" => arg.is_empty(),
+            "zipf" | "pareto" | "normal" => arg.parse::<f64>().is_ok_and(|v| v > 0.0),
+            // zoned:60/10:30/20:10/70 and friends: fio checks the zones' sums itself.
+            "zoned" | "zoned_abs" => !arg.is_empty(),
+            _ => false,
+        };
+        if !ok {
+            bail!("matrix.distribution: '{d}' is not one of random, zipf:THETA, pareto:H, normal:PCT, zoned:...");
+        }
+    }
     let mut configs = o
         .configs
         .clone()
@@ -761,6 +806,16 @@ pub fn resolve(file: &MatrixFile, o: &Overrides) -> Result<Matrix> {
         .validate()
         .map_err(|e| anyhow!("cache.prefetch: {e}"))?;
     }
+    if let Some(o) = &c.offload {
+        let d = hybridcache_engine::Offload::default();
+        hybridcache_engine::Offload {
+            enabled: o.enabled,
+            share_pct: o.share.unwrap_or(d.share_pct),
+            threshold: o.threshold.unwrap_or(d.threshold),
+        }
+        .validate()
+        .map_err(|e| anyhow!("cache.offload: {e}"))?;
+    }
     let nbd_workers = c.nbd_workers.unwrap_or(32);
     if nbd_workers == 0 || nbd_workers > 256 {
         bail!("cache.nbd_workers: {nbd_workers} is not between 1 and 256");
@@ -776,6 +831,7 @@ pub fn resolve(file: &MatrixFile, o: &Overrides) -> Result<Matrix> {
         lazy_flush: o.lazy_flush.or(c.lazy_flush),
         prefetch: c.prefetch.clone(),
         promotion: c.promotion.clone(),
+        offload: c.offload.clone(),
         nbd_workers,
     };
 
@@ -852,6 +908,7 @@ pub fn resolve(file: &MatrixFile, o: &Overrides) -> Result<Matrix> {
         size,
         offset,
         repeat,
+        distribution,
         configs,
         core_device,
         core_workers,
@@ -993,6 +1050,7 @@ device = "ram:64M"
 lazy_flush = true
 prefetch = { policy = "readahead", threshold_kib = 128, distance = 2048, max_in_flight = 8 }
 promotion = { policy = "nhit", threshold = 2, trigger = 0 }
+offload = { enabled = true, share = 40, threshold = 0 }
 seq_cutoff = { policy = "never" }
 "#,
         )
@@ -1014,6 +1072,8 @@ seq_cutoff = { policy = "never" }
                 "lazy-flush: -p on",
                 "prefetch-readahead: -t 128 --distance 2048 --max-in-flight 8",
                 "prefetch: -p readahead",
+                "offload-queue: --share 40 -t 0",
+                "offload: -p on",
             ]
         );
 
@@ -1066,6 +1126,23 @@ seq_cutoff = { policy = "never" }
         );
         let e = err("promotion = { policy = \"nhit\", trigger = 101 }");
         assert!(e.contains("trigger"), "{e}");
+        let e = err("offload = { enabled = true, share = 101 }");
+        assert!(e.contains("cache.offload") && e.contains("share"), "{e}");
+        let e = err("offload = { share = 10 }");
+        assert!(e.contains("enabled"), "{e}");
+        let e = err("[matrix]\ndistribution = \"zipf\"");
+        assert!(e.contains("matrix.distribution"), "{e}");
+        let e = err("[matrix]\ndistribution = \"lognormal:3\"");
+        assert!(e.contains("matrix.distribution"), "{e}");
+        let ok = |d: &str| {
+            let t = format!("[matrix]\ndistribution = \"{d}\"\n[core]\ndevice=\"ram:1G\"\n[cache]\ndevice=\"ram:1G\"");
+            resolve_text(&t).unwrap().distribution
+        };
+        assert_eq!(ok("zipf:1.2").as_deref(), Some("zipf:1.2"));
+        assert_eq!(
+            ok("zoned:60/10:40/90").as_deref(),
+            Some("zoned:60/10:40/90")
+        );
     }
 
     #[test]
@@ -1073,9 +1150,10 @@ seq_cutoff = { policy = "never" }
         let m = resolve_text(GOOD).unwrap();
         let mut v = serde_json::to_value(&m).unwrap();
         let cache = v["cache"].as_object_mut().unwrap();
-        for k in ["lazy_flush", "prefetch", "promotion"] {
+        for k in ["lazy_flush", "prefetch", "promotion", "offload"] {
             assert!(cache.remove(k).is_some(), "{k}");
         }
+        assert!(v.as_object_mut().unwrap().remove("distribution").is_some());
         let back: Matrix = serde_json::from_value(v).unwrap();
         assert_eq!(back, m);
     }

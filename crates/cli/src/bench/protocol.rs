@@ -134,6 +134,7 @@ fn job(m: &Matrix, cell: &Cell, name: &str, pattern: Pattern, offset: u64, uri: 
         runtime: Some(m.runtime),
         ramp: m.ramp,
         io_size: None,
+        distribution: m.distribution.clone(),
     }
 }
 
