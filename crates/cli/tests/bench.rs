@@ -310,8 +310,10 @@ fn burst_writes_twice_the_cache_and_charts_iops_over_time() {
         "run",
         "-o",
         out.to_str().unwrap(),
+        // 1000 IOPS at the core: once the cache is full the burst takes seconds, so the
+        // once-a-second series has points whatever the machine's speed.
         "--core",
-        "throttle:latency_us=100:ram:128M",
+        "throttle:latency_us=100,iops=1000:ram:128M",
         "--cache",
         "ram:4M",
         "--pattern",
@@ -347,6 +349,20 @@ fn burst_writes_twice_the_cache_and_charts_iops_over_time() {
     let md = std::fs::read_to_string(out.join("report.md")).unwrap();
     assert!(md.contains("charts/iops-time-randwrite-4K.png"), "{md}");
     assert!(md.contains("p99.99 latency, ms"), "{md}");
+
+    // Two runs in one chart (here the same run twice, labelled apart).
+    let png = dir.path().join("overlay.png");
+    let on = format!("on={}", out.display());
+    let off = format!("off={}", out.display());
+    let o = bench(&["overlay", "-o", png.to_str().unwrap(), &on, &off]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("2 series"), "{}", text(&o));
+    assert!(is_png(&png));
+    let o = bench(&["overlay", "-o", png.to_str().unwrap(), "nolabel"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let missing = format!("x={}", dir.path().join("nothing").display());
+    let o = bench(&["overlay", "-o", png.to_str().unwrap(), &missing]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
 }
 
 #[test]

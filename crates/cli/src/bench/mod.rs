@@ -45,6 +45,41 @@ pub enum BenchCommand {
     Calibration(calibration::CalibrationArgs),
     /// The engine alone against Open CAS's engine marks (perf.md §1; docs/performance.md).
     Engine(engine::EngineArgs),
+    /// IOPS over time of several runs' cells in one chart (e.g. lazy flush on and off).
+    Overlay(OverlayArgs),
+}
+
+/// `bench overlay -o FILE.png LABEL=DIR...`.
+#[derive(Debug, Clone, Args)]
+pub struct OverlayArgs {
+    /// The PNG to write.
+    #[arg(long, short = 'o', value_name = "FILE")]
+    pub out: PathBuf,
+    /// Which configuration's cells: core, cache, nbdkit-cache.
+    #[arg(long, default_value = "cache")]
+    pub config: String,
+    #[arg(long, default_value = "IOPS over time")]
+    pub title: String,
+    /// Runs as LABEL=DIR (a `bench run` output directory).
+    #[arg(required = true, value_name = "LABEL=DIR")]
+    pub runs: Vec<String>,
+}
+
+fn overlay(a: &OverlayArgs) -> Result<()> {
+    let config: matrix::Config = a
+        .config
+        .parse()
+        .map_err(|e: String| anyhow::Error::new(UsageError(e)))?;
+    let mut runs = Vec::new();
+    for r in &a.runs {
+        let Some((label, dir)) = r.split_once('=') else {
+            return Err(UsageError(format!("'{r}' is not LABEL=DIR")).into());
+        };
+        runs.push((label.to_string(), PathBuf::from(dir)));
+    }
+    let n = report::overlay(&runs, config, &a.title, &a.out)?;
+    println!("{}: {n} series", a.out.display());
+    Ok(())
 }
 
 /// `bench run`. Lists are comma-separated (`--bs 4K,64K`); every flag overrides the same key
@@ -132,6 +167,7 @@ pub fn main(args: &BenchArgs) -> Result<u8> {
         BenchCommand::Run(a) => run::run(a),
         BenchCommand::Calibration(a) => calibration::run(a).map(|()| 0),
         BenchCommand::Engine(a) => engine::run(a).map(|()| 0),
+        BenchCommand::Overlay(a) => overlay(a).map(|()| 0),
     }
 }
 
