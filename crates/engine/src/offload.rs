@@ -155,13 +155,18 @@ impl OffloadState {
         if share == 0 {
             return false;
         }
-        let cache = self.cache_in_flight.load(Ordering::Relaxed) as i64;
-        let core_q = self
-            .core_in_flight
-            .get(core)
-            .map_or(0, |c| c.load(Ordering::Relaxed)) as i64;
-        if cache - core_q < self.threshold.load(Ordering::Relaxed) as i64 {
-            return false;
+        let threshold = self.threshold.load(Ordering::Relaxed) as i64;
+        // Threshold 0 means "whatever the queues": a core deeper than the cache must not stop
+        // it (a fast core's queue is deeper than a RAM cache's most of the time).
+        if threshold > 0 {
+            let cache = self.cache_in_flight.load(Ordering::Relaxed) as i64;
+            let core_q = self
+                .core_in_flight
+                .get(core)
+                .map_or(0, |c| c.load(Ordering::Relaxed)) as i64;
+            if cache - core_q < threshold {
+                return false;
+            }
         }
         // Request n is offloaded when the running total n * share / 100 steps up: exactly
         // `share` of every 100 eligible requests, evenly spread.
@@ -222,6 +227,21 @@ mod tests {
         let _g = s.cache_io();
         assert_eq!(s.cache_in_flight.load(Ordering::Relaxed), 0);
         assert!(!s.take(1));
+    }
+
+    #[test]
+    fn threshold_0_ignores_the_queues() {
+        let s = OffloadState::new(4);
+        s.set_params(Offload {
+            enabled: true,
+            share_pct: 100,
+            threshold: 0,
+        });
+        // The core's queue is deeper than the cache's (a fast core behind a RAM cache).
+        let k1 = s.core_io(1);
+        let k2 = s.core_io(1);
+        assert!(s.take(1));
+        drop((k1, k2));
     }
 
     #[test]
