@@ -225,6 +225,72 @@ fn ctrl_c_stops_cleanly_and_keeps_what_was_measured() {
     assert!(std::os::unix::net::UnixStream::connect(&sock).is_err());
 }
 
+/// Runs a one-cell-per-pattern matrix (cache only, 1 s at depth 4, 16M over a 4M RAM cache with
+/// no cleaning) with `extra` appended to `[cache]`; returns the cells by pattern.
+fn policy_run(name: &str, patterns: &str, extra: &str) -> (Value, Vec<Value>) {
+    let dir = workdir();
+    let out = dir.path().join("out");
+    let f = dir.path().join(format!("{name}.toml"));
+    std::fs::write(
+        &f,
+        format!(
+            "[matrix]\npatterns = {patterns}\niodepths = [4]\nruntime = 1\nsize = \"16M\"\nconfigs = [\"cache\"]\n[core]\ndevice = \"throttle:latency_us=200:ram:64M\"\n[cache]\ndevice = \"ram:4M\"\ncleaning = \"nop\"\n{extra}\n"
+        ),
+    )
+    .unwrap();
+    let o = bench(&[
+        "run",
+        "-m",
+        f.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let r = load(&out);
+    let cells = r["cells"].as_array().unwrap().clone();
+    for c in &cells {
+        assert_eq!(c["status"], "ok", "{c}");
+    }
+    (r, cells)
+}
+
+fn after(cell: &Value, counter: &str) -> u64 {
+    cell["outcome"]["stats_after"][counter]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{counter}: {cell}"))
+}
+
+/// The `[cache]` policy keys reach the daemon: lazy flush sends writes to the core once the
+/// cache is full of dirty data (no cleaning), read-ahead prefetches for a sequential read, and
+/// nhit with trigger 0 inserts nothing seen once (those requests pass through).
+#[test]
+fn matrix_policy_keys_reach_the_daemon() {
+    if !have("fio") {
+        eprintln!("skipped: fio is not installed (make deps)");
+        return;
+    }
+    let (r, cells) = policy_run(
+        "lazy",
+        r#"["randwrite", "read"]"#,
+        "lazy_flush = true\nprefetch = { policy = \"readahead\", threshold_kib = 64, distance = 512 }",
+    );
+    assert_eq!(r["matrix"]["cache"]["lazy_flush"], true);
+    assert!(after(&cells[0], "lazy_flush_writes") > 0, "{}", cells[0]);
+    assert!(after(&cells[1], "prefetch_requests") > 0, "{}", cells[1]);
+
+    let (r, cells) = policy_run(
+        "nhit",
+        r#"["randread"]"#,
+        "promotion = { policy = \"nhit\", threshold = 2, trigger = 0 }",
+    );
+    assert_eq!(r["matrix"]["cache"]["promotion"]["threshold"], 2);
+    assert!(after(&cells[0], "pass_through_reads") > 0, "{}", cells[0]);
+    // And without the keys, the daemon's defaults: no lazy flush, everything inserted.
+    let (_, cells) = policy_run("defaults", r#"["randwrite", "randread"]"#, "");
+    assert_eq!(after(&cells[0], "lazy_flush_writes"), 0, "{}", cells[0]);
+    assert_eq!(after(&cells[1], "pass_through_reads"), 0, "{}", cells[1]);
+}
+
 #[test]
 fn bad_matrix_files_name_the_key() {
     let dir = workdir();

@@ -265,6 +265,25 @@ pub struct SeqCutoff {
     pub threshold_kib: Option<u64>,
 }
 
+/// `-X -n prefetch -p POLICY` and `-X -n prefetch-readahead -t KIB --distance KIB --max-in-flight N`.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PrefetchParams {
+    pub policy: String,
+    pub threshold_kib: Option<u32>,
+    pub distance: Option<u32>,
+    pub max_in_flight: Option<u32>,
+}
+
+/// `-X -n promotion -p POLICY` and `-X -n promotion-nhit -t N -o PCT`.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PromotionParams {
+    pub policy: String,
+    pub threshold: Option<u32>,
+    pub trigger: Option<u32>,
+}
+
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CacheSection {
@@ -275,6 +294,9 @@ pub struct CacheSection {
     pub alru: Option<AlruParams>,
     pub acp: Option<AcpParams>,
     pub seq_cutoff: Option<SeqCutoff>,
+    pub lazy_flush: Option<bool>,
+    pub prefetch: Option<PrefetchParams>,
+    pub promotion: Option<PromotionParams>,
     pub nbd_workers: Option<usize>,
 }
 
@@ -322,7 +344,79 @@ pub struct CacheSettings {
     pub alru: Option<AlruParams>,
     pub acp: Option<AcpParams>,
     pub seq_cutoff: Option<SeqCutoff>,
+    /// None: the daemon's default (results.json files written before these keys read as None).
+    #[serde(default)]
+    pub lazy_flush: Option<bool>,
+    #[serde(default)]
+    pub prefetch: Option<PrefetchParams>,
+    #[serde(default)]
+    pub promotion: Option<PromotionParams>,
     pub nbd_workers: usize,
+}
+
+impl CacheSettings {
+    /// The `-X -n GROUP` commands (group, flags) that set this cache's policies, in the order
+    /// they are sent; the cleaning policy itself is set last, separately. A group whose keys are
+    /// all absent sends nothing, so the daemon's defaults stay.
+    pub fn param_commands(&self) -> Vec<(&'static str, Vec<(&'static str, String)>)> {
+        fn some<T: ToString>(pairs: &[(&'static str, Option<T>)]) -> Vec<(&'static str, String)> {
+            pairs
+                .iter()
+                .filter_map(|(f, v)| v.as_ref().map(|v| (*f, v.to_string())))
+                .collect()
+        }
+        let mut out = Vec::new();
+        if let Some(a) = &self.alru {
+            out.push((
+                "cleaning-alru",
+                some(&[
+                    ("-w", a.wake_up),
+                    ("-s", a.staleness),
+                    ("-b", a.flush_max),
+                    ("-t", a.activity),
+                    ("-d", a.dirty_pct),
+                ]),
+            ));
+        }
+        if let Some(a) = &self.acp {
+            out.push((
+                "cleaning-acp",
+                some(&[("-w", a.wake_up), ("-b", a.flush_max)]),
+            ));
+        }
+        if let Some(s) = &self.seq_cutoff {
+            let mut f = vec![("-p", s.policy.clone())];
+            f.extend(some(&[("-t", s.threshold_kib)]));
+            out.push(("seq-cutoff", f));
+        }
+        if let Some(p) = &self.promotion {
+            // Tunables first: switching to nhit then applies the wanted threshold at once.
+            out.push((
+                "promotion-nhit",
+                some(&[("-t", p.threshold), ("-o", p.trigger)]),
+            ));
+            out.push(("promotion", vec![("-p", p.policy.clone())]));
+        }
+        if let Some(on) = self.lazy_flush {
+            out.push((
+                "lazy-flush",
+                vec![("-p", hybridcache_engine::policy::on_off(on).to_string())],
+            ));
+        }
+        if let Some(p) = &self.prefetch {
+            out.push((
+                "prefetch-readahead",
+                some(&[
+                    ("-t", p.threshold_kib),
+                    ("--distance", p.distance),
+                    ("--max-in-flight", p.max_in_flight),
+                ]),
+            ));
+            out.push(("prefetch", vec![("-p", p.policy.clone())]));
+        }
+        out.retain(|(_, f)| !f.is_empty());
+        out
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -624,6 +718,35 @@ pub fn resolve(file: &MatrixFile, o: &Overrides) -> Result<Matrix> {
             );
         }
     }
+    if let Some(p) = &c.promotion {
+        let policy = p
+            .policy
+            .parse::<hybridcache_engine::PromotionPolicy>()
+            .map_err(|e| anyhow!("cache.promotion.policy: {e}"))?;
+        let d = hybridcache_engine::Promotion::default();
+        hybridcache_engine::Promotion {
+            policy,
+            threshold: p.threshold.unwrap_or(d.threshold),
+            trigger_pct: p.trigger.unwrap_or(d.trigger_pct),
+        }
+        .validate()
+        .map_err(|e| anyhow!("cache.promotion: {e}"))?;
+    }
+    if let Some(p) = &c.prefetch {
+        let policy = p
+            .policy
+            .parse::<hybridcache_engine::PrefetchPolicy>()
+            .map_err(|e| anyhow!("cache.prefetch.policy: {e}"))?;
+        let d = hybridcache_engine::Prefetch::default();
+        hybridcache_engine::Prefetch {
+            policy,
+            threshold_kib: p.threshold_kib.unwrap_or(d.threshold_kib),
+            distance_kib: p.distance.unwrap_or(d.distance_kib),
+            max_in_flight: p.max_in_flight.unwrap_or(d.max_in_flight),
+        }
+        .validate()
+        .map_err(|e| anyhow!("cache.prefetch: {e}"))?;
+    }
     let nbd_workers = c.nbd_workers.unwrap_or(32);
     if nbd_workers == 0 || nbd_workers > 256 {
         bail!("cache.nbd_workers: {nbd_workers} is not between 1 and 256");
@@ -636,6 +759,9 @@ pub fn resolve(file: &MatrixFile, o: &Overrides) -> Result<Matrix> {
         alru: c.alru.clone(),
         acp: c.acp.clone(),
         seq_cutoff: c.seq_cutoff.clone(),
+        lazy_flush: c.lazy_flush,
+        prefetch: c.prefetch.clone(),
+        promotion: c.promotion.clone(),
         nbd_workers,
     };
 
@@ -828,6 +954,104 @@ settle = 5
         assert!(e.contains("protocol.name"), "{e}");
         let e = err("[core]\ndevice=\"ram:1G\"\n[cache]\ndevice=\"ram:1G\"\n[matrix]\nsize=\"4K\"\nblock_sizes=[\"64K\"]");
         assert!(e.contains("matrix.size"), "{e}");
+    }
+
+    #[test]
+    fn policy_keys_become_the_cli_commands() {
+        let m = resolve_text(
+            r#"
+[core]
+device = "ram:1G"
+[cache]
+device = "ram:64M"
+lazy_flush = true
+prefetch = { policy = "readahead", threshold_kib = 128, distance = 2048, max_in_flight = 8 }
+promotion = { policy = "nhit", threshold = 2, trigger = 0 }
+seq_cutoff = { policy = "never" }
+"#,
+        )
+        .unwrap();
+        let cmds = m.cache.param_commands();
+        let flat: Vec<String> = cmds
+            .iter()
+            .map(|(g, f)| {
+                let f: Vec<String> = f.iter().map(|(k, v)| format!("{k} {v}")).collect();
+                format!("{g}: {}", f.join(" "))
+            })
+            .collect();
+        assert_eq!(
+            flat,
+            vec![
+                "seq-cutoff: -p never",
+                "promotion-nhit: -t 2 -o 0",
+                "promotion: -p nhit",
+                "lazy-flush: -p on",
+                "prefetch-readahead: -t 128 --distance 2048 --max-in-flight 8",
+                "prefetch: -p readahead",
+            ]
+        );
+
+        // Only the policy: the tunables keep the daemon's values; lazy flush off is sent (it
+        // must override whatever the daemon's default is).
+        let m = resolve_text(
+            "[core]\ndevice=\"ram:1G\"\n[cache]\ndevice=\"ram:1G\"\nlazy_flush = false\nprefetch = { policy = \"none\" }\npromotion = { policy = \"always\" }",
+        )
+        .unwrap();
+        let groups: Vec<_> = m.cache.param_commands();
+        assert_eq!(
+            groups,
+            vec![
+                ("promotion", vec![("-p", "always".to_string())]),
+                ("lazy-flush", vec![("-p", "off".to_string())]),
+                ("prefetch", vec![("-p", "none".to_string())]),
+            ]
+        );
+        // Absent keys send nothing at all.
+        let m = resolve_text("[core]\ndevice=\"ram:1G\"\n[cache]\ndevice=\"ram:1G\"").unwrap();
+        assert!(m.cache.param_commands().is_empty());
+    }
+
+    #[test]
+    fn bad_policy_keys_name_the_key() {
+        let err = |extra: &str| {
+            let t = format!("[core]\ndevice=\"ram:1G\"\n[cache]\ndevice=\"ram:1G\"\n{extra}");
+            format!("{:#}", resolve_text(&t).unwrap_err())
+        };
+        let e = err("lazy_flush = \"maybe\"");
+        assert!(e.contains("lazy_flush"), "{e}");
+        let e = err("prefetch = { policy = \"ahead\" }");
+        assert!(
+            e.contains("cache.prefetch.policy") && e.contains("ahead"),
+            "{e}"
+        );
+        let e = err("prefetch = { policy = \"readahead\", distance = 1 }");
+        assert!(
+            e.contains("cache.prefetch") && e.contains("distance"),
+            "{e}"
+        );
+        let e = err("prefetch = { policy = \"readahead\", threshold = 1 }");
+        assert!(e.contains("threshold"), "{e}");
+        let e = err("promotion = { policy = \"sometimes\" }");
+        assert!(e.contains("cache.promotion.policy"), "{e}");
+        let e = err("promotion = { policy = \"nhit\", threshold = 1 }");
+        assert!(
+            e.contains("cache.promotion") && e.contains("threshold"),
+            "{e}"
+        );
+        let e = err("promotion = { policy = \"nhit\", trigger = 101 }");
+        assert!(e.contains("trigger"), "{e}");
+    }
+
+    #[test]
+    fn results_written_before_the_policy_keys_still_load() {
+        let m = resolve_text(GOOD).unwrap();
+        let mut v = serde_json::to_value(&m).unwrap();
+        let cache = v["cache"].as_object_mut().unwrap();
+        for k in ["lazy_flush", "prefetch", "promotion"] {
+            assert!(cache.remove(k).is_some(), "{k}");
+        }
+        let back: Matrix = serde_json::from_value(v).unwrap();
+        assert_eq!(back, m);
     }
 
     #[test]
