@@ -23,6 +23,7 @@ pub mod protocol;
 pub mod report;
 pub mod rig;
 pub mod run;
+pub mod search;
 
 use std::path::PathBuf;
 
@@ -45,6 +46,9 @@ pub enum BenchCommand {
     Calibration(calibration::CalibrationArgs),
     /// The engine alone against Open CAS's engine marks (perf.md §1; docs/performance.md).
     Engine(engine::EngineArgs),
+    /// Grid-search cache configurations per workload shape and run the analyzer's
+    /// recommendation from a trace of the same workload (docs/analyzer.md).
+    Search(search::SearchArgs),
 }
 
 /// `bench run`. Lists are comma-separated (`--bs 4K,64K`); every flag overrides the same key
@@ -125,6 +129,7 @@ pub fn main(args: &BenchArgs) -> Result<u8> {
         BenchCommand::Run(a) => run::run(a),
         BenchCommand::Calibration(a) => calibration::run(a).map(|()| 0),
         BenchCommand::Engine(a) => engine::run(a).map(|()| 0),
+        BenchCommand::Search(a) => search::run(a),
     }
 }
 
