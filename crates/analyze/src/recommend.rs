@@ -732,16 +732,16 @@ pub fn fast_core(profile: &DeviceProfile) -> Option<String> {
     })
 }
 
-/// Queue depth from which the write-back tail rule sends writes through: the study's tails grew
-/// with the queue of deferred writes; at shallow depths there is no queue to grow.
-const TAIL_DEPTH: u32 = 8;
-/// ... or from this share of the core's deepest random-write IOPS (the study: above ~80k IOPS
-/// on an array good for about that).
+/// The write-back tail rule fires from this share of the core's deepest random-write IOPS,
+/// reached by the cached writes' depth on the core or by their measured peak: the study's tails
+/// grew above about 80k IOPS on an array good for about that, where a write-back queue can only
+/// grow; below it the queue drains and write-back's absorbed writes win.
 const TAIL_LOAD: f64 = 0.5;
 
 /// The write-back tail rule: a mode holding dirty data becomes its write-through sibling (wb ->
 /// wt, wo -> pt: wo's reads were not worth caching) when the core is fast and the cached writes
-/// are deep or heavy enough to queue. Returns the new mode and the reason.
+/// load it near its limit, by their depth or their measured rate. Returns the new mode and the
+/// reason.
 fn tail_rule(
     mode: CacheMode,
     cached: &[(&JobSignature, &JobRecommendation)],
@@ -764,15 +764,18 @@ fn tail_rule(
         .iter()
         .filter(|(_, r)| r.writes.as_ref().is_some_and(|w| w.cache))
         .collect();
-    let depth = writers
+    // What the deepest cached writer's depth alone gets from the core.
+    let (depth, at_depth) = writers
         .iter()
-        .filter_map(|(_, r)| r.writes.as_ref().map(|w| w.queue_depth))
-        .max()?;
+        .filter_map(|(_, r)| r.writes.as_ref())
+        .map(|w| (w.queue_depth, w.core_iops))
+        .max_by(|a, b| a.1.total_cmp(&b.1))?;
     let peak: f64 = writers
         .iter()
         .map(|(s, _)| s.timeline.peak_write_iops())
         .sum();
-    if depth < TAIL_DEPTH && peak < TAIL_LOAD * core_max {
+    let limit = TAIL_LOAD * core_max;
+    if at_depth < limit && peak < limit {
         return None;
     }
     let to = if mode == CacheMode::Wb {
@@ -786,8 +789,13 @@ fn tail_rule(
             "{} instead of {} (the write-back tail rule): {fast}, and the cached writes {}; in front of fast SSD arrays a write-back queue of deferred writes made p99.99 latency 10x worse than write-through above about 80k IOPS, and write-through delivered 3-4x the IOPS at a 1 ms mean-latency target",
             to.long_name(),
             mode.long_name(),
-            if depth >= TAIL_DEPTH {
-                format!("run at iodepth {depth} (at least {TAIL_DEPTH})")
+            if at_depth >= limit {
+                format!(
+                    "run at iodepth {depth}, where the core alone gives {} IOPS, {} of the {} IOPS of its deepest queue",
+                    num(at_depth),
+                    pct(at_depth / core_max),
+                    num(core_max)
+                )
             } else {
                 format!(
                     "peak at {} IOPS, {} of the core's {} IOPS",

@@ -259,14 +259,18 @@ fn random_4k_writes(qd: usize) -> JobSpec {
 
 #[test]
 fn tail_rule_sends_deep_writes_on_an_ssd_raid_through() {
-    let r = analyse_on(&[random_4k_writes(16)], "ssd-raid5x9");
-    // The writes alone would be worth write-back (the core takes ~17k IOPS at depth 16)...
+    let r = analyse_on(&[random_4k_writes(32)], "ssd-raid5x9");
+    // The writes alone would be worth write-back (the core takes ~34k IOPS at depth 32, its
+    // deepest queue ~69k)...
     assert_eq!(r.jobs[0].mode, CacheMode::Wb, "{}", r.jobs[0].reason);
     // ...but the tail rule turns the cache's mode to write-through.
     assert_eq!(r.config.mode, CacheMode::Wt);
     let why = reason(&r, "cache mode wt");
     assert!(why.starts_with("write-through instead of write-back (the write-back tail rule): the core (RAID 5, 9 SATA SSD"), "{why}");
-    assert!(why.contains("iodepth 16"), "{why}");
+    assert!(
+        why.contains("run at iodepth 32, where the core alone gives 34"),
+        "{why}"
+    );
     assert_eq!(r.config.cleaning, Cleaning::Nop);
     assert!(!r.config.lazy_flush);
     assert!(r
@@ -276,10 +280,13 @@ fn tail_rule_sends_deep_writes_on_an_ssd_raid_through() {
 
 #[test]
 fn tail_rule_leaves_shallow_light_writes_and_hdd_cores_alone() {
-    // Depth 1 at 10k IOPS on the SSD RAID: no queue to grow, far below the array's ceiling.
-    let r = analyse_on(&[random_4k_writes(1)], "ssd-raid5x9");
-    assert_eq!(r.config.mode, CacheMode::Wb, "{:?}", r.reasons);
-    assert!(!reason(&r, "cache mode wb").contains("tail rule"));
+    // Depth 1 and depth 8 at 10k IOPS on the SSD RAID: far below the array's ceiling, so the
+    // write-back queue drains.
+    for qd in [1, 8] {
+        let r = analyse_on(&[random_4k_writes(qd)], "ssd-raid5x9");
+        assert_eq!(r.config.mode, CacheMode::Wb, "{:?}", r.reasons);
+        assert!(!reason(&r, "cache mode wb").contains("tail rule"));
+    }
     // The same deep writes on the HDD RAID: write-back.
     let r = analyse_on(&[random_4k_writes(16)], "raid60-study");
     assert_eq!(r.config.mode, CacheMode::Wb);
