@@ -223,12 +223,14 @@ pub fn commands_script(args: &AnalyzeArgs, rec: &Recommendation) -> String {
         rec.profile
     );
     s += &format!(
-        "# Mode {}, {} KiB lines, cleaning {}, seq-cutoff {} {} KiB, cache size {} bytes.\n",
+        "# Mode {}, {} KiB lines, cleaning {}, lazy flush {}, seq-cutoff {} {} KiB, prefetch {}, cache size {} bytes.\n",
         c.mode.as_str(),
         c.line_size_kib,
         c.cleaning.preset().unwrap_or(c.cleaning.name()),
+        if c.lazy_flush { "on" } else { "off" },
         c.seq_cutoff.policy.as_str(),
         c.seq_cutoff.threshold,
+        if c.prefetch.is_some() { "readahead" } else { "none" },
         c.cache_size_bytes
     );
     s += "#\n";
