@@ -66,7 +66,7 @@ pub struct SearchArgs {
     pub max_configs: usize,
     /// Rounds of the closing back-to-back runs of the best grid configuration and the
     /// recommendation (0: compare the grid's figures as they are).
-    #[arg(long, value_name = "N", default_value_t = 2)]
+    #[arg(long, value_name = "N", default_value_t = 3)]
     pub confirm: u32,
     /// Print the shapes and their grids and exit.
     #[arg(long)]
@@ -528,6 +528,54 @@ pub fn recommended_label(rec: &Recommendation) -> String {
     s.replace("-very-aggressive", "-va")
 }
 
+/// The grid point the recommendation is, when it is one (same line size, no IO classes, a
+/// grid cleaning preset, default read-ahead distances): then the comparison measures only the
+/// run-to-run spread.
+pub fn grid_point_of(rec: &Recommendation, shape: &Shape) -> Option<GridPoint> {
+    let c = &rec.config;
+    if c.line_size_kib != shape.line_kib() || !c.io_classes.is_empty() {
+        return None;
+    }
+    let dirty = c.mode.dirty() && shape.writes();
+    let cleaning = if dirty {
+        Some(c.cleaning.preset()?.to_string())
+    } else {
+        None
+    };
+    let seq_cutoff = if c.mode.as_str() == "pt" {
+        None
+    } else if shape.sequential() {
+        Some(c.seq_cutoff.policy.as_str().to_string())
+    } else if c.seq_cutoff.policy.as_str() == "full" {
+        None
+    } else {
+        return None;
+    };
+    let inserts_reads = c.mode.caches_reads() && shape.reads();
+    let nhit = match c.promotion {
+        Promotion::Nhit { threshold, trigger } if inserts_reads => Some((threshold, trigger)),
+        _ => None,
+    };
+    let readahead = match c.prefetch {
+        Some(ra) if inserts_reads && shape.sequential_reads() => {
+            if (ra.threshold, ra.distance, ra.max_in_flight) != (256, 1024, 4) {
+                return None;
+            }
+            true
+        }
+        _ => false,
+    };
+    let p = GridPoint {
+        mode: c.mode.as_str().into(),
+        cleaning,
+        lazy_flush: dirty.then_some(c.lazy_flush),
+        seq_cutoff,
+        nhit,
+        readahead,
+    };
+    grid(shape).contains(&p).then_some(p)
+}
+
 /// One measured configuration.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Measured {
@@ -552,6 +600,8 @@ pub struct ShapeResult {
     /// The back-to-back pairs (best grid point, recommendation), one per round.
     pub confirm: Vec<(Measured, Measured)>,
     pub best: String,
+    /// The recommendation is the best grid point itself.
+    pub same_as_best: bool,
     pub best_figure: f64,
     pub recommended_figure: f64,
     pub ratio: f64,
@@ -772,31 +822,45 @@ fn search_shape(
     if a.confirm > 0 {
         let settings = best.settings.clone().unwrap_or_else(|| pt_settings.clone());
         for round in 0..a.confirm {
-            let b = measure(
-                shape,
-                &base,
-                &format!("again: {}", best.label),
-                &settings,
-                None,
-                None,
-                bin,
-                run_dir,
-                &dir.join(format!("confirm{round}-best")),
-            )?;
-            println!("  {:<40} {}", b.label, figure_text(shape, &b));
-            let r = measure(
-                shape,
-                &base,
-                &format!("again: {}", recommended.label),
-                &rec_settings,
-                classes,
-                None,
-                bin,
-                run_dir,
-                &dir.join(format!("confirm{round}-analyzer")),
-            )?;
-            println!("  {:<40} {}", r.label, figure_text(shape, &r));
-            confirm.push((b, r));
+            // Alternate who goes first, so a drift of the machine within a round (or whatever
+            // the previous cell left behind) does not always favour the same side.
+            let best_first = round % 2 == 0;
+            let mut pair = Vec::new();
+            for side in 0..2 {
+                let is_best = (side == 0) == best_first;
+                let m = if is_best {
+                    measure(
+                        shape,
+                        &base,
+                        &format!("again: {}", best.label),
+                        &settings,
+                        None,
+                        None,
+                        bin,
+                        run_dir,
+                        &dir.join(format!("confirm{round}-best")),
+                    )?
+                } else {
+                    measure(
+                        shape,
+                        &base,
+                        &format!("again: {}", recommended.label),
+                        &rec_settings,
+                        classes,
+                        None,
+                        bin,
+                        run_dir,
+                        &dir.join(format!("confirm{round}-analyzer")),
+                    )?
+                };
+                println!("  {:<40} {}", m.label, figure_text(shape, &m));
+                pair.push((is_best, m));
+            }
+            pair.sort_by_key(|(is_best, _)| !*is_best);
+            let mut it = pair.into_iter().map(|(_, m)| m);
+            if let (Some(b), Some(r)) = (it.next(), it.next()) {
+                confirm.push((b, r));
+            }
         }
     }
     let mean = |v: Vec<f64>| v.iter().sum::<f64>() / v.len().max(1) as f64;
@@ -826,6 +890,7 @@ fn search_shape(
             .map(|r| (r.setting.clone(), r.text.clone()))
             .collect(),
         confirm,
+        same_as_best: grid_point_of(&rec, shape).is_some_and(|p| p.label() == best.label),
         best: best.label,
         best_figure,
         recommended_figure: rec_figure,
@@ -958,7 +1023,11 @@ pub fn table(r: &SearchReport) -> String {
             x.grid.len(),
             x.best,
             x.best_figure,
-            x.recommended.label.trim_start_matches("analyzer: "),
+            format!(
+                "{}{}",
+                x.recommended.label.trim_start_matches("analyzer: "),
+                if x.same_as_best { " (= best)" } else { "" }
+            ),
             x.recommended_figure,
             x.ratio * 100.0,
             if x.pass { "yes" } else { "**no**" }
