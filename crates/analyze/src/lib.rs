@@ -43,8 +43,8 @@ pub use mrc::{MissRatioCurve, MrcBuilder, MrcOptions, MrcPoint, MRC_BLOCK};
 pub use profile::{DeviceModel, DeviceProfile, Dir, Estimate, Pattern, PerfPoint, ProfileError};
 pub use recommend::{
     config_params, fast_core, recommend, recommend_job, recommend_with, AcpParams, AlruParams,
-    CacheConfig, CacheMode, Cleaning, Decision, IoClass, JobRecommendation, Promotion, ReadAhead,
-    Reason, RecommendOptions, Recommendation, SeqCutoff, SeqCutoffPolicy,
+    CacheConfig, CacheMode, Cleaning, Decision, IoClass, JobRecommendation, Offload, Promotion,
+    ReadAhead, Reason, RecommendOptions, Recommendation, SeqCutoff, SeqCutoffPolicy,
 };
 pub use report::{Chart, Report, Section, Table};
 pub use series::{time_series, JobSeries, TimeSeries};

@@ -242,6 +242,17 @@ impl ReadAhead {
     }
 }
 
+/// Offload (`-n offload -p on`, `-n offload-queue`): a share of clean read hits and write
+/// misses goes to the core while the cache device's queue is deeper than the core's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct Offload {
+    /// % of eligible requests.
+    pub share: u32,
+    /// Cache queue depth minus the core's, at least.
+    pub threshold: u32,
+}
+
 /// One IO class (a line of Open CAS's CSV).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct IoClass {
@@ -285,6 +296,9 @@ pub struct CacheConfig {
     /// Read-ahead; None: `prefetch none`.
     #[serde(default)]
     pub prefetch: Option<ReadAhead>,
+    /// Offload to a fast core; None: off.
+    #[serde(default)]
+    pub offload: Option<Offload>,
 }
 
 /// A setting and why.
@@ -917,6 +931,77 @@ fn readahead_rule(
     }
 }
 
+/// The core serves at least this share of what the cache device does for offload to pay: the
+/// study's selective offloading gained where a RAM cache and an SSD array were within a few
+/// times of each other; against a core 10x slower it would only lose hits.
+const OFFLOAD_MIN_RATIO: f64 = 0.25;
+
+/// Offload: on when the core is fast and, for the busiest cached job's main direction at its
+/// depth, serves at least a quarter of what the cache device does. The share balances the two:
+/// the core's part of their combined speed, in steps of 5%, 5..50%.
+fn offload_rule(
+    mode: CacheMode,
+    cached: &[(&JobSignature, &JobRecommendation)],
+    profile: &DeviceProfile,
+) -> (Option<Offload>, String) {
+    if cached.is_empty() || mode == CacheMode::Pt {
+        return (
+            None,
+            "off: nothing is cached, so there is nothing to offload".into(),
+        );
+    }
+    let Some(fast) = fast_core(profile) else {
+        return (
+            None,
+            format!(
+                "off: the core ({}) is neither flash nor within 4x of the cache, so every request it takes waits longer than in the cache",
+                profile.core.name
+            ),
+        );
+    };
+    let Some((s, r)) = cached.iter().max_by_key(|(s, _)| s.requests()) else {
+        return (None, "off: nothing is cached".into());
+    };
+    let main = match (&r.reads, &r.writes) {
+        (Some(x), Some(w)) if s.read_share() < s.write_share() => {
+            Some(("writes", w.core_mb_s, w.absorb_mb_s, w.block, w.queue_depth))
+        }
+        (Some(x), _) => Some(("reads", x.core_mb_s, x.cache_mb_s, x.block, x.queue_depth)),
+        (None, Some(w)) => Some(("writes", w.core_mb_s, w.absorb_mb_s, w.block, w.queue_depth)),
+        (None, None) => None,
+    };
+    let Some((dir, core, cache, block, qd)) = main else {
+        return (None, "off: the cached jobs neither read nor write".into());
+    };
+    let ratio = core / cache.max(1e-9);
+    if ratio < OFFLOAD_MIN_RATIO {
+        return (
+            None,
+            format!(
+                "off: {fast}, but at iodepth {qd} it serves {}'s {dir} at {}, only {} of the cache's {}, so requests sent there would wait longer than in the cache",
+                s.name,
+                speed(core, block),
+                pct(ratio),
+                speed(cache, block)
+            ),
+        );
+    }
+    let share = ((100.0 * core / (core + cache) / 5.0).round() as u32 * 5).clamp(5, 50);
+    (
+        Some(Offload {
+            share,
+            threshold: 1,
+        }),
+        format!(
+            "on (share {share}%, threshold 1): {fast}, and at iodepth {qd} it serves {}'s {dir} at {}, {} of the cache's {}; while the cache device's queue is deeper, sending {share}% of clean read hits and write misses to the core (its part of the two devices' combined speed) uses both, as the ASPLOS'23 study's selective offloading did",
+            s.name,
+            speed(core, block),
+            pct(ratio),
+            speed(cache, block)
+        ),
+    )
+}
+
 /// Recommends: judges every job, then combines the verdicts into one configuration.
 pub fn recommend_with(
     sig: &Signature,
@@ -1425,6 +1510,15 @@ pub fn recommend_with(
         text: prefetch_reason,
     });
 
+    let (offload, offload_reason) = offload_rule(mode, &cached, profile);
+    reasons.push(Reason {
+        setting: match offload {
+            Some(o) => format!("offload on {}%", o.share),
+            None => "offload off".into(),
+        },
+        text: offload_reason,
+    });
+
     // Cache size: miss-ratio curve of the cached jobs, and the write bursts to absorb.
     let mrc_blocks: u64 = if !bypassed.is_empty() {
         cached
@@ -1509,7 +1603,7 @@ pub fn recommend_with(
     let knee = curve.knee().map(|p| (p.cache_blocks, p.hit_ratio));
 
     // Reasons are in command order: mode, line, cleaning, lazy flush, seq cutoff, io class,
-    // promotion, prefetch, size.
+    // promotion, prefetch, offload, size.
     let config = CacheConfig {
         mode,
         line_size_kib: line_kib,
@@ -1520,6 +1614,7 @@ pub fn recommend_with(
         io_classes,
         lazy_flush,
         prefetch,
+        offload,
     };
     Recommendation {
         profile: profile.name.clone(),
@@ -1596,6 +1691,16 @@ impl Recommendation {
                 v.push(format!("hybridcache -X -n prefetch -i {id} -p readahead"));
             }
             None => v.push(format!("hybridcache -X -n prefetch -i {id} -p none")),
+        }
+        match c.offload {
+            Some(o) => {
+                v.push(format!(
+                    "hybridcache -X -n offload-queue -i {id} --share {} -t {}",
+                    o.share, o.threshold
+                ));
+                v.push(format!("hybridcache -X -n offload -i {id} -p on"));
+            }
+            None => v.push(format!("hybridcache -X -n offload -i {id} -p off")),
         }
         v
     }
@@ -1707,6 +1812,14 @@ pub fn config_params(c: &CacheConfig) -> std::collections::BTreeMap<String, Stri
             );
         }
         None => put("prefetch.policy", "none".into()),
+    }
+    match c.offload {
+        Some(o) => {
+            put("offload.policy", "on".into());
+            put("offload-queue.share", o.share.to_string());
+            put("offload-queue.threshold", o.threshold.to_string());
+        }
+        None => put("offload.policy", "off".into()),
     }
     match c.promotion {
         Promotion::Always => put("promotion.policy", "always".into()),

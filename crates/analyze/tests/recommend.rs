@@ -63,7 +63,7 @@ fn random_4k_writes_at_low_depth_go_write_back_with_aggressive_cleaning() {
     assert_eq!(r.config.line_size_kib, 4);
     assert!(r.config.io_classes.is_empty());
     // Every setting has a reason.
-    assert_eq!(r.reasons.len(), 9);
+    assert_eq!(r.reasons.len(), 10);
     assert!(r.reasons.iter().all(|x| !x.text.is_empty()));
 }
 
@@ -448,4 +448,47 @@ fn nhit_for_skewed_reads_with_many_one_time_blocks() {
     );
     let r = analyse_on(&[k], "raid60-study");
     assert_eq!(r.config.promotion, Promotion::Always, "{:?}", r.reasons);
+}
+
+// Offload: a fast core that serves a fair part of what the cache device does takes a share.
+
+#[test]
+fn offload_on_when_the_fast_core_keeps_up_with_the_cache() {
+    let mut j = JobSpec::new(900, "kv");
+    j.read_share = 1.0;
+    j.span = 4 << 20;
+    j.qd = 32;
+    j.requests = 8000;
+    j.service_ns = 10_000;
+    let r = analyse_on(&[j], "ssd-raid5x9");
+    assert!(r.config.mode.caches_reads(), "{:?}", r.reasons);
+    // The array reads 4 KiB at ~256k IOPS at depth 32, the NVMe cache at 400k: 39% of the two.
+    assert_eq!(
+        r.config.offload,
+        Some(Offload {
+            share: 40,
+            threshold: 1
+        })
+    );
+    let why = reason(&r, "offload on 40%");
+    assert!(why.contains("kv (pid 900)'s reads at"), "{why}");
+    let cmds = r.commands(1);
+    assert!(cmds.contains(&"hybridcache -X -n offload-queue -i 1 --share 40 -t 1".to_string()));
+    assert!(cmds.contains(&"hybridcache -X -n offload -i 1 -p on".to_string()));
+}
+
+#[test]
+fn offload_off_for_slow_or_far_slower_cores() {
+    // The HDD RAID is not fast.
+    let (_, _, r) = analyse(&[random_4k_qd1()]);
+    assert_eq!(r.config.offload, None);
+    assert!(reason(&r, "offload off").contains("is neither flash nor within 4x of the cache"));
+    // Random writes at depth 1 on the SSD RAID: 1075 IOPS against the cache's 50000.
+    let r = analyse_on(&[random_4k_writes(1)], "ssd-raid5x9");
+    assert_eq!(r.config.offload, None);
+    let why = reason(&r, "offload off");
+    assert!(why.contains("only 2.2% of the cache's 50000 IOPS"), "{why}");
+    assert!(r
+        .commands(1)
+        .contains(&"hybridcache -X -n offload -i 1 -p off".to_string()));
 }

@@ -158,6 +158,29 @@ pub fn requests(rec: &Recommendation, cache: u16) -> Vec<(String, Request)> {
             set(cache, "prefetch", &[("policy", "none".into())]),
         )),
     }
+    match c.offload {
+        Some(o) => {
+            out.push((
+                "offload tunables".into(),
+                set(
+                    cache,
+                    "offload-queue",
+                    &[
+                        ("share", o.share.to_string()),
+                        ("threshold", o.threshold.to_string()),
+                    ],
+                ),
+            ));
+            out.push((
+                "offload on".into(),
+                set(cache, "offload", &[("policy", "on".into())]),
+            ));
+        }
+        None => out.push((
+            "offload off".into(),
+            set(cache, "offload", &[("policy", "off".into())]),
+        )),
+    }
     out
 }
 

@@ -257,7 +257,8 @@ pub enum Command {
     /// Set parameters of a group: cache-mode (-v), cleaning (-p), cleaning-alru (-w -s -b -t -d),
     /// cleaning-acp (-w -b), cleaning-io, seq-cutoff (-j; -p -t), promotion (-p),
     /// promotion-nhit (-t -o), lazy-flush (-p on|off), prefetch (-p readahead|none),
-    /// prefetch-readahead (-t --distance --max-in-flight). See docs/policies.md.
+    /// prefetch-readahead (-t --distance --max-in-flight), offload (-p on|off),
+    /// offload-queue (--share -t). See docs/policies.md.
     #[command(short_flag = 'X', long_flag = "set-param")]
     SetParam {
         #[arg(short = 'n', long = "name")]
@@ -312,6 +313,9 @@ pub enum Command {
         /// prefetch-readahead: prefetch requests queued or running at most.
         #[arg(long = "max-in-flight")]
         max_in_flight: Option<String>,
+        /// offload-queue: percent of eligible requests sent to the core.
+        #[arg(long = "share")]
+        share: Option<String>,
     },
 
     /// Print a parameter group (names as for set-param, and cache-line-size).
@@ -487,6 +491,7 @@ impl Command {
                 max_bandwidth,
                 distance,
                 max_in_flight,
+                share,
             } => {
                 let given = [
                     ("-v", value),
@@ -503,6 +508,7 @@ impl Command {
                     ("--max-bandwidth", max_bandwidth),
                     ("--distance", distance),
                     ("--max-in-flight", max_in_flight),
+                    ("--share", share),
                 ];
                 let group = crate::params::find(name).ok();
                 let mut values = std::collections::BTreeMap::new();

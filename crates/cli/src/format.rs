@@ -505,6 +505,20 @@ fn sections(r: &StatsReport) -> Vec<Section> {
             BLOCKS,
         ),
         row(
+            "offload_reads",
+            "Read hits sent to core by offload",
+            s.offload_reads,
+            pct(s.offload_reads, reads + s.pass_through_reads),
+            REQUESTS,
+        ),
+        row(
+            "offload_writes",
+            "Write misses sent to core by offload",
+            s.offload_writes,
+            pct(s.offload_writes, writes + s.pass_through_writes),
+            REQUESTS,
+        ),
+        row(
             "prefetch_requests",
             "Prefetch requests",
             s.prefetch_requests,

@@ -385,6 +385,10 @@ pub struct StatsData {
     pub prefetch_read_bytes: u64,
     #[serde(default)]
     pub prefetch_hits: u64,
+    #[serde(default)]
+    pub offload_reads: u64,
+    #[serde(default)]
+    pub offload_writes: u64,
     pub core_read_bytes: u64,
     pub core_written_bytes: u64,
     pub cache_read_bytes: u64,
@@ -418,6 +422,8 @@ impl From<hybridcache_engine::Stats> for StatsData {
             prefetch_requests: s.requests.prefetch_requests,
             prefetch_read_bytes: s.blocks.prefetch_read_bytes,
             prefetch_hits: s.requests.prefetch_hits,
+            offload_reads: s.requests.offload_reads,
+            offload_writes: s.requests.offload_writes,
             core_read_bytes: s.blocks.core_read_bytes,
             core_written_bytes: s.blocks.core_written_bytes,
             cache_read_bytes: s.blocks.cache_read_bytes,

@@ -163,6 +163,9 @@ pub enum ProtocolName {
     Flush,
     /// Warm the region, then measure on it (hits).
     Hits,
+    /// From an empty cache, write `burst_factor` times the cache's size and measure all of it
+    /// (IOPS over time and the tail as the cache fills with dirty data).
+    Burst,
 }
 
 impl ProtocolName {
@@ -173,6 +176,7 @@ impl ProtocolName {
             ProtocolName::Fill => "fill",
             ProtocolName::Flush => "flush",
             ProtocolName::Hits => "hits",
+            ProtocolName::Burst => "burst",
         }
     }
 }
@@ -231,6 +235,9 @@ pub struct MatrixSection {
     pub configs: Option<Vec<String>>,
     /// Repetitions of every cell (the report shows the median).
     pub repeat: Option<u32>,
+    /// fio's random_distribution for random patterns: "random" (uniform), "zipf:1.2",
+    /// "pareto:0.9", "normal:10", "zoned:...": skewed workloads for promotion and offload.
+    pub distribution: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -275,6 +282,15 @@ pub struct PrefetchParams {
     pub max_in_flight: Option<u32>,
 }
 
+/// `-X -n offload -p on|off` and `-X -n offload-queue --share PCT -t DEPTH`.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct OffloadParams {
+    pub enabled: bool,
+    pub share: Option<u32>,
+    pub threshold: Option<u32>,
+}
+
 /// `-X -n promotion -p POLICY` and `-X -n promotion-nhit -t N -o PCT`.
 #[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -297,6 +313,7 @@ pub struct CacheSection {
     pub lazy_flush: Option<bool>,
     pub prefetch: Option<PrefetchParams>,
     pub promotion: Option<PromotionParams>,
+    pub offload: Option<OffloadParams>,
     pub nbd_workers: Option<usize>,
 }
 
@@ -330,6 +347,8 @@ pub struct ProtocolSection {
     pub flush_via: Option<String>,
     /// flush: give up waiting for the drain after this many seconds.
     pub drain_max: Option<u64>,
+    /// burst: bytes written, as a multiple of the cache's size.
+    pub burst_factor: Option<f64>,
 }
 
 // ------------------------------------------------------------------------------------------
@@ -351,6 +370,8 @@ pub struct CacheSettings {
     pub prefetch: Option<PrefetchParams>,
     #[serde(default)]
     pub promotion: Option<PromotionParams>,
+    #[serde(default)]
+    pub offload: Option<OffloadParams>,
     pub nbd_workers: usize,
 }
 
@@ -414,6 +435,19 @@ impl CacheSettings {
             ));
             out.push(("prefetch", vec![("-p", p.policy.clone())]));
         }
+        if let Some(o) = &self.offload {
+            out.push((
+                "offload-queue",
+                some(&[("--share", o.share), ("-t", o.threshold)]),
+            ));
+            out.push((
+                "offload",
+                vec![(
+                    "-p",
+                    hybridcache_engine::policy::on_off(o.enabled).to_string(),
+                )],
+            ));
+        }
         out.retain(|(_, f)| !f.is_empty());
         out
     }
@@ -438,6 +472,13 @@ pub struct ProtocolSettings {
     pub dirty_pct: f64,
     pub flush_via: String,
     pub drain_max: u64,
+    /// Absent in results.json files written before the burst protocol.
+    #[serde(default = "default_burst_factor")]
+    pub burst_factor: f64,
+}
+
+fn default_burst_factor() -> f64 {
+    4.0
 }
 
 /// Everything a run needs, checked. Stored verbatim in results.json ("the exact configuration").
@@ -452,6 +493,9 @@ pub struct Matrix {
     pub size: u64,
     pub offset: u64,
     pub repeat: u32,
+    /// fio's random_distribution (None: fio's uniform default).
+    #[serde(default)]
+    pub distribution: Option<String>,
     pub configs: Vec<Config>,
     pub core_device: String,
     pub core_workers: usize,
@@ -543,6 +587,7 @@ pub struct Overrides {
     pub cache_mode: Option<String>,
     pub line_size: Option<u32>,
     pub cleaning: Option<String>,
+    pub lazy_flush: Option<bool>,
     pub protocol: Option<ProtocolName>,
     pub settle: Option<u64>,
     pub nbdkit_max_size: Option<String>,
@@ -667,6 +712,20 @@ pub fn resolve(file: &MatrixFile, o: &Overrides) -> Result<Matrix> {
     if repeat == 0 || repeat > 100 {
         bail!("matrix.repeat: {repeat} is not between 1 and 100");
     }
+    let distribution = m.distribution.clone();
+    if let Some(d) = &distribution {
+        let (kind, arg) = d.split_once(':').unwrap_or((d.as_str(), ""));
+        let ok = match kind {
+            "random" => arg.is_empty(),
+            "zipf" | "pareto" | "normal" => arg.parse::<f64>().is_ok_and(|v| v > 0.0),
+            // zoned:60/10:30/20:10/70 and friends: fio checks the zones' sums itself.
+            "zoned" | "zoned_abs" => !arg.is_empty(),
+            _ => false,
+        };
+        if !ok {
+            bail!("matrix.distribution: '{d}' is not one of random, zipf:THETA, pareto:H, normal:PCT, zoned:...");
+        }
+    }
     let mut configs = o
         .configs
         .clone()
@@ -747,6 +806,16 @@ pub fn resolve(file: &MatrixFile, o: &Overrides) -> Result<Matrix> {
         .validate()
         .map_err(|e| anyhow!("cache.prefetch: {e}"))?;
     }
+    if let Some(o) = &c.offload {
+        let d = hybridcache_engine::Offload::default();
+        hybridcache_engine::Offload {
+            enabled: o.enabled,
+            share_pct: o.share.unwrap_or(d.share_pct),
+            threshold: o.threshold.unwrap_or(d.threshold),
+        }
+        .validate()
+        .map_err(|e| anyhow!("cache.offload: {e}"))?;
+    }
     let nbd_workers = c.nbd_workers.unwrap_or(32);
     if nbd_workers == 0 || nbd_workers > 256 {
         bail!("cache.nbd_workers: {nbd_workers} is not between 1 and 256");
@@ -759,9 +828,10 @@ pub fn resolve(file: &MatrixFile, o: &Overrides) -> Result<Matrix> {
         alru: c.alru.clone(),
         acp: c.acp.clone(),
         seq_cutoff: c.seq_cutoff.clone(),
-        lazy_flush: c.lazy_flush,
+        lazy_flush: o.lazy_flush.or(c.lazy_flush),
         prefetch: c.prefetch.clone(),
         promotion: c.promotion.clone(),
+        offload: c.offload.clone(),
         nbd_workers,
     };
 
@@ -813,6 +883,10 @@ pub fn resolve(file: &MatrixFile, o: &Overrides) -> Result<Matrix> {
             bail!("{key}: {v} is not a percentage in (0, 100]");
         }
     }
+    let burst_factor = p.burst_factor.unwrap_or_else(default_burst_factor);
+    if !(burst_factor > 0.0 && burst_factor <= 1000.0) {
+        bail!("protocol.burst_factor: {burst_factor} is not in (0, 1000]");
+    }
     let protocol = ProtocolSettings {
         name: o.protocol.or(p.name).unwrap_or(ProtocolName::Plain),
         settle: o.settle.or(p.settle).unwrap_or(60),
@@ -822,6 +896,7 @@ pub fn resolve(file: &MatrixFile, o: &Overrides) -> Result<Matrix> {
         dirty_pct,
         flush_via,
         drain_max: p.drain_max.unwrap_or(1800),
+        burst_factor,
     };
     let matrix = Matrix {
         patterns,
@@ -833,6 +908,7 @@ pub fn resolve(file: &MatrixFile, o: &Overrides) -> Result<Matrix> {
         size,
         offset,
         repeat,
+        distribution,
         configs,
         core_device,
         core_workers,
@@ -840,16 +916,23 @@ pub fn resolve(file: &MatrixFile, o: &Overrides) -> Result<Matrix> {
         nbdkit,
         protocol,
     };
-    if matches!(matrix.protocol.name, ProtocolName::Flush) {
+    if let ProtocolName::Flush | ProtocolName::Burst = matrix.protocol.name {
         if let Some(p) = matrix.patterns.iter().find(|p| !p.writes()) {
-            bail!("protocol.name: flush needs write patterns to fill the cache with dirty data, and {p} only reads");
+            bail!(
+                "protocol.name: {} needs write patterns to fill the cache with dirty data, and {p} only reads",
+                matrix.protocol.name.name()
+            );
         }
+    }
+    if matrix.protocol.name == ProtocolName::Burst && cache_capacity(&matrix.cache.device).is_none()
+    {
+        bail!("protocol.name: burst writes a multiple of the cache's size, so cache.device must be ram:SIZE or an existing file (got '{}')", matrix.cache.device);
     }
     Ok(matrix)
 }
 
 /// The capacity of a cache device spec when it can be told without opening it.
-fn cache_capacity(spec: &str) -> Option<u64> {
+pub fn cache_capacity(spec: &str) -> Option<u64> {
     if let Some(s) = spec.strip_prefix("ram:") {
         return parse_size(s).ok();
     }
@@ -967,6 +1050,7 @@ device = "ram:64M"
 lazy_flush = true
 prefetch = { policy = "readahead", threshold_kib = 128, distance = 2048, max_in_flight = 8 }
 promotion = { policy = "nhit", threshold = 2, trigger = 0 }
+offload = { enabled = true, share = 40, threshold = 0 }
 seq_cutoff = { policy = "never" }
 "#,
         )
@@ -988,6 +1072,8 @@ seq_cutoff = { policy = "never" }
                 "lazy-flush: -p on",
                 "prefetch-readahead: -t 128 --distance 2048 --max-in-flight 8",
                 "prefetch: -p readahead",
+                "offload-queue: --share 40 -t 0",
+                "offload: -p on",
             ]
         );
 
@@ -1040,6 +1126,23 @@ seq_cutoff = { policy = "never" }
         );
         let e = err("promotion = { policy = \"nhit\", trigger = 101 }");
         assert!(e.contains("trigger"), "{e}");
+        let e = err("offload = { enabled = true, share = 101 }");
+        assert!(e.contains("cache.offload") && e.contains("share"), "{e}");
+        let e = err("offload = { share = 10 }");
+        assert!(e.contains("enabled"), "{e}");
+        let e = err("[matrix]\ndistribution = \"zipf\"");
+        assert!(e.contains("matrix.distribution"), "{e}");
+        let e = err("[matrix]\ndistribution = \"lognormal:3\"");
+        assert!(e.contains("matrix.distribution"), "{e}");
+        let ok = |d: &str| {
+            let t = format!("[matrix]\ndistribution = \"{d}\"\n[core]\ndevice=\"ram:1G\"\n[cache]\ndevice=\"ram:1G\"");
+            resolve_text(&t).unwrap().distribution
+        };
+        assert_eq!(ok("zipf:1.2").as_deref(), Some("zipf:1.2"));
+        assert_eq!(
+            ok("zoned:60/10:40/90").as_deref(),
+            Some("zoned:60/10:40/90")
+        );
     }
 
     #[test]
@@ -1047,9 +1150,10 @@ seq_cutoff = { policy = "never" }
         let m = resolve_text(GOOD).unwrap();
         let mut v = serde_json::to_value(&m).unwrap();
         let cache = v["cache"].as_object_mut().unwrap();
-        for k in ["lazy_flush", "prefetch", "promotion"] {
+        for k in ["lazy_flush", "prefetch", "promotion", "offload"] {
             assert!(cache.remove(k).is_some(), "{k}");
         }
+        assert!(v.as_object_mut().unwrap().remove("distribution").is_some());
         let back: Matrix = serde_json::from_value(v).unwrap();
         assert_eq!(back, m);
     }

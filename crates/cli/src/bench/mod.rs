@@ -49,6 +49,41 @@ pub enum BenchCommand {
     /// Grid-search cache configurations per workload shape and run the analyzer's
     /// recommendation from a trace of the same workload (docs/analyzer.md).
     Search(search::SearchArgs),
+    /// IOPS over time of several runs' cells in one chart (e.g. lazy flush on and off).
+    Overlay(OverlayArgs),
+}
+
+/// `bench overlay -o FILE.png LABEL=DIR...`.
+#[derive(Debug, Clone, Args)]
+pub struct OverlayArgs {
+    /// The PNG to write.
+    #[arg(long, short = 'o', value_name = "FILE")]
+    pub out: PathBuf,
+    /// Which configuration's cells: core, cache, nbdkit-cache.
+    #[arg(long, default_value = "cache")]
+    pub config: String,
+    #[arg(long, default_value = "IOPS over time")]
+    pub title: String,
+    /// Runs as LABEL=DIR (a `bench run` output directory).
+    #[arg(required = true, value_name = "LABEL=DIR")]
+    pub runs: Vec<String>,
+}
+
+fn overlay(a: &OverlayArgs) -> Result<()> {
+    let config: matrix::Config = a
+        .config
+        .parse()
+        .map_err(|e: String| anyhow::Error::new(UsageError(e)))?;
+    let mut runs = Vec::new();
+    for r in &a.runs {
+        let Some((label, dir)) = r.split_once('=') else {
+            return Err(UsageError(format!("'{r}' is not LABEL=DIR")).into());
+        };
+        runs.push((label.to_string(), PathBuf::from(dir)));
+    }
+    let n = report::overlay(&runs, config, &a.title, &a.out)?;
+    println!("{}: {n} series", a.out.display());
+    Ok(())
 }
 
 /// `bench run`. Lists are comma-separated (`--bs 4K,64K`); every flag overrides the same key
@@ -112,6 +147,9 @@ pub struct RunArgs {
     /// Cleaning policy: nop, alru, acp [default: the daemon's].
     #[arg(long, value_name = "POLICY")]
     pub cleaning: Option<String>,
+    /// Lazy flush: on or off [default: the daemon's].
+    #[arg(long, value_name = "on|off", value_parser = on_off)]
+    pub lazy_flush: Option<bool>,
     /// Protocol [default: plain].
     #[arg(long, value_enum)]
     pub protocol: Option<ProtocolName>,
@@ -123,6 +161,10 @@ pub struct RunArgs {
     pub nbdkit_max_size: Option<String>,
 }
 
+fn on_off(v: &str) -> Result<bool, String> {
+    hybridcache_engine::policy::parse_on_off("--lazy-flush", v)
+}
+
 /// Run a `bench` subcommand. Returns the process exit code (130 after an interruption).
 pub fn main(args: &BenchArgs) -> Result<u8> {
     match &args.command {
@@ -130,6 +172,7 @@ pub fn main(args: &BenchArgs) -> Result<u8> {
         BenchCommand::Calibration(a) => calibration::run(a).map(|()| 0),
         BenchCommand::Engine(a) => engine::run(a).map(|()| 0),
         BenchCommand::Search(a) => search::run(a),
+        BenchCommand::Overlay(a) => overlay(a).map(|()| 0),
     }
 }
 

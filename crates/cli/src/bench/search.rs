@@ -25,9 +25,11 @@
 //! - read-ahead (`none`, `readahead` with the daemon's defaults) only there and only for shapes
 //!   with sequential reads.
 //!
-//! Line size is the shape's dominant request size (4..64 KiB) for the grid; the recommendation
-//! runs with its own line size, and with its own tunables (alru/acp parameters, nhit threshold,
-//! read-ahead distances, IO classes). The recommended cache size is not applied: every cell
+//! Offload is not a grid dimension (it landed as the search was being run; its rule does not
+//! fire with the measured profiles, see docs/analyzer.md). Line size is the shape's dominant
+//! request size (4..64 KiB) for the grid; the recommendation runs with its own line size, and
+//! with its own tunables (alru/acp parameters, nhit threshold, read-ahead distances, IO
+//! classes, offload). The recommended cache size is not applied: every cell
 //! has the shape's cache device, the point being which policies win on the same hardware.
 
 use std::path::{Path, PathBuf};
@@ -41,8 +43,8 @@ use serde::{Deserialize, Serialize};
 
 use super::fio::{self, FioResult};
 use super::matrix::{
-    self, AcpParams, AlruParams, CacheSettings, Config, Matrix, MatrixFile, Overrides,
-    PrefetchParams, PromotionParams, SeqCutoff,
+    self, AcpParams, AlruParams, CacheSettings, Config, Matrix, MatrixFile, OffloadParams,
+    Overrides, PrefetchParams, PromotionParams, SeqCutoff,
 };
 use super::procs::{self, CacheCtl, Proc, StopWith};
 use super::rig::Rig;
@@ -497,6 +499,18 @@ pub fn recommended_settings(rec: &Recommendation, base: &CacheSettings) -> Cache
         },
     });
     s.lazy_flush = Some(c.lazy_flush);
+    s.offload = Some(match c.offload {
+        Some(o) => OffloadParams {
+            enabled: true,
+            share: Some(o.share),
+            threshold: Some(o.threshold),
+        },
+        None => OffloadParams {
+            enabled: false,
+            share: None,
+            threshold: None,
+        },
+    });
     s.prefetch = Some(match c.prefetch {
         Some(ra) => PrefetchParams {
             policy: "readahead".into(),
@@ -534,6 +548,9 @@ pub fn recommended_label(rec: &Recommendation) -> String {
     if !c.io_classes.is_empty() {
         s += &format!(" {} io classes", c.io_classes.len());
     }
+    if let Some(o) = c.offload {
+        s += &format!(" offload{}", o.share);
+    }
     s.replace("-very-aggressive", "-va")
 }
 
@@ -542,7 +559,7 @@ pub fn recommended_label(rec: &Recommendation) -> String {
 /// run-to-run spread.
 pub fn grid_point_of(rec: &Recommendation, shape: &Shape) -> Option<GridPoint> {
     let c = &rec.config;
-    if c.line_size_kib != shape.line_kib() || !c.io_classes.is_empty() {
+    if c.line_size_kib != shape.line_kib() || !c.io_classes.is_empty() || c.offload.is_some() {
         return None;
     }
     let dirty = c.mode.dirty() && shape.writes();
