@@ -1062,17 +1062,14 @@ pub fn table(r: &SearchReport) -> String {
     for x in &r.shapes {
         let unit = x.shape.metric.unit();
         s += &format!(
-            "| {} | {} | {} | {} | {:.0} {unit} | {} | {:.0} {unit} | {:.0}% | {} |\n",
+            "| {} | {} | {} | {} | {:.0} {unit} | {}{} | {:.0} {unit} | {:.0}% | {} |\n",
             x.shape.name,
             x.shape.core.label(),
             x.grid.len(),
             x.best,
             x.best_figure,
-            format!(
-                "{}{}",
-                x.recommended.label.trim_start_matches("analyzer: "),
-                if x.same_as_best { " (= best)" } else { "" }
-            ),
+            x.recommended.label.trim_start_matches("analyzer: "),
+            if x.same_as_best { " (= best)" } else { "" },
             x.recommended_figure,
             x.ratio * 100.0,
             if x.pass { "yes" } else { "**no**" }
