@@ -26,6 +26,7 @@ pub mod protocol;
 pub mod report;
 pub mod rig;
 pub mod run;
+pub mod search;
 
 use std::path::PathBuf;
 
@@ -51,6 +52,9 @@ pub enum BenchCommand {
     /// A cache hit against the cache device itself: fio raw, through hybridcache, through
     /// nbdkit's file plugin (perf.md §4). WRITES to the device.
     Device(device::DeviceArgs),
+    /// Grid-search cache configurations per workload shape and run the analyzer's
+    /// recommendation from a trace of the same workload (docs/analyzer.md).
+    Search(search::SearchArgs),
     /// IOPS over time of several runs' cells in one chart (e.g. lazy flush on and off).
     Overlay(OverlayArgs),
 }
@@ -174,6 +178,7 @@ pub fn main(args: &BenchArgs) -> Result<u8> {
         BenchCommand::Calibration(a) => calibration::run(a).map(|()| 0),
         BenchCommand::Engine(a) => engine::run(a).map(|()| 0),
         BenchCommand::Device(a) => device::run(a).map(|()| 0),
+        BenchCommand::Search(a) => search::run(a),
         BenchCommand::Overlay(a) => overlay(a).map(|()| 0),
     }
 }
