@@ -42,6 +42,18 @@ impl CoreExport {
     }
 }
 
+/// Zeroes `len` bytes at `offset` in calls the engine accepts: it serves at most
+/// [`MAX_REQUEST`] per call, and a client may ask for far more. Every front-end zeroes this way.
+pub(crate) fn write_zeroes_chunked(core: &Core, offset: u64, len: u64) -> Result<(), EngineError> {
+    let mut done = 0;
+    while done < len {
+        let n = (len - done).min(MAX_REQUEST);
+        core.write_zeroes(offset + done, n)?;
+        done += n;
+    }
+    Ok(())
+}
+
 const ERRORS_PER_SECOND: u64 = 10;
 
 #[derive(Default)]
@@ -139,16 +151,7 @@ impl Export for CoreExport {
             // The engine zeroes by writing through the cache; never faster than a write.
             return Err(ExportError::not_fast());
         }
-        // The engine serves at most MAX_REQUEST per call.
-        let mut done = 0;
-        while done < len {
-            let n = (len - done).min(MAX_REQUEST);
-            self.core
-                .write_zeroes(offset + done, n)
-                .map_err(|e| self.error(e))?;
-            done += n;
-        }
-        Ok(())
+        write_zeroes_chunked(&self.core, offset, len).map_err(|e| self.error(e))
     }
 
     /// Prefetch: reading through the exported volume inserts the range into the cache (in modes

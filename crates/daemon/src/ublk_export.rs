@@ -25,12 +25,12 @@ use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use hybridcache_engine::{Core, EngineError, MAX_REQUEST};
+use hybridcache_engine::{Core, EngineError};
 use hybridcache_ublk::{BlockBackend, DeviceConfig, Started};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
-use crate::export::ErrorLog;
+use crate::export::{write_zeroes_chunked, ErrorLog};
 use crate::frontend::{ExportSpec, Frontend, FrontendResult};
 
 /// How long a new or recovered device may take to come up. Recovery waits for the dead
@@ -100,14 +100,7 @@ impl BlockBackend for CoreBackend {
     }
 
     fn write_zeroes(&self, offset: u64, len: u64) -> io::Result<()> {
-        let mut done = 0;
-        while done < len {
-            let n = (len - done).min(MAX_REQUEST);
-            self.core
-                .write_zeroes(offset + done, n)
-                .map_err(|e| self.error(e))?;
-            done += n;
-        }
+        write_zeroes_chunked(&self.core, offset, len).map_err(|e| self.error(e))?;
         self.core.flush().map_err(|e| self.error(e))
     }
 }
