@@ -244,6 +244,25 @@ CONF
 
 cephc() { ceph -c "$CEPH_DIR/ceph.conf" "$@"; }
 
+# cephc_retry CMD...: a setup command that is safe to repeat (`osd new UUID` gives the same id
+# again). The `ceph` client can hit the race start_osd describes: its first command reaches a mon
+# that has just started before the client knows the fsid, and the mon answers "wrong fsid"
+# (EPERM, "problem getting command descriptions from mon"). Seen on a fresh CI machine.
+cephc_retry() {
+    local try out
+    for try in 1 2 3 4 5 6 7 8 9 10; do
+        if out=$(timeout 30 ceph -c "$CEPH_DIR/ceph.conf" "$@" 2>>"$CEPH_DIR/log/ceph-cli.log"); then
+            printf '%s\n' "$out"
+            return 0
+        fi
+        echo "ceph $* failed (attempt $try); trying again" >>"$CEPH_DIR/log/ceph-cli.log"
+        sleep 1
+    done
+    tail -5 "$CEPH_DIR/log/ceph-cli.log" >&2
+    tail -20 "$CEPH_DIR/log/mon.a.log" >&2 2>/dev/null || true
+    die "ceph $* kept failing (log/ceph-cli.log, log/mon.a.log)"
+}
+
 start_cluster() {
     local fsid i uuid id
     fsid=$(uuidgen)
@@ -256,9 +275,11 @@ start_cluster() {
     ceph-mon -c "$conf" -i a
     mkdir -p "$CEPH_DIR/mgr.x"
     ceph-mgr -c "$conf" -i x
+    # Wait for the mon to answer (it may still be electing itself) before the first real command.
+    cephc_retry mon stat >/dev/null
     for i in $(seq 0 $((OSDS - 1))); do
         uuid=$(uuidgen)
-        id=$(cephc osd new "$uuid")
+        id=$(cephc_retry osd new "$uuid")
         [ "$id" = "$i" ] || die "ceph gave OSD id $id, expected $i"
         mkdir -p "$CEPH_DIR/osd.$i"
         ceph-osd -c "$conf" -i "$i" --mkfs --osd-uuid "$uuid" >>"$CEPH_DIR/log/setup.log" 2>&1 \
@@ -266,8 +287,8 @@ start_cluster() {
         start_osd "$i"
     done
     wait_health 180
-    cephc osd pool create rbd 32 32 >/dev/null 2>&1
-    cephc osd pool set rbd size 2 >/dev/null 2>&1
+    cephc_retry osd pool create rbd 32 32 >/dev/null
+    cephc_retry osd pool set rbd size 2 >/dev/null
     rbd -c "$conf" pool init rbd
     wait_health 180
 }
