@@ -62,7 +62,7 @@ run_config() {
     local config=$1 t0 t1
     say "$config: starting the cluster"
     start_stack "$config"
-    rbd -c "$CEPH_DIR/ceph.conf" create --size "$IMAGE_SIZE" --image-feature layering rbd/img
+    rbd_create img "$IMAGE_SIZE"
     # Warm the hit region (reads of it are promoted into the cache), then measure reads of it.
     say "$config: warming the hit region"
     rbd_fio warm img --rw=write --bs=4k --iodepth=16 --numjobs="$JOBS" --size="$HIT_REGION" \

@@ -244,23 +244,33 @@ CONF
 
 cephc() { ceph -c "$CEPH_DIR/ceph.conf" "$@"; }
 
-# cephc_retry CMD...: a setup command that is safe to repeat (`osd new UUID` gives the same id
-# again). The `ceph` client can hit the race start_osd describes: its first command reaches a mon
-# that has just started before the client knows the fsid, and the mon answers "wrong fsid"
-# (EPERM, "problem getting command descriptions from mon"). Seen on a fresh CI machine.
-cephc_retry() {
+# retry_setup CMD...: a setup command that is safe to repeat (`ceph osd new UUID` gives the same
+# id again, `rbd pool init` and `ceph osd pool create` are no-ops the second time). A Ceph client
+# can meet the race start_osd describes: its first command reaches a mon before the client knows
+# the fsid and the mon answers "wrong fsid" (EPERM, "problem getting command descriptions from
+# mon"). Seen on a fresh CI machine.
+retry_setup() {
     local try out
     for try in 1 2 3 4 5 6 7 8 9 10; do
-        if out=$(timeout 30 ceph -c "$CEPH_DIR/ceph.conf" "$@" 2>>"$CEPH_DIR/log/ceph-cli.log"); then
-            printf '%s\n' "$out"
+        if out=$(timeout 30 "$@" 2>>"$CEPH_DIR/log/ceph-cli.log"); then
+            [ -z "$out" ] || printf '%s\n' "$out"
             return 0
         fi
-        echo "ceph $* failed (attempt $try); trying again" >>"$CEPH_DIR/log/ceph-cli.log"
+        echo "$* failed (attempt $try); trying again" >>"$CEPH_DIR/log/ceph-cli.log"
         sleep 1
     done
     tail -5 "$CEPH_DIR/log/ceph-cli.log" >&2
     tail -20 "$CEPH_DIR/log/mon.a.log" >&2 2>/dev/null || true
-    die "ceph $* kept failing (log/ceph-cli.log, log/mon.a.log)"
+    die "$* kept failing (log/ceph-cli.log, log/mon.a.log)"
+}
+
+cephc_retry() { retry_setup ceph -c "$CEPH_DIR/ceph.conf" "$@"; }
+
+# rbd_create IMAGE SIZE: a repeat after a lost answer finds the image there.
+rbd_create() {
+    local conf=$CEPH_DIR/ceph.conf
+    retry_setup sh -c "rbd -c '$conf' info 'rbd/$1' >/dev/null 2>&1 ||
+        rbd -c '$conf' create --size '$2' --image-feature layering 'rbd/$1'"
 }
 
 start_cluster() {
@@ -289,7 +299,7 @@ start_cluster() {
     wait_health 180
     cephc_retry osd pool create rbd 32 32 >/dev/null
     cephc_retry osd pool set rbd size 2 >/dev/null
-    rbd -c "$conf" pool init rbd
+    retry_setup rbd -c "$conf" pool init rbd
     wait_health 180
 }
 

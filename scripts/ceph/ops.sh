@@ -67,7 +67,7 @@ kill_daemon() {
 ceph_init
 say "cluster on hybridcache"
 start_stack cached
-rbd -c "$CEPH_DIR/ceph.conf" create --size 1G --image-feature layering rbd/img
+rbd_create img 1G
 with_fault osd-kill 0 kill_osd
 with_fault daemon-kill 512M kill_daemon
 say "both regions read back once more after the restarts"

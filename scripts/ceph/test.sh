@@ -10,7 +10,7 @@ t_start=$(date +%s)
 ceph_init
 say "cluster on hybridcache"
 start_stack cached
-rbd -c "$CEPH_DIR/ceph.conf" create --size 256M --image-feature layering rbd/img
+rbd_create img 256M
 say "fio (rbd engine) writes 32 MiB with crc32c checksums while osd.1 is killed and restarted"
 rbd_fio verify img --rw=randwrite --bs=4k --iodepth=16 --size=32M --verify=crc32c \
     --verify_fatal=1 --do_verify=1 &
