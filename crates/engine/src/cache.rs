@@ -1365,7 +1365,7 @@ impl CacheInner {
             prefetch: PrefetchState::new(),
             prefetch_thread: Mutex::new(None),
             cleaner_signal: Arc::new(CleanerSignal::default()),
-            lazy_flush: AtomicBool::new(true),
+            lazy_flush: AtomicBool::new(false),
             offload: OffloadState::new(MAX_CORES as usize + 1),
             pacer: Pacer::default(),
             cleaning_counters: CleaningCounters::default(),
