@@ -43,6 +43,9 @@ pub enum Request {
         /// Take a core device that is mounted.
         #[serde(default)]
         force: bool,
+        /// "nbd" or "ublk"; None: the daemon's default front-end.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        frontend: Option<String>,
     },
     RemoveCore {
         cache: u16,
@@ -185,6 +188,9 @@ pub struct CoreAdded {
     /// An inactive core brought back rather than a new core.
     #[serde(default)]
     pub reattached: bool,
+    /// The block device serving it (`/dev/ublkbN`), for front-ends that make one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_device: Option<String>,
 }
 
 /// Result of `list`.
@@ -253,9 +259,16 @@ pub struct CoreInfo {
     pub status: String,
     /// NBD export name (`cas<cache>-<core>`).
     pub export: String,
-    /// NBD clients connected to the export.
+    /// Clients holding the export: NBD connections, or 1 while a ublk device is held
+    /// (mounted or opened exclusively).
     #[serde(default)]
     pub clients: usize,
+    /// The front-end serving the export ("nbd", "ublk").
+    #[serde(default)]
+    pub frontend: String,
+    /// The block device clients open (`/dev/ublkbN`), for front-ends that make one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_device: Option<String>,
 }
 
 /// Result of `stats`: what the statistics describe plus the raw counters.

@@ -9,12 +9,15 @@
 //! - `bench calibration`: the emulated RAID 60's no-cache figures next to the study's
 //!   (docs/devices.md), from the in-process simulation and/or through fio and NBD for real.
 //!
+//! - `bench device`: a cache hit against the cache device itself, raw and through nbdkit
+//!   (perf.md §4).
 //! - `bench engine`: the engine alone (`hybridcache_engine::bench`, also `cargo bench`) against
 //!   Open CAS's engine marks.
 //!
 //! docs/bench.md is the user's guide.
 
 pub mod calibration;
+pub mod device;
 pub mod engine;
 pub mod fio;
 pub mod matrix;
@@ -23,6 +26,7 @@ pub mod protocol;
 pub mod report;
 pub mod rig;
 pub mod run;
+pub mod search;
 
 use std::path::PathBuf;
 
@@ -45,6 +49,12 @@ pub enum BenchCommand {
     Calibration(calibration::CalibrationArgs),
     /// The engine alone against Open CAS's engine marks (perf.md §1; docs/performance.md).
     Engine(engine::EngineArgs),
+    /// A cache hit against the cache device itself: fio raw, through hybridcache, through
+    /// nbdkit's file plugin (perf.md §4). WRITES to the device.
+    Device(device::DeviceArgs),
+    /// Grid-search cache configurations per workload shape and run the analyzer's
+    /// recommendation from a trace of the same workload (docs/analyzer.md).
+    Search(search::SearchArgs),
     /// IOPS over time of several runs' cells in one chart (e.g. lazy flush on and off).
     Overlay(OverlayArgs),
 }
@@ -167,6 +177,8 @@ pub fn main(args: &BenchArgs) -> Result<u8> {
         BenchCommand::Run(a) => run::run(a),
         BenchCommand::Calibration(a) => calibration::run(a).map(|()| 0),
         BenchCommand::Engine(a) => engine::run(a).map(|()| 0),
+        BenchCommand::Device(a) => device::run(a).map(|()| 0),
+        BenchCommand::Search(a) => search::run(a),
         BenchCommand::Overlay(a) => overlay(a).map(|()| 0),
     }
 }

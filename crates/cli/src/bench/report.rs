@@ -324,23 +324,7 @@ pub fn charts(res: &Results, out: &Path) -> Result<Vec<String>> {
             // burst: IOPS over time, one line per configuration and iodepth (first numjobs,
             // first rep): the shape of the burst is the finding, not its average.
             if m.protocol.name == ProtocolName::Burst {
-                let mut over_time = Vec::new();
-                for c in res.cells.iter().filter(|c| c.ok()) {
-                    if c.cell.pattern != pattern
-                        || c.cell.bs != bs
-                        || c.cell.rep != 0
-                        || c.cell.numjobs != m.numjobs[0]
-                    {
-                        continue;
-                    }
-                    let points = iops_series(c);
-                    if !points.is_empty() {
-                        over_time.push(Series {
-                            label: format!("{} iodepth {}", c.cell.config.name(), c.cell.iodepth),
-                            points,
-                        });
-                    }
-                }
+                let over_time = first_rep_series(res, m, pattern, bs, iops_series);
                 if !over_time.is_empty() {
                     let name = chart_name("iops-time", pattern, bs);
                     line_chart(
@@ -359,28 +343,13 @@ pub fn charts(res: &Results, out: &Path) -> Result<Vec<String>> {
             }
 
             // Dirty % over the measured run, one line per iodepth (first numjobs, first rep).
-            let mut dirty = Vec::new();
-            for c in res.cells.iter().filter(|c| c.ok()) {
-                if c.cell.pattern != pattern
-                    || c.cell.bs != bs
-                    || c.cell.rep != 0
-                    || c.cell.numjobs != m.numjobs[0]
-                {
-                    continue;
-                }
-                let Some(o) = &c.outcome else { continue };
-                let points: Vec<(f64, f64)> = o
-                    .series
+            let dirty = first_rep_series(res, m, pattern, bs, |c| {
+                c.outcome
                     .iter()
+                    .flat_map(|o| &o.series)
                     .filter_map(|s| s.dirty_pct.map(|d| (s.t, d)))
-                    .collect();
-                if !points.is_empty() {
-                    dirty.push(Series {
-                        label: format!("{} iodepth {}", c.cell.config.name(), c.cell.iodepth),
-                        points,
-                    });
-                }
-            }
+                    .collect()
+            });
             if !dirty.is_empty() {
                 let name = chart_name("dirty", pattern, bs);
                 line_chart(
@@ -399,6 +368,35 @@ pub fn charts(res: &Results, out: &Path) -> Result<Vec<String>> {
         }
     }
     Ok(written)
+}
+
+/// One line per configuration and iodepth of a pattern and block size, from the first numjobs
+/// and first repetition of its successful cells; `points` gives a cell's line (cells without
+/// points are left out).
+fn first_rep_series(
+    res: &Results,
+    m: &Matrix,
+    pattern: Pattern,
+    bs: u64,
+    points: impl Fn(&CellResult) -> Vec<(f64, f64)>,
+) -> Vec<Series> {
+    res.cells
+        .iter()
+        .filter(|c| {
+            c.ok()
+                && c.cell.pattern == pattern
+                && c.cell.bs == bs
+                && c.cell.rep == 0
+                && c.cell.numjobs == m.numjobs[0]
+        })
+        .filter_map(|c| {
+            let points = points(c);
+            (!points.is_empty()).then(|| Series {
+                label: format!("{} iodepth {}", c.cell.config.name(), c.cell.iodepth),
+                points,
+            })
+        })
+        .collect()
 }
 
 /// IOPS over time of one cell's measured phase (the series' throughput over the block size).
