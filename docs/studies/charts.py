@@ -1,5 +1,6 @@
 #!/usr/bin/python3
-"""Draws docs/charts/tail-rule-p9999.png and docs/charts/readahead.png from the tables of
+"""Draws docs/charts/tail-rule-p9999.png, docs/charts/readahead.png and
+docs/charts/offload-nhit.png from the tables of
 docs/bench.md ("What the studies found, reproduced"), so the charts always show the figures the
 text gives. Change a table, then run (Debian's python3 has matplotlib):
 
@@ -39,8 +40,9 @@ def table_after(lines, marker):
 
 
 def num(cell):
-    """'1,495' -> 1495.0, '2.11x' -> 2.11, '15.3' -> 15.3."""
-    return float(cell.replace(",", "").rstrip("x"))
+    """'1,495' -> 1495.0, '2.11x' -> 2.11, '15.3' -> 15.3, '83.8k (79.5-98.1k)' -> 83800.0."""
+    cell = cell.split(" (")[0].replace(",", "").rstrip("x")
+    return float(cell[:-1]) * 1000 if cell.endswith("k") else float(cell)
 
 
 def tail_rule(lines):
@@ -108,8 +110,61 @@ def readahead(lines):
     return path
 
 
+def offload_nhit(lines):
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6), dpi=100, constrained_layout=True)
+
+    # Offload: IOPS per configuration, the RAM cache as it is and the capped one.
+    ram = table_after(lines, "**The RAM cache as it is.**")[1:]
+    capped = table_after(lines, "**The study's premise made true.**")[1:]
+    groups = [("RAM cache", ram, [("offload off", "#4878a8"), ("on: 50%, threshold 1", "#e07b39"),
+                                  ("fixed: 25%, threshold 0", "#b04040")]),
+              ("capped at 15k IOPS", capped, [("offload off", "#4878a8"),
+                                               ("on: 50%, threshold 1", "#e07b39")])]
+    ticks, labels, seen = [], [], set()
+    x = 0.0
+    for title, rows, confs in groups:
+        for pat in ("randread", "randrw70"):
+            for i, (conf, color) in enumerate(confs):
+                row = next(r for r in rows if r[0] == pat and r[1] == conf)
+                v = num(row[3]) / 1000
+                label = conf if conf not in seen else None
+                seen.add(conf)
+                left.bar(x + i * 0.8 / len(confs), v, 0.8 / len(confs), color=color, label=label,
+                         align="edge")
+                left.text(x + (i + 0.5) * 0.8 / len(confs), v + 1, f"{v:.0f}", ha="center",
+                          va="bottom", fontsize=7)
+            ticks.append(x + 0.4)
+            labels.append(f"{pat}\n{title}")
+            x += 1.2
+    left.set_ylim(top=left.get_ylim()[1] * 1.08)
+    left.set_xticks(ticks, labels, fontsize=7)
+    left.set_ylabel("IOPS, thousands (median)")
+    left.set_title("Offload, SSD array core, 4 jobs x depth 32", fontsize=10)
+    left.legend(fontsize=7, loc="upper right")
+
+    # nhit: always against nhit 2 at each skew, and with the capped cache device.
+    cases = [("zipf 1.2", "### nhit threshold 2 against always"), ("zipf 0.8", "**zipf 0.8.**"),
+             ("zipf 0.8, capped", "That is measured with the cache device capped")]
+    for k, (name, marker) in enumerate(cases):
+        rows = table_after(lines, marker)[1:]
+        for i, (policy, color) in enumerate([("always", "#4878a8"),
+                                             ("nhit, threshold 2", "#e07b39")]):
+            v = num(next(r for r in rows if r[0] == policy)[1]) / 1000
+            right.bar(k + (i - 0.5) * 0.38, v, 0.38, color=color, label=policy if k == 0 else None)
+            right.text(k + (i - 0.5) * 0.38, v + 0.4, f"{v:.1f}", ha="center", va="bottom",
+                       fontsize=7)
+    right.set_ylim(top=right.get_ylim()[1] * 1.12)
+    right.set_xticks(range(len(cases)), [c[0] for c in cases], fontsize=8)
+    right.set_ylabel("IOPS, thousands (median)")
+    right.set_title("nhit 2 against always, random reads, depth 16", fontsize=10)
+    right.legend(fontsize=7, loc="upper right")
+    path = os.path.join(OUT, "offload-nhit.png")
+    fig.savefig(path)
+    return path
+
+
 if __name__ == "__main__":
     with open(BENCH) as f:
         lines = f.read().splitlines()
-    for p in (tail_rule(lines), readahead(lines)):
+    for p in (tail_rule(lines), readahead(lines), offload_nhit(lines)):
         print(f"{p}: {os.path.getsize(p) // 1024} KiB")
