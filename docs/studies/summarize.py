@@ -12,8 +12,8 @@ from the bench runner's results.json files, so the tables can be checked and reb
 Figures are medians over the runs found; each run (or their range) is given next to the IOPS.
 Statistics are the cache's counters after the measured phase minus before it.
 
-The runs behind the tables of docs/bench.md are kept, cut down to what these tables read (fio's
-figures and the cache's counters of each cell), in docs/studies/runs.json.gz:
+The runs behind the tables of docs/bench.md are kept whole (every results.json; `hybridcache bench
+overlay` redraws the lazy flush charts from them) in docs/studies/runs.json.gz:
 
     summarize.py unpack DIR    # writes DIR/NAME/results.json for every run in the bundle
     summarize.py pack OUT DIR...   # the reverse: bundles DIR/NAME/results.json
@@ -249,15 +249,7 @@ def pack(out, dirs):
     for base in dirs:
         for p in sorted(glob.glob(os.path.join(base, "*", "results.json"))):
             with open(p) as f:
-                d = json.load(f)
-            cells = []
-            for c in d["cells"]:
-                o = c.get("outcome") or {}
-                keep = {k: o.get(k) for k in ("fio", "stats_before", "stats_after")}
-                cells.append({"key": c["key"], "status": c["status"], "outcome": keep})
-            name = os.path.basename(os.path.dirname(p))
-            runs_[name] = {k: d.get(k) for k in ("command", "versions", "machine", "matrix")}
-            runs_[name]["cells"] = cells
+                runs_[os.path.basename(os.path.dirname(p))] = json.load(f)
     with gzip.open(out, "wt") as f:
         json.dump(runs_, f, separators=(",", ":"), sort_keys=True)
     print(f"{out}: {len(runs_)} runs")
