@@ -41,14 +41,25 @@ use crate::{CacheMode, CoreId, MAX_REQUEST, SECTOR};
 /// Read streams tracked per core.
 const STREAMS: usize = 16;
 
+/// How far (in requests of the read's own size) a read may land from a confirmed stream's end
+/// and still continue it. A client keeping N sequential reads in flight has them finish, and
+/// recorded here, in any order within N requests; 32 covers the usual queue depths.
+const REORDER_REQUESTS: u64 = 32;
+
 #[derive(Clone, Copy, Default)]
 struct Stream {
-    /// Where the stream's next read would start; 0 with `bytes` 0 = unused.
+    /// The end of the furthest read of the stream; 0 with `bytes` 0 = unused.
     next: u64,
     bytes: u64,
     /// Everything below this has been queued for prefetch already.
     prefetched_to: u64,
     stamp: u64,
+    /// The clock value when the stream began: names it to `commit`, whose `next` may have moved.
+    born: u64,
+    /// A read once started exactly at the stream's end. Only then are reads out of order
+    /// accepted: random reads near each other never start exactly where another ended, so they
+    /// never become a stream.
+    confirmed: bool,
 }
 
 /// One core's read streams.
@@ -183,17 +194,33 @@ impl PrefetchState {
 }
 
 impl ReadStreams {
-    /// Record a read and say which range to prefetch, if any. The range is recorded as queued
-    /// only through [`commit`](Self::commit), once the job is accepted.
-    fn plan(&self, offset: u64, len: u64, core_size: u64, p: &Prefetch) -> Option<(u64, u64)> {
+    /// Record a read and say which range to prefetch, if any, with the stream's name for
+    /// [`commit`](Self::commit), which records the range as queued once the job is accepted.
+    fn plan(
+        &self,
+        offset: u64,
+        len: u64,
+        core_size: u64,
+        p: &Prefetch,
+    ) -> Option<(u64, u64, u64)> {
         let mut t = self.table.lock();
         t.1 += 1;
         let clock = t.1;
         let end = offset + len;
+        let window = len.saturating_mul(REORDER_REQUESTS);
         let (streams, _) = &mut *t;
-        let s = match streams.iter_mut().find(|s| s.bytes > 0 && s.next == offset) {
-            Some(s) => {
-                s.next = end;
+        let exact = streams.iter().position(|s| s.bytes > 0 && s.next == offset);
+        let near = || {
+            streams.iter().position(|s| {
+                s.bytes > 0 && s.confirmed && offset.abs_diff(s.next) <= window
+            })
+        };
+        let s = match exact.or_else(near) {
+            Some(i) => {
+                let s = &mut streams[i];
+                s.confirmed |= exact.is_some();
+                // A read that finished after a later one leaves the end where it is.
+                s.next = s.next.max(end);
                 s.bytes = s.bytes.saturating_add(len);
                 s.stamp = clock;
                 s
@@ -208,6 +235,8 @@ impl ReadStreams {
                     bytes: len,
                     prefetched_to: end,
                     stamp: clock,
+                    born: clock,
+                    confirmed: false,
                 };
                 // One read is no stream yet, however large: only a read that continues one
                 // starts read-ahead, so random reads never do.
@@ -218,18 +247,19 @@ impl ReadStreams {
             return None;
         }
         let distance = p.distance_kib as u64 * 1024;
+        let end = s.next;
         // Go again only once half the distance has been read: fewer, larger prefetch requests.
         if s.prefetched_to >= end + distance / 2 {
             return None;
         }
         let from = s.prefetched_to.max(end);
         let to = (end + distance).min(core_size).min(from + MAX_REQUEST);
-        (to > from).then_some((from, to - from))
+        (to > from).then_some((from, to - from, s.born))
     }
 
-    fn commit(&self, next: u64, to: u64) {
+    fn commit(&self, born: u64, to: u64) {
         let mut t = self.table.lock();
-        if let Some(s) = t.0.iter_mut().find(|s| s.bytes > 0 && s.next == next) {
+        if let Some(s) = t.0.iter_mut().find(|s| s.bytes > 0 && s.born == born) {
             s.prefetched_to = s.prefetched_to.max(to);
         }
     }
@@ -253,7 +283,7 @@ impl CacheInner {
         class: Option<ReqClass>,
     ) {
         let p = self.prefetch.params();
-        let Some((from, n)) = streams.plan(offset, len, core_size, &p) else {
+        let Some((from, n, stream)) = streams.plan(offset, len, core_size, &p) else {
             return;
         };
         if self.free_lines.load(Ordering::Relaxed) <= reserve(self.lines) {
@@ -266,7 +296,7 @@ impl CacheInner {
             class,
         };
         if self.prefetch.push(job, p.max_in_flight as usize) {
-            streams.commit(offset + len, from + n);
+            streams.commit(stream, from + n);
         }
     }
 
