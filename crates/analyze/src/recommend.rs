@@ -11,11 +11,17 @@
 //!   writes at depth 1 (63 IOPS) gain most. In a mixed job the writes hold only their share of
 //!   the queue, so the core baseline is taken at that share of the depth.
 //! - Reads are worth caching when hits pay for misses: time per byte = h / cache + (1 - h) x
-//!   1.25 / core, with h the share of read references to blocks touched before and 1.25 the
-//!   first-read penalty (a miss also writes the cache, §9).
+//!   penalty / core, with h the share of read references to blocks touched before and the
+//!   first-read penalty = 1 + core read speed / cache write speed (at the reads' block and
+//!   depth): the engine writes a missed block into the cache before it completes the read, so
+//!   a miss costs the core read plus that cache write (§9's flashcache users saw 1.25 with a
+//!   cache four times the core; a RAM cache in front of an HDD RAID costs ~1.02).
 //! - Mode from (writes cached?, reads cached?): both -> wb, writes only -> wo (wb when the job
 //!   has no reads), reads only -> wt (wa when written blocks are re-read, wi when not, if the
-//!   job writes), neither -> pt.
+//!   job writes), neither -> pt. When the writes are cached, the cache is there anyway and the
+//!   reads decide only between wb and wo: they are inserted when that is no slower than
+//!   leaving them to the core (read gain >= 1), not only when it gains the 1.2x that pays for
+//!   a cache.
 //! - A job is bypassed when its mode is pt; the overall configuration keeps bypassed jobs out
 //!   with the sequential cutoff (when they are sequential and no cached job is) and IO classes
 //!   (when their request sizes lie above all cached ones).
@@ -332,6 +338,9 @@ pub struct ReadAnalysis {
     pub core_mb_s: f64,
     pub cache_mb_s: f64,
     pub reuse: f64,
+    /// The first-read penalty: 1 + core read speed / cache write speed.
+    #[serde(default)]
+    pub miss_penalty: f64,
     pub gain: f64,
     pub cache: bool,
     /// Sequential reads: the speed read-ahead's large, deep core reads would feed the stream at
@@ -390,8 +399,16 @@ pub struct Recommendation {
     pub knee: Option<(u64, f64)>,
 }
 
-/// A first-read miss costs this much more than an uncached read (it also writes the cache).
-const MISS_PENALTY: f64 = 1.25;
+/// The first-read penalty: how much longer a read miss that is inserted takes than the same
+/// read on the core alone. The engine writes the block into the cache before it completes the
+/// read, so the miss costs the core read plus a cache write of the same size at the same depth:
+/// 1 + core read speed / cache write speed.
+fn miss_penalty(p: &DeviceProfile, pattern: Pattern, block: u64, qd: u32, core_mb_s: f64) -> f64 {
+    p.cache
+        .estimate(pattern, Dir::Write, block, qd)
+        .map_or(f64::INFINITY, |w| 1.0 + core_mb_s / w.mb_s.max(1e-9))
+}
+
 /// Jobs that read and write at least this share each count as mixed.
 const MIXED_SHARE: f64 = 0.2;
 
@@ -485,7 +502,8 @@ fn analyze_reads(
     let core = p.core.estimate(pattern, Dir::Read, block, rqd)?;
     let cache = p.cache.estimate(pattern, Dir::Read, block, rqd)?;
     let h = sig.reads.reuse_share();
-    let t = h / cache.mb_s.max(1e-9) + (1.0 - h) * MISS_PENALTY / core.mb_s.max(1e-9);
+    let penalty = miss_penalty(p, pattern, block, rqd, core.mb_s);
+    let t = h / cache.mb_s.max(1e-9) + (1.0 - h) * penalty / core.mb_s.max(1e-9);
     let mut gain = (1.0 / core.mb_s.max(1e-9)) / t;
     // nhit 2: every first access passes through at the core's speed without the penalty, a
     // re-read block's second access is the penalised miss, and only later accesses hit.
@@ -500,7 +518,7 @@ fn analyze_reads(
             .min(reused);
         let t_n = ((reused - twice) / cache.mb_s.max(1e-9)
             + (refs - reused) / core.mb_s.max(1e-9)
-            + twice * MISS_PENALTY / core.mb_s.max(1e-9))
+            + twice * penalty / core.mb_s.max(1e-9))
             / refs;
         let g = (1.0 / core.mb_s.max(1e-9)) / t_n;
         if g > gain * 1.05 {
@@ -521,7 +539,15 @@ fn analyze_reads(
             ra.max_in_flight,
         ) {
             let feed = e.mb_s.min(cache.mb_s);
-            let t_ra = h / cache.mb_s.max(1e-9) + (1.0 - h) * MISS_PENALTY / feed.max(1e-9);
+            // The prefetcher inserts what it fetched before the stream reads it from the cache.
+            let ra_penalty = miss_penalty(
+                p,
+                Pattern::Sequential,
+                ra.distance as u64 * 1024,
+                ra.max_in_flight,
+                feed,
+            );
+            let t_ra = h / cache.mb_s.max(1e-9) + (1.0 - h) * ra_penalty / feed.max(1e-9);
             let g = (1.0 / core.mb_s.max(1e-9)) / t_ra;
             if g > gain {
                 gain = g;
@@ -537,6 +563,7 @@ fn analyze_reads(
         core_mb_s: core.mb_s,
         cache_mb_s: cache.mb_s,
         reuse: h,
+        miss_penalty: penalty,
         gain,
         cache: gain >= o.min_gain,
         readahead_mb_s,
@@ -600,7 +627,15 @@ pub fn recommend_job(
     o: &RecommendOptions,
 ) -> JobRecommendation {
     let writes = analyze_writes(sig, profile, o);
-    let reads = analyze_reads(sig, profile, o);
+    let mut reads = analyze_reads(sig, profile, o);
+    // With the writes cached the cache exists anyway: inserting the reads (wb rather than wo)
+    // needs only to be no slower than leaving them to the core.
+    let writes_cached = writes.as_ref().is_some_and(|w| w.cache);
+    if let Some(r) = reads.as_mut() {
+        if writes_cached && !r.cache && r.gain >= 1.0 {
+            r.cache = true;
+        }
+    }
     let rewrites_read = ratio(
         sig.working_set.read_write_blocks,
         sig.working_set.write_blocks,
@@ -620,22 +655,36 @@ pub fn recommend_job(
         (CacheMode::Wb, Some(w), r) => {
             let mut s = format!("{name}: {}; {}", write_sentence(sig, w), drain_clause(w));
             if let Some(r) = r {
+                let gain = if r.gain < o.min_gain {
+                    format!("{:.2}x", r.gain)
+                } else {
+                    factor(r.gain)
+                };
                 s += &format!(
-                    "; reads gain {} because {} of reads went to blocks touched before",
-                    factor(r.gain),
+                    "; reads gain {gain} because {} of reads went to blocks touched before",
                     pct(r.reuse)
                 );
+                if r.gain < o.min_gain {
+                    s += &format!(
+                        ", and the cache is there for the writes anyway: a first read costs only {:.2}x the core read, since the cache writes {} as fast as the core reads",
+                        r.miss_penalty,
+                        factor(1.0 / (r.miss_penalty - 1.0).max(1e-9))
+                    );
+                }
             }
             s
         }
         (CacheMode::Wo, Some(w), Some(r)) => format!(
-            "{name}: mixed random read/write ({} reads / {} writes); writes gain {} ({} in the mix on the core, cleaning drains {}), but only {} of reads went to blocks touched before, so inserting reads would mostly add the first-read penalty",
+            "{name}: mixed random read/write ({} reads / {} writes); writes gain {} ({} in the mix on the core, cleaning drains {}), but only {} of reads went to blocks touched before, so inserting reads would mostly add the first-read penalty ({:.2}x the core read: the cache writes {} as fast as the core reads) and slow them to {:.2}x",
             pct(sig.read_share()),
             pct(sig.write_share()),
             factor(w.gain),
             speed(w.core_mb_s, w.block),
             speed(w.drain_mb_s, w.block),
-            pct(r.reuse)
+            pct(r.reuse),
+            r.miss_penalty,
+            factor(1.0 / (r.miss_penalty - 1.0).max(1e-9)),
+            r.gain
         ),
         (CacheMode::Wt | CacheMode::Wa | CacheMode::Wi, _, Some(r)) => {
             let mut s = format!(

@@ -9,10 +9,13 @@
 //!    run` does), for a few seconds;
 //! 3. gives the trace to the analyzer (`hybridcache analyze` with the core's profile) and runs
 //!    its recommended configuration the same way;
-//! 4. measures the best grid configuration and the recommendation again, back to back, and
-//!    takes the ratio from that pair: the best of many noisy cells is biased upwards (it won
+//! 4. measures the best grid configuration and the recommendation again, back to back, in
+//!    several rounds that alternate which goes first, and judges by the median of the per-round
+//!    ratios (recommendation / best): the best of many noisy cells is biased upwards (it won
 //!    partly by luck), so comparing a single recommended run with it would understate the
-//!    analyzer on a shared machine.
+//!    analyzer on a shared machine, and a median is not moved by the one round a neighbour's
+//!    build happened to load. A recommendation that is the best grid point itself passes as
+//!    the same configuration (its rounds then show only the run-to-run spread).
 //!
 //! The grid is trimmed by where a knob can act at all, never by what the analyzer says:
 //! - modes that differ only in how they treat a direction the shape does not have are one mode
@@ -60,15 +63,16 @@ pub struct SearchArgs {
     #[arg(long, short = 'o', value_name = "DIR", default_value = "search-out")]
     pub out: PathBuf,
     /// Seconds fio runs per cell.
-    #[arg(long, value_name = "S", default_value_t = 4)]
+    #[arg(long, value_name = "S", default_value_t = 6)]
     pub runtime: u64,
     /// Run at most N grid configurations per shape besides the traced pt cell (0: all); for a
     /// quick check, not for the verdict.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub max_configs: usize,
     /// Rounds of the closing back-to-back runs of the best grid configuration and the
-    /// recommendation (0: compare the grid's figures as they are).
-    #[arg(long, value_name = "N", default_value_t = 3)]
+    /// recommendation; the verdict is the median of the per-round ratios (0: compare the
+    /// grid's figures as they are).
+    #[arg(long, value_name = "N", default_value_t = 5)]
     pub confirm: u32,
     /// The analyzer's profile for the HDD RAID shapes: a built-in name or a TOML/JSON file
     /// (docs/analyzer.md, Profiles) [default: raid60-study].
@@ -369,7 +373,9 @@ impl GridPoint {
         let mut c = base.clone();
         c.mode = self.mode.clone();
         c.cleaning = self.cleaning.clone();
-        c.lazy_flush = self.lazy_flush;
+        // Always sent, off where the grid does not vary it: the daemon's default may change
+        // (it may become on), and a cell must not depend on it.
+        c.lazy_flush = Some(self.lazy_flush == Some(true));
         c.seq_cutoff = self.seq_cutoff.as_ref().map(|p| SeqCutoff {
             policy: p.clone(),
             threshold_kib: None,
@@ -628,10 +634,88 @@ pub struct ShapeResult {
     pub best: String,
     /// The recommendation is the best grid point itself.
     pub same_as_best: bool,
+    /// Medians over the confirming rounds (the grid's own figures without them).
     pub best_figure: f64,
     pub recommended_figure: f64,
+    /// recommendation / best, per confirming round whose best run succeeded.
+    #[serde(default)]
+    pub round_ratios: Vec<f64>,
+    /// The median of `round_ratios`: what was measured, spread included.
+    #[serde(default)]
+    pub measured_ratio: f64,
+    /// The verdict's ratio: 1 for the same configuration, else `measured_ratio` capped at 1.
     pub ratio: f64,
     pub pass: bool,
+}
+
+/// One confirming round's figures: (best grid point, recommendation); None where the run
+/// failed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Pair {
+    pub best: Option<f64>,
+    pub recommended: Option<f64>,
+}
+
+impl Pair {
+    fn of(best: &Measured, rec: &Measured) -> Pair {
+        let fig = |m: &Measured| m.error.is_none().then_some(m.figure);
+        Pair {
+            best: fig(best),
+            recommended: fig(rec),
+        }
+    }
+}
+
+/// What the confirming rounds say.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Verdict {
+    pub best_figure: f64,
+    pub recommended_figure: f64,
+    pub round_ratios: Vec<f64>,
+    pub measured_ratio: f64,
+    pub ratio: f64,
+    pub pass: bool,
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+/// The verdict from the confirming rounds: the median of the per-round ratios, so one round
+/// a loaded machine spoiled (either way) does not decide. A round whose best run failed says
+/// nothing about the recommendation and is left out; a failed recommended run counts as 0.
+/// A recommendation that outran the best is 100% of it. When the recommendation is the best
+/// grid point itself, the analyzer picked the best: 100% and a pass, whatever the spread of
+/// two runs of one configuration (which stays visible in `measured_ratio`).
+pub fn verdict(pairs: &[Pair], same_as_best: bool) -> Verdict {
+    let counted: Vec<(f64, f64)> = pairs
+        .iter()
+        .filter_map(|p| Some((p.best?, p.recommended.unwrap_or(0.0))))
+        .collect();
+    let round_ratios: Vec<f64> = counted
+        .iter()
+        .map(|(b, r)| if *b > 0.0 { r / b } else { 0.0 })
+        .collect();
+    let measured_ratio = median(&round_ratios);
+    let ratio = if same_as_best {
+        1.0
+    } else {
+        measured_ratio.min(1.0)
+    };
+    Verdict {
+        best_figure: median(&counted.iter().map(|x| x.0).collect::<Vec<_>>()),
+        recommended_figure: median(&counted.iter().map(|x| x.1).collect::<Vec<_>>()),
+        measured_ratio,
+        pass: !round_ratios.is_empty() && (same_as_best || ratio >= TARGET),
+        round_ratios,
+        ratio,
+    }
 }
 
 /// Everything, as search.json holds it.
@@ -791,6 +875,7 @@ fn search_shape(
     // 1. The traced run, which is also the grid's pt point.
     let mut pt_settings = base.cache.clone();
     pt_settings.mode = "pt".into();
+    pt_settings.lazy_flush = Some(false);
     let traced = measure(
         shape,
         &base,
@@ -908,20 +993,15 @@ fn search_shape(
             }
         }
     }
-    let mean = |v: Vec<f64>| v.iter().sum::<f64>() / v.len().max(1) as f64;
-    let (best_figure, rec_figure) = if confirm.is_empty() {
-        (best.figure, recommended.figure)
+    let same_as_best = grid_point_of(&rec, shape).is_some_and(|p| p.label() == best.label);
+    let pairs: Vec<Pair> = if confirm.is_empty() {
+        vec![Pair::of(&best, &recommended)]
     } else {
-        // Both from the interleaved re-runs: the grid's maximum is the one figure selected
-        // for being high, so it is not compared with anything.
-        (
-            mean(confirm.iter().map(|(b, _)| b.figure).collect()),
-            mean(confirm.iter().map(|(_, r)| r.figure).collect()),
-        )
+        // Only the interleaved re-runs: the grid's maximum is the one figure selected for
+        // being high, so it is not compared with anything.
+        confirm.iter().map(|(b, r)| Pair::of(b, r)).collect()
     };
-    // A recommendation that beat the grid's best is 100% of the best.
-    let top = best_figure.max(rec_figure);
-    let ratio = if top > 0.0 { rec_figure / top } else { 0.0 };
+    let v = verdict(&pairs, same_as_best);
     Ok(ShapeResult {
         shape: shape.clone(),
         profile: profile.name.clone(),
@@ -935,12 +1015,14 @@ fn search_shape(
             .map(|r| (r.setting.clone(), r.text.clone()))
             .collect(),
         confirm,
-        same_as_best: grid_point_of(&rec, shape).is_some_and(|p| p.label() == best.label),
+        same_as_best,
         best: best.label,
-        best_figure,
-        recommended_figure: rec_figure,
-        ratio,
-        pass: ratio >= TARGET,
+        best_figure: v.best_figure,
+        recommended_figure: v.recommended_figure,
+        round_ratios: v.round_ratios,
+        measured_ratio: v.measured_ratio,
+        ratio: v.ratio,
+        pass: v.pass,
     })
 }
 
@@ -1054,15 +1136,19 @@ fn run_cell(
     fio::parse_json(&text).with_context(|| format!("fio: {}", procs::log_tail(&log)))
 }
 
-/// The verdict table (Markdown).
+/// The verdict table (Markdown). `best` and `analyzer` are the medians of the confirming
+/// runs; `ratio` the verdict; `per round` the measured analyzer/best ratios, median (lowest
+/// to highest), which for the same configuration is the run-to-run spread.
 pub fn table(r: &SearchReport) -> String {
     let mut s = String::from(
-        "| shape | core | grid points | best configuration | best | analyzer's configuration | analyzer | ratio | >= 90% |\n|---|---|---|---|---|---|---|---|---|\n",
+        "| shape | core | grid points | best configuration | best | analyzer's configuration | analyzer | ratio | per round: median (range) | >= 90% |\n|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for x in &r.shapes {
         let unit = x.shape.metric.unit();
+        let lo = x.round_ratios.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = x.round_ratios.iter().copied().fold(0.0, f64::max);
         s += &format!(
-            "| {} | {} | {} | {} | {:.0} {unit} | {}{} | {:.0} {unit} | {:.0}% | {} |\n",
+            "| {} | {} | {} | {} | {:.0} {unit} | {}{} | {:.0} {unit} | {} | {} | {} |\n",
             x.shape.name,
             x.shape.core.label(),
             x.grid.len(),
@@ -1071,7 +1157,21 @@ pub fn table(r: &SearchReport) -> String {
             x.recommended.label.trim_start_matches("analyzer: "),
             if x.same_as_best { " (= best)" } else { "" },
             x.recommended_figure,
-            x.ratio * 100.0,
+            if x.same_as_best {
+                "100% (same configuration)".to_string()
+            } else {
+                format!("{:.0}%", x.ratio * 100.0)
+            },
+            if x.round_ratios.is_empty() {
+                "-".to_string()
+            } else {
+                format!(
+                    "{:.0}% ({:.0}-{:.0}%)",
+                    x.measured_ratio * 100.0,
+                    lo * 100.0,
+                    hi * 100.0
+                )
+            },
             if x.pass { "yes" } else { "**no**" }
         );
     }
@@ -1082,7 +1182,7 @@ fn write_outputs(out: &Path, r: &SearchReport) -> Result<()> {
     let json = serde_json::to_string_pretty(r)?;
     std::fs::write(out.join("search.json"), json)?;
     let mut md = format!(
-        "# Grid search against the analyzer\n\n{} s per cell{}; best and analyzer compared over {} interleaved re-runs each.\n\n{}\n",
+        "# Grid search against the analyzer\n\n{} s per cell{}; the best grid point and the analyzer's configuration run again in {} interleaved rounds; the verdict is the median of the per-round ratios analyzer/best (capped at 100%), and a recommendation that is the best grid point itself passes as the same configuration (its rounds show the run-to-run spread).\n\n{}\n",
         r.runtime,
         if r.max_configs > 0 {
             format!(", at most {} grid points per shape", r.max_configs)
@@ -1159,6 +1259,107 @@ mod tests {
         labels.sort();
         labels.dedup();
         assert_eq!(labels.len(), g.len());
+    }
+
+    fn pairs(v: &[(f64, f64)]) -> Vec<Pair> {
+        v.iter()
+            .map(|&(b, r)| Pair {
+                best: Some(b),
+                recommended: Some(r),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_verdict_is_the_median_of_per_round_ratios() {
+        // One round spoiled by a loaded machine (0.59) decides neither the ratio nor the pass;
+        // a ratio of the means would have said (1233 + 1114 + 758) / (1274 + 1358 + 1275) =
+        // 79%.
+        let v = verdict(
+            &pairs(&[
+                (1274.0, 1233.0),
+                (1358.0, 1114.0),
+                (1275.0, 758.0),
+                (1300.0, 1250.0),
+                (1290.0, 1200.0),
+            ]),
+            false,
+        );
+        assert_eq!(v.round_ratios.len(), 5);
+        assert!((v.measured_ratio - 1200.0 / 1290.0).abs() < 1e-12, "{v:?}");
+        assert_eq!(v.ratio, v.measured_ratio);
+        assert!(v.pass);
+        assert_eq!(v.best_figure, 1290.0);
+        assert_eq!(v.recommended_figure, 1200.0);
+        // Below 90% in most rounds is a miss, however good one round was.
+        let v = verdict(
+            &pairs(&[(100.0, 80.0), (100.0, 150.0), (100.0, 85.0)]),
+            false,
+        );
+        assert!((v.ratio - 0.85).abs() < 1e-12);
+        assert!(!v.pass);
+        // An even number of rounds takes the middle two.
+        let v = verdict(&pairs(&[(100.0, 80.0), (100.0, 100.0)]), false);
+        assert!((v.measured_ratio - 0.9).abs() < 1e-12);
+        assert!(v.pass);
+    }
+
+    #[test]
+    fn a_recommendation_beating_the_best_is_capped_and_the_best_itself_passes() {
+        let v = verdict(
+            &pairs(&[(100.0, 130.0), (100.0, 120.0), (100.0, 95.0)]),
+            false,
+        );
+        assert!((v.measured_ratio - 1.2).abs() < 1e-12);
+        assert_eq!(v.ratio, 1.0);
+        // The same configuration twice: 85% is run-to-run spread, kept visible, not a miss.
+        let spread = pairs(&[(100.0, 85.0), (100.0, 80.0), (100.0, 90.0)]);
+        let v = verdict(&spread, true);
+        assert!((v.measured_ratio - 0.85).abs() < 1e-12);
+        assert_eq!(v.ratio, 1.0);
+        assert!(v.pass);
+        assert!(!verdict(&spread, false).pass);
+    }
+
+    #[test]
+    fn failed_runs_in_the_confirming_rounds() {
+        // The best run failed: the round says nothing about the analyzer and is left out.
+        let mut p = pairs(&[(100.0, 95.0), (100.0, 92.0), (100.0, 10.0)]);
+        p[2].best = None;
+        let v = verdict(&p, false);
+        assert_eq!(v.round_ratios.len(), 2);
+        assert!(v.pass, "{v:?}");
+        // The recommended run failed: that round counts as 0.
+        let mut p = pairs(&[(100.0, 95.0), (100.0, 92.0), (100.0, 91.0)]);
+        p[0].recommended = None;
+        p[1].recommended = None;
+        let v = verdict(&p, false);
+        assert_eq!(v.round_ratios, vec![0.0, 0.0, 0.91]);
+        assert!(!v.pass);
+        // Nothing measured: no verdict, even for the same configuration.
+        let v = verdict(
+            &[Pair {
+                best: None,
+                recommended: Some(1.0),
+            }],
+            true,
+        );
+        assert!(!v.pass);
+    }
+
+    #[test]
+    fn every_grid_cell_sets_lazy_flush() {
+        for s in shapes() {
+            let base = base_matrix(&s, 1).unwrap().cache;
+            for p in grid(&s) {
+                let c = p.settings(&base);
+                assert_eq!(
+                    c.lazy_flush,
+                    Some(p.lazy_flush == Some(true)),
+                    "{s:?} {p:?}"
+                );
+            }
+        }
     }
 
     #[test]
