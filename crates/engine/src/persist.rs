@@ -753,7 +753,17 @@ pub(crate) fn restore(
             p.slot.set(block, slot == 1);
             block_seq[block as usize] = seq;
             max_seq = max_seq.max(seq);
+            // Each entry's lookup and insertion miss in DRAM two or three times (bucket, chain
+            // keys): fetch the buckets of the entries AHEAD places on and the chain heads of
+            // those AHEAD/2 on, so the misses of many entries overlap instead of adding up.
+            const AHEAD: usize = 16;
             for (j, e) in entries.iter().enumerate() {
+                if let Some(k) = entries.get(j + AHEAD).and_then(|e| e.key) {
+                    inner.table.prefetch_bucket(k);
+                }
+                if let Some(k) = entries.get(j + AHEAD / 2).and_then(|e| e.key) {
+                    inner.table.prefetch_chain(k);
+                }
                 let line = (block * epb + j as u64) as u32;
                 let Some(key) = e.key else {
                     if e.valid != 0 || e.dirty != 0 {
