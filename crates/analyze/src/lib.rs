@@ -42,9 +42,9 @@ pub mod units;
 pub use mrc::{MissRatioCurve, MrcBuilder, MrcOptions, MrcPoint, MRC_BLOCK};
 pub use profile::{DeviceModel, DeviceProfile, Dir, Estimate, Pattern, PerfPoint, ProfileError};
 pub use recommend::{
-    recommend, recommend_job, recommend_with, AcpParams, AlruParams, CacheConfig, CacheMode,
-    Cleaning, Decision, IoClass, JobRecommendation, Promotion, Reason, RecommendOptions,
-    Recommendation, SeqCutoff, SeqCutoffPolicy,
+    config_params, fast_core, recommend, recommend_job, recommend_with, AcpParams, AlruParams,
+    CacheConfig, CacheMode, Cleaning, Decision, IoClass, JobRecommendation, Offload, Promotion,
+    ReadAhead, Reason, RecommendOptions, Recommendation, SeqCutoff, SeqCutoffPolicy,
 };
 pub use report::{Chart, Report, Section, Table};
 pub use series::{time_series, JobSeries, TimeSeries};

@@ -215,6 +215,44 @@ pub enum Promotion {
     },
 }
 
+/// Read-ahead (`-n prefetch -p readahead`, `-n prefetch-readahead`), Open CAS v26.09's names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct ReadAhead {
+    /// KiB a stream must have read before read-ahead starts.
+    pub threshold: u32,
+    /// KiB read ahead of the stream.
+    pub distance: u32,
+    /// Prefetch requests queued or running per cache.
+    pub max_in_flight: u32,
+}
+
+impl ReadAhead {
+    /// The settings for a stream of `block`-byte reads: it must have read four requests
+    /// (at least 64 KiB, at most 1 MiB) before it counts, so a few neighbouring random reads
+    /// start nothing; the distance covers at least eight requests ahead (1 MiB at least), and
+    /// the daemon's default of 4 requests in flight keeps prefetch from crowding out clients.
+    pub fn for_block(block: u64) -> ReadAhead {
+        let kib = (block / 1024).max(4);
+        ReadAhead {
+            threshold: (4 * kib).clamp(64, 1024).next_power_of_two() as u32,
+            distance: (8 * kib).clamp(1024, 32768).next_power_of_two() as u32,
+            max_in_flight: 4,
+        }
+    }
+}
+
+/// Offload (`-n offload -p on`, `-n offload-queue`): a share of clean read hits and write
+/// misses goes to the core while the cache device's queue is deeper than the core's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct Offload {
+    /// % of eligible requests.
+    pub share: u32,
+    /// Cache queue depth minus the core's, at least.
+    pub threshold: u32,
+}
+
 /// One IO class (a line of Open CAS's CSV).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct IoClass {
@@ -252,6 +290,15 @@ pub struct CacheConfig {
     pub promotion: Promotion,
     /// Empty: no IO class rules needed.
     pub io_classes: Vec<IoClass>,
+    /// Write misses that find no clean line go to the core instead of waiting for cleaning.
+    #[serde(default)]
+    pub lazy_flush: bool,
+    /// Read-ahead; None: `prefetch none`.
+    #[serde(default)]
+    pub prefetch: Option<ReadAhead>,
+    /// Offload to a fast core; None: off.
+    #[serde(default)]
+    pub offload: Option<Offload>,
 }
 
 /// A setting and why.
@@ -287,6 +334,14 @@ pub struct ReadAnalysis {
     pub reuse: f64,
     pub gain: f64,
     pub cache: bool,
+    /// Sequential reads: the speed read-ahead's large, deep core reads would feed the stream at
+    /// (MB/s), when it gains more than caching alone.
+    #[serde(default)]
+    pub readahead_mb_s: Option<f64>,
+    /// Inserting a block only on its second access (nhit 2) gains more than inserting every
+    /// miss: the one-time reads then skip the first-read penalty.
+    #[serde(default)]
+    pub nhit: bool,
 }
 
 /// The verdict for one job.
@@ -431,7 +486,50 @@ fn analyze_reads(
     let cache = p.cache.estimate(pattern, Dir::Read, block, rqd)?;
     let h = sig.reads.reuse_share();
     let t = h / cache.mb_s.max(1e-9) + (1.0 - h) * MISS_PENALTY / core.mb_s.max(1e-9);
-    let gain = (1.0 / core.mb_s.max(1e-9)) / t;
+    let mut gain = (1.0 / core.mb_s.max(1e-9)) / t;
+    // nhit 2: every first access passes through at the core's speed without the penalty, a
+    // re-read block's second access is the penalised miss, and only later accesses hit.
+    let mut nhit = false;
+    let refs = sig.reads.block_refs as f64;
+    if refs > 0.0 {
+        let reused = sig.reads.reused_refs as f64;
+        let twice = (sig
+            .working_set
+            .read_blocks
+            .saturating_sub(sig.working_set.read_once_blocks) as f64)
+            .min(reused);
+        let t_n = ((reused - twice) / cache.mb_s.max(1e-9)
+            + (refs - reused) / core.mb_s.max(1e-9)
+            + twice * MISS_PENALTY / core.mb_s.max(1e-9))
+            / refs;
+        let g = (1.0 / core.mb_s.max(1e-9)) / t_n;
+        if g > gain * 1.05 {
+            gain = g;
+            nhit = true;
+        }
+    }
+    // A sequential stream's misses can be fetched ahead of it in `distance`-sized requests,
+    // `max-in-flight` deep, which a core serves faster than the client's own small reads at its
+    // depth; the client then reads at what prefetch delivers (no faster than the cache).
+    let mut readahead_mb_s = None;
+    if pattern == Pattern::Sequential {
+        let ra = ReadAhead::for_block(block);
+        if let Some(e) = p.core.estimate(
+            Pattern::Sequential,
+            Dir::Read,
+            ra.distance as u64 * 1024,
+            ra.max_in_flight,
+        ) {
+            let feed = e.mb_s.min(cache.mb_s);
+            let t_ra = h / cache.mb_s.max(1e-9) + (1.0 - h) * MISS_PENALTY / feed.max(1e-9);
+            let g = (1.0 / core.mb_s.max(1e-9)) / t_ra;
+            if g > gain {
+                gain = g;
+                readahead_mb_s = Some(feed);
+                nhit = false;
+            }
+        }
+    }
     Some(ReadAnalysis {
         pattern,
         block,
@@ -441,6 +539,8 @@ fn analyze_reads(
         reuse: h,
         gain,
         cache: gain >= o.min_gain,
+        readahead_mb_s,
+        nhit,
     })
 }
 
@@ -543,6 +643,12 @@ pub fn recommend_job(
                 read_sentence(sig, r),
                 factor(r.gain)
             );
+            if let Some(ra) = r.readahead_mb_s {
+                s += &format!(
+                    " with read-ahead feeding the stream at {} MB/s from the core",
+                    num(ra)
+                );
+            }
             match (&writes, mode) {
                 (Some(w), CacheMode::Wa) => s += &format!("; writes gain only {} so they go to the core, and {} of written blocks are also read, so mapped lines are updated", factor(w.gain), pct(ratio(sig.working_set.read_write_blocks, sig.working_set.write_blocks))),
                 (Some(w), CacheMode::Wi) => s += &format!("; writes gain only {} so they go to the core, and few written blocks are read, so mapped lines are just invalidated", factor(w.gain)),
@@ -618,6 +724,284 @@ fn pow2_floor(x: u64) -> u64 {
     }
 }
 
+/// Why the core counts as fast (flash, or random 4 KiB writes at its deepest measured queue
+/// within 4x of the cache's), or None.
+pub fn fast_core(profile: &DeviceProfile) -> Option<String> {
+    if profile.core.flash {
+        return Some(format!("the core ({}) is flash", profile.core.name));
+    }
+    let deepest = |m: &crate::profile::DeviceModel| {
+        let qd = m.max_queue_depth(Pattern::Random, Dir::Write);
+        m.estimate(Pattern::Random, Dir::Write, 4096, qd)
+            .map(|e| (e.iops, qd))
+    };
+    let (core, qd) = deepest(&profile.core)?;
+    let (cache, _) = deepest(&profile.cache)?;
+    (core * 4.0 >= cache).then(|| {
+        format!(
+            "the core writes random 4 KiB at {} IOPS at iodepth {qd}, within 4x of the cache's {} IOPS",
+            num(core),
+            num(cache)
+        )
+    })
+}
+
+/// The write-back tail rule fires from this share of the core's deepest random-write IOPS,
+/// reached by the cached writes' depth on the core or by their measured peak: the study's tails
+/// grew above about 80k IOPS on an array good for about that, where a write-back queue can only
+/// grow; below it the queue drains and write-back's absorbed writes win.
+const TAIL_LOAD: f64 = 0.5;
+
+/// The write-back tail rule: a mode holding dirty data becomes its write-through sibling (wb ->
+/// wt, wo -> pt: wo's reads were not worth caching) when the core is fast and the cached writes
+/// load it near its limit, by their depth or their measured rate. Returns the new mode and the
+/// reason.
+fn tail_rule(
+    mode: CacheMode,
+    cached: &[(&JobSignature, &JobRecommendation)],
+    profile: &DeviceProfile,
+) -> Option<(CacheMode, String)> {
+    if !mode.dirty() {
+        return None;
+    }
+    let fast = fast_core(profile)?;
+    let core_max = profile
+        .core
+        .estimate(
+            Pattern::Random,
+            Dir::Write,
+            4096,
+            profile.core.max_queue_depth(Pattern::Random, Dir::Write),
+        )
+        .map_or(f64::INFINITY, |e| e.iops);
+    let writers: Vec<_> = cached
+        .iter()
+        .filter(|(_, r)| r.writes.as_ref().is_some_and(|w| w.cache))
+        .collect();
+    // What the deepest cached writer's depth alone gets from the core.
+    let (depth, at_depth) = writers
+        .iter()
+        .filter_map(|(_, r)| r.writes.as_ref())
+        .map(|w| (w.queue_depth, w.core_iops))
+        .max_by(|a, b| a.1.total_cmp(&b.1))?;
+    let peak: f64 = writers
+        .iter()
+        .map(|(s, _)| s.timeline.peak_write_iops())
+        .sum();
+    let limit = TAIL_LOAD * core_max;
+    if at_depth < limit && peak < limit {
+        return None;
+    }
+    let to = if mode == CacheMode::Wb {
+        CacheMode::Wt
+    } else {
+        CacheMode::Pt
+    };
+    Some((
+        to,
+        format!(
+            "{} instead of {} (the write-back tail rule): {fast}, and the cached writes {}; in front of fast SSD arrays a write-back queue of deferred writes made p99.99 latency 10x worse than write-through above about 80k IOPS, and write-through delivered 3-4x the IOPS at a 1 ms mean-latency target",
+            to.long_name(),
+            mode.long_name(),
+            if at_depth >= limit {
+                format!(
+                    "run at iodepth {depth}, where the core alone gives {} IOPS, {} of the {} IOPS of its deepest queue",
+                    num(at_depth),
+                    pct(at_depth / core_max),
+                    num(core_max)
+                )
+            } else {
+                format!(
+                    "peak at {} IOPS, {} of the core's {} IOPS",
+                    num(peak),
+                    pct(peak / core_max),
+                    num(core_max)
+                )
+            }
+        ),
+    ))
+}
+
+/// Lazy flush: on when the cache takes writes faster than cleaning drains them, so a burst
+/// long enough fills it with dirty data and every further write miss would wait for cleaning.
+fn lazy_flush_rule(
+    mode: CacheMode,
+    writers: &[(&JobSignature, &JobRecommendation)],
+    wtl: &Timeline,
+    drain: f64,
+) -> (bool, String) {
+    if !mode.dirty() {
+        return (
+            false,
+            format!(
+                "off: {} holds no dirty data, so no write ever waits for cleaning",
+                mode.long_name()
+            ),
+        );
+    }
+    let absorb = writers
+        .iter()
+        .filter_map(|(_, r)| r.writes.as_ref().map(|w| w.absorb_mb_s))
+        .fold(0.0, f64::max);
+    let backlog = if drain.is_finite() {
+        wtl.peak_backlog(drain)
+    } else {
+        0
+    };
+    if backlog > 0 {
+        (
+            true,
+            format!(
+                "on: write bursts pile up to {} of dirty data above the {} MB/s cleaning drains; once a burst fills the cache, write misses that find no clean line go to the core instead of each waiting for cleaning",
+                bytes(backlog),
+                num(drain)
+            ),
+        )
+    } else if drain.is_finite() && absorb > drain * 1.2 {
+        (
+            true,
+            format!(
+                "on: the cache absorbs these writes at {} MB/s and cleaning drains them at only {} MB/s, so a burst longer than the cache's size / {} MB/s fills it with dirty data; then write misses that find no clean line go to the core instead of each waiting for cleaning",
+                num(absorb),
+                num(drain),
+                num(absorb - drain)
+            ),
+        )
+    } else {
+        (
+            false,
+            format!(
+                "off: cleaning drains {} MB/s, as fast as the cache absorbs the writes ({} MB/s), so dirty data does not pile up",
+                num(drain),
+                num(absorb)
+            ),
+        )
+    }
+}
+
+/// Read-ahead: on when a cached job reads sequentially and the core feeds a prefetching stream
+/// (large requests, several in flight) faster than the job's own reads.
+fn readahead_rule(
+    mode: CacheMode,
+    cached: &[(&JobSignature, &JobRecommendation)],
+) -> (Option<ReadAhead>, String) {
+    if !mode.caches_reads() {
+        return (
+            None,
+            format!(
+                "none: {} inserts no read misses, and read-ahead prefetches only what reads would insert",
+                mode.long_name()
+            ),
+        );
+    }
+    let best = cached
+        .iter()
+        .filter_map(|(s, r)| {
+            let x = r.reads.as_ref()?;
+            let ra = x.readahead_mb_s.filter(|_| x.cache)?;
+            Some((s, x, ra))
+        })
+        .max_by(|a, b| a.0.reads.requests.cmp(&b.0.reads.requests));
+    match best {
+        Some((s, x, ra)) => {
+            let p = ReadAhead::for_block(x.block);
+            (
+                Some(p),
+                format!(
+                    "readahead (threshold {} KiB, distance {} KiB, {} in flight): {} reads sequentially ({} of its reads, {} at iodepth {}), which the core serves at {} MB/s, while {} KiB read-ahead requests {} deep arrive at {} MB/s; {} of reads go to blocks read before, so prefetched lines are also hit again",
+                    p.threshold,
+                    p.distance,
+                    p.max_in_flight,
+                    s.name,
+                    pct(s.reads.sequential_share()),
+                    bytes(x.block),
+                    x.queue_depth,
+                    num(x.core_mb_s),
+                    p.distance,
+                    p.max_in_flight,
+                    num(ra),
+                    pct(x.reuse)
+                ),
+            )
+        }
+        None => (
+            None,
+            "none: no cached job reads sequentially faster with read-ahead than with its own requests".into(),
+        ),
+    }
+}
+
+/// The core serves at least this share of what the cache device does for offload to pay: the
+/// study's selective offloading gained where a RAM cache and an SSD array were within a few
+/// times of each other; against a core 10x slower it would only lose hits.
+const OFFLOAD_MIN_RATIO: f64 = 0.25;
+
+/// Offload: on when the core is fast and, for the busiest cached job's main direction at its
+/// depth, serves at least a quarter of what the cache device does. The share balances the two:
+/// the core's part of their combined speed, in steps of 5%, 5..50%.
+fn offload_rule(
+    mode: CacheMode,
+    cached: &[(&JobSignature, &JobRecommendation)],
+    profile: &DeviceProfile,
+) -> (Option<Offload>, String) {
+    if cached.is_empty() || mode == CacheMode::Pt {
+        return (
+            None,
+            "off: nothing is cached, so there is nothing to offload".into(),
+        );
+    }
+    let Some(fast) = fast_core(profile) else {
+        return (
+            None,
+            format!(
+                "off: the core ({}) is neither flash nor within 4x of the cache, so every request it takes waits longer than in the cache",
+                profile.core.name
+            ),
+        );
+    };
+    let Some((s, r)) = cached.iter().max_by_key(|(s, _)| s.requests()) else {
+        return (None, "off: nothing is cached".into());
+    };
+    let main = match (&r.reads, &r.writes) {
+        (Some(x), Some(w)) if s.read_share() < s.write_share() => {
+            Some(("writes", w.core_mb_s, w.absorb_mb_s, w.block, w.queue_depth))
+        }
+        (Some(x), _) => Some(("reads", x.core_mb_s, x.cache_mb_s, x.block, x.queue_depth)),
+        (None, Some(w)) => Some(("writes", w.core_mb_s, w.absorb_mb_s, w.block, w.queue_depth)),
+        (None, None) => None,
+    };
+    let Some((dir, core, cache, block, qd)) = main else {
+        return (None, "off: the cached jobs neither read nor write".into());
+    };
+    let ratio = core / cache.max(1e-9);
+    if ratio < OFFLOAD_MIN_RATIO {
+        return (
+            None,
+            format!(
+                "off: {fast}, but at iodepth {qd} it serves {}'s {dir} at {}, only {} of the cache's {}, so requests sent there would wait longer than in the cache",
+                s.name,
+                speed(core, block),
+                pct(ratio),
+                speed(cache, block)
+            ),
+        );
+    }
+    let share = ((100.0 * core / (core + cache) / 5.0).round() as u32 * 5).clamp(5, 50);
+    (
+        Some(Offload {
+            share,
+            threshold: 1,
+        }),
+        format!(
+            "on (share {share}%, threshold 1): {fast}, and at iodepth {qd} it serves {}'s {dir} at {}, {} of the cache's {}; while the cache device's queue is deeper, sending {share}% of clean read hits and write misses to the core (its part of the two devices' combined speed) uses both, as the ASPLOS'23 study's selective offloading did",
+            s.name,
+            speed(core, block),
+            pct(ratio),
+            speed(cache, block)
+        ),
+    )
+}
+
 /// Recommends: judges every job, then combines the verdicts into one configuration.
 pub fn recommend_with(
     sig: &Signature,
@@ -683,7 +1067,13 @@ pub fn recommend_with(
         };
         mode_for(w_opt, r_opt, rewrites)
     };
-    let mode_reason = if cached.is_empty() {
+    // The write-back tail rule: on a fast core a write-back queue of deferred writes costs
+    // more tail latency than it gains (the vendor's RAID-controller measurements, issue 16).
+    let tail = tail_rule(mode, &cached, profile);
+    let mode = tail.as_ref().map_or(mode, |t| t.0);
+    let mode_reason = if let Some((_, text)) = &tail {
+        text.clone()
+    } else if cached.is_empty() {
         if jobs.len() == 1 {
             jobs[0].reason.clone()
         } else {
@@ -850,6 +1240,11 @@ pub fn recommend_with(
     reasons.push(Reason {
         setting: format!("cleaning {}", cleaning.preset().unwrap_or(cleaning.name())),
         text: cleaning_reason,
+    });
+    let (lazy_flush, lazy_reason) = lazy_flush_rule(mode, &writers, &wtl, drain);
+    reasons.push(Reason {
+        setting: format!("lazy-flush {}", if lazy_flush { "on" } else { "off" }),
+        text: lazy_reason,
     });
 
     // Sequential cutoff and IO classes: keep bypassed jobs out.
@@ -1066,7 +1461,11 @@ pub fn recommend_with(
             text: "always: the cached jobs do not read, so there is nothing to filter".into(),
         });
         Promotion::Always
-    } else if once_share >= 0.5 && reuse >= 0.1 {
+    } else if (once_share >= 0.5 && reuse >= 0.1)
+        || cached
+            .iter()
+            .any(|(_, r)| r.reads.as_ref().is_some_and(|x| x.cache && x.nhit))
+    {
         reasons.push(Reason {
             setting: "promotion nhit 2/80".into(),
             text: format!(
@@ -1101,6 +1500,24 @@ pub fn recommend_with(
         });
         Promotion::Always
     };
+
+    let (prefetch, prefetch_reason) = readahead_rule(mode, &cached);
+    reasons.push(Reason {
+        setting: match prefetch {
+            Some(ra) => format!("prefetch readahead {} KiB", ra.threshold),
+            None => "prefetch none".into(),
+        },
+        text: prefetch_reason,
+    });
+
+    let (offload, offload_reason) = offload_rule(mode, &cached, profile);
+    reasons.push(Reason {
+        setting: match offload {
+            Some(o) => format!("offload on {}%", o.share),
+            None => "offload off".into(),
+        },
+        text: offload_reason,
+    });
 
     // Cache size: miss-ratio curve of the cached jobs, and the write bursts to absorb.
     let mrc_blocks: u64 = if !bypassed.is_empty() {
@@ -1185,7 +1602,8 @@ pub fn recommend_with(
     });
     let knee = curve.knee().map(|p| (p.cache_blocks, p.hit_ratio));
 
-    // Keep reasons in command order: mode, line, cleaning, seq cutoff, io class, promotion, size.
+    // Reasons are in command order: mode, line, cleaning, lazy flush, seq cutoff, io class,
+    // promotion, prefetch, offload, size.
     let config = CacheConfig {
         mode,
         line_size_kib: line_kib,
@@ -1194,6 +1612,9 @@ pub fn recommend_with(
         seq_cutoff,
         promotion,
         io_classes,
+        lazy_flush,
+        prefetch,
+        offload,
     };
     Recommendation {
         profile: profile.name.clone(),
@@ -1241,6 +1662,10 @@ impl Recommendation {
             Cleaning::Nop => {}
         }
         v.push(format!(
+            "hybridcache -X -n lazy-flush -i {id} -p {}",
+            if c.lazy_flush { "on" } else { "off" }
+        ));
+        v.push(format!(
             "hybridcache -X -n seq-cutoff -i {id} -p {} -t {}",
             c.seq_cutoff.policy.as_str(),
             c.seq_cutoff.threshold
@@ -1256,6 +1681,26 @@ impl Recommendation {
         }
         if !c.io_classes.is_empty() {
             v.push(format!("hybridcache -C -C -i {id} -f ioclass.csv"));
+        }
+        match c.prefetch {
+            Some(ra) => {
+                v.push(format!(
+                    "hybridcache -X -n prefetch-readahead -i {id} -t {} --distance {} --max-in-flight {}",
+                    ra.threshold, ra.distance, ra.max_in_flight
+                ));
+                v.push(format!("hybridcache -X -n prefetch -i {id} -p readahead"));
+            }
+            None => v.push(format!("hybridcache -X -n prefetch -i {id} -p none")),
+        }
+        match c.offload {
+            Some(o) => {
+                v.push(format!(
+                    "hybridcache -X -n offload-queue -i {id} --share {} -t {}",
+                    o.share, o.threshold
+                ));
+                v.push(format!("hybridcache -X -n offload -i {id} -p on"));
+            }
+            None => v.push(format!("hybridcache -X -n offload -i {id} -p off")),
         }
         v
     }
@@ -1351,6 +1796,30 @@ pub fn config_params(c: &CacheConfig) -> std::collections::BTreeMap<String, Stri
             );
         }
         Cleaning::Nop => {}
+    }
+    put(
+        "lazy-flush.policy",
+        if c.lazy_flush { "on" } else { "off" }.into(),
+    );
+    match c.prefetch {
+        Some(ra) => {
+            put("prefetch.policy", "readahead".into());
+            put("prefetch-readahead.threshold", ra.threshold.to_string());
+            put("prefetch-readahead.distance", ra.distance.to_string());
+            put(
+                "prefetch-readahead.max-in-flight",
+                ra.max_in_flight.to_string(),
+            );
+        }
+        None => put("prefetch.policy", "none".into()),
+    }
+    match c.offload {
+        Some(o) => {
+            put("offload.policy", "on".into());
+            put("offload-queue.share", o.share.to_string());
+            put("offload-queue.threshold", o.threshold.to_string());
+        }
+        None => put("offload.policy", "off".into()),
     }
     match c.promotion {
         Promotion::Always => put("promotion.policy", "always".into()),

@@ -227,15 +227,20 @@ impl Report {
             ..Default::default()
         };
         s.paragraphs.push(format!(
-            "Mode {}, {} KiB lines, cleaning {}, seq-cutoff {} {} KiB, promotion {}, {} IO classes, cache size {}.",
+            "Mode {}, {} KiB lines, cleaning {}, lazy flush {}, seq-cutoff {} {} KiB, promotion {}, prefetch {}, {} IO classes, cache size {}.",
             c.mode.as_str(),
             c.line_size_kib,
             c.cleaning.preset().unwrap_or(c.cleaning.name()),
+            if c.lazy_flush { "on" } else { "off" },
             c.seq_cutoff.policy.as_str(),
             c.seq_cutoff.threshold,
             match c.promotion {
                 crate::recommend::Promotion::Always => "always".to_string(),
                 crate::recommend::Promotion::Nhit { threshold, trigger } => format!("nhit {threshold}/{trigger}%"),
+            },
+            match c.prefetch {
+                Some(ra) => format!("readahead {} KiB", ra.threshold),
+                None => "none".to_string(),
             },
             c.io_classes.len(),
             bytes(c.cache_size_bytes)

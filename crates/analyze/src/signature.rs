@@ -209,6 +209,10 @@ impl Timeline {
             / 1e6
             / self.secs()
     }
+    /// The busiest bucket's write requests per second.
+    pub fn peak_write_iops(&self) -> f64 {
+        self.buckets.iter().map(|b| b.write_ops).max().unwrap_or(0) as f64 / self.secs()
+    }
     /// Share of buckets between the first and last active one that saw no request: the gaps a
     /// cleaner can use without competing with clients.
     pub fn idle_share(&self) -> f64 {

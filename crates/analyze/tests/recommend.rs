@@ -13,6 +13,23 @@ fn analyse(jobs: &[JobSpec]) -> (Trace, Signature, Recommendation) {
     (t, s, r)
 }
 
+fn analyse_on(jobs: &[JobSpec], profile: &str) -> Recommendation {
+    let text = blkparse(jobs);
+    let t = parse_trace(text.as_bytes(), Format::Auto).unwrap();
+    recommend(
+        &Signature::from_trace(&t),
+        &DeviceProfile::builtin(profile).unwrap(),
+    )
+}
+
+fn reason<'a>(r: &'a Recommendation, setting: &str) -> &'a str {
+    r.reasons
+        .iter()
+        .find(|x| x.setting.starts_with(setting))
+        .map(|x| x.text.as_str())
+        .unwrap_or_else(|| panic!("no reason for {setting}: {:?}", r.reasons))
+}
+
 fn random_4k_qd1() -> JobSpec {
     JobSpec::new(100, "db")
 }
@@ -46,7 +63,7 @@ fn random_4k_writes_at_low_depth_go_write_back_with_aggressive_cleaning() {
     assert_eq!(r.config.line_size_kib, 4);
     assert!(r.config.io_classes.is_empty());
     // Every setting has a reason.
-    assert_eq!(r.reasons.len(), 7);
+    assert_eq!(r.reasons.len(), 10);
     assert!(r.reasons.iter().all(|x| !x.text.is_empty()));
 }
 
@@ -228,4 +245,250 @@ fn profile_from_file() {
         DeviceProfile::raid60_study().name
     );
     assert!(DeviceProfile::load(&dir.path().join("missing.toml")).is_err());
+}
+
+// The write-back tail rule (issue 16): a fast core takes deep or heavy writes write-through.
+
+fn random_4k_writes(qd: usize) -> JobSpec {
+    let mut j = JobSpec::new(500, "oltp");
+    j.qd = qd;
+    j.requests = 4000;
+    j.service_ns = 100_000;
+    j
+}
+
+#[test]
+fn tail_rule_sends_deep_writes_on_an_ssd_raid_through() {
+    let r = analyse_on(&[random_4k_writes(32)], "ssd-raid5x9");
+    // The writes alone would be worth write-back (the core takes ~34k IOPS at depth 32, its
+    // deepest queue ~69k)...
+    assert_eq!(r.jobs[0].mode, CacheMode::Wb, "{}", r.jobs[0].reason);
+    // ...but the tail rule turns the cache's mode to write-through.
+    assert_eq!(r.config.mode, CacheMode::Wt);
+    let why = reason(&r, "cache mode wt");
+    assert!(why.starts_with("write-through instead of write-back (the write-back tail rule): the core (RAID 5, 9 SATA SSD"), "{why}");
+    assert!(
+        why.contains("run at iodepth 32, where the core alone gives 34"),
+        "{why}"
+    );
+    assert_eq!(r.config.cleaning, Cleaning::Nop);
+    assert!(!r.config.lazy_flush);
+    assert!(r
+        .commands(1)
+        .contains(&"hybridcache -Q -c wt -i 1".to_string()));
+}
+
+#[test]
+fn tail_rule_leaves_shallow_light_writes_and_hdd_cores_alone() {
+    // Depth 1 and depth 8 at 10k IOPS on the SSD RAID: far below the array's ceiling, so the
+    // write-back queue drains.
+    for qd in [1, 8] {
+        let r = analyse_on(&[random_4k_writes(qd)], "ssd-raid5x9");
+        assert_eq!(r.config.mode, CacheMode::Wb, "{:?}", r.reasons);
+        assert!(!reason(&r, "cache mode wb").contains("tail rule"));
+    }
+    // The same deep writes on the HDD RAID: write-back.
+    let r = analyse_on(&[random_4k_writes(16)], "raid60-study");
+    assert_eq!(r.config.mode, CacheMode::Wb);
+    assert!(fast_core(&DeviceProfile::raid60_study()).is_none());
+    assert!(fast_core(&DeviceProfile::builtin("ssd-raid5x9").unwrap()).is_some());
+}
+
+#[test]
+fn tail_rule_fires_on_load_alone() {
+    // Depth 4, but 40k write IOPS: more than half of what the array's deepest queue gives.
+    let mut j = random_4k_writes(4);
+    j.service_ns = 25_000;
+    // Longer than one 1 s timeline bucket, so the peak is a whole second's.
+    j.requests = 90_000;
+    let r = analyse_on(&[j], "ssd-raid5x9");
+    assert_eq!(r.config.mode, CacheMode::Wt, "{:?}", r.reasons);
+    assert!(
+        reason(&r, "cache mode wt").contains("peak at 400"),
+        "{}",
+        reason(&r, "cache mode")
+    );
+}
+
+// Lazy flush: on when writes arrive faster than cleaning drains them.
+
+#[test]
+fn lazy_flush_on_for_random_writes_that_outrun_cleaning() {
+    let (_, _, r) = analyse(&[random_4k_qd1()]);
+    assert!(r.config.lazy_flush);
+    let why = reason(&r, "lazy-flush on");
+    assert!(why.contains("cleaning drains"), "{why}");
+    assert!(
+        why.contains("go to the core instead of each waiting for cleaning"),
+        "{why}"
+    );
+    assert!(r
+        .commands(1)
+        .contains(&"hybridcache -X -n lazy-flush -i 1 -p on".to_string()));
+    assert_eq!(
+        config_params(&r.config)
+            .get("lazy-flush.policy")
+            .map(String::as_str),
+        Some("on")
+    );
+}
+
+#[test]
+fn lazy_flush_off_when_cleaning_keeps_up_or_nothing_is_dirty() {
+    // Sequential 64 KiB at depth 1: the RAID drains full stripes at 5415 MB/s, faster than the
+    // cache takes them (700 MB/s).
+    let mut s = seq_64k_qd32();
+    s.qd = 1;
+    s.requests = 2000;
+    s.service_ns = 1_000_000;
+    let (_, _, r) = analyse(&[s]);
+    assert_eq!(r.config.mode, CacheMode::Wb);
+    assert!(!r.config.lazy_flush);
+    assert!(reason(&r, "lazy-flush off").contains("does not pile up"));
+    // Reads only: write-through holds no dirty data.
+    let mut m = JobSpec::new(400, "reader");
+    m.read_share = 1.0;
+    m.span = 4 << 20;
+    m.requests = 6000;
+    let (_, _, r) = analyse(&[m]);
+    assert!(!r.config.lazy_flush);
+    assert!(reason(&r, "lazy-flush off").contains("holds no dirty data"));
+}
+
+// Read-ahead: sequential reads that a prefetching stream serves faster.
+
+fn seq_reader(size: u64, qd: usize) -> JobSpec {
+    let mut j = JobSpec::new(600, "scan");
+    j.read_share = 1.0;
+    j.sequential = true;
+    j.size = size;
+    j.qd = qd;
+    j.requests = 3000;
+    j
+}
+
+#[test]
+fn readahead_for_sequential_reads_at_low_depth() {
+    let r = analyse_on(&[seq_reader(65536, 1)], "raid60-study");
+    let ra = r.config.prefetch.expect("read-ahead");
+    assert_eq!(
+        ra,
+        ReadAhead {
+            threshold: 256,
+            distance: 1024,
+            max_in_flight: 4
+        }
+    );
+    assert!(r.config.mode.caches_reads());
+    assert_eq!(r.config.seq_cutoff.policy, SeqCutoffPolicy::Never);
+    let why = reason(&r, "prefetch readahead 256 KiB");
+    assert!(why.contains("scan (pid 600) reads sequentially (100% of its reads, 64 KiB at iodepth 1), which the core serves at 64 MB/s"), "{why}");
+    let cmds = r.commands(1);
+    assert!(
+        cmds.contains(
+            &"hybridcache -X -n prefetch-readahead -i 1 -t 256 --distance 1024 --max-in-flight 4"
+                .to_string()
+        ),
+        "{cmds:?}"
+    );
+    assert!(cmds.contains(&"hybridcache -X -n prefetch -i 1 -p readahead".to_string()));
+}
+
+#[test]
+fn no_readahead_for_random_reads_or_deep_streams() {
+    let mut j = JobSpec::new(700, "lookup");
+    j.read_share = 1.0;
+    j.span = 4 << 20;
+    j.requests = 6000;
+    let r = analyse_on(&[j], "raid60-study");
+    assert_eq!(r.config.prefetch, None);
+    assert!(reason(&r, "prefetch none").starts_with("none: no cached job reads sequentially"));
+    // 64 KiB at depth 32: the RAID already streams at 5415 MB/s, more than read-ahead's 4
+    // requests in flight give.
+    let r = analyse_on(&[seq_reader(65536, 32)], "raid60-study");
+    assert_eq!(r.config.prefetch, None, "{:?}", r.reasons);
+}
+
+// nhit promotion: read-intensive, skewed, many one-time reads.
+
+#[test]
+fn nhit_for_skewed_reads_with_many_one_time_blocks() {
+    let mut j = JobSpec::new(800, "web");
+    j.read_share = 0.9;
+    j.span = 64 << 30;
+    j.hot_span = 2 << 20;
+    j.hot_share = 0.5;
+    j.requests = 20000;
+    let r = analyse_on(&[j], "ssd-raid5x9");
+    assert!(r.config.mode.caches_reads(), "{:?}", r.reasons);
+    assert_eq!(
+        r.config.promotion,
+        Promotion::Nhit {
+            threshold: 2,
+            trigger: 80
+        },
+        "{:?}",
+        r.reasons
+    );
+    assert!(reason(&r, "promotion nhit 2/80").contains("read only once"));
+    // Without the one-time reads, the one-time rule does not fire (the slow-cache rule may).
+    let mut k = JobSpec::new(801, "hot");
+    k.read_share = 0.9;
+    k.span = 2 << 20;
+    k.requests = 20000;
+    let r = analyse_on(&[k.clone()], "ssd-raid5x9");
+    assert_ne!(
+        r.config.promotion,
+        Promotion::Nhit {
+            threshold: 2,
+            trigger: 80
+        },
+        "{:?}",
+        r.reasons
+    );
+    let r = analyse_on(&[k], "raid60-study");
+    assert_eq!(r.config.promotion, Promotion::Always, "{:?}", r.reasons);
+}
+
+// Offload: a fast core that serves a fair part of what the cache device does takes a share.
+
+#[test]
+fn offload_on_when_the_fast_core_keeps_up_with_the_cache() {
+    let mut j = JobSpec::new(900, "kv");
+    j.read_share = 1.0;
+    j.span = 4 << 20;
+    j.qd = 32;
+    j.requests = 8000;
+    j.service_ns = 10_000;
+    let r = analyse_on(&[j], "ssd-raid5x9");
+    assert!(r.config.mode.caches_reads(), "{:?}", r.reasons);
+    // The array reads 4 KiB at ~256k IOPS at depth 32, the NVMe cache at 400k: 39% of the two.
+    assert_eq!(
+        r.config.offload,
+        Some(Offload {
+            share: 40,
+            threshold: 1
+        })
+    );
+    let why = reason(&r, "offload on 40%");
+    assert!(why.contains("kv (pid 900)'s reads at"), "{why}");
+    let cmds = r.commands(1);
+    assert!(cmds.contains(&"hybridcache -X -n offload-queue -i 1 --share 40 -t 1".to_string()));
+    assert!(cmds.contains(&"hybridcache -X -n offload -i 1 -p on".to_string()));
+}
+
+#[test]
+fn offload_off_for_slow_or_far_slower_cores() {
+    // The HDD RAID is not fast.
+    let (_, _, r) = analyse(&[random_4k_qd1()]);
+    assert_eq!(r.config.offload, None);
+    assert!(reason(&r, "offload off").contains("is neither flash nor within 4x of the cache"));
+    // Random writes at depth 1 on the SSD RAID: 1075 IOPS against the cache's 50000.
+    let r = analyse_on(&[random_4k_writes(1)], "ssd-raid5x9");
+    assert_eq!(r.config.offload, None);
+    let why = reason(&r, "offload off");
+    assert!(why.contains("only 2.2% of the cache's 50000 IOPS"), "{why}");
+    assert!(r
+        .commands(1)
+        .contains(&"hybridcache -X -n offload -i 1 -p off".to_string()));
 }

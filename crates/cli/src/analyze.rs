@@ -18,7 +18,7 @@ use hybridcache_analyze::{
 };
 
 /// Built-in device profiles `--profile` accepts by name.
-pub const BUILTIN_PROFILES: &str = "raid60-study, nvme";
+pub const BUILTIN_PROFILES: &str = "raid60-study, ssd-raid5x9, nvme";
 
 /// `--format`: the trace formats, with `fio` meaning either iolog version.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,8 +58,8 @@ pub struct AnalyzeArgs {
     #[arg(long, value_parser = trace_format, default_value = "auto", hide_default_value = true,
           value_name = "auto|blkparse|msr|fio")]
     pub format: TraceFormat,
-    /// Device profile: a built-in name (raid60-study, nvme) or a TOML/JSON file [default: raid60-study].
-    #[arg(long, value_name = "raid60-study|nvme|FILE")]
+    /// Device profile: a built-in name (raid60-study, ssd-raid5x9, nvme) or a TOML/JSON file [default: raid60-study].
+    #[arg(long, value_name = "raid60-study|ssd-raid5x9|nvme|FILE")]
     pub profile: Option<String>,
     /// Render the report as Markdown instead of text.
     #[arg(long)]
@@ -223,12 +223,14 @@ pub fn commands_script(args: &AnalyzeArgs, rec: &Recommendation) -> String {
         rec.profile
     );
     s += &format!(
-        "# Mode {}, {} KiB lines, cleaning {}, seq-cutoff {} {} KiB, cache size {} bytes.\n",
+        "# Mode {}, {} KiB lines, cleaning {}, lazy flush {}, seq-cutoff {} {} KiB, prefetch {}, cache size {} bytes.\n",
         c.mode.as_str(),
         c.line_size_kib,
         c.cleaning.preset().unwrap_or(c.cleaning.name()),
+        if c.lazy_flush { "on" } else { "off" },
         c.seq_cutoff.policy.as_str(),
         c.seq_cutoff.threshold,
+        if c.prefetch.is_some() { "readahead" } else { "none" },
         c.cache_size_bytes
     );
     s += "#\n";

@@ -74,6 +74,17 @@ pub fn requests(rec: &Recommendation, cache: u16) -> Vec<(String, Request)> {
         ),
     ));
     out.push((
+        format!("lazy flush {}", if c.lazy_flush { "on" } else { "off" }),
+        set(
+            cache,
+            "lazy-flush",
+            &[(
+                "policy",
+                if c.lazy_flush { "on" } else { "off" }.to_string(),
+            )],
+        ),
+    ));
+    out.push((
         format!(
             "seq cutoff {} {} KiB on every core",
             c.seq_cutoff.policy.as_str(),
@@ -121,6 +132,54 @@ pub fn requests(rec: &Recommendation, cache: u16) -> Vec<(String, Request)> {
                 ignore_unsupported: false,
             },
         ));
+    }
+    // Tunables before the policy, as for cleaning.
+    match c.prefetch {
+        Some(ra) => {
+            out.push((
+                "read-ahead tunables".into(),
+                set(
+                    cache,
+                    "prefetch-readahead",
+                    &[
+                        ("threshold", ra.threshold.to_string()),
+                        ("distance", ra.distance.to_string()),
+                        ("max-in-flight", ra.max_in_flight.to_string()),
+                    ],
+                ),
+            ));
+            out.push((
+                "prefetch readahead".into(),
+                set(cache, "prefetch", &[("policy", "readahead".into())]),
+            ));
+        }
+        None => out.push((
+            "prefetch none".into(),
+            set(cache, "prefetch", &[("policy", "none".into())]),
+        )),
+    }
+    match c.offload {
+        Some(o) => {
+            out.push((
+                "offload tunables".into(),
+                set(
+                    cache,
+                    "offload-queue",
+                    &[
+                        ("share", o.share.to_string()),
+                        ("threshold", o.threshold.to_string()),
+                    ],
+                ),
+            ));
+            out.push((
+                "offload on".into(),
+                set(cache, "offload", &[("policy", "on".into())]),
+            ));
+        }
+        None => out.push((
+            "offload off".into(),
+            set(cache, "offload", &[("policy", "off".into())]),
+        )),
     }
     out
 }

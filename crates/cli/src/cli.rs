@@ -126,6 +126,13 @@ pub enum Command {
         save_config: bool,
         #[command(flatten)]
         nbd_limits: NbdLimitArgs,
+        /// How cores that name no front-end are served: over NBD, or as /dev/ublkbN [default: nbd].
+        #[arg(long, value_name = "nbd|ublk", value_parser = ["nbd", "ublk"])]
+        frontend: Option<String>,
+        /// Directory for state that outlives the daemon but not a reboot (which ublk device
+        /// serves which export) [default: the control socket's directory].
+        #[arg(long, value_name = "DIR")]
+        state_dir: Option<PathBuf>,
     },
 
     /// Start a cache on a device.
@@ -179,6 +186,10 @@ pub enum Command {
         /// Take a core device even though it is mounted (without an exclusive claim).
         #[arg(short = 'f', long)]
         force: bool,
+        /// Serve the exported volume over NBD or as a block device /dev/ublkbN (Linux ublk
+        /// driver) [default: the daemon's --frontend].
+        #[arg(long, value_name = "nbd|ublk", value_parser = ["nbd", "ublk"])]
+        frontend: Option<String>,
     },
 
     /// Remove a core from a cache.
@@ -257,7 +268,8 @@ pub enum Command {
     /// Set parameters of a group: cache-mode (-v), cleaning (-p), cleaning-alru (-w -s -b -t -d),
     /// cleaning-acp (-w -b), cleaning-io, seq-cutoff (-j; -p -t), promotion (-p),
     /// promotion-nhit (-t -o), lazy-flush (-p on|off), prefetch (-p readahead|none),
-    /// prefetch-readahead (-t --distance --max-in-flight). See docs/policies.md.
+    /// prefetch-readahead (-t --distance --max-in-flight), offload (-p on|off),
+    /// offload-queue (--share -t). See docs/policies.md.
     #[command(short_flag = 'X', long_flag = "set-param")]
     SetParam {
         #[arg(short = 'n', long = "name")]
@@ -312,6 +324,9 @@ pub enum Command {
         /// prefetch-readahead: prefetch requests queued or running at most.
         #[arg(long = "max-in-flight")]
         max_in_flight: Option<String>,
+        /// offload-queue: percent of eligible requests sent to the core.
+        #[arg(long = "share")]
+        share: Option<String>,
     },
 
     /// Print a parameter group (names as for set-param, and cache-line-size).
@@ -387,7 +402,8 @@ pub enum Command {
     /// Export a device over NBD with no cache (a bare core, e.g. for benchmarks).
     Serve(crate::serve::ServeArgs),
 
-    /// Benchmarks: fio over a matrix (run), the emulated RAID's calibration (calibration).
+    /// Benchmarks: fio over a matrix (run), the emulated RAID's calibration (calibration), the
+    /// engine alone (engine), a hit against the cache device itself (device).
     Bench(crate::bench::BenchArgs),
 
     /// A live view of the caches: IOPS, MB/s, hit ratio, dirty %, cleaning, latency (q quits).
@@ -437,11 +453,13 @@ impl Command {
                 device,
                 core,
                 force,
+                frontend,
             } => Request::AddCore {
                 cache: *id,
                 device: device.clone(),
                 core: *core,
                 force: *force,
+                frontend: frontend.clone(),
             },
             Command::RemoveCore { id, core, force } => Request::RemoveCore {
                 cache: *id,
@@ -487,6 +505,7 @@ impl Command {
                 max_bandwidth,
                 distance,
                 max_in_flight,
+                share,
             } => {
                 let given = [
                     ("-v", value),
@@ -503,6 +522,7 @@ impl Command {
                     ("--max-bandwidth", max_bandwidth),
                     ("--distance", distance),
                     ("--max-in-flight", max_in_flight),
+                    ("--share", share),
                 ];
                 let group = crate::params::find(name).ok();
                 let mut values = std::collections::BTreeMap::new();
@@ -608,16 +628,39 @@ mod tests {
                 cache: 1,
                 device: "/dev/sdb".into(),
                 core: Some(2),
-                force: false
+                force: false,
+                frontend: None
             }
         );
+        assert_eq!(
+            req(&["-A", "-i", "1", "-d", "/dev/sdb", "--frontend", "ublk"]),
+            Request::AddCore {
+                cache: 1,
+                device: "/dev/sdb".into(),
+                core: None,
+                force: false,
+                frontend: Some("ublk".into())
+            }
+        );
+        assert!(Cli::try_parse_from([
+            "hybridcache",
+            "-A",
+            "-i",
+            "1",
+            "-d",
+            "/x",
+            "--frontend",
+            "scsi"
+        ])
+        .is_err());
         assert_eq!(
             req(&["-A", "-i", "1", "-d", "/dev/sdb", "-f"]),
             Request::AddCore {
                 cache: 1,
                 device: "/dev/sdb".into(),
                 core: None,
-                force: true
+                force: true,
+                frontend: None
             }
         );
         assert_eq!(

@@ -50,7 +50,10 @@ pub fn list(caches: &[CacheInfo], format: OutputFormat) -> String {
                 core.device.clone(),
                 core.status.clone(),
                 "-".into(),
-                core.export.clone(),
+                // As casadm shows /dev/casX-Y: the block device where there is one.
+                core.block_device
+                    .clone()
+                    .unwrap_or_else(|| core.export.clone()),
                 core.clients.to_string(),
             ]);
         }
@@ -505,6 +508,20 @@ fn sections(r: &StatsReport) -> Vec<Section> {
             BLOCKS,
         ),
         row(
+            "offload_reads",
+            "Read hits sent to core by offload",
+            s.offload_reads,
+            pct(s.offload_reads, reads + s.pass_through_reads),
+            REQUESTS,
+        ),
+        row(
+            "offload_writes",
+            "Write misses sent to core by offload",
+            s.offload_writes,
+            pct(s.offload_writes, writes + s.pass_through_writes),
+            REQUESTS,
+        ),
+        row(
             "prefetch_requests",
             "Prefetch requests",
             s.prefetch_requests,
@@ -566,7 +583,13 @@ fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
     if let Some(core) = &r.core {
         v.push(("core_id", "Core Id", core.id.to_string()));
         v.push(("core_device", "Core Device", core.device.clone()));
-        v.push(("exported_object", "Exported Object", core.export.clone()));
+        v.push((
+            "exported_object",
+            "Exported Object",
+            core.block_device
+                .clone()
+                .unwrap_or_else(|| core.export.clone()),
+        ));
         v.push((
             "core_size_blocks",
             "Core Size [4KiB Blocks]",
@@ -875,6 +898,8 @@ mod tests {
                     status: "Active".into(),
                     export: "cas1-1".into(),
                     clients: 2,
+                    frontend: "nbd".into(),
+                    block_device: None,
                 }],
                 flush: None,
                 dirty_for_s: Some(3723),
@@ -916,6 +941,39 @@ mod tests {
             ],
             cleaning: None,
         }
+    }
+
+    #[test]
+    fn a_ublk_core_shows_its_block_device_in_every_format() {
+        let mut cache = report().cache;
+        cache.cores.push(CoreInfo {
+            id: 2,
+            device: "/core2".into(),
+            size: 1 << 30,
+            status: "Active".into(),
+            export: "cas1-2".into(),
+            clients: 1,
+            frontend: "ublk".into(),
+            block_device: Some("/dev/ublkb3".into()),
+        });
+        let caches = [cache];
+        let table = list(&caches, OutputFormat::Table);
+        let row = table.lines().find(|l| l.contains("/core2")).unwrap();
+        assert!(
+            row.contains("/dev/ublkb3") && !row.contains("cas1-2"),
+            "{table}"
+        );
+        let nbd_row = table.lines().find(|l| l.contains("/x")).unwrap();
+        assert!(nbd_row.contains("cas1-1"), "{table}");
+        let csv = list(&caches, OutputFormat::Csv);
+        assert!(
+            csv.contains("core,2,/core2,Active,-,/dev/ublkb3,1"),
+            "{csv}"
+        );
+        let json: Value = serde_json::from_str(&list(&caches, OutputFormat::Json)).unwrap();
+        let core = &json["caches"][0]["cores"][1];
+        assert_eq!(core["block_device"], "/dev/ublkb3");
+        assert_eq!(core["frontend"], "ublk");
     }
 
     #[test]

@@ -111,6 +111,8 @@ fn run(cli: Cli) -> Result<()> {
             save_config,
             metrics_listen,
             nbd_limits,
+            frontend,
+            state_dir,
         } => {
             return daemon::run(daemon::DaemonOptions {
                 config: config.clone(),
@@ -128,6 +130,8 @@ fn run(cli: Cli) -> Result<()> {
                     stall_timeout: nbd_limits.nbd_stall_timeout,
                     memory_limit: nbd_limits.nbd_memory_limit,
                 },
+                frontend: frontend.clone(),
+                state_dir: state_dir.clone(),
             })
         }
         Command::Serve(args) => return serve::run(args),
@@ -223,8 +227,13 @@ fn run(cli: Cli) -> Result<()> {
                 "added"
             };
             println!(
-                "core {} {verb} to cache {}, exported as {}",
-                v.core, v.cache, v.export
+                "core {} {verb} to cache {}, exported as {}{}",
+                v.core,
+                v.cache,
+                v.export,
+                v.block_device
+                    .map(|d| format!(" on {d}"))
+                    .unwrap_or_default()
             );
         }
         _ => {

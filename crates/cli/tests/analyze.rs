@@ -263,7 +263,9 @@ fn bad_input_exits_2_with_a_clear_message() {
     // Bad profiles: unknown name, invalid file.
     let err = one_line(refused(&[&sample(), "--profile", "ssd-raid"]));
     assert!(
-        err.contains("profile 'ssd-raid' is neither a built-in profile (raid60-study, nvme)"),
+        err.contains(
+            "profile 'ssd-raid' is neither a built-in profile (raid60-study, ssd-raid5x9, nvme)"
+        ),
         "{err}"
     );
     let bad_profile = dir.path().join("p.toml");

@@ -225,6 +225,146 @@ fn ctrl_c_stops_cleanly_and_keeps_what_was_measured() {
     assert!(std::os::unix::net::UnixStream::connect(&sock).is_err());
 }
 
+/// Runs a one-cell-per-pattern matrix (cache only, 1 s at depth 4, 16M over a RAM cache of
+/// `cache` with no cleaning) with `extra` appended to `[cache]`; returns the cells by pattern.
+fn policy_run(name: &str, cache: &str, patterns: &str, extra: &str) -> (Value, Vec<Value>) {
+    let dir = workdir();
+    let out = dir.path().join("out");
+    let f = dir.path().join(format!("{name}.toml"));
+    std::fs::write(
+        &f,
+        format!(
+            "[matrix]\npatterns = {patterns}\niodepths = [4]\nruntime = 1\nsize = \"16M\"\nconfigs = [\"cache\"]\n[core]\ndevice = \"throttle:latency_us=200:ram:64M\"\n[cache]\ndevice = \"{cache}\"\ncleaning = \"nop\"\n{extra}\n"
+        ),
+    )
+    .unwrap();
+    let o = bench(&[
+        "run",
+        "-m",
+        f.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let r = load(&out);
+    let cells = r["cells"].as_array().unwrap().clone();
+    for c in &cells {
+        assert_eq!(c["status"], "ok", "{c}");
+    }
+    (r, cells)
+}
+
+fn after(cell: &Value, counter: &str) -> u64 {
+    cell["outcome"]["stats_after"][counter]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{counter}: {cell}"))
+}
+
+/// The `[cache]` policy keys reach the daemon: lazy flush sends writes to the core once the
+/// cache is full of dirty data (no cleaning), read-ahead prefetches for a sequential read, and
+/// nhit with trigger 0 inserts nothing seen once (those requests pass through).
+#[test]
+fn matrix_policy_keys_reach_the_daemon() {
+    if !have("fio") {
+        eprintln!("skipped: fio is not installed (make deps)");
+        return;
+    }
+    // 4x the cache's size: it fills with dirty data.
+    let (r, cells) = policy_run("lazy", "ram:4M", r#"["randwrite"]"#, "lazy_flush = true");
+    assert_eq!(r["matrix"]["cache"]["lazy_flush"], true);
+    assert!(after(&cells[0], "lazy_flush_writes") > 0, "{}", cells[0]);
+    // The region fits: read-ahead is not held back by a full cache.
+    let (_, cells) = policy_run(
+        "readahead",
+        "ram:64M",
+        r#"["read"]"#,
+        "prefetch = { policy = \"readahead\", threshold_kib = 64, distance = 512 }",
+    );
+    assert!(after(&cells[0], "prefetch_requests") > 0, "{}", cells[0]);
+
+    let (r, cells) = policy_run(
+        "nhit",
+        "ram:4M",
+        r#"["randread"]"#,
+        "promotion = { policy = \"nhit\", threshold = 2, trigger = 0 }",
+    );
+    assert_eq!(r["matrix"]["cache"]["promotion"]["threshold"], 2);
+    assert!(after(&cells[0], "pass_through_reads") > 0, "{}", cells[0]);
+    // And without the keys, the daemon's defaults: no lazy flush, everything inserted.
+    let (_, cells) = policy_run("defaults", "ram:4M", r#"["randwrite", "randread"]"#, "");
+    assert_eq!(after(&cells[0], "lazy_flush_writes"), 0, "{}", cells[0]);
+    assert_eq!(after(&cells[1], "pass_through_reads"), 0, "{}", cells[1]);
+}
+
+/// The burst protocol writes a multiple of the cache from empty, for the core alone too, and
+/// charts IOPS over time.
+#[test]
+fn burst_writes_twice_the_cache_and_charts_iops_over_time() {
+    if !have("fio") {
+        eprintln!("skipped: fio is not installed (make deps)");
+        return;
+    }
+    let dir = workdir();
+    let out = dir.path().join("out");
+    let o = bench(&[
+        "run",
+        "-o",
+        out.to_str().unwrap(),
+        // 1000 IOPS at the core: once the cache is full the burst takes seconds, so the
+        // once-a-second series has points whatever the machine's speed.
+        "--core",
+        "throttle:latency_us=100,iops=1000:ram:128M",
+        "--cache",
+        "ram:4M",
+        "--pattern",
+        "randwrite",
+        "--iodepth",
+        "8",
+        "--size",
+        "32M",
+        "--protocol",
+        "burst",
+        "--lazy-flush",
+        "on",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let r = load(&out);
+    assert_eq!(r["matrix"]["protocol"]["burst_factor"], 4.0);
+    assert_eq!(r["matrix"]["cache"]["lazy_flush"], true);
+    for c in r["cells"].as_array().unwrap() {
+        assert_eq!(c["status"], "ok", "{c}");
+        let written = c["outcome"]["fio"]["write"]["bytes"].as_u64().unwrap();
+        assert_eq!(written, 16 << 20, "{c}");
+        assert!(
+            c["outcome"]["fio"]["write"]["lat_p9999_us"]
+                .as_f64()
+                .unwrap()
+                > 0.0
+        );
+        if c["cell"]["config"] == "cache" {
+            assert_eq!(after(c, "exported_written_bytes"), 16 << 20, "{c}");
+        }
+    }
+    assert!(is_png(&out.join("charts/iops-time-randwrite-4K.png")));
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(md.contains("charts/iops-time-randwrite-4K.png"), "{md}");
+    assert!(md.contains("p99.99 latency, ms"), "{md}");
+
+    // Two runs in one chart (here the same run twice, labelled apart).
+    let png = dir.path().join("overlay.png");
+    let on = format!("on={}", out.display());
+    let off = format!("off={}", out.display());
+    let o = bench(&["overlay", "-o", png.to_str().unwrap(), &on, &off]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("2 series"), "{}", text(&o));
+    assert!(is_png(&png));
+    let o = bench(&["overlay", "-o", png.to_str().unwrap(), "nolabel"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let missing = format!("x={}", dir.path().join("nothing").display());
+    let o = bench(&["overlay", "-o", png.to_str().unwrap(), &missing]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+}
+
 #[test]
 fn bad_matrix_files_name_the_key() {
     let dir = workdir();

@@ -209,6 +209,61 @@ fn every_group_is_set_read_back_and_survives_a_restart() {
 }
 
 #[test]
+fn offload_is_set_shown_and_kept() {
+    let FileCache {
+        dir,
+        spec,
+        daemon: d,
+        ..
+    } = file_cache(64 << 20, 256 << 20, &["-c", "wb"]);
+    assert_eq!(d.ok(&["-G", "-n", "offload", "-i", "1"]), "off\n");
+    assert_eq!(
+        csv(&d, "offload-queue"),
+        "Parameter name,Value\nOffloaded share [%],25\nCache queue depth above the core's [requests],1\n"
+    );
+    d.ok(&["-X", "-n", "offload", "-i", "1", "-p", "on"]);
+    d.ok(&[
+        "-X",
+        "-n",
+        "offload-queue",
+        "-i",
+        "1",
+        "--share",
+        "40",
+        "-t",
+        "0",
+    ]);
+    let expect = |d: &Daemon| {
+        assert_eq!(d.ok(&["-G", "-n", "offload", "-i", "1"]), "on\n");
+        assert_eq!(
+            csv(d, "offload-queue"),
+            "Parameter name,Value\nOffloaded share [%],40\nCache queue depth above the core's [requests],0\n"
+        );
+    };
+    expect(&d);
+    let err = d.fails(&["-X", "-n", "offload-queue", "-i", "1", "--share", "101"]);
+    assert!(err.contains("share 101 is out of range 0..100"), "{err}");
+    let err = d.fails(&["-X", "-n", "offload", "-i", "1", "-p", "some"]);
+    assert!(err.contains("neither on nor off"), "{err}");
+    expect(&d);
+    let json = d.stats_json(1, None);
+    assert_eq!(json["policies"]["offload_reads"]["count"], 0, "{json}");
+    assert_eq!(json["policies"]["offload_writes"]["count"], 0, "{json}");
+    let table = d.ok(&["-P", "-i", "1"]);
+    assert!(
+        table.contains("Read hits sent to core by offload"),
+        "{table}"
+    );
+
+    d.ok(&["-T", "-i", "1"]);
+    let mut d = d;
+    assert!(d.stop());
+    let d = Daemon::start(dir.path());
+    assert_eq!(d.ok(&["-S", "-d", &spec, "--load"]), "cache 1 loaded\n");
+    expect(&d);
+}
+
+#[test]
 fn lazy_flush_and_prefetch_are_set_shown_and_kept() {
     let FileCache {
         dir,

@@ -14,6 +14,8 @@
 //! nbd_handshake_timeout = 10       # seconds
 //! nbd_stall_timeout = 60           # seconds, 0 = never
 //! nbd_memory_limit = "512M"
+//! frontend = "nbd"                 # or "ublk": cores without a front-end of their own
+//! state_dir = "/run/hybridcache"   # which ublk device serves which export; default: control's dir
 //!
 //! [[cache]]
 //! id = 1
@@ -26,6 +28,7 @@
 //! cache = 1
 //! id = 1
 //! device = "/dev/sdb"
+//! frontend = "ublk"                # optional: served as /dev/ublkbN instead of over NBD
 //! ```
 //!
 //! Unknown keys are errors, so a typo never silently changes nothing. Saving writes a new file
@@ -80,6 +83,13 @@ pub struct DaemonSection {
     /// A size such as "512M" or a number of bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nbd_memory_limit: Option<String>,
+    /// The front-end a core gets when none is named: "nbd" (the default) or "ublk".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frontend: Option<String>,
+    /// Where the daemon keeps state that must outlive it but not a reboot (which ublk device
+    /// serves which export); default: the control socket's directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_dir: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -104,6 +114,9 @@ pub struct CoreSection {
     pub cache: u16,
     pub id: u16,
     pub device: String,
+    /// "nbd" or "ublk"; absent: the daemon's default front-end.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frontend: Option<String>,
 }
 
 impl ConfigFile {

@@ -1,5 +1,6 @@
-//! The daemon proper: owns every cache, serves the exported volumes over NBD, and answers management
-//! requests on the control socket until SIGTERM/SIGINT.
+//! The daemon proper: owns every cache, serves the exported volumes through their front-ends
+//! (NBD, ublk; frontend.rs), and answers management requests on the control socket until
+//! SIGTERM/SIGINT.
 //!
 //! Threads: the main thread sets everything up and then waits for a signal (`sigwait`; the
 //! signals are blocked in every thread, so no handler runs in an arbitrary context); the control
@@ -31,7 +32,7 @@ use serde_json::{json, Value};
 use crate::claims::{ClaimedVolume, OwnEndpoints};
 use crate::config::{CacheSection, ConfigFile, CoreSection, DaemonSection};
 use crate::devices::{device_key, is_missing, open_device, DeviceKey};
-use crate::export::CoreExport;
+use crate::frontend::{ExportSpec, Frontend, Frontends, NbdFrontend};
 use crate::metrics::{CacheView, CoreView, MetricsServer};
 use crate::nbd_volume::is_nbd_uri;
 use crate::params;
@@ -60,6 +61,10 @@ pub struct DaemonOptions {
     pub metrics_listen: Option<String>,
     /// NBD limits from the command line; each overrides the file's key.
     pub nbd_limits: NbdLimits,
+    /// The front-end of cores that name none (`--frontend`): "nbd" (default) or "ublk".
+    pub frontend: Option<String>,
+    /// State kept across a daemon restart (`--state-dir`); default: the control socket's dir.
+    pub state_dir: Option<PathBuf>,
 }
 
 /// NBD server limits as the command line gives them (`--nbd-max-connections` ...); None
@@ -177,6 +182,8 @@ struct CoreEntry {
     /// An inactive core the engine does not know: the configuration names it, but its device
     /// was missing, so it was never added (it is added when the device appears).
     pending: bool,
+    /// The front-end serving (or, while inactive, to serve) its export.
+    frontend: &'static str,
 }
 
 /// A cache of the configuration file that is not running: its device was missing at start (it
@@ -228,7 +235,14 @@ struct State {
 
 struct Daemon {
     state: Mutex<State>,
+    /// The NBD server's exports (block traces observe them there).
     registry: ExportRegistry,
+    frontends: Frontends,
+    /// Front-ends the configuration file names for its cores, by export name: a core of a
+    /// loaded cache gets its export from here when no front-end remembers serving it.
+    preferred: Mutex<BTreeMap<String, String>>,
+    /// The front-end each export had, across restarts of the daemon.
+    kinds: crate::frontend::KindMemory,
     /// Where to save the setup after each change, and the `[daemon]` section to keep in it.
     save_to: Option<(PathBuf, DaemonSection)>,
     stopping: AtomicBool,
@@ -302,7 +316,7 @@ impl State {
         Ok(key)
     }
 
-    fn to_config(&self, daemon: &DaemonSection) -> ConfigFile {
+    fn to_config(&self, daemon: &DaemonSection, default_frontend: &str) -> ConfigFile {
         let mut cfg = ConfigFile {
             daemon: daemon.clone(),
             ..ConfigFile::default()
@@ -331,6 +345,8 @@ impl State {
                     cache: *id,
                     id: *core_id,
                     device: core.device.clone(),
+                    frontend: (core.frontend != "nbd" || default_frontend != "nbd")
+                        .then(|| core.frontend.to_string()),
                 });
             }
         }
@@ -345,7 +361,7 @@ impl State {
     }
 }
 
-fn cache_info(id: u16, c: &CacheEntry, registry: &ExportRegistry) -> CacheInfo {
+fn cache_info(id: u16, c: &CacheEntry, frontends: &Frontends) -> CacheInfo {
     let sizes: BTreeMap<u16, u64> = c.cache.cores().iter().map(|i| (i.id, i.size)).collect();
     // As Open CAS: a cache with a core missing is "Incomplete".
     let mut status = if c.cores.values().all(|core| core.active) {
@@ -397,7 +413,7 @@ fn cache_info(id: u16, c: &CacheEntry, registry: &ExportRegistry) -> CacheInfo {
             .cores
             .iter()
             .map(|(core_id, core)| {
-                core_info(id, *core_id, core, sizes.get(core_id).copied(), registry)
+                core_info(id, *core_id, core, sizes.get(core_id).copied(), frontends)
             })
             .collect(),
     }
@@ -408,15 +424,19 @@ fn core_info(
     id: u16,
     core: &CoreEntry,
     size: Option<u64>,
-    registry: &ExportRegistry,
+    frontends: &Frontends,
 ) -> CoreInfo {
+    let name = export_name(cache, id);
+    let frontend = frontends.get(Some(core.frontend)).ok();
     CoreInfo {
-        clients: registry.clients(&export_name(cache, id)).unwrap_or(0),
+        clients: frontend.and_then(|f| f.clients(&name)).unwrap_or(0),
         id,
         device: core.device.clone(),
         size: size.unwrap_or(0),
         status: core_status(core),
-        export: export_name(cache, id),
+        block_device: frontend.and_then(|f| f.device(&name)),
+        frontend: core.frontend.to_string(),
+        export: name,
     }
 }
 
@@ -460,6 +480,8 @@ fn waiting_info(w: &Waiting) -> CacheInfo {
                 status: "Inactive".into(),
                 export: export_name(c.cache, c.id),
                 clients: 0,
+                frontend: c.frontend.clone().unwrap_or_default(),
+                block_device: None,
             })
             .collect(),
     }
@@ -509,14 +531,15 @@ impl Daemon {
                 device,
                 core,
                 force,
-            } => self.add_core(cache, &device, core, force),
+                frontend,
+            } => self.add_core(cache, &device, core, force, frontend.as_deref()),
             Request::RemoveCore { cache, core, force } => self.remove_core(cache, core, force),
             Request::List => {
                 let st = self.state.lock();
                 let mut caches: Vec<CacheInfo> = st
                     .caches
                     .iter()
-                    .map(|(id, c)| cache_info(*id, c, &self.registry))
+                    .map(|(id, c)| cache_info(*id, c, &self.frontends))
                     .collect();
                 caches.extend(st.waiting.values().map(waiting_info));
                 caches.sort_by_key(|c| c.id);
@@ -768,7 +791,11 @@ impl Daemon {
             }
             let key = st.check_free(device)?;
             let volume = self.open_claimed(device, false)?;
-            return self.load_locked(&mut st, device, key, id, volume);
+            let loaded = self.load_locked(&mut st, device, key, id, volume);
+            if let Err(e) = &loaded {
+                self.abandon_exports(device, e);
+            }
+            return loaded;
         }
         let mode: CacheMode = mode.unwrap_or("wt").parse()?;
         let line_size = LineSize::from_kib(line_kib.unwrap_or(4))?;
@@ -882,30 +909,32 @@ impl Daemon {
         }
         let line = cache.line_size().bytes();
         let mut cores = BTreeMap::new();
-        let mut exported: Vec<String> = Vec::new();
+        let mut exported: Vec<(String, &Arc<dyn Frontend>)> = Vec::new();
         let mut inactive = Vec::new();
         for info in cache.cores() {
             let active = info.status == CoreStatus::Active;
+            let name = export_name(id, info.id);
+            let frontend = self.frontend_at_load(&name, device);
             if active {
-                let name = export_name(id, info.id);
                 let description = format!("core {} ({}) of cache {id}", info.id, info.name);
                 let added = cache.core(info.id).map_err(engine_err).and_then(|core| {
-                    self.registry
-                        .add_with_description(
-                            &name,
-                            &description,
-                            Arc::new(CoreExport::new(core, line)),
-                        )
-                        .map_err(|e| e.to_string())
+                    frontend.start(ExportSpec {
+                        name: name.clone(),
+                        description,
+                        core,
+                        line_size: line,
+                        cache_device: device.to_string(),
+                    })
                 });
                 if let Err(e) = added {
-                    for n in &exported {
-                        self.registry.remove(n);
+                    for (n, f) in &exported {
+                        f.stop(n);
                     }
                     abandon(&cache);
                     return Err(format!("cannot export {name}: {e}"));
                 }
-                exported.push(name);
+                self.kinds.set(&name, device, frontend.kind());
+                exported.push((name, frontend));
             } else {
                 inactive.push(info.id);
             }
@@ -916,6 +945,7 @@ impl Daemon {
                     device: info.name,
                     active,
                     pending: false,
+                    frontend: frontend.kind(),
                 },
             );
         }
@@ -961,7 +991,11 @@ impl Daemon {
         }
         let entry = st.cache(id)?;
         if !force {
-            let names: Vec<String> = entry.cores.keys().map(|c| export_name(id, *c)).collect();
+            let names: Vec<(String, &'static str)> = entry
+                .cores
+                .iter()
+                .map(|(c, e)| (export_name(id, *c), e.frontend))
+                .collect();
             self.refuse_if_clients(&names)?;
         }
         let cache = entry.cache.clone();
@@ -979,16 +1013,31 @@ impl Daemon {
             .cores
             .iter()
             .filter(|(_, c)| c.active)
-            .filter_map(|(c, _)| {
+            .filter_map(|(c, e)| {
                 let name = export_name(id, *c);
-                self.registry.remove(&name).map(|e| (name, e))
+                let frontend = self.frontends.get(Some(e.frontend)).ok()?;
+                frontend
+                    .stop(&name)
+                    .then_some((*c, e.device.clone(), name, frontend))
             })
             .collect();
         if !no_data_flush {
             // Flush first while the cache still serves: a failure here changes nothing.
             if let Err(e) = cache.flush() {
-                for (name, export) in &removed {
-                    let _ = self.registry.replace(name, "", export.clone());
+                let line = cache.line_size().bytes();
+                for (core_id, core_device, name, frontend) in &removed {
+                    let back = cache.core(*core_id).map_err(engine_err).and_then(|core| {
+                        frontend.start(ExportSpec {
+                            name: name.clone(),
+                            description: format!("core {core_id} ({core_device}) of cache {id}"),
+                            core,
+                            line_size: line,
+                            cache_device: device.clone(),
+                        })
+                    });
+                    if let Err(e) = back {
+                        tracing::error!("cache {id}: {name} cannot be served again: {e}");
+                    }
                 }
                 return Err(format!(
                     "cache {id} was not stopped: flushing failed: {}",
@@ -1027,7 +1076,14 @@ impl Daemon {
         }
     }
 
-    fn add_core(&self, cache_id: u16, device: &str, core: Option<u16>, force: bool) -> Reply {
+    fn add_core(
+        &self,
+        cache_id: u16,
+        device: &str,
+        core: Option<u16>,
+        force: bool,
+        frontend: Option<&str>,
+    ) -> Reply {
         let mut st = self.state.lock();
         if self.stopping.load(Ordering::SeqCst) {
             return Err("the daemon is shutting down".into());
@@ -1055,6 +1111,13 @@ impl Daemon {
                 .find(|(_, e)| inactive(e) && e.device == device)
                 .map(|(j, _)| *j),
         };
+        // A core attached again (or one waiting for its device) keeps the front-end it had
+        // unless one is named.
+        let known = reattach.or(core).and_then(|j| c.cores.get(&j));
+        let frontend = match (frontend, known) {
+            (None, Some(e)) => self.frontends.get(Some(e.frontend))?,
+            (kind, _) => self.frontends.get(kind)?,
+        };
         let key = st.check_free(device)?;
         let volume = self.open_claimed(device, force)?;
         let c = st.cache(cache_id)?;
@@ -1071,8 +1134,14 @@ impl Daemon {
         let name = export_name(cache_id, core_id);
         let description = format!("core {core_id} ({device}) of cache {cache_id}");
         let exported = c.cache.core(core_id).map_err(engine_err).and_then(|core| {
-            self.registry
-                .add_with_description(&name, &description, Arc::new(CoreExport::new(core, line)))
+            frontend
+                .start(ExportSpec {
+                    name: name.clone(),
+                    description,
+                    core,
+                    line_size: line,
+                    cache_device: c.device.clone(),
+                })
                 .map_err(|e| format!("cannot export {name}: {e}"))
         });
         if let Err(e) = &exported {
@@ -1093,22 +1162,31 @@ impl Daemon {
                     key,
                     active: true,
                     pending: false,
+                    frontend: frontend.kind(),
                 },
             );
         }
         self.save_locked(&st);
         exported?;
+        if let Some(c) = st.caches.get(&cache_id) {
+            self.kinds.set(&name, &c.device, frontend.kind());
+        }
         tracing::info!(
-            "cache {cache_id}: {} core {core_id} ({device}) as {name}",
+            "cache {cache_id}: {} core {core_id} ({device}) as {name}{}",
             if reattach.is_some() {
                 "attached again"
             } else {
                 "added"
-            }
+            },
+            frontend
+                .device(&name)
+                .map(|d| format!(" on {d}"))
+                .unwrap_or_default()
         );
         serde_json::to_value(protocol::CoreAdded {
             cache: cache_id,
             core: core_id,
+            block_device: frontend.device(&name),
             export: name,
             reattached: reattach.is_some(),
         })
@@ -1133,14 +1211,18 @@ impl Daemon {
             }
             Some(_) => {}
         }
+        let kind = c.cores.get(&core).map_or("nbd", |e| e.frontend);
         if !force {
-            self.refuse_if_clients(&[export_name(cache_id, core)])?;
+            self.refuse_if_clients(&[(export_name(cache_id, core), kind)])?;
         }
         c.cache
             .remove_core(core, force)
             .map_err(|e| format!("cache {cache_id}: {}", engine_err(e)))?;
         self.traces.core_removed(&self.registry, cache_id, core);
-        self.registry.remove(&export_name(cache_id, core));
+        if let Ok(f) = self.frontends.get(Some(kind)) {
+            f.stop(&export_name(cache_id, core));
+        }
+        self.kinds.forget(&export_name(cache_id, core));
         if let Some(c) = st.caches.get_mut(&cache_id) {
             c.cores.remove(&core);
         }
@@ -1172,14 +1254,23 @@ impl Daemon {
     /// The in-use guard: taking an export away from connected clients gives them I/O errors
     /// (a mounted file system aborts its journal), so it needs --force, as casadm needs it for
     /// a mounted device.
-    fn refuse_if_clients(&self, exports: &[String]) -> std::result::Result<(), String> {
+    fn refuse_if_clients(
+        &self,
+        exports: &[(String, &'static str)],
+    ) -> std::result::Result<(), String> {
         let busy: Vec<String> = exports
             .iter()
-            .filter_map(|name| {
-                let n = self.registry.clients(name).unwrap_or(0);
+            .filter_map(|(name, kind)| {
+                let frontend = self.frontends.get(Some(kind)).ok()?;
+                let n = frontend.busy(name).unwrap_or(0);
+                // A block device is named too: that is what the operator sees mounted.
+                let label = match frontend.device(name) {
+                    Some(dev) => format!("{name} ({dev})"),
+                    None => name.clone(),
+                };
                 (n > 0).then(|| {
                     format!(
-                        "{name} has {n} client{} connected",
+                        "{label} has {n} client{} connected",
                         if n == 1 { "" } else { "s" }
                     )
                 })
@@ -1198,7 +1289,7 @@ impl Daemon {
     fn stats(&self, cache_id: u16, core: Option<u16>, io_class: Option<u8>) -> Reply {
         let st = self.state.lock();
         let c = st.cache(cache_id)?;
-        let info = cache_info(cache_id, c, &self.registry);
+        let info = cache_info(cache_id, c, &self.frontends);
         if let Some(id) = io_class {
             if core.is_some() {
                 return Err("IO class statistics cover every core; drop -j".into());
@@ -1260,7 +1351,7 @@ impl Daemon {
                 id: *id,
                 device: c.device.clone(),
                 // A label must not change with every scrape: the percentage has its own metric.
-                status: cache_info(*id, c, &self.registry)
+                status: cache_info(*id, c, &self.frontends)
                     .status
                     .split(" (")
                     .next()
@@ -1275,13 +1366,46 @@ impl Daemon {
                         device: core.device.clone(),
                         active: core.active,
                         clients: self
-                            .registry
-                            .clients(&export_name(*id, *core_id))
+                            .frontends
+                            .get(Some(core.frontend))
+                            .ok()
+                            .and_then(|f| f.clients(&export_name(*id, *core_id)))
                             .unwrap_or(0),
                     })
                     .collect(),
             })
             .collect()
+    }
+
+    /// The front-end of a core whose cache is being loaded: the one that served it before
+    /// the daemon restarted (it resumes the same device), else the configuration's, else the
+    /// one it had last (the state directory), else the default.
+    fn frontend_at_load(&self, name: &str, cache_device: &str) -> &Arc<dyn Frontend> {
+        if let Some(f) = self
+            .frontends
+            .all()
+            .find(|f| f.remembers(name, cache_device))
+        {
+            return f;
+        }
+        let preferred = self
+            .preferred
+            .lock()
+            .get(name)
+            .cloned()
+            .or_else(|| self.kinds.get(name, cache_device));
+        self.frontends
+            .get(preferred.as_deref())
+            .or_else(|_| self.frontends.get(None))
+            .expect("the default front-end exists")
+    }
+
+    /// The cache on `device` cannot be loaded: exports a previous daemon left for it (ublk
+    /// devices holding their requests) are given up, with the reason in the log.
+    fn abandon_exports(&self, device: &str, why: &str) {
+        for f in self.frontends.all() {
+            f.abandon(device, why);
+        }
     }
 
     fn save(&self) {
@@ -1294,7 +1418,10 @@ impl Daemon {
             return;
         }
         if let Some((path, daemon)) = &self.save_to {
-            if let Err(e) = st.to_config(daemon).save(path) {
+            if let Err(e) = st
+                .to_config(daemon, self.frontends.default_kind())
+                .save(path)
+            {
                 tracing::warn!("saving the configuration failed: {e:#}");
             }
         }
@@ -1313,6 +1440,20 @@ impl Daemon {
             check::check_config(cfg, &st)
                 .map_err(|e| anyhow!("configuration refused, nothing was changed: {e}"))?;
         }
+        for core in &cfg.cores {
+            if let Err(e) = self.frontends.get(core.frontend.as_deref()) {
+                bail!(
+                    "configuration refused, nothing was changed: core {} of cache {}: {e}",
+                    core.id,
+                    core.cache
+                );
+            }
+        }
+        self.preferred.lock().extend(
+            cfg.cores
+                .iter()
+                .filter_map(|c| c.frontend.clone().map(|f| (export_name(c.cache, c.id), f))),
+        );
         self.applying.store(true, Ordering::SeqCst);
         for c in &cfg.caches {
             let cores: Vec<CoreSection> = cfg
@@ -1333,6 +1474,7 @@ impl Daemon {
                     Ok(()) => continue,
                     Err(e) => {
                         tracing::error!("cache {}: not started: {e}", c.id);
+                        self.abandon_exports(&c.device, &e);
                         format!("Not started: {e}")
                     }
                 }
@@ -1395,7 +1537,13 @@ impl Daemon {
                 // As loaded; an inactive core on its recorded device is the watcher's.
                 Some((true, _)) | Some((false, true)) => continue,
                 Some((false, false)) => {
-                    if let Err(e) = self.add_core(core.cache, &core.device, Some(core.id), false) {
+                    if let Err(e) = self.add_core(
+                        core.cache,
+                        &core.device,
+                        Some(core.id),
+                        false,
+                        core.frontend.as_deref(),
+                    ) {
                         tracing::warn!(
                             "core {} of cache {} stays inactive: {e}",
                             core.id,
@@ -1416,8 +1564,14 @@ impl Daemon {
                     let result = if is_missing(&core.device) {
                         Err(format!("its device {} is missing", core.device))
                     } else {
-                        self.add_core(core.cache, &core.device, Some(core.id), false)
-                            .map(|_| ())
+                        self.add_core(
+                            core.cache,
+                            &core.device,
+                            Some(core.id),
+                            false,
+                            core.frontend.as_deref(),
+                        )
+                        .map(|_| ())
                     };
                     if let Err(e) = result {
                         tracing::warn!(
@@ -1434,6 +1588,10 @@ impl Daemon {
                                     key: None,
                                     active: false,
                                     pending: true,
+                                    frontend: self
+                                        .frontends
+                                        .get(core.frontend.as_deref())
+                                        .map_or("nbd", |f| f.kind()),
                                 },
                             );
                         }
@@ -1466,6 +1624,10 @@ impl Daemon {
         self.stopping.store(true, Ordering::SeqCst);
         self.traces.stop_all(&self.registry);
         let mut st = self.state.lock();
+        // Block devices go before their caches stop, so their last requests are served.
+        for f in self.frontends.all() {
+            f.stop_all();
+        }
         let mut clean = true;
         for (id, c) in &st.caches {
             if let Err(e) = c.cache.stop(true) {
@@ -1754,6 +1916,34 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
     };
 
     let registry = ExportRegistry::new();
+    // The state directory outlives the daemon but not a reboot (/run), as ublk devices do.
+    let state_dir = opts
+        .state_dir
+        .clone()
+        .or_else(|| d.state_dir.clone())
+        .unwrap_or_else(|| {
+            control
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+        });
+    let default_frontend = opts
+        .frontend
+        .clone()
+        .or_else(|| d.frontend.clone())
+        .unwrap_or_else(|| "nbd".into());
+    let kinds = crate::frontend::KindMemory::new(&state_dir);
+    let frontends = Frontends::new(
+        vec![
+            Arc::new(NbdFrontend::new(registry.clone())),
+            Arc::new(crate::ublk_export::UblkFrontend::new(state_dir, None)),
+        ],
+        &default_frontend,
+    )
+    .map_err(|e| {
+        cleanup_control();
+        anyhow!("--frontend: {e}")
+    })?;
     let server_config = nbd_server_config(workers, &opts.nbd_limits, d)?;
     tracing::info!(
         "NBD limits: {} connections, {} per client, {} per export, memory {} MiB \
@@ -1793,6 +1983,9 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
     let daemon = Arc::new(Daemon {
         state: Mutex::new(State::default()),
         registry,
+        frontends,
+        preferred: Mutex::new(BTreeMap::new()),
+        kinds,
         save_to,
         stopping: AtomicBool::new(false),
         applying: AtomicBool::new(false),

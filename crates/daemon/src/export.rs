@@ -42,10 +42,22 @@ impl CoreExport {
     }
 }
 
+/// Zeroes `len` bytes at `offset` in calls the engine accepts: it serves at most
+/// [`MAX_REQUEST`] per call, and a client may ask for far more. Every front-end zeroes this way.
+pub(crate) fn write_zeroes_chunked(core: &Core, offset: u64, len: u64) -> Result<(), EngineError> {
+    let mut done = 0;
+    while done < len {
+        let n = (len - done).min(MAX_REQUEST);
+        core.write_zeroes(offset + done, n)?;
+        done += n;
+    }
+    Ok(())
+}
+
 const ERRORS_PER_SECOND: u64 = 10;
 
 #[derive(Default)]
-struct ErrorLog {
+pub(crate) struct ErrorLog {
     /// The second (since the epoch) the count is for, the count, and what was left out.
     second: AtomicU64,
     count: AtomicU64,
@@ -53,7 +65,7 @@ struct ErrorLog {
 }
 
 impl ErrorLog {
-    fn log(&self, export: &str, v: &hybridcache_volume::VolumeError) {
+    pub(crate) fn log(&self, export: &str, v: &hybridcache_volume::VolumeError) {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
@@ -139,16 +151,7 @@ impl Export for CoreExport {
             // The engine zeroes by writing through the cache; never faster than a write.
             return Err(ExportError::not_fast());
         }
-        // The engine serves at most MAX_REQUEST per call.
-        let mut done = 0;
-        while done < len {
-            let n = (len - done).min(MAX_REQUEST);
-            self.core
-                .write_zeroes(offset + done, n)
-                .map_err(|e| self.error(e))?;
-            done += n;
-        }
-        Ok(())
+        write_zeroes_chunked(&self.core, offset, len).map_err(|e| self.error(e))
     }
 
     /// Prefetch: reading through the exported volume inserts the range into the cache (in modes

@@ -3,7 +3,8 @@
 //! configuration file, opens the devices users name, and records block traces.
 //!
 //! Boundaries: the caching itself is the engine's (`hybridcache-engine`); devices come from
-//! `hybridcache-volume`; the NBD front-end (`hybridcache-nbd`) serves the exports. The command
+//! `hybridcache-volume`; front-ends ([`frontend`]) serve the exports: NBD (`hybridcache-nbd`)
+//! and ublk block devices (`hybridcache-ublk`, [`ublk_export`]). The command
 //! line, output formats, the bench runner and the analyzer glue are the CLI's (`crates/cli`),
 //! which talks to the daemon only through [`protocol`] over the control socket.
 
@@ -12,6 +13,7 @@ pub mod config;
 pub mod daemon;
 pub mod devices;
 pub mod export;
+pub mod frontend;
 pub mod log;
 pub mod metrics;
 pub mod nbd_volume;
@@ -19,5 +21,6 @@ pub mod params;
 pub mod protocol;
 pub mod signature;
 pub mod trace;
+pub mod ublk_export;
 
 pub use daemon::{run, DaemonOptions, DEFAULT_CONTROL, DEFAULT_NBD_SOCKET};

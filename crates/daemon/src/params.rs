@@ -349,6 +349,40 @@ fn set_readahead(c: &Cache, _: Option<CoreId>, v: &BTreeMap<String, String>) -> 
     engine(c.set_prefetch(p))
 }
 
+fn get_offload(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
+    Ok(vec![on_off(c.offload().enabled).to_string()])
+}
+
+fn set_offload(c: &Cache, _: Option<CoreId>, v: &BTreeMap<String, String>) -> Result<(), String> {
+    let mut p = c.offload();
+    each("offload", v, |k, v| {
+        Ok(k == "policy" && {
+            p.enabled = parse_on_off("offload", v)?;
+            true
+        })
+    })?;
+    engine(c.set_offload(p))
+}
+
+fn get_offload_queue(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
+    let p = c.offload();
+    Ok(vec![p.share_pct.to_string(), p.threshold.to_string()])
+}
+
+fn set_offload_queue(
+    c: &Cache,
+    _: Option<CoreId>,
+    v: &BTreeMap<String, String>,
+) -> Result<(), String> {
+    let mut p = c.offload();
+    set_u32s(
+        "offload-queue",
+        v,
+        &mut [("share", &mut p.share_pct), ("threshold", &mut p.threshold)],
+    )?;
+    engine(c.set_offload(p))
+}
+
 const fn field(key: &'static str, flag: &'static str, label: &'static str) -> Field {
     Field { key, flag, label }
 }
@@ -503,6 +537,31 @@ pub const GROUPS: &[Group] = &[
         in_config: true,
         get: get_readahead,
         set: Some(set_readahead),
+    },
+    Group {
+        name: "offload",
+        help: "send a share of clean read hits and write misses to the core while the cache device is busier: on or off (-p)",
+        fields: &[field("policy", "-p", "Offload")],
+        per_core: false,
+        in_config: true,
+        get: get_offload,
+        set: Some(set_offload),
+    },
+    Group {
+        name: "offload-queue",
+        help: "offload tunables (--share %, -t queue depth difference)",
+        fields: &[
+            field("share", "--share", "Offloaded share [%]"),
+            field(
+                "threshold",
+                "-t",
+                "Cache queue depth above the core's [requests]",
+            ),
+        ],
+        per_core: false,
+        in_config: true,
+        get: get_offload_queue,
+        set: Some(set_offload_queue),
     },
 ];
 

@@ -43,6 +43,9 @@ pub enum Request {
         /// Take a core device that is mounted.
         #[serde(default)]
         force: bool,
+        /// "nbd" or "ublk"; None: the daemon's default front-end.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        frontend: Option<String>,
     },
     RemoveCore {
         cache: u16,
@@ -185,6 +188,9 @@ pub struct CoreAdded {
     /// An inactive core brought back rather than a new core.
     #[serde(default)]
     pub reattached: bool,
+    /// The block device serving it (`/dev/ublkbN`), for front-ends that make one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_device: Option<String>,
 }
 
 /// Result of `list`.
@@ -253,9 +259,16 @@ pub struct CoreInfo {
     pub status: String,
     /// NBD export name (`cas<cache>-<core>`).
     pub export: String,
-    /// NBD clients connected to the export.
+    /// Clients holding the export: NBD connections, or 1 while a ublk device is held
+    /// (mounted or opened exclusively).
     #[serde(default)]
     pub clients: usize,
+    /// The front-end serving the export ("nbd", "ublk").
+    #[serde(default)]
+    pub frontend: String,
+    /// The block device clients open (`/dev/ublkbN`), for front-ends that make one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_device: Option<String>,
 }
 
 /// Result of `stats`: what the statistics describe plus the raw counters.
@@ -385,6 +398,10 @@ pub struct StatsData {
     pub prefetch_read_bytes: u64,
     #[serde(default)]
     pub prefetch_hits: u64,
+    #[serde(default)]
+    pub offload_reads: u64,
+    #[serde(default)]
+    pub offload_writes: u64,
     pub core_read_bytes: u64,
     pub core_written_bytes: u64,
     pub cache_read_bytes: u64,
@@ -418,6 +435,8 @@ impl From<hybridcache_engine::Stats> for StatsData {
             prefetch_requests: s.requests.prefetch_requests,
             prefetch_read_bytes: s.blocks.prefetch_read_bytes,
             prefetch_hits: s.requests.prefetch_hits,
+            offload_reads: s.requests.offload_reads,
+            offload_writes: s.requests.offload_writes,
             core_read_bytes: s.blocks.core_read_bytes,
             core_written_bytes: s.blocks.core_written_bytes,
             cache_read_bytes: s.blocks.cache_read_bytes,

@@ -7,8 +7,9 @@
 //! `--all` (every combination of the lists below, not just the standard cases: about 30 min),
 //! `--cache-mib N`, `--test NAME` (repeatable: seqwrite, randwrite, randwrite_hit,
 //! randread_hit, seqread_hit, flush), `--threads 1,2`, `--req 4,64`, `--line 4,64`,
-//! `--persistence on,off`, `--flush-every N`, `--json PATH` (default
-//! target/tmp/engine-bench.json). Load times are the `load` bench (benches/load.rs).
+//! `--persistence on,off`, `--flush-every N`, `--lazy-flush on|off` (default: the engine's),
+//! `--json PATH` (default target/tmp/engine-bench.json). Load times are the `load` bench
+//! (benches/load.rs).
 //! Other words filter cases by label (every word must occur), e.g. `t=1 persistent`.
 
 use hybridcache_engine::bench::{self, EngineBenchOptions, Test};
@@ -46,6 +47,7 @@ fn main() {
                 opts = EngineBenchOptions {
                     tests: opts.tests,
                     filter: opts.filter,
+                    lazy_flush: opts.lazy_flush,
                     ..EngineBenchOptions::quick()
                 }
             }
@@ -67,6 +69,11 @@ fn main() {
                         _ => usage(&format!("persistence is on or off, not '{v}'")),
                     })
                     .collect()
+            }
+            "--lazy-flush" => {
+                let v = value();
+                let on = hybridcache_engine::policy::parse_on_off("--lazy-flush", &v);
+                opts.lazy_flush = Some(on.unwrap_or_else(|e| usage(&e)));
             }
             "--flush-every" => opts.flush_every = list::<u64>(&value(), "count")[0],
             "--json" => json = value(),

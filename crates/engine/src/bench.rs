@@ -86,6 +86,9 @@ pub struct EngineBenchOptions {
     /// Every combination of the lists above (about 90 cases: half an hour at 4 GiB). When
     /// false, only the standard cases within them ([`Case::is_standard`]): a few minutes.
     pub all_combinations: bool,
+    /// Lazy flush on or off for every case (None: the engine's default), to measure the
+    /// cache-full write cases (randwrite 4k on 64k lines) with and without it.
+    pub lazy_flush: Option<bool>,
 }
 
 impl Default for EngineBenchOptions {
@@ -102,6 +105,7 @@ impl Default for EngineBenchOptions {
             flush_every: 64,
             filter: Vec::new(),
             all_combinations: false,
+            lazy_flush: None,
         }
     }
 }
@@ -430,6 +434,9 @@ pub fn run_once(ram: &VolumeRef, opts: &EngineBenchOptions, case: &Case) -> Resu
     let cores = if case.test == Test::Flush { threads } else { 1 };
     let (cache, handles) =
         setup_cache(ram, case.line_kib, case.persistent, opts.core_bytes, cores)?;
+    if let Some(enabled) = opts.lazy_flush {
+        cache.set_lazy_flush(crate::LazyFlush { enabled })?;
+    }
     let align = |x: u64| x / (64 << 10) * (64 << 10);
     let fill = align(cache_bytes * 85 / 100);
     let hit_region = align(cache_bytes * 425 / 1000);

@@ -33,6 +33,7 @@ use crate::latency::{self, Latency, LatencyKind, LatencyStats};
 use crate::lists::{ListKind, Lists, RUN};
 use crate::locks::{StripeGuard, StripedLocks};
 use crate::meta::{Key, LineTable, MAX_CORE_LINES, NONE};
+use crate::offload::{Offload, OffloadState};
 use crate::persist::{self, new_uuid, Persist};
 use crate::policy::{
     CleaningConfig, LazyFlush, PolicyRecord, Prefetch, Promotion, PromotionPolicy, PromotionState,
@@ -110,6 +111,8 @@ pub(crate) struct CacheInner {
     pub(crate) cleaner_signal: Arc<CleanerSignal>,
     /// Lazy flush is on (policy.rs `LazyFlush`): read on every write-back write that lacks a line.
     lazy_flush: AtomicBool,
+    /// Offload (offload.rs): queue depths of the devices and the share of requests to route.
+    pub(crate) offload: OffloadState,
     pub(crate) pacer: Pacer,
     pub(crate) cleaning_counters: CleaningCounters,
     pub(crate) promotion: PromotionState,
@@ -742,6 +745,15 @@ impl CacheInner {
         let locks = self.lock_keys(segs.iter().map(|s| s.key));
         self.lookup(&mut segs);
         bypass = bypass || self.promotion_declines(&segs);
+        // Offload may serve a hit from the core only when no line it touches has a dirty
+        // sector: the core then holds the very data the cache does. The stripes stay locked
+        // through the core read, so no write can dirty them meanwhile.
+        let offloaded = !bypass
+            && segs
+                .iter()
+                .all(|s| s.mapped() && s.dirty == 0 && s.mask() & !s.valid == 0)
+            && self.offload.take(core.id as usize);
+        bypass = bypass || offloaded;
 
         let mut core_runs = Vec::new();
         let mut cache_runs = Vec::new();
@@ -779,6 +791,10 @@ impl CacheInner {
             )
         };
         c.add(outcome, 1);
+        if offloaded {
+            c.add(Counter::OffloadReads, 1);
+            self.classes.count(class, Counter::OffloadReads, 1);
+        }
         c.add(Counter::ExportedReadBytes, buf.len() as u64);
         c.add(Counter::PrefetchHits, prefetch_hits);
         self.classes
@@ -928,6 +944,7 @@ impl CacheInner {
         let mut spare: Vec<u32> = Vec::new();
         let mut round = 0;
         let mut declined = false;
+        let mut offloaded = false;
         let lazy = self.lazy_flush.load(Ordering::Relaxed);
         let (locks, short) = loop {
             let locks = self.lock_keys(segs.iter().map(|s| s.key));
@@ -935,9 +952,15 @@ impl CacheInner {
             // Promotion is asked once: a retry after making room must not count accesses again.
             if round == 0 {
                 declined = self.promotion_declines(&segs);
+                // Offload takes only write misses: with no core line mapped (under the locks)
+                // there is no cached copy that the core's new data could leave stale.
+                offloaded = !declined
+                    && segs.iter().all(|s| !s.mapped())
+                    && self.offload.take(core.id as usize);
             }
-            // Declined: unmapped segments go to the core, mapped ones are still updated here.
-            let needed = if declined {
+            // Declined or offloaded: unmapped segments go to the core, mapped ones are still
+            // updated here.
+            let needed = if declined || offloaded {
                 0
             } else {
                 segs.iter().filter(|s| !s.mapped()).count()
@@ -970,10 +993,14 @@ impl CacheInner {
                 return Err(e);
             }
         };
-        if declined {
+        if declined || offloaded {
             self.count_pass_through_write(core, class);
         } else {
             self.count_write(core, &segs, class);
+        }
+        if offloaded {
+            core.counters.add(Counter::OffloadWrites, 1);
+            self.classes.count(class, Counter::OffloadWrites, 1);
         }
         // Lines were taken in ascending order and are handed out by pop(): reversed, so that
         // neighbouring segments get neighbouring lines and their copies (and later their
@@ -1063,11 +1090,20 @@ impl CacheInner {
         let _locks = self.lock_keys(segs.iter().map(|s| s.key));
         self.lookup(&mut segs);
         let declined = insert && self.promotion_declines(&segs);
-        let insert = insert && !declined;
-        if declined {
+        // As in write-back: offload takes write misses only (nothing mapped, nothing stale).
+        let offloaded = insert
+            && !declined
+            && segs.iter().all(|s| !s.mapped())
+            && self.offload.take(core.id as usize);
+        let insert = insert && !declined && !offloaded;
+        if declined || offloaded {
             self.count_pass_through_write(core, class);
         } else {
             self.count_write(core, &segs, class);
+        }
+        if offloaded {
+            core.counters.add(Counter::OffloadWrites, 1);
+            self.classes.count(class, Counter::OffloadWrites, 1);
         }
         let whole = [Run {
             dev_off: offset,
@@ -1182,6 +1218,7 @@ impl CacheInner {
         if !runs.is_empty() {
             latency::touched_core();
         }
+        let _queued = self.offload.core_io(core.id as usize);
         for r in runs {
             core.volume
                 .read_at(&mut buf[r.buf_off..r.buf_off + r.len], r.dev_off)
@@ -1195,6 +1232,7 @@ impl CacheInner {
         if !runs.is_empty() {
             latency::touched_core();
         }
+        let _queued = self.offload.core_io(core.id as usize);
         for r in runs {
             core.volume
                 .write_at(&buf[r.buf_off..r.buf_off + r.len], r.dev_off)
@@ -1213,6 +1251,7 @@ impl CacheInner {
     }
 
     pub(crate) fn cache_read(&self, core: &CoreState, buf: &mut [u8], runs: &[Run]) -> Result<()> {
+        let _queued = self.offload.cache_io();
         for r in runs {
             self.volume
                 .read_at(&mut buf[r.buf_off..r.buf_off + r.len], r.dev_off)
@@ -1223,6 +1262,7 @@ impl CacheInner {
     }
 
     pub(crate) fn cache_write(&self, core: &CoreState, buf: &[u8], runs: &[Run]) -> Result<()> {
+        let _queued = self.offload.cache_io();
         for r in runs {
             self.volume
                 .write_at(&buf[r.buf_off..r.buf_off + r.len], r.dev_off)
@@ -1326,6 +1366,7 @@ impl CacheInner {
             prefetch_thread: Mutex::new(None),
             cleaner_signal: Arc::new(CleanerSignal::default()),
             lazy_flush: AtomicBool::new(false),
+            offload: OffloadState::new(MAX_CORES as usize + 1),
             pacer: Pacer::default(),
             cleaning_counters: CleaningCounters::default(),
             promotion: PromotionState::new(Promotion::default()),
@@ -1371,6 +1412,7 @@ impl CacheInner {
                 enabled: self.lazy_flush.load(Ordering::Relaxed),
             },
             prefetch: self.prefetch.params(),
+            offload: self.offload.params(),
         }
     }
 
@@ -1640,6 +1682,7 @@ impl Cache {
             .store(policies.lazy_flush.enabled, Ordering::Relaxed);
         inner.promotion.set_params(policies.promotion, inner.lines);
         inner.prefetch.set_params(policies.prefetch, inner.lines);
+        inner.offload.set_params(policies.offload);
         let seq_of = |id: CoreId| policies.seq_cutoff.get(&id).copied().unwrap_or_default();
         for (id, vol) in active {
             let state = inner.new_core_state(id, vol, seq_of(id));
@@ -2096,6 +2139,24 @@ impl Cache {
             .swap(params.enabled, Ordering::Relaxed);
         if let Err(e) = self.inner.save_policies() {
             self.inner.lazy_flush.store(old, Ordering::Relaxed);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Offload's settings (offload.rs).
+    pub fn offload(&self) -> Offload {
+        self.inner.offload.params()
+    }
+
+    /// Change offload at run time; recorded in the superblock. Invalid values are refused and
+    /// change nothing.
+    pub fn set_offload(&self, params: Offload) -> Result<()> {
+        params.validate()?;
+        let old = self.inner.offload.params();
+        self.inner.offload.set_params(params);
+        if let Err(e) = self.inner.save_policies() {
+            self.inner.offload.set_params(old);
             return Err(e);
         }
         Ok(())

@@ -25,6 +25,7 @@ pub mod latency;
 mod lists;
 mod locks;
 mod meta;
+pub mod offload;
 mod persist;
 pub mod policy;
 mod prefetch;
@@ -36,6 +37,7 @@ pub use cleaner::{CleaningStats, WRITE_SIZE_BUCKETS};
 pub use cleaning::CleaningTick;
 pub use format::{CoreRecord, Superblock};
 pub use latency::{Histogram, LatencyKind, LatencyStats};
+pub use offload::Offload;
 pub use policy::{
     AcpParams, AlruParams, CleaningConfig, CleaningIo, CleaningPolicy, LazyFlush, Prefetch,
     PrefetchPolicy, Promotion, PromotionPolicy, SeqCutoff, SeqCutoffPolicy,

@@ -755,6 +755,7 @@ pub struct PolicyRecord {
     pub io_classes: Option<String>,
     pub lazy_flush: LazyFlush,
     pub prefetch: Prefetch,
+    pub offload: crate::offload::Offload,
 }
 
 #[cfg(test)]

@@ -39,6 +39,10 @@ pub struct RequestStats {
     pub prefetch_requests: u64,
     /// Cache lines filled by prefetch that a client read later hit (counted once per line).
     pub prefetch_hits: u64,
+    /// Clean read hits offload served from the core (also counted as pass-through reads).
+    pub offload_reads: u64,
+    /// Write misses offload sent to the core (also counted as pass-through writes).
+    pub offload_writes: u64,
 }
 
 /// Bytes moved, by device.
@@ -118,8 +122,10 @@ pub(crate) enum Counter {
     PrefetchRequests,
     PrefetchHits,
     PrefetchReadBytes,
+    OffloadReads,
+    OffloadWrites,
 }
-const COUNTERS: usize = Counter::PrefetchReadBytes as usize + 1;
+const COUNTERS: usize = Counter::OffloadWrites as usize + 1;
 
 #[repr(align(128))]
 struct Slot([AtomicU64; COUNTERS]);
@@ -174,6 +180,8 @@ impl Counters {
                 lazy_flush_writes: self.get(LazyFlushWrites),
                 prefetch_requests: self.get(PrefetchRequests),
                 prefetch_hits: self.get(PrefetchHits),
+                offload_reads: self.get(OffloadReads),
+                offload_writes: self.get(OffloadWrites),
             },
             BlockStats {
                 core_read_bytes: self.get(CoreReadBytes),
@@ -224,6 +232,8 @@ impl RequestStats {
         self.lazy_flush_writes += o.lazy_flush_writes;
         self.prefetch_requests += o.prefetch_requests;
         self.prefetch_hits += o.prefetch_hits;
+        self.offload_reads += o.offload_reads;
+        self.offload_writes += o.offload_writes;
     }
 }
 

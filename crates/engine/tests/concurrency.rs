@@ -1,6 +1,6 @@
 //! Concurrency: several threads issue requests against one cache while another switches modes,
-//! flushes, and switches lazy flush and read-ahead (whose worker thread then fills lines next to
-//! the requests).
+//! flushes, and switches lazy flush, offload (by real queue depths, or threshold 0) and read-ahead
+//! (whose worker thread then fills lines next to the requests).
 //!
 //! Every write stamps each sector with (thread, sequence number, sector), so any sector read can
 //! be traced to the write that produced it (see `common::stamp`).
@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::*;
-use hybridcache_engine::{Cache, CacheMode, Core, LazyFlush, Prefetch, PrefetchPolicy};
+use hybridcache_engine::{Cache, CacheMode, Core, LazyFlush, Offload, Prefetch, PrefetchPolicy};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -104,7 +104,7 @@ fn switcher(cache: &Cache, seed: u64, done: &AtomicBool) -> Result<usize, String
     let mut n = 0;
     while !done.load(Ordering::Acquire) {
         std::thread::sleep(Duration::from_micros(rng.gen_range(20..500)));
-        let r = match rng.gen_range(0..13) {
+        let r = match rng.gen_range(0..15) {
             0..=6 => {
                 let mode = CacheMode::ALL[rng.gen_range(0..6)];
                 cache.set_mode(mode, rng.gen_bool(0.5))
@@ -123,6 +123,11 @@ fn switcher(cache: &Cache, seed: u64, done: &AtomicBool) -> Result<usize, String
                 threshold_kib: rng.gen_range(1..16),
                 distance_kib: rng.gen_range(4..128),
                 max_in_flight: rng.gen_range(1..4),
+            }),
+            13 | 14 => cache.set_offload(Offload {
+                enabled: rng.gen_bool(0.7),
+                share_pct: rng.gen_range(0..=100),
+                threshold: rng.gen_range(0..3),
             }),
             _ => {
                 let ids: Vec<_> = cache.cores().iter().map(|c| c.id).collect();

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 
 use hybridcache_engine::{
-    Cache, CacheConfig, CacheMode, Core, LazyFlush, LineSize, Prefetch, PrefetchPolicy,
+    Cache, CacheConfig, CacheMode, Core, LazyFlush, LineSize, Offload, Prefetch, PrefetchPolicy,
 };
 use hybridcache_volume::{CrashVolume, RamVolume, Volume, VolumeRef};
 
@@ -85,6 +85,18 @@ fn crash_round(seed: u64) -> usize {
     let core_vol = rig.mortal(&rig.core_media);
     let id = cache.add_core(core_vol, None).unwrap();
     let core = cache.core(id).unwrap();
+    // Offload is on in some rounds, with threshold 0: one thread never builds a queue, so it
+    // routes its share of clean hits and write misses to the core whatever the depths.
+    if rng.below(2) == 0 {
+        let share_pct = 1 + rng.below(100) as u32;
+        cache
+            .set_offload(Offload {
+                enabled: true,
+                share_pct,
+                threshold: 0,
+            })
+            .unwrap();
+    }
     // Lazy flush and read-ahead are on in some rounds; cleaning (lazy flush's room) and read-ahead
     // run only when an op says so, on this thread, so a seed replays the same crash.
     cache.stop_background_cleaner();
@@ -211,8 +223,15 @@ fn crash_round(seed: u64) -> usize {
                 false
             }
             _ => {
-                let on = !cache.lazy_flush().enabled;
-                cache.set_lazy_flush(LazyFlush { enabled: on }).unwrap();
+                if rng.below(2) == 0 {
+                    let on = !cache.lazy_flush().enabled;
+                    cache.set_lazy_flush(LazyFlush { enabled: on }).unwrap();
+                } else {
+                    let mut o = cache.offload();
+                    o.enabled = !o.enabled;
+                    o.threshold = 0;
+                    cache.set_offload(o).unwrap();
+                }
                 false
             }
         };

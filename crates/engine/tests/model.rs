@@ -4,7 +4,9 @@
 //!
 //! Policy changes join the sequence (cleaning policy and tunables, including tiny
 //! flush-max-buffers and 4 KiB merge-max; sequential cutoff with small thresholds so it
-//! triggers; nhit promotion with a low trigger; lazy flush on and off; read-ahead on and off with
+//! triggers; nhit promotion with a low trigger; lazy flush on and off; offload on and off with
+//! threshold 0 so that it routes clean hits and write misses to the core here, where no queue
+//! builds up; read-ahead on and off with
 //! small thresholds, fed by reads that continue the previous one), the cleaner runs on a fake
 //! clock that the ops advance, and queued read-ahead runs when an op says so: none of it may
 //! change what reads return.
@@ -19,7 +21,7 @@ use std::time::Duration;
 
 use common::*;
 use hybridcache_engine::{
-    Cache, CacheMode, CleaningConfig, CleaningPolicy, LazyFlush, LineSize, Prefetch,
+    Cache, CacheMode, CleaningConfig, CleaningPolicy, LazyFlush, LineSize, Offload, Prefetch,
     PrefetchPolicy, Promotion, PromotionPolicy, SeqCutoff, SeqCutoffPolicy,
 };
 use proptest::prelude::*;
@@ -50,6 +52,8 @@ enum Kind {
     SetLazyFlush,
     /// Read-ahead on with small thresholds, or off (see [`prefetch`]).
     SetPrefetch,
+    /// Offload on with threshold 0 and some share, or off (see [`offload`]).
+    SetOffload,
     /// Run the queued read-ahead (the worker thread is stopped, so it runs only here).
     RunPrefetch,
     /// A read starting where the core's previous read ended: sequential streams for read-ahead.
@@ -108,6 +112,7 @@ fn kind() -> impl Strategy<Value = Kind> {
         2 => Just(Kind::SetPromotion),
         2 => Just(Kind::SetLazyFlush),
         2 => Just(Kind::SetPrefetch),
+        2 => Just(Kind::SetOffload),
         5 => Just(Kind::RunPrefetch),
         12 => Just(Kind::ReadNext),
     ]
@@ -234,6 +239,16 @@ fn prefetch(a: u32, b: u32) -> Prefetch {
     }
 }
 
+/// Offload off (a % 3 == 0), or on with threshold 0 (a single thread never builds a queue, so
+/// any higher threshold would never offload) and a share of 1..100%.
+fn offload(a: u32, b: u32) -> Offload {
+    Offload {
+        enabled: a % 3 != 0,
+        share_pct: 1 + b % 100,
+        threshold: 0,
+    }
+}
+
 /// The log of resolved operations, for failure messages.
 struct Log(Vec<String>);
 
@@ -325,6 +340,7 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
             Kind::SetPromotion => format!("SetPromotion {:?}", promotion(op.a, op.b)),
             Kind::SetLazyFlush => format!("SetLazyFlush {}", op.a % 2 == 1),
             Kind::SetPrefetch => format!("SetPrefetch {:?}", prefetch(op.a, op.b)),
+            Kind::SetOffload => format!("SetOffload {:?}", offload(op.a, op.b)),
             _ => describe(op.kind, ci, start, len),
         });
         let what = format!("op #{i}");
@@ -428,6 +444,7 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
                 what
             ),
             Kind::SetPrefetch => check!(cache.set_prefetch(prefetch(op.a, op.b)), what),
+            Kind::SetOffload => check!(cache.set_offload(offload(op.a, op.b)), what),
             Kind::RunPrefetch => {
                 cache.run_prefetch();
             }

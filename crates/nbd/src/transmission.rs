@@ -23,7 +23,7 @@
 //! the queue full waits for the writer instead of growing the queue.
 
 use std::io::{self, BufRead, BufReader, Read, Write};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
@@ -336,6 +336,8 @@ pub(crate) struct Conn<'a, R, W> {
     rescue_cv: Condvar,
     /// Moving average of execution time (ns) per kind: read, write, other.
     ewma_ns: [AtomicU64; 3],
+    /// Requests being executed now, inline or handed off.
+    executing: AtomicUsize,
     export: &'a dyn Export,
     mem: &'a Memory,
     write_gate: &'a parking_lot::RwLock<()>,
@@ -373,6 +375,7 @@ pub(crate) fn run<R: Read + Send, W: Write + Send>(
         follow_cv: Condvar::new(),
         rescue_cv: Condvar::new(),
         ewma_ns: Default::default(),
+        executing: AtomicUsize::new(0),
         export: &*n.entry.export,
         mem,
         write_gate: &n.entry.write_gate,
@@ -452,9 +455,10 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
             if !holding && !self.acquire_reader() {
                 return;
             }
-            let next = {
+            let (next, more_buffered) = {
                 let mut r = self.reader.lock();
-                self.next_request(&mut r, &mut bufs)
+                let next = self.next_request(&mut r, &mut bufs);
+                (next, r.buffer().len() >= REQUEST_LEN)
             };
             let (handle, job) = match next {
                 Ok(Next::Job(h, j)) => (h, j),
@@ -478,7 +482,15 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
                 }
             };
             let kind = kind_index(&job);
-            let res = if self.ewma_ns[kind].load(Ordering::Relaxed) > SLOW_NS {
+            let slow = self.ewma_ns[kind].load(Ordering::Relaxed) > SLOW_NS;
+            // A slow request is handed off only when another one could use the reader now: one
+            // already buffered, or others in flight (a pipelining client). A client waiting for
+            // each reply (queue depth 1) gets it inline, which saves waking a worker per request
+            // (a cache hit on a device: ~100 us of I/O, the wakeup a tenth of it); should the
+            // client send more meanwhile, the rescuer takes over reading after a tick.
+            let parallel = more_buffered || self.executing.load(Ordering::Relaxed) > 0;
+            self.executing.fetch_add(1, Ordering::Relaxed);
+            let res = if slow && parallel {
                 self.hand_off();
                 holding = false;
                 self.timed(kind, || self.execute(handle, job, &mut bufs, false))
@@ -488,6 +500,7 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
                 holding = self.finish_inline(token);
                 res
             };
+            self.executing.fetch_sub(1, Ordering::Relaxed);
             bufs.finish();
             if let Err(e) = res {
                 self.fail_with(&e);

@@ -282,6 +282,47 @@ pub fn stop(dev_id: u32) -> Result<(), Error> {
     Ok(())
 }
 
+/// Deletes device `dev_id` that no process serves any more (a server died and nobody will
+/// recover it): the driver fails its held requests, and `/dev/ublkbN` goes away.
+pub fn delete(dev_id: u32) -> Result<(), Error> {
+    let ctrl = UblkCtrl::new_simple(dev_id as i32)?;
+    // A quiesced device must be stopped before it can be deleted; one already stopped says so.
+    let _ = ctrl.kill_dev();
+    ctrl.del_dev()?;
+    Ok(())
+}
+
+/// Whether device `dev_id` exists (its control node is there).
+pub fn exists(dev_id: u32) -> bool {
+    std::path::Path::new(&format!("/dev/ublkc{dev_id}")).exists()
+        || std::path::Path::new(&format!("/sys/class/ublk-char/ublkc{dev_id}")).exists()
+}
+
+/// Whether device `dev_id` is one a dead server left behind for [`recover`]: it exists, was
+/// created with `user_recovery`, and the process that served it is gone (or the kernel has
+/// already quiesced it). A device that a live process serves is never one: whoever remembers
+/// an id must not take over or delete a device that another program got under the same id.
+pub fn orphaned(dev_id: u32) -> bool {
+    if !exists(dev_id) {
+        return false;
+    }
+    let Ok(ctrl) = UblkCtrl::new_simple(dev_id as i32) else {
+        return false;
+    };
+    let info = ctrl.dev_info();
+    // Opened, not created, here: dropping it must leave the device alone.
+    ctrl.disown();
+    let recoverable = info.flags & sys::UBLK_F_USER_RECOVERY as u64 != 0;
+    let quiesced = info.state == sys::UBLK_S_DEV_QUIESCED as u16;
+    // The kernel quiesces a device some time after its server dies (a monitor runs every few
+    // seconds), so a LIVE device whose server no longer exists counts as well.
+    // SAFETY: kill with signal 0 only checks whether the process exists.
+    let gone = info.ublksrv_pid <= 0
+        || (unsafe { libc::kill(info.ublksrv_pid, 0) } != 0
+            && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH));
+    recoverable && (quiesced || gone)
+}
+
 /// One request as a worker sees it.
 struct Job {
     tag: u16,

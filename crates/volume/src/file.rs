@@ -9,12 +9,17 @@
 //! is unavailable ([`FileVolume::io_path`] says which). Aligned requests in misaligned memory keep
 //! the direct path by going through an aligned bounce buffer. Mixing the two paths is coherent:
 //! Linux writes back and invalidates cached pages in the range of every direct request.
+//!
+//! Direct requests go through io_uring (a ring per thread, uring.rs) where the kernel allows it,
+//! else through pread/pwrite; `HYBRIDCACHE_VOLUME_IO` overrides the choice
+//! ([`FileVolume::io_engine`] says which, and the open logs it).
 
 use std::alloc::{self, Layout};
 use std::cell::RefCell;
 use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 use std::ptr::NonNull;
@@ -23,6 +28,7 @@ use rustix::fs::{AtFlags, FallocateFlags, StatxFlags};
 use rustix::io::Errno;
 use rustix::ioctl::{self, opcode, Opcode};
 
+use crate::uring::{self, IoChoice};
 use crate::{check_range, write_zeroes_by_writing, ErrorKind, Op, Result, Volume, VolumeError};
 
 /// How a [`FileVolume`] reaches its device.
@@ -32,6 +38,15 @@ pub enum IoPath {
     Direct,
     /// Everything through the page cache, because the file system refused O_DIRECT.
     Buffered,
+}
+
+/// What carries a [`FileVolume`]'s direct requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoEngine {
+    /// io_uring, one ring per thread.
+    Uring,
+    /// pread(2)/pwrite(2) (also every buffered request).
+    Pread,
 }
 
 /// A regular file or block device used as a volume.
@@ -48,6 +63,7 @@ struct Direct {
     file: File,
     mem_align: usize,
     offset_align: u64,
+    engine: IoEngine,
 }
 
 /// Bounce buffers are this aligned: a page satisfies every device's DMA alignment in practice.
@@ -62,11 +78,26 @@ const BLKZEROOUT: Opcode = opcode::none(0x12, 127);
 
 impl FileVolume {
     /// Open an existing regular file or block device for reading and writing.
+    /// Direct requests use the I/O engine `HYBRIDCACHE_VOLUME_IO` names (auto if unset).
     pub fn open(path: &Path) -> Result<FileVolume> {
-        Self::open_with(path, true)
+        let io = IoChoice::from_env().map_err(|msg| {
+            VolumeError::new(
+                &path.display().to_string(),
+                Op::Open,
+                0,
+                0,
+                ErrorKind::Invalid(msg),
+            )
+        })?;
+        Self::open_with(path, true, io)
     }
 
-    fn open_with(path: &Path, try_direct: bool) -> Result<FileVolume> {
+    /// As [`FileVolume::open`] with the I/O engine chosen by the caller, not the environment.
+    pub fn open_with_io(path: &Path, io: IoChoice) -> Result<FileVolume> {
+        Self::open_with(path, true, io)
+    }
+
+    fn open_with(path: &Path, try_direct: bool, io: IoChoice) -> Result<FileVolume> {
         let name = path.display().to_string();
         let fail = |kind: ErrorKind| VolumeError::new(&name, Op::Open, 0, 0, kind);
         let invalid = |msg: String| fail(ErrorKind::Invalid(msg));
@@ -97,12 +128,27 @@ impl FileVolume {
                 "size {size} is not a multiple of the {block}-byte logical block size"
             )));
         }
+        let direct = if try_direct {
+            Direct::open(path, block, size, io).map_err(invalid)?
+        } else {
+            None
+        };
+        match &direct {
+            Some(d) if d.engine == IoEngine::Uring => {
+                tracing::info!("{name}: direct I/O through io_uring (a ring per thread)")
+            }
+            Some(_) => tracing::info!(
+                "{name}: direct I/O through pread/pwrite ({})",
+                match (io, uring::available()) {
+                    (IoChoice::Pread, _) => format!("{}=pread", uring::IO_ENV),
+                    (_, Err(why)) => format!("io_uring unavailable: {why}"),
+                    (_, Ok(())) => "io_uring failed on this file".to_string(),
+                }
+            ),
+            None => tracing::info!("{name}: buffered I/O through pread/pwrite (no O_DIRECT here)"),
+        }
         Ok(FileVolume {
-            direct: if try_direct {
-                Direct::open(path, block, size)
-            } else {
-                None
-            },
+            direct,
             name,
             buffered,
             size,
@@ -115,6 +161,19 @@ impl FileVolume {
     /// An existing empty file is extended; an existing file of exactly `size` bytes is opened
     /// as is; any other existing file is an error rather than silently resized.
     pub fn create(path: &Path, size: u64) -> Result<FileVolume> {
+        Self::create_then(path, size, Self::open)
+    }
+
+    /// As [`FileVolume::create`] with the I/O engine chosen by the caller.
+    pub fn create_with_io(path: &Path, size: u64, io: IoChoice) -> Result<FileVolume> {
+        Self::create_then(path, size, |p| Self::open_with_io(p, io))
+    }
+
+    fn create_then(
+        path: &Path,
+        size: u64,
+        open: impl FnOnce(&Path) -> Result<FileVolume>,
+    ) -> Result<FileVolume> {
         let name = path.display().to_string();
         let fail = |kind: ErrorKind| VolumeError::new(&name, Op::Open, 0, size, kind);
         let invalid = |msg: String| fail(ErrorKind::Invalid(msg));
@@ -147,7 +206,7 @@ impl FileVolume {
             }
         }
         drop(file);
-        Self::open(path)
+        open(path)
     }
 
     /// Whether requests can use O_DIRECT (see the module documentation).
@@ -156,6 +215,11 @@ impl FileVolume {
             Some(_) => IoPath::Direct,
             None => IoPath::Buffered,
         }
+    }
+
+    /// What carries direct requests (buffered ones always use pread/pwrite).
+    pub fn io_engine(&self) -> IoEngine {
+        self.direct.as_ref().map_or(IoEngine::Pread, |d| d.engine)
     }
 
     /// Whether this volume is a block device rather than a regular file.
@@ -175,8 +239,44 @@ impl FileVolume {
 }
 
 impl Direct {
-    /// The O_DIRECT descriptor and its alignment rules, or None if direct I/O will not work here.
-    fn open(path: &Path, block: u32, size: u64) -> Option<Direct> {
+    /// The O_DIRECT descriptor, its alignment rules and I/O engine, or None if direct I/O will
+    /// not work here; an error only if io_uring was demanded and does not work.
+    fn open(
+        path: &Path,
+        block: u32,
+        size: u64,
+        io: IoChoice,
+    ) -> std::result::Result<Option<Direct>, String> {
+        let Some(mut d) = Self::open_pread(path, block, size) else {
+            return Ok(None);
+        };
+        if io == IoChoice::Pread {
+            return Ok(Some(d));
+        }
+        let works = uring::available().and_then(|()| {
+            d.engine = IoEngine::Uring;
+            // The same first-block read as for O_DIRECT itself, through the ring: a file
+            // system may take O_DIRECT and still fail io_uring's requests.
+            if size >= d.offset_align {
+                with_bounce(d.offset_align as usize, |b| d.read(b, 0))
+                    .map_err(|e| format!("io_uring read: {e}"))?;
+            }
+            Ok(())
+        });
+        match (works, io) {
+            (Ok(()), _) => Ok(Some(d)),
+            (Err(why), IoChoice::Uring) => Err(format!(
+                "{}=uring, but io_uring does not work here: {why}",
+                uring::IO_ENV
+            )),
+            (Err(_), _) => {
+                d.engine = IoEngine::Pread;
+                Ok(Some(d))
+            }
+        }
+    }
+
+    fn open_pread(path: &Path, block: u32, size: u64) -> Option<Direct> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -218,18 +318,33 @@ impl Direct {
             file,
             mem_align,
             offset_align,
+            engine: IoEngine::Pread,
         })
+    }
+
+    /// One aligned read with this descriptor's engine.
+    fn read_aligned(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        match self.engine {
+            IoEngine::Uring => uring::read_exact_at(self.file.as_raw_fd(), buf, offset),
+            IoEngine::Pread => self.file.read_exact_at(buf, offset),
+        }
+    }
+
+    fn write_aligned(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        match self.engine {
+            IoEngine::Uring => uring::write_all_at(self.file.as_raw_fd(), buf, offset),
+            IoEngine::Pread => self.file.write_all_at(buf, offset),
+        }
     }
 
     fn read(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         if buf.as_ptr() as usize % self.mem_align == 0 {
-            return self.file.read_exact_at(buf, offset);
+            return self.read_aligned(buf, offset);
         }
         with_bounce(buf.len().min(BOUNCE_MAX), |bounce| {
             for (i, piece) in buf.chunks_mut(BOUNCE_MAX).enumerate() {
                 let b = &mut bounce[..piece.len()];
-                self.file
-                    .read_exact_at(b, offset + (i * BOUNCE_MAX) as u64)?;
+                self.read_aligned(b, offset + (i * BOUNCE_MAX) as u64)?;
                 piece.copy_from_slice(b);
             }
             Ok(())
@@ -238,14 +353,13 @@ impl Direct {
 
     fn write(&self, buf: &[u8], offset: u64) -> io::Result<()> {
         if buf.as_ptr() as usize % self.mem_align == 0 {
-            return self.file.write_all_at(buf, offset);
+            return self.write_aligned(buf, offset);
         }
         with_bounce(buf.len().min(BOUNCE_MAX), |bounce| {
             for (i, piece) in buf.chunks(BOUNCE_MAX).enumerate() {
                 let b = &mut bounce[..piece.len()];
                 b.copy_from_slice(piece);
-                self.file
-                    .write_all_at(b, offset + (i * BOUNCE_MAX) as u64)?;
+                self.write_aligned(b, offset + (i * BOUNCE_MAX) as u64)?;
             }
             Ok(())
         })
@@ -430,6 +544,7 @@ impl fmt::Debug for FileVolume {
             .field("size", &self.size)
             .field("block", &self.block)
             .field("io_path", &self.io_path())
+            .field("io_engine", &self.io_engine())
             .finish()
     }
 }
@@ -477,11 +592,10 @@ mod tests {
         buf
     }
 
-    #[test]
-    fn round_trips_direct() {
+    fn round_trips_direct(io: IoChoice) {
         let dir = dio_dir();
         let path = dir.path().join("vol");
-        let v = FileVolume::create(&path, 4 << 20).unwrap();
+        let v = FileVolume::create_with_io(&path, 4 << 20, io).unwrap();
         assert_eq!(v.io_path(), IoPath::Direct);
         assert_eq!((v.size(), v.logical_block_size()), (4 << 20, 512));
         assert_eq!(read_vec(&v, 0, 8192), vec![0; 8192]);
@@ -499,14 +613,13 @@ mod tests {
         }
         v.flush().unwrap();
         drop(v);
-        let v = FileVolume::open(&path).unwrap();
+        let v = FileVolume::open_with_io(&path, io).unwrap();
         assert_eq!(read_vec(&v, (4 << 20) - 512, 512), pattern(4, 512));
     }
 
-    #[test]
-    fn misaligned_memory_goes_through_bounce_buffer() {
+    fn misaligned_memory_goes_through_bounce_buffer(io: IoChoice) {
         let dir = dio_dir();
-        let v = FileVolume::create(&dir.path().join("vol"), 4 << 20).unwrap();
+        let v = FileVolume::create_with_io(&dir.path().join("vol"), 4 << 20, io).unwrap();
         assert_eq!(v.io_path(), IoPath::Direct);
         // Larger than BOUNCE_MAX so the piecewise copy is exercised.
         let len = BOUNCE_MAX + 8192;
@@ -520,10 +633,9 @@ mod tests {
         assert_eq!(read_vec(&v, 4096, len), data);
     }
 
-    #[test]
-    fn buffered_and_direct_requests_see_each_other() {
+    fn buffered_and_direct_requests_see_each_other(io: IoChoice) {
         let dir = dio_dir();
-        let v = FileVolume::create(&dir.path().join("vol"), 1 << 20).unwrap();
+        let v = FileVolume::create_with_io(&dir.path().join("vol"), 1 << 20, io).unwrap();
         // A lone 512-byte write may take the buffered path (when the DIO alignment is larger);
         // the surrounding 4 KiB read is direct either way.
         v.write_at(&[7u8; 4096], 0).unwrap();
@@ -536,11 +648,10 @@ mod tests {
         assert_eq!(read_vec(&v, 1024, 512), vec![3u8; 512]);
     }
 
-    #[test]
-    fn rejects_bad_requests() {
+    fn rejects_bad_requests(io: IoChoice) {
         let dir = dio_dir();
         let path = dir.path().join("vol");
-        let v = FileVolume::create(&path, 1 << 20).unwrap();
+        let v = FileVolume::create_with_io(&path, 1 << 20, io).unwrap();
         let e = v.write_at(&[0; 512], 256).unwrap_err();
         assert!(matches!(e.kind, ErrorKind::Unaligned { block: 512 }));
         let e = v.read_at(&mut [0; 700], 0).unwrap_err();
@@ -553,36 +664,40 @@ mod tests {
         assert!(v.write_zeroes(0, 100).is_err());
     }
 
-    #[test]
-    fn open_and_create_errors() {
+    fn open_and_create_errors(io: IoChoice) {
         let dir = dio_dir();
         let missing = dir.path().join("missing");
-        let e = FileVolume::open(&missing).unwrap_err();
+        let e = FileVolume::open_with_io(&missing, io).unwrap_err();
         assert!(matches!(e.kind, ErrorKind::Io(_)));
         assert_eq!(e.op, Op::Open);
         assert!(e.to_string().contains("missing"), "{e}");
 
         let odd = dir.path().join("odd");
         std::fs::write(&odd, [0u8; 1000]).unwrap();
-        let e = FileVolume::open(&odd).unwrap_err();
+        let e = FileVolume::open_with_io(&odd, io).unwrap_err();
         assert!(e.to_string().contains("multiple of the 512-byte"), "{e}");
-        let e = FileVolume::create(&odd, 4096).unwrap_err();
+        let e = FileVolume::create_with_io(&odd, 4096, io).unwrap_err();
         assert!(e.to_string().contains("refusing to resize"), "{e}");
 
         let empty = dir.path().join("empty");
         std::fs::write(&empty, []).unwrap();
-        assert!(FileVolume::open(&empty).is_err());
-        assert_eq!(FileVolume::create(&empty, 8192).unwrap().size(), 8192);
-        assert_eq!(FileVolume::create(&empty, 8192).unwrap().size(), 8192);
-        assert!(FileVolume::create(&dir.path().join("new"), 1000).is_err());
-        assert!(FileVolume::open(dir.path()).is_err());
+        assert!(FileVolume::open_with_io(&empty, io).is_err());
+        assert_eq!(
+            FileVolume::create_with_io(&empty, 8192, io).unwrap().size(),
+            8192
+        );
+        assert_eq!(
+            FileVolume::create_with_io(&empty, 8192, io).unwrap().size(),
+            8192
+        );
+        assert!(FileVolume::create_with_io(&dir.path().join("new"), 1000, io).is_err());
+        assert!(FileVolume::open_with_io(dir.path(), io).is_err());
     }
 
-    #[test]
-    fn discard_and_write_zeroes_read_back_zeroes() {
+    fn discard_and_write_zeroes_read_back_zeroes(io: IoChoice) {
         let dir = dio_dir();
         let path = dir.path().join("vol");
-        let v = FileVolume::create(&path, 1 << 20).unwrap();
+        let v = FileVolume::create_with_io(&path, 1 << 20, io).unwrap();
         assert!(v.discard_zeroes());
         v.write_at(&vec![0x5A; 1 << 20], 0).unwrap();
         v.discard(8192, 64 << 10).unwrap();
@@ -598,12 +713,11 @@ mod tests {
         assert_eq!(std::fs::metadata(&path).unwrap().len(), 1 << 20);
     }
 
-    #[test]
-    fn buffered_only_path_works() {
+    fn buffered_only_path_works(io: IoChoice) {
         let dir = dio_dir();
         let path = dir.path().join("vol");
-        FileVolume::create(&path, 1 << 20).unwrap();
-        let v = FileVolume::open_with(&path, false).unwrap();
+        FileVolume::create_with_io(&path, 1 << 20, io).unwrap();
+        let v = FileVolume::open_with(&path, false, io).unwrap();
         assert_eq!(v.io_path(), IoPath::Buffered);
         let mut backing = vec![0u8; 8192 + 1];
         backing[1..].copy_from_slice(&pattern(3, 8192));
@@ -619,14 +733,13 @@ mod tests {
     }
 
     // tmpfs refused O_DIRECT before Linux 6.6; either way the volume must work there.
-    #[test]
-    fn tmpfs_works_whichever_path_it_allows() {
+    fn tmpfs_works_whichever_path_it_allows(io: IoChoice) {
         let shm = Path::new("/dev/shm");
         let Ok(dir) = tempfile::tempdir_in(shm) else {
             return;
         };
         let path = dir.path().join("vol");
-        let v = FileVolume::create(&path, 1 << 20).unwrap();
+        let v = FileVolume::create_with_io(&path, 1 << 20, io).unwrap();
         let direct_ok = OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_DIRECT)
@@ -643,10 +756,9 @@ mod tests {
         v.flush().unwrap();
     }
 
-    #[test]
-    fn concurrent_threads_with_bounce_buffers() {
+    fn concurrent_threads_with_bounce_buffers(io: IoChoice) {
         let dir = dio_dir();
-        let v = Arc::new(FileVolume::create(&dir.path().join("vol"), 4 << 20).unwrap());
+        let v = Arc::new(FileVolume::create_with_io(&dir.path().join("vol"), 4 << 20, io).unwrap());
         let handles: Vec<_> = (0..4u8)
             .map(|t| {
                 let v = Arc::clone(&v);
@@ -669,5 +781,63 @@ mod tests {
         for h in handles {
             h.join().unwrap();
         }
+    }
+
+    /// Every test above runs once per I/O engine. The io_uring runs are skipped, saying so,
+    /// where the kernel or a seccomp profile refuses io_uring.
+    macro_rules! per_engine {
+        ($($name:ident),* $(,)?) => {
+            mod with_pread {
+                $(#[test]
+                fn $name() {
+                    super::$name(super::IoChoice::Pread)
+                })*
+            }
+            mod with_uring {
+                $(#[test]
+                fn $name() {
+                    if let Err(why) = crate::uring::available() {
+                        eprintln!("skipped: io_uring does not work here: {why}");
+                        return;
+                    }
+                    super::$name(super::IoChoice::Uring)
+                })*
+            }
+        };
+    }
+
+    per_engine!(
+        round_trips_direct,
+        misaligned_memory_goes_through_bounce_buffer,
+        buffered_and_direct_requests_see_each_other,
+        rejects_bad_requests,
+        open_and_create_errors,
+        discard_and_write_zeroes_read_back_zeroes,
+        buffered_only_path_works,
+        tmpfs_works_whichever_path_it_allows,
+        concurrent_threads_with_bounce_buffers,
+    );
+
+    #[test]
+    fn engine_is_the_one_chosen() {
+        let dir = dio_dir();
+        let path = dir.path().join("vol");
+        let v = FileVolume::create_with_io(&path, 1 << 20, IoChoice::Pread).unwrap();
+        assert_eq!(v.io_engine(), IoEngine::Pread);
+        let auto = FileVolume::open_with_io(&path, IoChoice::Auto).unwrap();
+        match crate::uring::available() {
+            Ok(()) => {
+                assert_eq!(auto.io_engine(), IoEngine::Uring);
+                let v = FileVolume::open_with_io(&path, IoChoice::Uring).unwrap();
+                assert_eq!(v.io_engine(), IoEngine::Uring);
+            }
+            Err(_) => {
+                assert_eq!(auto.io_engine(), IoEngine::Pread);
+                assert!(FileVolume::open_with_io(&path, IoChoice::Uring).is_err());
+            }
+        }
+        // Without O_DIRECT there is nothing for io_uring to carry.
+        let b = FileVolume::open_with(&path, false, IoChoice::Uring).unwrap();
+        assert_eq!(b.io_engine(), IoEngine::Pread);
     }
 }

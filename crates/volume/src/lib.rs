@@ -18,6 +18,7 @@ mod file;
 mod null;
 mod ram;
 mod uri;
+mod uring;
 
 pub use emul::{
     calibration_cells, calibration_table, nanos, simulate, Backing, Cell, Clock, ClockRef,
@@ -27,10 +28,11 @@ pub use emul::{
     STUDY_RANDOM_WRITE_IOPS, STUDY_SEQ_WRITE_MBS, STUDY_SPAN,
 };
 pub use fault::{CrashVolume, FaultConfig, FaultyVolume, WriteFate};
-pub use file::{FileVolume, IoPath};
+pub use file::{FileVolume, IoEngine, IoPath};
 pub use null::NullVolume;
 pub use ram::RamVolume;
 pub use uri::open_volume;
+pub use uring::{IoChoice, IO_ENV};
 
 /// The operation that failed, for error messages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

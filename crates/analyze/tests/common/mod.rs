@@ -21,6 +21,9 @@ pub struct JobSpec {
     /// Time per completion, ns.
     pub service_ns: u64,
     pub seed: u64,
+    /// Skew: this share of random requests goes to the first `hot_span` bytes of the region.
+    pub hot_share: f64,
+    pub hot_span: u64,
 }
 
 impl JobSpec {
@@ -38,6 +41,8 @@ impl JobSpec {
             span: 10 << 30,
             service_ns: 1_000_000,
             seed: pid as u64 * 7919 + 1,
+            hot_share: 0.0,
+            hot_span: 0,
         }
     }
 }
@@ -73,6 +78,8 @@ fn job_events(j: &JobSpec) -> Vec<(u64, String, bool)> {
                 let o = next_seq;
                 next_seq += j.size;
                 o
+            } else if j.hot_span > 0 && rng.unit() < j.hot_share {
+                j.base + (rng.next() % (j.hot_span / j.size)) * j.size
             } else {
                 j.base + (rng.next() % (j.span / j.size)) * j.size
             };

@@ -239,6 +239,7 @@ pub fn run(a: &CalibrationArgs) -> Result<()> {
                     runtime: Some(a.runtime),
                     ramp: 0,
                     io_size: None,
+                    distribution: None,
                 };
                 eprint!("\r[{}/{total}] {} qd{}        ", i + 1, c.row, c.iodepth);
                 let r = rig::run_fio(&job, &dir)?;

@@ -31,6 +31,8 @@ pub struct FioJob {
     pub ramp: u64,
     /// Stop after this many bytes per job (fio's io_size), for bounded fills.
     pub io_size: Option<u64>,
+    /// fio's random_distribution (random patterns only).
+    pub distribution: Option<String>,
 }
 
 /// The percentiles we ask for; 99.99 is the tail the field quotes.
@@ -59,6 +61,9 @@ impl FioJob {
             "--output-format=json".into(),
             format!("--output={}", json.display()),
         ];
+        if let (Some(d), false) = (&self.distribution, self.pattern.sequential()) {
+            a.push(format!("--random_distribution={d}"));
+        }
         if let Some(mix) = self.pattern.rwmixread() {
             a.push(format!("--rwmixread={mix}"));
         }
@@ -273,8 +278,22 @@ mod tests {
             runtime: Some(3),
             ramp: 0,
             io_size: None,
+            distribution: None,
         };
         let a = j.args(Path::new("/o.json"), None);
+        assert!(!a.iter().any(|x| x.starts_with("--random_distribution")));
+        let zipf = FioJob {
+            distribution: Some("zipf:1.2".into()),
+            ..j.clone()
+        };
+        let a2 = zipf.args(Path::new("/o.json"), None);
+        assert!(a2.contains(&"--random_distribution=zipf:1.2".to_string()));
+        let seq = FioJob {
+            pattern: Pattern::Read,
+            ..zipf
+        };
+        let a3 = seq.args(Path::new("/o.json"), None);
+        assert!(!a3.iter().any(|x| x.starts_with("--random_distribution")));
         assert!(a.contains(&"--rwmixread=30".to_string()));
         assert!(a.contains(&"--size=524288".to_string()));
         assert!(a.contains(&"--offset_increment=524288".to_string()));

@@ -163,6 +163,9 @@ pub enum ProtocolName {
     Flush,
     /// Warm the region, then measure on it (hits).
     Hits,
+    /// From an empty cache, write `burst_factor` times the cache's size and measure all of it
+    /// (IOPS over time and the tail as the cache fills with dirty data).
+    Burst,
 }
 
 impl ProtocolName {
@@ -173,6 +176,7 @@ impl ProtocolName {
             ProtocolName::Fill => "fill",
             ProtocolName::Flush => "flush",
             ProtocolName::Hits => "hits",
+            ProtocolName::Burst => "burst",
         }
     }
 }
@@ -231,6 +235,9 @@ pub struct MatrixSection {
     pub configs: Option<Vec<String>>,
     /// Repetitions of every cell (the report shows the median).
     pub repeat: Option<u32>,
+    /// fio's random_distribution for random patterns: "random" (uniform), "zipf:1.2",
+    /// "pareto:0.9", "normal:10", "zoned:...": skewed workloads for promotion and offload.
+    pub distribution: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -265,6 +272,34 @@ pub struct SeqCutoff {
     pub threshold_kib: Option<u64>,
 }
 
+/// `-X -n prefetch -p POLICY` and `-X -n prefetch-readahead -t KIB --distance KIB --max-in-flight N`.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PrefetchParams {
+    pub policy: String,
+    pub threshold_kib: Option<u32>,
+    pub distance: Option<u32>,
+    pub max_in_flight: Option<u32>,
+}
+
+/// `-X -n offload -p on|off` and `-X -n offload-queue --share PCT -t DEPTH`.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct OffloadParams {
+    pub enabled: bool,
+    pub share: Option<u32>,
+    pub threshold: Option<u32>,
+}
+
+/// `-X -n promotion -p POLICY` and `-X -n promotion-nhit -t N -o PCT`.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PromotionParams {
+    pub policy: String,
+    pub threshold: Option<u32>,
+    pub trigger: Option<u32>,
+}
+
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CacheSection {
@@ -275,6 +310,10 @@ pub struct CacheSection {
     pub alru: Option<AlruParams>,
     pub acp: Option<AcpParams>,
     pub seq_cutoff: Option<SeqCutoff>,
+    pub lazy_flush: Option<bool>,
+    pub prefetch: Option<PrefetchParams>,
+    pub promotion: Option<PromotionParams>,
+    pub offload: Option<OffloadParams>,
     pub nbd_workers: Option<usize>,
 }
 
@@ -308,6 +347,8 @@ pub struct ProtocolSection {
     pub flush_via: Option<String>,
     /// flush: give up waiting for the drain after this many seconds.
     pub drain_max: Option<u64>,
+    /// burst: bytes written, as a multiple of the cache's size.
+    pub burst_factor: Option<f64>,
 }
 
 // ------------------------------------------------------------------------------------------
@@ -322,7 +363,94 @@ pub struct CacheSettings {
     pub alru: Option<AlruParams>,
     pub acp: Option<AcpParams>,
     pub seq_cutoff: Option<SeqCutoff>,
+    /// None: the daemon's default (results.json files written before these keys read as None).
+    #[serde(default)]
+    pub lazy_flush: Option<bool>,
+    #[serde(default)]
+    pub prefetch: Option<PrefetchParams>,
+    #[serde(default)]
+    pub promotion: Option<PromotionParams>,
+    #[serde(default)]
+    pub offload: Option<OffloadParams>,
     pub nbd_workers: usize,
+}
+
+impl CacheSettings {
+    /// The `-X -n GROUP` commands (group, flags) that set this cache's policies, in the order
+    /// they are sent; the cleaning policy itself is set last, separately. A group whose keys are
+    /// all absent sends nothing, so the daemon's defaults stay.
+    pub fn param_commands(&self) -> Vec<(&'static str, Vec<(&'static str, String)>)> {
+        fn some<T: ToString>(pairs: &[(&'static str, Option<T>)]) -> Vec<(&'static str, String)> {
+            pairs
+                .iter()
+                .filter_map(|(f, v)| v.as_ref().map(|v| (*f, v.to_string())))
+                .collect()
+        }
+        let mut out = Vec::new();
+        if let Some(a) = &self.alru {
+            out.push((
+                "cleaning-alru",
+                some(&[
+                    ("-w", a.wake_up),
+                    ("-s", a.staleness),
+                    ("-b", a.flush_max),
+                    ("-t", a.activity),
+                    ("-d", a.dirty_pct),
+                ]),
+            ));
+        }
+        if let Some(a) = &self.acp {
+            out.push((
+                "cleaning-acp",
+                some(&[("-w", a.wake_up), ("-b", a.flush_max)]),
+            ));
+        }
+        if let Some(s) = &self.seq_cutoff {
+            let mut f = vec![("-p", s.policy.clone())];
+            f.extend(some(&[("-t", s.threshold_kib)]));
+            out.push(("seq-cutoff", f));
+        }
+        if let Some(p) = &self.promotion {
+            // Tunables first: switching to nhit then applies the wanted threshold at once.
+            out.push((
+                "promotion-nhit",
+                some(&[("-t", p.threshold), ("-o", p.trigger)]),
+            ));
+            out.push(("promotion", vec![("-p", p.policy.clone())]));
+        }
+        if let Some(on) = self.lazy_flush {
+            out.push((
+                "lazy-flush",
+                vec![("-p", hybridcache_engine::policy::on_off(on).to_string())],
+            ));
+        }
+        if let Some(p) = &self.prefetch {
+            out.push((
+                "prefetch-readahead",
+                some(&[
+                    ("-t", p.threshold_kib),
+                    ("--distance", p.distance),
+                    ("--max-in-flight", p.max_in_flight),
+                ]),
+            ));
+            out.push(("prefetch", vec![("-p", p.policy.clone())]));
+        }
+        if let Some(o) = &self.offload {
+            out.push((
+                "offload-queue",
+                some(&[("--share", o.share), ("-t", o.threshold)]),
+            ));
+            out.push((
+                "offload",
+                vec![(
+                    "-p",
+                    hybridcache_engine::policy::on_off(o.enabled).to_string(),
+                )],
+            ));
+        }
+        out.retain(|(_, f)| !f.is_empty());
+        out
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -344,6 +472,13 @@ pub struct ProtocolSettings {
     pub dirty_pct: f64,
     pub flush_via: String,
     pub drain_max: u64,
+    /// Absent in results.json files written before the burst protocol.
+    #[serde(default = "default_burst_factor")]
+    pub burst_factor: f64,
+}
+
+fn default_burst_factor() -> f64 {
+    4.0
 }
 
 /// Everything a run needs, checked. Stored verbatim in results.json ("the exact configuration").
@@ -358,6 +493,9 @@ pub struct Matrix {
     pub size: u64,
     pub offset: u64,
     pub repeat: u32,
+    /// fio's random_distribution (None: fio's uniform default).
+    #[serde(default)]
+    pub distribution: Option<String>,
     pub configs: Vec<Config>,
     pub core_device: String,
     pub core_workers: usize,
@@ -449,6 +587,7 @@ pub struct Overrides {
     pub cache_mode: Option<String>,
     pub line_size: Option<u32>,
     pub cleaning: Option<String>,
+    pub lazy_flush: Option<bool>,
     pub protocol: Option<ProtocolName>,
     pub settle: Option<u64>,
     pub nbdkit_max_size: Option<String>,
@@ -573,6 +712,20 @@ pub fn resolve(file: &MatrixFile, o: &Overrides) -> Result<Matrix> {
     if repeat == 0 || repeat > 100 {
         bail!("matrix.repeat: {repeat} is not between 1 and 100");
     }
+    let distribution = m.distribution.clone();
+    if let Some(d) = &distribution {
+        let (kind, arg) = d.split_once(':').unwrap_or((d.as_str(), ""));
+        let ok = match kind {
+            "random" => arg.is_empty(),
+            "zipf" | "pareto" | "normal" => arg.parse::<f64>().is_ok_and(|v| v > 0.0),
+            // zoned:60/10:30/20:10/70 and friends: fio checks the zones' sums itself.
+            "zoned" | "zoned_abs" => !arg.is_empty(),
+            _ => false,
+        };
+        if !ok {
+            bail!("matrix.distribution: '{d}' is not one of random, zipf:THETA, pareto:H, normal:PCT, zoned:...");
+        }
+    }
     let mut configs = o
         .configs
         .clone()
@@ -624,6 +777,45 @@ pub fn resolve(file: &MatrixFile, o: &Overrides) -> Result<Matrix> {
             );
         }
     }
+    if let Some(p) = &c.promotion {
+        let policy = p
+            .policy
+            .parse::<hybridcache_engine::PromotionPolicy>()
+            .map_err(|e| anyhow!("cache.promotion.policy: {e}"))?;
+        let d = hybridcache_engine::Promotion::default();
+        hybridcache_engine::Promotion {
+            policy,
+            threshold: p.threshold.unwrap_or(d.threshold),
+            trigger_pct: p.trigger.unwrap_or(d.trigger_pct),
+        }
+        .validate()
+        .map_err(|e| anyhow!("cache.promotion: {e}"))?;
+    }
+    if let Some(p) = &c.prefetch {
+        let policy = p
+            .policy
+            .parse::<hybridcache_engine::PrefetchPolicy>()
+            .map_err(|e| anyhow!("cache.prefetch.policy: {e}"))?;
+        let d = hybridcache_engine::Prefetch::default();
+        hybridcache_engine::Prefetch {
+            policy,
+            threshold_kib: p.threshold_kib.unwrap_or(d.threshold_kib),
+            distance_kib: p.distance.unwrap_or(d.distance_kib),
+            max_in_flight: p.max_in_flight.unwrap_or(d.max_in_flight),
+        }
+        .validate()
+        .map_err(|e| anyhow!("cache.prefetch: {e}"))?;
+    }
+    if let Some(o) = &c.offload {
+        let d = hybridcache_engine::Offload::default();
+        hybridcache_engine::Offload {
+            enabled: o.enabled,
+            share_pct: o.share.unwrap_or(d.share_pct),
+            threshold: o.threshold.unwrap_or(d.threshold),
+        }
+        .validate()
+        .map_err(|e| anyhow!("cache.offload: {e}"))?;
+    }
     let nbd_workers = c.nbd_workers.unwrap_or(32);
     if nbd_workers == 0 || nbd_workers > 256 {
         bail!("cache.nbd_workers: {nbd_workers} is not between 1 and 256");
@@ -636,6 +828,10 @@ pub fn resolve(file: &MatrixFile, o: &Overrides) -> Result<Matrix> {
         alru: c.alru.clone(),
         acp: c.acp.clone(),
         seq_cutoff: c.seq_cutoff.clone(),
+        lazy_flush: o.lazy_flush.or(c.lazy_flush),
+        prefetch: c.prefetch.clone(),
+        promotion: c.promotion.clone(),
+        offload: c.offload.clone(),
         nbd_workers,
     };
 
@@ -687,6 +883,10 @@ pub fn resolve(file: &MatrixFile, o: &Overrides) -> Result<Matrix> {
             bail!("{key}: {v} is not a percentage in (0, 100]");
         }
     }
+    let burst_factor = p.burst_factor.unwrap_or_else(default_burst_factor);
+    if !(burst_factor > 0.0 && burst_factor <= 1000.0) {
+        bail!("protocol.burst_factor: {burst_factor} is not in (0, 1000]");
+    }
     let protocol = ProtocolSettings {
         name: o.protocol.or(p.name).unwrap_or(ProtocolName::Plain),
         settle: o.settle.or(p.settle).unwrap_or(60),
@@ -696,6 +896,7 @@ pub fn resolve(file: &MatrixFile, o: &Overrides) -> Result<Matrix> {
         dirty_pct,
         flush_via,
         drain_max: p.drain_max.unwrap_or(1800),
+        burst_factor,
     };
     let matrix = Matrix {
         patterns,
@@ -707,6 +908,7 @@ pub fn resolve(file: &MatrixFile, o: &Overrides) -> Result<Matrix> {
         size,
         offset,
         repeat,
+        distribution,
         configs,
         core_device,
         core_workers,
@@ -714,16 +916,23 @@ pub fn resolve(file: &MatrixFile, o: &Overrides) -> Result<Matrix> {
         nbdkit,
         protocol,
     };
-    if matches!(matrix.protocol.name, ProtocolName::Flush) {
+    if let ProtocolName::Flush | ProtocolName::Burst = matrix.protocol.name {
         if let Some(p) = matrix.patterns.iter().find(|p| !p.writes()) {
-            bail!("protocol.name: flush needs write patterns to fill the cache with dirty data, and {p} only reads");
+            bail!(
+                "protocol.name: {} needs write patterns to fill the cache with dirty data, and {p} only reads",
+                matrix.protocol.name.name()
+            );
         }
+    }
+    if matrix.protocol.name == ProtocolName::Burst && cache_capacity(&matrix.cache.device).is_none()
+    {
+        bail!("protocol.name: burst writes a multiple of the cache's size, so cache.device must be ram:SIZE or an existing file (got '{}')", matrix.cache.device);
     }
     Ok(matrix)
 }
 
 /// The capacity of a cache device spec when it can be told without opening it.
-fn cache_capacity(spec: &str) -> Option<u64> {
+pub fn cache_capacity(spec: &str) -> Option<u64> {
     if let Some(s) = spec.strip_prefix("ram:") {
         return parse_size(s).ok();
     }
@@ -828,6 +1037,125 @@ settle = 5
         assert!(e.contains("protocol.name"), "{e}");
         let e = err("[core]\ndevice=\"ram:1G\"\n[cache]\ndevice=\"ram:1G\"\n[matrix]\nsize=\"4K\"\nblock_sizes=[\"64K\"]");
         assert!(e.contains("matrix.size"), "{e}");
+    }
+
+    #[test]
+    fn policy_keys_become_the_cli_commands() {
+        let m = resolve_text(
+            r#"
+[core]
+device = "ram:1G"
+[cache]
+device = "ram:64M"
+lazy_flush = true
+prefetch = { policy = "readahead", threshold_kib = 128, distance = 2048, max_in_flight = 8 }
+promotion = { policy = "nhit", threshold = 2, trigger = 0 }
+offload = { enabled = true, share = 40, threshold = 0 }
+seq_cutoff = { policy = "never" }
+"#,
+        )
+        .unwrap();
+        let cmds = m.cache.param_commands();
+        let flat: Vec<String> = cmds
+            .iter()
+            .map(|(g, f)| {
+                let f: Vec<String> = f.iter().map(|(k, v)| format!("{k} {v}")).collect();
+                format!("{g}: {}", f.join(" "))
+            })
+            .collect();
+        assert_eq!(
+            flat,
+            vec![
+                "seq-cutoff: -p never",
+                "promotion-nhit: -t 2 -o 0",
+                "promotion: -p nhit",
+                "lazy-flush: -p on",
+                "prefetch-readahead: -t 128 --distance 2048 --max-in-flight 8",
+                "prefetch: -p readahead",
+                "offload-queue: --share 40 -t 0",
+                "offload: -p on",
+            ]
+        );
+
+        // Only the policy: the tunables keep the daemon's values; lazy flush off is sent (it
+        // must override whatever the daemon's default is).
+        let m = resolve_text(
+            "[core]\ndevice=\"ram:1G\"\n[cache]\ndevice=\"ram:1G\"\nlazy_flush = false\nprefetch = { policy = \"none\" }\npromotion = { policy = \"always\" }",
+        )
+        .unwrap();
+        let groups: Vec<_> = m.cache.param_commands();
+        assert_eq!(
+            groups,
+            vec![
+                ("promotion", vec![("-p", "always".to_string())]),
+                ("lazy-flush", vec![("-p", "off".to_string())]),
+                ("prefetch", vec![("-p", "none".to_string())]),
+            ]
+        );
+        // Absent keys send nothing at all.
+        let m = resolve_text("[core]\ndevice=\"ram:1G\"\n[cache]\ndevice=\"ram:1G\"").unwrap();
+        assert!(m.cache.param_commands().is_empty());
+    }
+
+    #[test]
+    fn bad_policy_keys_name_the_key() {
+        let err = |extra: &str| {
+            let t = format!("[core]\ndevice=\"ram:1G\"\n[cache]\ndevice=\"ram:1G\"\n{extra}");
+            format!("{:#}", resolve_text(&t).unwrap_err())
+        };
+        let e = err("lazy_flush = \"maybe\"");
+        assert!(e.contains("lazy_flush"), "{e}");
+        let e = err("prefetch = { policy = \"ahead\" }");
+        assert!(
+            e.contains("cache.prefetch.policy") && e.contains("ahead"),
+            "{e}"
+        );
+        let e = err("prefetch = { policy = \"readahead\", distance = 1 }");
+        assert!(
+            e.contains("cache.prefetch") && e.contains("distance"),
+            "{e}"
+        );
+        let e = err("prefetch = { policy = \"readahead\", threshold = 1 }");
+        assert!(e.contains("threshold"), "{e}");
+        let e = err("promotion = { policy = \"sometimes\" }");
+        assert!(e.contains("cache.promotion.policy"), "{e}");
+        let e = err("promotion = { policy = \"nhit\", threshold = 1 }");
+        assert!(
+            e.contains("cache.promotion") && e.contains("threshold"),
+            "{e}"
+        );
+        let e = err("promotion = { policy = \"nhit\", trigger = 101 }");
+        assert!(e.contains("trigger"), "{e}");
+        let e = err("offload = { enabled = true, share = 101 }");
+        assert!(e.contains("cache.offload") && e.contains("share"), "{e}");
+        let e = err("offload = { share = 10 }");
+        assert!(e.contains("enabled"), "{e}");
+        let e = err("[matrix]\ndistribution = \"zipf\"");
+        assert!(e.contains("matrix.distribution"), "{e}");
+        let e = err("[matrix]\ndistribution = \"lognormal:3\"");
+        assert!(e.contains("matrix.distribution"), "{e}");
+        let ok = |d: &str| {
+            let t = format!("[matrix]\ndistribution = \"{d}\"\n[core]\ndevice=\"ram:1G\"\n[cache]\ndevice=\"ram:1G\"");
+            resolve_text(&t).unwrap().distribution
+        };
+        assert_eq!(ok("zipf:1.2").as_deref(), Some("zipf:1.2"));
+        assert_eq!(
+            ok("zoned:60/10:40/90").as_deref(),
+            Some("zoned:60/10:40/90")
+        );
+    }
+
+    #[test]
+    fn results_written_before_the_policy_keys_still_load() {
+        let m = resolve_text(GOOD).unwrap();
+        let mut v = serde_json::to_value(&m).unwrap();
+        let cache = v["cache"].as_object_mut().unwrap();
+        for k in ["lazy_flush", "prefetch", "promotion", "offload"] {
+            assert!(cache.remove(k).is_some(), "{k}");
+        }
+        assert!(v.as_object_mut().unwrap().remove("distribution").is_some());
+        let back: Matrix = serde_json::from_value(v).unwrap();
+        assert_eq!(back, m);
     }
 
     #[test]

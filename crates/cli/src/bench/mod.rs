@@ -9,12 +9,15 @@
 //! - `bench calibration`: the emulated RAID 60's no-cache figures next to the study's
 //!   (docs/devices.md), from the in-process simulation and/or through fio and NBD for real.
 //!
+//! - `bench device`: a cache hit against the cache device itself, raw and through nbdkit
+//!   (perf.md §4).
 //! - `bench engine`: the engine alone (`hybridcache_engine::bench`, also `cargo bench`) against
 //!   Open CAS's engine marks.
 //!
 //! docs/bench.md is the user's guide.
 
 pub mod calibration;
+pub mod device;
 pub mod engine;
 pub mod fio;
 pub mod matrix;
@@ -23,6 +26,7 @@ pub mod protocol;
 pub mod report;
 pub mod rig;
 pub mod run;
+pub mod search;
 
 use std::path::PathBuf;
 
@@ -45,6 +49,47 @@ pub enum BenchCommand {
     Calibration(calibration::CalibrationArgs),
     /// The engine alone against Open CAS's engine marks (perf.md §1; docs/performance.md).
     Engine(engine::EngineArgs),
+    /// A cache hit against the cache device itself: fio raw, through hybridcache, through
+    /// nbdkit's file plugin (perf.md §4). WRITES to the device.
+    Device(device::DeviceArgs),
+    /// Grid-search cache configurations per workload shape and run the analyzer's
+    /// recommendation from a trace of the same workload (docs/analyzer.md).
+    Search(search::SearchArgs),
+    /// IOPS over time of several runs' cells in one chart (e.g. lazy flush on and off).
+    Overlay(OverlayArgs),
+}
+
+/// `bench overlay -o FILE.png LABEL=DIR...`.
+#[derive(Debug, Clone, Args)]
+pub struct OverlayArgs {
+    /// The PNG to write.
+    #[arg(long, short = 'o', value_name = "FILE")]
+    pub out: PathBuf,
+    /// Which configuration's cells: core, cache, nbdkit-cache.
+    #[arg(long, default_value = "cache")]
+    pub config: String,
+    #[arg(long, default_value = "IOPS over time")]
+    pub title: String,
+    /// Runs as LABEL=DIR (a `bench run` output directory).
+    #[arg(required = true, value_name = "LABEL=DIR")]
+    pub runs: Vec<String>,
+}
+
+fn overlay(a: &OverlayArgs) -> Result<()> {
+    let config: matrix::Config = a
+        .config
+        .parse()
+        .map_err(|e: String| anyhow::Error::new(UsageError(e)))?;
+    let mut runs = Vec::new();
+    for r in &a.runs {
+        let Some((label, dir)) = r.split_once('=') else {
+            return Err(UsageError(format!("'{r}' is not LABEL=DIR")).into());
+        };
+        runs.push((label.to_string(), PathBuf::from(dir)));
+    }
+    let n = report::overlay(&runs, config, &a.title, &a.out)?;
+    println!("{}: {n} series", a.out.display());
+    Ok(())
 }
 
 /// `bench run`. Lists are comma-separated (`--bs 4K,64K`); every flag overrides the same key
@@ -108,6 +153,9 @@ pub struct RunArgs {
     /// Cleaning policy: nop, alru, acp [default: the daemon's].
     #[arg(long, value_name = "POLICY")]
     pub cleaning: Option<String>,
+    /// Lazy flush: on or off [default: the daemon's].
+    #[arg(long, value_name = "on|off", value_parser = on_off)]
+    pub lazy_flush: Option<bool>,
     /// Protocol [default: plain].
     #[arg(long, value_enum)]
     pub protocol: Option<ProtocolName>,
@@ -119,12 +167,19 @@ pub struct RunArgs {
     pub nbdkit_max_size: Option<String>,
 }
 
+fn on_off(v: &str) -> Result<bool, String> {
+    hybridcache_engine::policy::parse_on_off("--lazy-flush", v)
+}
+
 /// Run a `bench` subcommand. Returns the process exit code (130 after an interruption).
 pub fn main(args: &BenchArgs) -> Result<u8> {
     match &args.command {
         BenchCommand::Run(a) => run::run(a),
         BenchCommand::Calibration(a) => calibration::run(a).map(|()| 0),
         BenchCommand::Engine(a) => engine::run(a).map(|()| 0),
+        BenchCommand::Device(a) => device::run(a).map(|()| 0),
+        BenchCommand::Search(a) => search::run(a),
+        BenchCommand::Overlay(a) => overlay(a).map(|()| 0),
     }
 }
 

@@ -9,6 +9,9 @@
 //! - `flush`: cleaning `nop`; fill with dirty data up to `dirty_pct`, then time a full flush
 //!   (`hybridcache -F`) or a switch to a cleaning policy (`flush_via = "alru"`) until clean.
 //! - `hits`: warm the region with one sequential write pass, then measure on that region.
+//! - `burst`: from an empty cache, write `burst_factor` times the cache's size and measure the
+//!   whole burst: IOPS over time (the series) and the tail (fio's p99/p99.99) as the cache
+//!   fills with dirty data and writes start to depend on cleaning (or on lazy flush).
 //!
 //! The protocol logic talks to a [`Target`], which the runner implements with real processes
 //! (rig.rs) and the tests with a simulated cache, so every protocol's decisions (when the fill
@@ -22,7 +25,7 @@ use anyhow::{anyhow, Result};
 use serde::{Deserialize, Serialize};
 
 use super::fio::{FioJob, FioResult};
-use super::matrix::{Cell, Config, Matrix, Pattern, ProtocolName};
+use super::matrix::{cache_capacity, Cell, Config, Matrix, Pattern, ProtocolName};
 use crate::protocol::StatsData;
 
 /// One point of a run's time series, one per second.
@@ -131,6 +134,7 @@ fn job(m: &Matrix, cell: &Cell, name: &str, pattern: Pattern, offset: u64, uri: 
         runtime: Some(m.runtime),
         ramp: m.ramp,
         io_size: None,
+        distribution: m.distribution.clone(),
     }
 }
 
@@ -268,6 +272,28 @@ pub fn run_cell(t: &mut dyn Target, m: &Matrix, cell: &Cell, uri: &str) -> Resul
                 }
             }
         }
+        ProtocolName::Burst => {
+            if let (Config::Cache, Some(policy)) = (t.config(), &m.cache.cleaning) {
+                t.set_cleaning(policy)?;
+            }
+            // The core alone gets the same bytes as the cache configurations, so the three
+            // bursts are the same workload.
+            let cap = t
+                .cache_bytes()
+                .or_else(|| cache_capacity(&m.cache.device))
+                .ok_or_else(|| anyhow!("burst: the cache's size is not known"))?;
+            let bytes = (cap as f64 * p.burst_factor) as u64;
+            measure.io_size = Some(per_job(bytes));
+            measure.runtime = Some(p.fill_max);
+            measure.ramp = 0;
+            if m.size <= cap {
+                out.notes.push(format!(
+                    "the region ({} MiB) is not larger than the cache ({} MiB): the burst overwrites cached lines",
+                    m.size >> 20,
+                    cap >> 20
+                ));
+            }
+        }
         ProtocolName::Hits => {
             let mut warm = job(m, cell, "warm", Pattern::Write, m.offset, uri);
             warm.bs = cell.bs.max(256 << 10);
@@ -322,6 +348,16 @@ pub fn run_cell(t: &mut dyn Target, m: &Matrix, cell: &Cell, uri: &str) -> Resul
         },
         fio: Some(r.fio),
     });
+    if p.name == ProtocolName::Burst && r.seconds >= p.fill_max as f64 {
+        let note = format!(
+            "fill_max ({} s) reached before the whole burst was written",
+            p.fill_max
+        );
+        out.notes.push(note.clone());
+        if let Some(ph) = out.phases.last_mut() {
+            ph.note = note;
+        }
+    }
     out.fio = r.fio;
     out.series = r.series;
 
@@ -533,6 +569,59 @@ pub mod tests {
             iodepth: 1,
             rep: 0,
         }
+    }
+
+    #[test]
+    fn burst_writes_a_multiple_of_the_cache_from_empty_for_every_config() {
+        let m = matrix("burst", "burst_factor = 3");
+        for config in [Config::Cache, Config::Core, Config::Nbdkit] {
+            let mut t = FakeTarget::new(config);
+            let o = run_cell(&mut t, &m, &cell(config), "uri").unwrap();
+            // The fake cache's 1000 lines x 3 = 3000 lines at 100 lines a second: 30 s. The
+            // core alone takes the size from the matrix's cache device, ram:4M: 3072 lines.
+            let secs = if config == Config::Core { 31 } else { 30 };
+            assert_eq!(o.phases.len(), 1, "{config:?}");
+            assert_eq!(o.phases[0].name, "measure");
+            assert_eq!(o.phases[0].seconds, secs as f64, "{config:?}: {:?}", t.log);
+            assert_eq!(o.series.len(), secs);
+            assert_eq!(
+                t.log.last().unwrap(),
+                &format!("measure randwrite off=0 t={secs}")
+            );
+            if config == Config::Cache {
+                // The configured cleaning policy is set before the burst, never nop.
+                assert_eq!(t.log[0], "cleaning alru");
+                assert_eq!(o.stats_after.unwrap().occupancy_lines, 1000);
+            }
+        }
+        // The burst is bounded by fill_max too.
+        let m = matrix("burst", "burst_factor = 100");
+        let mut t = FakeTarget::new(Config::Cache);
+        let o = run_cell(&mut t, &m, &cell(Config::Cache), "uri").unwrap();
+        assert_eq!(o.phases[0].seconds, 100.0);
+        assert!(o.phases[0].note.contains("fill_max"), "{:?}", o.phases);
+    }
+
+    #[test]
+    fn burst_needs_writes_and_a_known_cache_size() {
+        let text = |extra: &str| {
+            format!("[matrix]\nsize = \"1G\"\n[core]\ndevice = \"ram:8G\"\n[protocol]\nname = \"burst\"\n{extra}")
+        };
+        let err = |t: String| {
+            format!(
+                "{:#}",
+                resolve(&parse_file(&t).unwrap(), &Overrides::default()).unwrap_err()
+            )
+        };
+        let e = err(
+            text("[cache]\ndevice = \"ram:4M\"\n[matrix]\npatterns = [\"randread\"]")
+                .replace("[matrix]\nsize = \"1G\"\n", ""),
+        );
+        assert!(e.contains("burst needs write patterns"), "{e}");
+        let e = err(text("[cache]\ndevice = \"/no/such/cache\""));
+        assert!(e.contains("cache.device"), "{e}");
+        let e = err(text("burst_factor = 0\n[cache]\ndevice = \"ram:4M\""));
+        assert!(e.contains("protocol.burst_factor"), "{e}");
     }
 
     #[test]

@@ -321,29 +321,35 @@ pub fn charts(res: &Results, out: &Path) -> Result<Vec<String>> {
             }
             written.push(name);
 
-            // Dirty % over the measured run, one line per iodepth (first numjobs, first rep).
-            let mut dirty = Vec::new();
-            for c in res.cells.iter().filter(|c| c.ok()) {
-                if c.cell.pattern != pattern
-                    || c.cell.bs != bs
-                    || c.cell.rep != 0
-                    || c.cell.numjobs != m.numjobs[0]
-                {
-                    continue;
-                }
-                let Some(o) = &c.outcome else { continue };
-                let points: Vec<(f64, f64)> = o
-                    .series
-                    .iter()
-                    .filter_map(|s| s.dirty_pct.map(|d| (s.t, d)))
-                    .collect();
-                if !points.is_empty() {
-                    dirty.push(Series {
-                        label: format!("{} iodepth {}", c.cell.config.name(), c.cell.iodepth),
-                        points,
-                    });
+            // burst: IOPS over time, one line per configuration and iodepth (first numjobs,
+            // first rep): the shape of the burst is the finding, not its average.
+            if m.protocol.name == ProtocolName::Burst {
+                let over_time = first_rep_series(res, m, pattern, bs, iops_series);
+                if !over_time.is_empty() {
+                    let name = chart_name("iops-time", pattern, bs);
+                    line_chart(
+                        &out.join(&name),
+                        &LineChart {
+                            title: &format!("{pattern} {}: IOPS during the burst", size_label(bs)),
+                            x_label: "time (s)",
+                            y_label: "IOPS",
+                            series: &over_time,
+                            log_x: false,
+                            log_y: false,
+                        },
+                    )?;
+                    written.push(name);
                 }
             }
+
+            // Dirty % over the measured run, one line per iodepth (first numjobs, first rep).
+            let dirty = first_rep_series(res, m, pattern, bs, |c| {
+                c.outcome
+                    .iter()
+                    .flat_map(|o| &o.series)
+                    .filter_map(|s| s.dirty_pct.map(|d| (s.t, d)))
+                    .collect()
+            });
             if !dirty.is_empty() {
                 let name = chart_name("dirty", pattern, bs);
                 line_chart(
@@ -362,6 +368,95 @@ pub fn charts(res: &Results, out: &Path) -> Result<Vec<String>> {
         }
     }
     Ok(written)
+}
+
+/// One line per configuration and iodepth of a pattern and block size, from the first numjobs
+/// and first repetition of its successful cells; `points` gives a cell's line (cells without
+/// points are left out).
+fn first_rep_series(
+    res: &Results,
+    m: &Matrix,
+    pattern: Pattern,
+    bs: u64,
+    points: impl Fn(&CellResult) -> Vec<(f64, f64)>,
+) -> Vec<Series> {
+    res.cells
+        .iter()
+        .filter(|c| {
+            c.ok()
+                && c.cell.pattern == pattern
+                && c.cell.bs == bs
+                && c.cell.rep == 0
+                && c.cell.numjobs == m.numjobs[0]
+        })
+        .filter_map(|c| {
+            let points = points(c);
+            (!points.is_empty()).then(|| Series {
+                label: format!("{} iodepth {}", c.cell.config.name(), c.cell.iodepth),
+                points,
+            })
+        })
+        .collect()
+}
+
+/// IOPS over time of one cell's measured phase (the series' throughput over the block size).
+fn iops_series(c: &CellResult) -> Vec<(f64, f64)> {
+    c.outcome
+        .iter()
+        .flat_map(|o| &o.series)
+        .filter_map(|s| s.mb_s.map(|v| (s.t, v * 1e6 / c.cell.bs as f64)))
+        .collect()
+}
+
+/// `bench overlay`: IOPS over time of the `config` cells (first repetition) of several runs in
+/// one chart, a line per run (and per cell when a run has several), labelled as given. For
+/// comparing runs that differ in a setting the matrix does not vary (lazy flush on and off).
+pub fn overlay(
+    runs: &[(String, std::path::PathBuf)],
+    config: Config,
+    title: &str,
+    out: &Path,
+) -> Result<usize> {
+    let mut series = Vec::new();
+    for (label, dir) in runs {
+        let res = Results::load(&dir.join("results.json"))?;
+        let cells: Vec<&CellResult> = res
+            .cells
+            .iter()
+            .filter(|c| c.ok() && c.cell.config == config && c.cell.rep == 0)
+            .collect();
+        if cells.is_empty() {
+            anyhow::bail!(
+                "{}: no measured {} cell in {}",
+                label,
+                config.name(),
+                dir.display()
+            );
+        }
+        for c in &cells {
+            let label = if cells.len() > 1 {
+                format!("{label} {}", c.key)
+            } else {
+                label.clone()
+            };
+            series.push(Series {
+                label,
+                points: iops_series(c),
+            });
+        }
+    }
+    line_chart(
+        out,
+        &LineChart {
+            title,
+            x_label: "time (s)",
+            y_label: "IOPS",
+            series: &series,
+            log_x: false,
+            log_y: false,
+        },
+    )?;
+    Ok(series.len())
 }
 
 /// The tables for one pattern, in Markdown (also what the console shows).

@@ -133,36 +133,8 @@ impl Rig {
             "-d".into(),
             core_uri(&self.core_socket),
         ])?;
-        if let Some(a) = &c.alru {
-            let mut f = Vec::new();
-            for (flag, v) in [
-                ("-w", a.wake_up),
-                ("-s", a.staleness),
-                ("-b", a.flush_max),
-                ("-t", a.activity),
-                ("-d", a.dirty_pct),
-            ] {
-                if let Some(v) = v {
-                    f.push((flag, v.to_string()));
-                }
-            }
-            ctl.set_params("cleaning-alru", &f)?;
-        }
-        if let Some(a) = &c.acp {
-            let mut f = Vec::new();
-            for (flag, v) in [("-w", a.wake_up), ("-b", a.flush_max)] {
-                if let Some(v) = v {
-                    f.push((flag, v.to_string()));
-                }
-            }
-            ctl.set_params("cleaning-acp", &f)?;
-        }
-        if let Some(s) = &c.seq_cutoff {
-            let mut f = vec![("-p", s.policy.clone())];
-            if let Some(t) = s.threshold_kib {
-                f.push(("-t", t.to_string()));
-            }
-            ctl.set_params("seq-cutoff", &f)?;
+        for (group, flags) in c.param_commands() {
+            ctl.set_params(group, &flags)?;
         }
         if let Some(p) = &c.cleaning {
             ctl.set_cleaning(p)?;

@@ -60,6 +60,7 @@ fn overrides(a: &RunArgs) -> Overrides {
         cache_mode: a.cache_mode.clone(),
         line_size: a.line_size,
         cleaning: a.cleaning.clone(),
+        lazy_flush: a.lazy_flush,
         protocol: a.protocol,
         settle: a.settle,
         nbdkit_max_size: a.nbdkit_max_size.clone(),

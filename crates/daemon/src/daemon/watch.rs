@@ -121,7 +121,7 @@ impl Daemon {
             if !seen.settled(&device) {
                 continue;
             }
-            match self.add_core(cache, &device, Some(core), false) {
+            match self.add_core(cache, &device, Some(core), false, None) {
                 Ok(_) => {
                     seen.errors.remove(&device);
                     tracing::info!(

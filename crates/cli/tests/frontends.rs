@@ -1,0 +1,128 @@
+//! Front-ends through the daemon on this host: choosing one per core, remembering it across a
+//! kill -9 and a load, and refusing what cannot be served without changing anything. The ublk
+//! block device itself needs the kernel's ublk driver, which only the guest has
+//! (scripts/guest/ublk-daemon-guest.sh).
+
+mod common;
+
+use std::process::Command;
+
+use common::{sparse_file, workdir, Daemon, BIN};
+
+fn ublk_driver_here() -> bool {
+    std::path::Path::new("/dev/ublk-control").exists()
+}
+
+/// The front-end each core had comes back with `--load` even when the restarted daemon's
+/// default is another one: an NBD core must not turn into a ublk device (its clients would
+/// find no export).
+#[test]
+fn a_core_keeps_its_front_end_across_a_kill_and_a_load() {
+    let dir = workdir();
+    let cache = dir.path().join("cache.img");
+    let core = dir.path().join("core.img");
+    sparse_file(&cache, 16 << 20);
+    sparse_file(&core, 64 << 20);
+    let mut d = Daemon::start(dir.path());
+    d.ok(&["-S", "-d", cache.to_str().unwrap(), "-c", "wb"]);
+    d.ok(&[
+        "-A",
+        "-i",
+        "1",
+        "-d",
+        core.to_str().unwrap(),
+        "--frontend",
+        "nbd",
+    ]);
+    {
+        let mut c = hybridcache_nbd::Client::connect_unix(&d.nbd, "cas1-1").expect("connect");
+        c.write(&[0x5a; 4096], 0, true).expect("write");
+        c.disconnect().unwrap();
+    }
+    d.kill();
+
+    let d = Daemon::start_with(dir.path(), &["--frontend", "ublk"]);
+    d.ok(&["-S", "-d", cache.to_str().unwrap(), "--load"]);
+    let csv = d.ok(&["-L", "-o", "csv"]);
+    assert!(csv.contains(",cas1-1,0"), "{csv}");
+    let json: serde_json::Value = serde_json::from_str(&d.ok(&["-L", "-o", "json"])).unwrap();
+    assert_eq!(json["caches"][0]["cores"][0]["frontend"], "nbd", "{json}");
+    let mut c = hybridcache_nbd::Client::connect_unix(&d.nbd, "cas1-1").expect("connect");
+    let mut buf = [0u8; 4096];
+    c.read(&mut buf, 0).expect("read");
+    assert!(buf.iter().all(|&b| b == 0x5a));
+    c.disconnect().unwrap();
+}
+
+/// Where the kernel has no ublk driver, a ublk core is refused with the reason, and nothing
+/// changes: no core is left behind, and the same device can then be added over NBD.
+#[test]
+fn a_ublk_core_that_cannot_be_served_changes_nothing() {
+    if ublk_driver_here() {
+        // This host can serve it: the guest test covers that path.
+        return;
+    }
+    let dir = workdir();
+    let cache = dir.path().join("cache.img");
+    let core = dir.path().join("core.img");
+    sparse_file(&cache, 16 << 20);
+    sparse_file(&core, 64 << 20);
+    let d = Daemon::start(dir.path());
+    d.ok(&["-S", "-d", cache.to_str().unwrap()]);
+    let e = d.fails(&[
+        "-A",
+        "-i",
+        "1",
+        "-d",
+        core.to_str().unwrap(),
+        "--frontend",
+        "ublk",
+    ]);
+    assert!(
+        e.contains("cannot export cas1-1: cannot create a ublk device"),
+        "{e}"
+    );
+    let csv = d.ok(&["-L", "-o", "csv"]);
+    assert!(!csv.contains("core,"), "{csv}");
+    assert_eq!(
+        d.ok(&["-A", "-i", "1", "-d", core.to_str().unwrap()]),
+        "core 1 added to cache 1, exported as cas1-1\n"
+    );
+}
+
+#[test]
+fn unknown_front_ends_are_refused_on_the_command_line_and_in_the_configuration() {
+    let out = Command::new(BIN)
+        .args(["daemon", "--frontend", "scsi"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("scsi"));
+
+    let dir = workdir();
+    let cfg = dir.path().join("hc.toml");
+    std::fs::write(
+        &cfg,
+        "[[cache]]\nid = 1\ndevice = \"ram:16M\"\n\n[[core]]\ncache = 1\nid = 1\n\
+         device = \"ram:16M\"\nfrontend = \"scsi\"\n",
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .arg("daemon")
+        .arg("--control")
+        .arg(dir.path().join("c.sock"))
+        .arg("--nbd-socket")
+        .arg(dir.path().join("n.sock"))
+        .arg("--config")
+        .arg(&cfg)
+        .env_remove("HYBRIDCACHE_CONTROL")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("configuration refused, nothing was changed")
+            && err.contains("unknown front-end 'scsi'"),
+        "{err}"
+    );
+}

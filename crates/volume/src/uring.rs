@@ -1,0 +1,205 @@
+//! io_uring for a file volume's direct I/O: one ring per thread, created on the thread's first
+//! request and kept for its life, so threads never contend for a ring and a request costs one
+//! `io_uring_enter` (submit and wait together) instead of a `pread`/`pwrite`.
+//!
+//! Whether io_uring works is found out once per process ([`available`]): a ring is set up and a
+//! no-op goes through it, because container seccomp profiles often refuse `io_uring_setup` or
+//! `io_uring_enter`, and old kernels lack it. [`IoChoice`] picks the engine (the
+//! `HYBRIDCACHE_VOLUME_IO` environment variable: `auto`, `uring` or `pread`; docs/devices.md).
+//!
+//! Every request waits for its own completion before returning (the [`crate::Volume`] trait is
+//! synchronous), so the caller's buffer outlives the kernel's use of it, and registered buffers
+//! would not help: the buffers are the callers' and change with every request. Batching needs
+//! a caller with several requests at once, which the synchronous trait does not have yet
+//! (docs/performance.md, "Against the device").
+
+use std::cell::RefCell;
+use std::io;
+use std::os::fd::RawFd;
+use std::sync::OnceLock;
+
+use io_uring::{opcode, types, IoUring};
+
+/// Entries per thread's ring: one request is in flight at a time, a few spare.
+const RING_ENTRIES: u32 = 8;
+
+/// Which I/O engine a file volume's direct requests use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoChoice {
+    /// io_uring where the kernel allows it, pread/pwrite otherwise.
+    Auto,
+    /// io_uring, or refuse to open the volume.
+    Uring,
+    /// pread/pwrite always.
+    Pread,
+}
+
+/// The environment variable that overrides the choice for every file volume of a process.
+pub const IO_ENV: &str = "HYBRIDCACHE_VOLUME_IO";
+
+impl IoChoice {
+    /// From `HYBRIDCACHE_VOLUME_IO` (unset or empty: auto).
+    pub fn from_env() -> Result<IoChoice, String> {
+        match std::env::var(IO_ENV) {
+            Err(_) => Ok(IoChoice::Auto),
+            Ok(v) => IoChoice::parse(&v),
+        }
+    }
+
+    pub fn parse(text: &str) -> Result<IoChoice, String> {
+        match text.trim() {
+            "" | "auto" => Ok(IoChoice::Auto),
+            "uring" | "io_uring" => Ok(IoChoice::Uring),
+            "pread" => Ok(IoChoice::Pread),
+            other => Err(format!("{IO_ENV}={other}: expected auto, uring or pread")),
+        }
+    }
+}
+
+/// Whether io_uring works in this process, or why not; probed once.
+pub fn available() -> Result<(), String> {
+    static PROBE: OnceLock<Result<(), String>> = OnceLock::new();
+    PROBE.get_or_init(probe).clone()
+}
+
+fn probe() -> Result<(), String> {
+    let mut ring = IoUring::new(2).map_err(|e| format!("io_uring_setup: {e}"))?;
+    let nop = opcode::Nop::new().build().user_data(1);
+    // SAFETY: a no-op references no memory.
+    unsafe { ring.submission().push(&nop) }.map_err(|_| "io_uring: queue full".to_string())?;
+    ring.submit_and_wait(1)
+        .map_err(|e| format!("io_uring_enter: {e}"))?;
+    let done = ring.completion().next();
+    match done {
+        Some(c) if c.result() >= 0 => Ok(()),
+        Some(c) => Err(format!(
+            "io_uring no-op: {}",
+            io::Error::from_raw_os_error(-c.result())
+        )),
+        None => Err("io_uring no-op: no completion".into()),
+    }
+}
+
+/// A ring for one thread. Only this thread submits to it and it waits for every completion
+/// itself, so the kernel may run completion work only when the thread waits (single issuer,
+/// deferred task work: Linux 6.1) instead of interrupting it; older kernels get a plain ring.
+fn new_ring() -> io::Result<IoUring> {
+    IoUring::builder()
+        .setup_single_issuer()
+        .setup_defer_taskrun()
+        .build(RING_ENTRIES)
+        .or_else(|_| IoUring::new(RING_ENTRIES))
+}
+
+thread_local! {
+    /// This thread's ring; None until the first request, or after a ring broke (the next
+    /// request makes a new one).
+    static RING: RefCell<Option<IoUring>> = const { RefCell::new(None) };
+}
+
+#[derive(Clone, Copy)]
+enum Dir {
+    Read,
+    Write,
+}
+
+/// Reads exactly `buf.len()` bytes at `offset` of `fd` through this thread's ring.
+pub(crate) fn read_exact_at(fd: RawFd, buf: &mut [u8], offset: u64) -> io::Result<()> {
+    transfer(fd, buf.as_mut_ptr(), buf.len(), offset, Dir::Read)
+}
+
+/// Writes all of `buf` at `offset` of `fd` through this thread's ring.
+pub(crate) fn write_all_at(fd: RawFd, buf: &[u8], offset: u64) -> io::Result<()> {
+    // The pointer is only read from for a write.
+    transfer(fd, buf.as_ptr().cast_mut(), buf.len(), offset, Dir::Write)
+}
+
+fn transfer(fd: RawFd, ptr: *mut u8, len: usize, offset: u64, dir: Dir) -> io::Result<()> {
+    let mut done = 0usize;
+    while done < len {
+        // Requests above 2 GiB go in pieces (the length field is 32 bits).
+        let n = (len - done).min(1 << 30);
+        // SAFETY: `ptr + done .. + n` lies within the caller's buffer, which outlives the call,
+        // and `one` returns only once the kernel has finished with it.
+        let got = unsafe { one(fd, ptr.add(done), n as u32, offset + done as u64, dir)? };
+        if got == 0 {
+            return Err(match dir {
+                Dir::Read => io::Error::from(io::ErrorKind::UnexpectedEof),
+                Dir::Write => io::Error::from(io::ErrorKind::WriteZero),
+            });
+        }
+        done += got;
+    }
+    Ok(())
+}
+
+/// One read or write; returns the bytes transferred.
+///
+/// # Safety
+/// `ptr` must be valid for `len` bytes (writable for a read) until this returns.
+unsafe fn one(fd: RawFd, ptr: *mut u8, len: u32, offset: u64, dir: Dir) -> io::Result<usize> {
+    RING.with(|cell| {
+        // Never borrowed twice: nothing below calls back into this module.
+        let mut slot = cell.borrow_mut();
+        if slot.is_none() {
+            *slot = Some(new_ring()?);
+        }
+        let ring = slot.as_mut().expect("the ring was just created");
+        let sqe = match dir {
+            Dir::Read => opcode::Read::new(types::Fd(fd), ptr, len)
+                .offset(offset)
+                .build(),
+            Dir::Write => opcode::Write::new(types::Fd(fd), ptr, len)
+                .offset(offset)
+                .build(),
+        };
+        // SAFETY: the caller keeps the buffer valid until the completion is reaped below.
+        if unsafe { ring.submission().push(&sqe.user_data(1)) }.is_err() {
+            // Cannot happen with one request in flight; a ring in that state is not trusted.
+            *slot = None;
+            return Err(io::Error::other("io_uring submission queue full"));
+        }
+        loop {
+            match ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::EBUSY)
+                    ) => {}
+                Err(e) => {
+                    if !ring.submission().is_empty() {
+                        // The kernel never took the request: dropping the ring discards it
+                        // unexecuted, so the buffer is free again.
+                        *slot = None;
+                        return Err(e);
+                    }
+                    // The kernel has it: its completion must be waited for whatever happens,
+                    // or it could still write into the buffer after we return.
+                }
+            }
+            if let Some(c) = ring.completion().next() {
+                let r = c.result();
+                return if r < 0 {
+                    Err(io::Error::from_raw_os_error(-r))
+                } else {
+                    Ok(r as usize)
+                };
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn choices_parse() {
+        assert_eq!(IoChoice::parse("auto"), Ok(IoChoice::Auto));
+        assert_eq!(IoChoice::parse(""), Ok(IoChoice::Auto));
+        assert_eq!(IoChoice::parse("uring"), Ok(IoChoice::Uring));
+        assert_eq!(IoChoice::parse("pread"), Ok(IoChoice::Pread));
+        assert!(IoChoice::parse("aio").unwrap_err().contains(IO_ENV));
+    }
+}

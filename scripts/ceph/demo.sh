@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# make ceph-demo: a miniature Ceph cluster (1 mon, 1 mgr, 3 BlueStore OSDs) on this machine, run
+# twice: each OSD directly on an emulated SAS HDD (the baseline), then each OSD on a hybridcache
+# cache in front of the same emulated HDD, set up with the Open CAS + Ceph study's recipe. The
+# study's workloads run with fio's rbd engine on RBD images in a pool of size 2; the table puts our
+# gains next to the study's. Output in $CEPH_OUT (default ceph-out/): report.md, results.json,
+# ceph-gains.png, the fio JSON files. See docs/ceph.md.
+#
+# Environment: RUNTIME (seconds per measured workload, default 20), JOBS (fio jobs, default 2),
+# OSDS (default 3), CEPH_DIR (run directory, default target/ceph), HC (the binary).
+source "$(dirname "$0")/lib.sh"
+
+RUNTIME=${RUNTIME:-20}
+JOBS=${JOBS:-2}
+OUT=${CEPH_OUT:-$ROOT/ceph-out}
+IMAGE_SIZE=2G
+# Each job works on its own slice of the image: HIT_REGION for the hit test (it must fit the cache
+# with room to spare), REGION for the others.
+HIT_REGION=64M
+REGION=256M
+
+mkdir -p "$OUT"
+for config in ${CONFIGS:-bare cached}; do rm -f "$OUT/$config"-*; done
+rm -f "$OUT"/report.md
+
+# One fio run; prints nothing, leaves $OUT/CONFIG-NAME.json.
+workload() {
+    local config=$1 name=$2 rw=$3 bs=$4 size=$5
+    shift 5
+    say "$config: $name"
+    rbd_fio "$config-$name" img --rw="$rw" --bs="$bs" --iodepth=16 --numjobs="$JOBS" \
+        --size="$size" --offset_increment="$size" --group_reporting "$@"
+    mv "$CEPH_DIR/$config-$name.json" "$OUT/"
+}
+
+# CPU seconds used by the OSDs and by hybridcache since the last call, to say what bounds a run.
+cpu_mark() {
+    local pids p t=0
+    pids=$(cat "$CEPH_DIR"/run/osd.*.pid "$CEPH_DIR"/hc/*.pid 2>/dev/null || true)
+    for p in $pids; do
+        [ -r "/proc/$p/stat" ] || continue
+        t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat")))
+    done
+    echo "$t"
+}
+
+cache_stats() {
+    local config=$1 name=$2 i
+    [ "$config" = cached ] || return 0
+    for i in $(seq 1 "$OSDS"); do
+        hc -P -i "$i" -o json >"$OUT/$config-$name.cache$i.json"
+    done
+}
+
+reset_stats() {
+    local config=$1 i
+    [ "$config" = cached ] || return 0
+    for i in $(seq 1 "$OSDS"); do hc -Z -i "$i" >/dev/null; done
+}
+
+run_config() {
+    local config=$1 t0 t1
+    say "$config: starting the cluster"
+    start_stack "$config"
+    rbd_create img "$IMAGE_SIZE"
+    # Warm the hit region (reads of it are promoted into the cache), then measure reads of it.
+    say "$config: warming the hit region"
+    rbd_fio warm img --rw=write --bs=4k --iodepth=16 --numjobs="$JOBS" --size="$HIT_REGION" \
+        --offset_increment="$HIT_REGION" --group_reporting
+    rbd_fio warm img --rw=randread --bs=4k --iodepth=16 --numjobs="$JOBS" --size="$HIT_REGION" \
+        --offset_increment="$HIT_REGION" --group_reporting
+    local spec name rw bs size
+    for spec in "randread-4k randread 4k $HIT_REGION" "randwrite-4k randwrite 4k $REGION" \
+        "randrw70-4k randrw 4k $REGION" "seqwrite-512k write 512k $REGION" \
+        "seqread-512k read 512k $REGION"; do
+        read -r name rw bs size <<<"$spec"
+        reset_stats "$config"
+        t0=$(cpu_mark)
+        local extra=()
+        [ "$rw" = randrw ] && extra=(--rwmixread=70)
+        workload "$config" "$name" "$rw" "$bs" "$size" --time_based --runtime="$RUNTIME" \
+            "${extra[@]}"
+        t1=$(cpu_mark)
+        echo $(((t1 - t0))) >"$OUT/$config-$name.cpu"
+        cache_stats "$config" "$name"
+    done
+    stop_stack
+}
+
+ceph_init
+echo "$(nproc)" >"$OUT/nproc"
+getconf CLK_TCK >"$OUT/clk_tck"
+echo "$RUNTIME" >"$OUT/runtime"
+echo "$SEQ_CUTOFF" >"$OUT/seq_cutoff"
+# CONFIGS=cached reruns only the cached side (e.g. with SEQ_CUTOFF=never) against the baseline
+# files a previous run left in $OUT.
+for config in ${CONFIGS:-bare cached}; do run_config "$config"; done
+# Debian's python3 has python3-matplotlib; a python3 earlier on PATH (pyenv) may not.
+py=python3
+[ -x /usr/bin/python3 ] && py=/usr/bin/python3
+"$py" "$ROOT/scripts/ceph/report.py" "$OUT"

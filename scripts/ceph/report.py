@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""scripts/ceph/report.py OUT: the ceph demo's table (stdout and OUT/report.md), OUT/results.json
+and, when matplotlib is there, OUT/ceph-gains.png. Reads the fio JSON files demo.sh leaves."""
+import json
+import os
+import sys
+
+# The Open CAS + Ceph study's gains, cached against uncached (issue 17; docs/ceph.md).
+STUDY = {
+    "randread-4k": ("4K random read (100% hits)", 119.5, "iops"),
+    "randwrite-4k": ("4K random write", 86.8, "iops"),
+    "randrw70-4k": ("4K random 70/30", None, "iops"),
+    "seqread-512k": ("512K sequential read", 1 - 0.028, "bw"),
+    "seqwrite-512k": ("512K sequential write", 1 - 0.056, "bw"),
+}
+
+
+def fio(out, config, name):
+    path = os.path.join(out, f"{config}-{name}.json")
+    with open(path) as f:
+        text = f.read()
+    # fio may print notes before the JSON object.
+    j = json.loads(text[text.index("{"):])["jobs"][0]
+    r, w = j["read"], j["write"]
+    iops = r["iops"] + w["iops"]
+    bw = (r["bw_bytes"] + w["bw_bytes"]) / 1e6
+    ios = r["total_ios"] + w["total_ios"]
+    mean_us = (
+        (r["clat_ns"]["mean"] * r["total_ios"] + w["clat_ns"]["mean"] * w["total_ios"]) / ios / 1e3
+        if ios else 0.0
+    )
+    p99 = max(
+        float(d["clat_ns"].get("percentile", {}).get("99.000000", 0)) for d in (r, w)
+    ) / 1e3
+    errors = j.get("error", 0)
+    return {"iops": iops, "mb_s": bw, "mean_us": mean_us, "p99_us": p99, "error": errors,
+            "ios": ios}
+
+
+def cache(out, name):
+    rows = []
+    i = 1
+    while os.path.exists(os.path.join(out, f"cached-{name}.cache{i}.json")):
+        with open(os.path.join(out, f"cached-{name}.cache{i}.json")) as f:
+            raw = json.load(f)["raw"]
+        reads = raw["read_hits"] + raw["read_partial_misses"] + raw["read_full_misses"]
+        writes = raw["write_hits"] + raw["write_partial_misses"] + raw["write_full_misses"]
+        total = reads + writes + raw["pass_through_reads"] + raw["pass_through_writes"]
+        rows.append({
+            "dirty_pct": 100.0 * raw["dirty_lines"] / max(raw["total_lines"], 1),
+            "read_hit_pct": 100.0 * raw["read_hits"] / reads if reads else None,
+            "cut_off_pct": 100.0 * (raw["pass_through_reads"] + raw["pass_through_writes"]) / total
+            if total else None,
+        })
+        i += 1
+    return rows
+
+
+def read_int(out, name):
+    with open(os.path.join(out, name)) as f:
+        return int(f.read())
+
+
+def cpu_seconds(out, config, name):
+    try:
+        return read_int(out, f"{config}-{name}.cpu") / read_int(out, "clk_tck")
+    except (OSError, ValueError):
+        return None
+
+
+def cpu_share(out, config, name):
+    s = cpu_seconds(out, config, name)
+    try:
+        return None if s is None else 100.0 * s / read_int(out, "runtime") / read_int(out, "nproc")
+    except (OSError, ValueError):
+        return None
+
+
+def pct(v):
+    return "-" if v is None else f"{v:.1f}"
+
+
+def main():
+    out = sys.argv[1]
+    results = []
+    lines = [
+        "| workload | metric | baseline | cached | gain | study's gain | mean lat base/cached (ms) "
+        "| p99 base/cached (ms) | OSD+cache CPU base/cached (% of machine) "
+        "| CPU per IO cached (µs) | CPU ceiling (IOPS) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, (label, study, metric) in STUDY.items():
+        try:
+            base, cached = fio(out, "bare", name), fio(out, "cached", name)
+        except (OSError, ValueError, KeyError) as e:
+            print(f"report: {name}: {e}", file=sys.stderr)
+            continue
+        key = "iops" if metric == "iops" else "mb_s"
+        gain = cached[key] / base[key] if base[key] else float("inf")
+        unit = "IOPS" if metric == "iops" else "MB/s"
+        study_txt = "-" if study is None else (
+            f"{study:.1f}x" if metric == "iops" else f"{(study - 1) * 100:+.1f}%")
+        gain_txt = f"{gain:.1f}x" if metric == "iops" else f"{(gain - 1) * 100:+.1f}%"
+        cb, cc = cpu_share(out, "bare", name), cpu_share(out, "cached", name)
+        # The OSDs' and hybridcache's CPU time per request: with every core of the machine
+        # given to them, this is the most IOPS the cached cluster could do here.
+        cs = cpu_seconds(out, "cached", name)
+        per_io = cs / cached["ios"] * 1e6 if cs and cached["ios"] else None
+        try:
+            ceiling = read_int(out, "nproc") * 1e6 / per_io if per_io else None
+        except (OSError, ValueError):
+            ceiling = None
+        lines.append(
+            f"| {label} | {unit} | {base[key]:.0f} | {cached[key]:.0f} | {gain_txt} | {study_txt} "
+            f"| {base['mean_us'] / 1e3:.1f} / {cached['mean_us'] / 1e3:.1f} "
+            f"| {base['p99_us'] / 1e3:.1f} / {cached['p99_us'] / 1e3:.1f} "
+            f"| {pct(cb)} / {pct(cc)} | {pct(per_io)} | "
+            f"{'-' if ceiling is None else f'{ceiling:.0f}'} |")
+        results.append({"workload": name, "label": label, "metric": unit, "baseline": base,
+                        "cached": cached, "gain": gain, "study_gain": study,
+                        "cpu_pct": {"baseline": cb, "cached": cc}, "cpu_us_per_io": per_io,
+                        "cpu_ceiling_iops": ceiling,
+                        "cache_stats": cache(out, name)})
+    stats = ["", "Cache statistics per OSD during each cached run (dirty % at the end, read hit "
+             "ratio, share of requests cut off to the core):", "",
+             "| workload | OSD | dirty % | read hits % | cut off % |", "|---|---|---|---|---|"]
+    for r in results:
+        for i, c in enumerate(r["cache_stats"]):
+            stats.append(f"| {r['label']} | {i} | {pct(c['dirty_pct'])} | "
+                         f"{pct(c['read_hit_pct'])} | {pct(c['cut_off_pct'])} |")
+    text = "\n".join(lines + stats) + "\n"
+    print(text)
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write("# Ceph on hybridcache: the study's workloads, baseline against cached\n\n" + text)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("report: no matplotlib (make ceph-deps installs it): no chart", file=sys.stderr)
+        return
+    labels = [r["label"] for r in results]
+    ours = [r["gain"] for r in results]
+    study = [r["study_gain"] or 0 for r in results]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], ours, 0.4, label="hybridcache (this run)")
+    ax.bar([x + 0.2 for x in xs], study, 0.4, label="Open CAS (the study)")
+    ax.set_yscale("log")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("cached / baseline (log)")
+    ax.set_title("Ceph OSDs on a cached HDD: gain over the bare HDD")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "ceph-gains.png"), dpi=100)
+    print(f"chart: {os.path.join(out, 'ceph-gains.png')}")
+
+
+if __name__ == "__main__":
+    main()
