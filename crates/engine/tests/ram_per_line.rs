@@ -29,6 +29,9 @@ fn metadata_takes_at_most_24_bytes_per_4k_line() {
             if persistent { "persistent" } else { "volatile" }
         );
         // The measure itself must count the big per-line arrays (keys, links, masks).
-        assert!(per_line >= 20.0, "metadata_bytes misses structures: {per_line:.2}");
+        assert!(
+            per_line >= 20.0,
+            "metadata_bytes misses structures: {per_line:.2}"
+        );
     }
 }
