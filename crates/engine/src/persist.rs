@@ -912,7 +912,6 @@ impl Link<'_> {
     /// changes these buckets' chains, and whether a line's key falls in them never changes, so
     /// the threads need no lock. Returns per core id the (lines, dirty lines) dropped, or the
     /// first line found corrupt with the error.
-    #[allow(clippy::type_complexity)]
     fn buckets(
         &self,
         buckets: std::ops::Range<u64>,
@@ -1084,7 +1083,7 @@ pub(crate) fn restore(
                 }
             }
             Err((line, e)) => {
-                if first_error.as_ref().is_none_or(|(l, _)| line < *l) {
+                if !first_error.as_ref().is_some_and(|(l, _)| *l < line) {
                     first_error = Some((line, e));
                 }
             }
