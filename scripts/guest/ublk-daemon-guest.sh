@@ -94,17 +94,22 @@ step "fio finished with err=0, its verification passed"
 (cd /mnt/vol && sha256sum -c /tmp/sums) >/dev/null || fail "checksums differ"
 
 iops() {
+	rm -f /tmp/t.txt
 	fio --name=x --filename="$1" --rw="$2" --bs=4k --ioengine=libaio --direct=1 --iodepth=16 \
 		--size=64M --time_based --runtime=3 --eta=never --output-format=terse --output=/tmp/t.txt >/dev/null
 	# terse v3: field 8 is read IOPS, field 49 write IOPS.
-	awk -F';' -v rw="$2" '{ print (rw == "randread" ? $8 : $49) }' /tmp/t.txt
+	awk -F';' -v rw="$2" '{ print (rw == "randread" ? $8 : $49) }' /tmp/t.txt 2>/dev/null
 }
 nbd-client -u -N cas1-3 -b 4096 /run/hc/nbd.sock /dev/nbd0 >/tmp/nbd.txt 2>&1 || fail "nbd-client: $(cat /tmp/nbd.txt)"
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", (b > 0 ? a / b : 0) }'; }
 for rw in randwrite randread; do
+	# The device under the cache: a file on the cache file's own file system (tmpfs here).
+	r=$(iops /tmp/raw.dat $rw || echo 0)
 	u=$(iops "$raw" $rw)
 	n=$(iops /dev/nbd0 $rw)
-	step "IOPS $rw 4k iodepth 16: ublk $u, nbd $n, ublk/nbd $(awk -v u="$u" -v n="$n" 'BEGIN { printf "%.2f", (n > 0 ? u / n : 0) }')"
+	step "IOPS $rw 4k iodepth 16: raw file $r, ublk $u, nbd $n, ublk/nbd $(ratio "$u" "$n"), ublk/raw $(ratio "$u" "$r")"
 done
+rm -f /tmp/raw.dat
 nbd-client -d /dev/nbd0 >/dev/null 2>&1
 
 umount /mnt/vol
