@@ -287,7 +287,7 @@ pub(crate) fn push_run(runs: &mut Vec<Run>, dev_off: u64, buf_off: usize, len: u
 }
 
 fn home_shard(n: usize) -> usize {
-    thread_slot() % n
+    crate::lists::home_of(thread_slot(), n)
 }
 
 fn classify(
@@ -556,14 +556,15 @@ impl CacheInner {
 
     fn alloc_free(&self, home: usize, n: usize) -> Option<u32> {
         // Home first (one thread's lines stay neighbours), then every shard from the hint.
-        let start = self.lists.free_cursor();
+        let slot = thread_slot();
+        let start = self.lists.free_cursor(slot);
         for i in 0..=n {
             let shard = if i == 0 { home } else { (start + i - 1) % n };
             let mut s = self.lists.lock(shard);
             if let Some(line) = self.lists.pop_front(&mut s, ListKind::Free) {
                 self.free_lines.fetch_sub(1, Ordering::Relaxed);
                 if i > 1 {
-                    self.lists.set_free_cursor(shard);
+                    self.lists.set_free_cursor(slot, shard);
                 }
                 return Some(line);
             }

@@ -38,6 +38,7 @@ pub use cleaning::CleaningTick;
 pub use format::{CoreRecord, Superblock};
 pub use latency::{Histogram, LatencyKind, LatencyStats};
 pub use offload::Offload;
+pub use persist::set_load_threads;
 pub use policy::{
     AcpParams, AlruParams, CleaningConfig, CleaningIo, CleaningPolicy, LazyFlush, Prefetch,
     PrefetchPolicy, Promotion, PromotionPolicy, SeqCutoff, SeqCutoffPolicy,

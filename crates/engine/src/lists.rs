@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::Relaxed};
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::meta::{atomics, NONE};
+use crate::stats::SLOTS;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ListKind {
@@ -58,11 +59,26 @@ pub(crate) struct Lists {
     prev: Box<[AtomicU32]>,
     next: Box<[AtomicU32]>,
     shards: Box<[Padded]>,
-    /// The shard where an allocation last found a free line outside its home shard. A filling
-    /// cache drains the free lists shard after shard; without this hint every allocation would
-    /// lock each drained shard on its way (a third of a random write's time with 64 shards).
-    /// Only a hint: a scan from it still visits every shard.
-    free_cursor: AtomicUsize,
+    /// Per thread slot, the shard where its allocations last found a free line outside their
+    /// home shard. A filling cache drains the free lists shard after shard; without this hint
+    /// every allocation would lock each drained shard on its way (a third of a random write's
+    /// time with 64 shards). One per slot, starting at the slot's home: with one shared hint
+    /// every thread drained the same shard, and two threads writing at random spent a third
+    /// more CPU than one on the same work, fighting over that shard's lock and list head.
+    /// Only hints: a scan from one still visits every shard.
+    free_cursors: Box<[Cursor]>,
+}
+
+/// Keeps each slot's cursor on its own cache line.
+#[repr(align(128))]
+struct Cursor(AtomicUsize);
+
+/// The home shard of thread slot `slot` among `n`: slots spread by the golden ratio, so the
+/// homes of threads that started one after the other (consecutive slots) lie far apart, and
+/// their allocations, each moving on from its own home, do not meet for long.
+pub(crate) fn home_of(slot: usize, n: usize) -> usize {
+    let frac = (slot as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    ((frac as u128 * n as u128) >> 64) as usize
 }
 
 pub(crate) const RUN: u32 = 64;
@@ -87,7 +103,9 @@ impl Lists {
                     }))
                 })
                 .collect(),
-            free_cursor: AtomicUsize::new(0),
+            free_cursors: (0..SLOTS)
+                .map(|slot| Cursor(AtomicUsize::new(home_of(slot, shards))))
+                .collect(),
         };
         lists.rebuild(|_| ListKind::Free);
         lists
@@ -139,12 +157,13 @@ impl Lists {
         (line / RUN) as usize % self.shards.len()
     }
 
-    pub(crate) fn free_cursor(&self) -> usize {
-        self.free_cursor.load(Relaxed) % self.shards.len()
+    /// Where thread slot `slot` looks for free lines after its home shard.
+    pub(crate) fn free_cursor(&self, slot: usize) -> usize {
+        self.free_cursors[slot % SLOTS].0.load(Relaxed) % self.shards.len()
     }
 
-    pub(crate) fn set_free_cursor(&self, shard: usize) {
-        self.free_cursor.store(shard, Relaxed);
+    pub(crate) fn set_free_cursor(&self, slot: usize, shard: usize) {
+        self.free_cursors[slot % SLOTS].0.store(shard, Relaxed);
     }
 
     pub(crate) fn lock(&self, shard: usize) -> MutexGuard<'_, Shard> {
