@@ -196,13 +196,7 @@ impl PrefetchState {
 impl ReadStreams {
     /// Record a read and say which range to prefetch, if any, with the stream's name for
     /// [`commit`](Self::commit), which records the range as queued once the job is accepted.
-    fn plan(
-        &self,
-        offset: u64,
-        len: u64,
-        core_size: u64,
-        p: &Prefetch,
-    ) -> Option<(u64, u64, u64)> {
+    fn plan(&self, offset: u64, len: u64, core_size: u64, p: &Prefetch) -> Option<(u64, u64, u64)> {
         let mut t = self.table.lock();
         t.1 += 1;
         let clock = t.1;
@@ -211,9 +205,9 @@ impl ReadStreams {
         let (streams, _) = &mut *t;
         let exact = streams.iter().position(|s| s.bytes > 0 && s.next == offset);
         let near = || {
-            streams.iter().position(|s| {
-                s.bytes > 0 && s.confirmed && offset.abs_diff(s.next) <= window
-            })
+            streams
+                .iter()
+                .position(|s| s.bytes > 0 && s.confirmed && offset.abs_diff(s.next) <= window)
         };
         let s = match exact.or_else(near) {
             Some(i) => {

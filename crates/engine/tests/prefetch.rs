@@ -274,13 +274,20 @@ fn a_stream_read_out_of_order_at_depth_is_still_read_ahead() {
             read(&c, (group * 8 + i) * 4 * KIB, 4 * KIB);
         }
     }
-    assert!(cache.run_prefetch() > 0, "the out-of-order stream was not read ahead");
+    assert!(
+        cache.run_prefetch() > 0,
+        "the out-of-order stream was not read ahead"
+    );
     let s = stats(&cache, &c);
     assert!(s.requests.prefetch_requests > 0);
     // The read-ahead took the data after what the client read.
     let before = s.blocks.core_read_bytes;
     read(&c, 512 * KIB, 4 * KIB);
-    assert_eq!(stats(&cache, &c).blocks.core_read_bytes, before, "512 KiB was not prefetched");
+    assert_eq!(
+        stats(&cache, &c).blocks.core_read_bytes,
+        before,
+        "512 KiB was not prefetched"
+    );
 }
 
 /// Random reads that happen to land near each other are no stream: only a stream that has once
