@@ -6,7 +6,14 @@
 //! flush or content written after it. Silent rollback to older metadata fails the trial.
 //!
 //! `HC_CORRUPTION_TRIALS` sets the number of trials (default 1200); a failure names the seed,
-//! and `HC_CORRUPTION_SEED` replays one.
+//! and `HC_CORRUPTION_SEED` replays one (checking the undamaged load first).
+//!
+//! `HC_CORRUPTION_LAZY_FLUSH=1` runs every trial with lazy flush on. It is not part of the
+//! default run because it FAILS today: about one run in six loses a flushed write after a crash,
+//! even without damage (`HC_CORRUPTION_LAZY_FLUSH=1 HC_CORRUPTION_SEED=3235775651`, repeated:
+//! 31 sectors of a 64 KiB line read zeros instead of the flushed stamp). The background cleaner's
+//! timing decides, so a replay fails only sometimes. Lazy flush stays off by default until that
+//! is found and fixed (docs/policies.md).
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
@@ -91,6 +98,11 @@ fn run_case(seed: u64, line_kib: u32, ending: Ending) -> Case {
     )
     .unwrap();
     let id = cache.add_core(mortal(&core_media), None).unwrap();
+    if std::env::var("HC_CORRUPTION_LAZY_FLUSH").is_ok_and(|v| v == "1") {
+        cache
+            .set_lazy_flush(hybridcache_engine::LazyFlush { enabled: true })
+            .unwrap();
+    }
     let core = cache.core(id).unwrap();
     let sb = cache.superblock().unwrap();
     let sectors = core_bytes / 512;
@@ -333,7 +345,7 @@ fn trial(seed: u64, counts: &mut Counts) -> Result<(), String> {
     let ending =
         [Ending::CleanStop, Ending::StopKeepingDirty, Ending::Crash][(seed / 2 % 3) as usize];
     let case = run_case(seed, line_kib, ending);
-    if seed % 3 == 0 {
+    if seed % 3 == 0 || std::env::var("HC_CORRUPTION_SEED").is_ok() {
         match load_and_check(&case, &case.cache_image) {
             Ok(true) => {}
             Ok(false) => return Err(format!("seed {seed}: the undamaged cache was refused")),
