@@ -70,11 +70,17 @@ grep -q "cas1-1 ($dev) has 1 client connected; disconnect them or use --force" /
 	fail "-R was refused for another reason: $(cat /tmp/refused-r)"
 step "-T and -R refused while mounted: $(cat /tmp/refused)"
 
-fio --name=verify --filename=/mnt/vol/fio.dat --size=32M --rw=randwrite --bsrange=4k-64k \
+fio --name=verify --filename=/mnt/vol/fio.dat --size=96M --rw=randwrite --bsrange=4k-64k \
 	--ioengine=libaio --direct=1 --iodepth=16 --verify=crc32c --verify_fatal=1 \
 	--do_verify=1 --eta=never --output=/tmp/fio.txt &
 fio=$!
-sleep 4
+# Kill once fio is writing (its file laid out), not after a fixed time: under TCG on a
+# fast host 32 MiB took less than the 4 s this used to sleep.
+for _ in $(seq 100); do
+	[ "$(stat -c %s /mnt/vol/fio.dat 2>/dev/null || echo 0)" -ge $((96 << 20)) ] && break
+	sleep 0.1
+done
+sleep 1
 kill -0 $fio 2>/dev/null || fail "fio ended before the kill: $(cat /tmp/fio.txt)"
 kill -9 $dpid
 t0=$(now)

@@ -26,11 +26,18 @@ mkdir -p /mnt/vol
 mount -t ext4 "$dev" /mnt/vol
 dd if=/dev/urandom of=/mnt/vol/before bs=4096 count=1000 2>/dev/null
 (cd /mnt/vol && sha256sum before) >/tmp/sums
-fio --name=verify --filename=/mnt/vol/fio.dat --size=32M --rw=randwrite --bsrange=4k-64k \
+fio --name=verify --filename=/mnt/vol/fio.dat --size=96M --rw=randwrite --bsrange=4k-64k \
 	--ioengine=libaio --direct=1 --iodepth=16 --verify=crc32c --verify_fatal=1 \
 	--do_verify=1 --eta=never --output=/tmp/fio.txt &
 fio=$!
-sleep 4
+# Kill once fio is writing (its file laid out), not after a fixed time: under TCG on a
+# fast host 32 MiB took less than the 4 s this used to sleep.
+for _ in $(seq 100); do
+	[ "$(stat -c %s /mnt/vol/fio.dat 2>/dev/null || echo 0)" -ge $((96 << 20)) ] && break
+	sleep 0.1
+done
+sleep 1
+kill -0 $fio 2>/dev/null || { echo "fio ended before the kill: $(cat /tmp/fio.txt)"; exit 1; }
 kill -9 $pid
 t0=$(cut -d' ' -f1 /proc/uptime)
 step "server killed with SIGKILL in fio's run"
