@@ -271,15 +271,15 @@ fn lazy_flush_and_prefetch_are_set_shown_and_kept() {
         daemon: d,
         ..
     } = file_cache(64 << 20, 256 << 20, &["-c", "wb"]);
-    // Defaults: both off.
-    assert_eq!(d.ok(&["-G", "-n", "lazy-flush", "-i", "1"]), "off\n");
+    // Defaults: lazy flush on, read-ahead off.
+    assert_eq!(d.ok(&["-G", "-n", "lazy-flush", "-i", "1"]), "on\n");
     assert_eq!(d.ok(&["-G", "-n", "prefetch", "-i", "1"]), "none\n");
     assert_eq!(
         csv(&d, "prefetch-readahead"),
         "Parameter name,Value\nRead-ahead threshold [KiB],256\nRead-ahead distance [KiB],1024\n\
          Prefetch requests in flight at most,4\n"
     );
-    d.ok(&["-X", "-n", "lazy-flush", "-i", "1", "-p", "on"]);
+    d.ok(&["-X", "-n", "lazy-flush", "-i", "1", "-p", "off"]);
     d.ok(&["-X", "-n", "prefetch", "-i", "1", "-p", "readahead"]);
     d.ok(&[
         "-X",
@@ -295,7 +295,7 @@ fn lazy_flush_and_prefetch_are_set_shown_and_kept() {
         "8",
     ]);
     let expect = |d: &Daemon| {
-        assert_eq!(d.ok(&["-G", "-n", "lazy-flush", "-i", "1"]), "on\n");
+        assert_eq!(d.ok(&["-G", "-n", "lazy-flush", "-i", "1"]), "off\n");
         assert_eq!(d.ok(&["-G", "-n", "prefetch", "-i", "1"]), "readahead\n");
         assert_eq!(
             csv(d, "prefetch-readahead"),
@@ -325,7 +325,7 @@ fn lazy_flush_and_prefetch_are_set_shown_and_kept() {
 
     // -P shows the new counters in every format.
     let json = d.stats_json(1, None);
-    assert_eq!(json["info"]["lazy_flush"], "on", "{json}");
+    assert_eq!(json["info"]["lazy_flush"], "off", "{json}");
     assert_eq!(json["info"]["prefetch_policy"], "readahead", "{json}");
     assert_eq!(json["policies"]["lazy_flush_writes"]["count"], 0, "{json}");
     assert_eq!(json["policies"]["prefetch_hits"]["count"], 0, "{json}");

@@ -1366,7 +1366,7 @@ impl CacheInner {
             prefetch: PrefetchState::new(),
             prefetch_thread: Mutex::new(None),
             cleaner_signal: Arc::new(CleanerSignal::default()),
-            lazy_flush: AtomicBool::new(false),
+            lazy_flush: AtomicBool::new(LazyFlush::default().enabled),
             offload: OffloadState::new(MAX_CORES as usize + 1),
             pacer: Pacer::default(),
             cleaning_counters: CleaningCounters::default(),

@@ -20,7 +20,7 @@ use hybridcache_engine::{
 use hybridcache_volume::{CrashVolume, RamVolume, Volume, VolumeRef};
 
 mod durability;
-use durability::{decode, fill, Model, Mortal, Rng, SECTOR};
+use durability::{decode, fill, power_cut, Model, Mortal, Rng, SECTOR};
 
 struct Rig {
     cache_media: Arc<CrashVolume>,
@@ -241,8 +241,9 @@ fn crash_round(seed: u64) -> usize {
         }
     }
     drop(core);
-    drop(cache);
     // Power cut: each device keeps an arbitrary part of what it had not flushed.
+    power_cut(&rig.budget);
+    drop(cache);
     rig.cache_media.crash(rng.next_u64()).unwrap();
     rig.core_media.crash(rng.next_u64()).unwrap();
 
@@ -413,6 +414,7 @@ fn crash_at_every_step_of_a_core_removal() {
         cache.core(1).unwrap().flush().unwrap();
         budget.store(crash_at, Ordering::SeqCst);
         let _ = cache.remove_core(2, false);
+        power_cut(&budget);
         drop(cache);
         cache_media.crash(crash_at as u64).unwrap();
         for c in &cores {

@@ -34,9 +34,10 @@ fn read(c: &TestCore, off: u64, len: u64) -> Vec<u8> {
 }
 
 #[test]
-fn off_by_default_and_a_full_cache_cleans_inline() {
+fn on_by_default_and_switched_off_a_full_cache_cleans_inline() {
     let (cache, c) = quiet_cache(4);
-    assert!(!cache.lazy_flush().enabled);
+    assert!(cache.lazy_flush().enabled);
+    cache.set_lazy_flush(LazyFlush { enabled: false }).unwrap();
     for i in 0..4 {
         write(&c, i * 4 * KIB, 4 * KIB, i);
     }

@@ -65,6 +65,11 @@ fn every_thread_count_loads_the_same_cache() {
     let mut cleaning = cache.cleaning();
     cleaning.policy = CleaningPolicy::Nop;
     cache.set_cleaning(cleaning).unwrap();
+    // With the cleaner stopped, lazy flush would leave every line dirty: cleaning inside the
+    // writes gives the mix of clean and dirty lines a load must restore.
+    cache
+        .set_lazy_flush(hybridcache_engine::LazyFlush { enabled: false })
+        .unwrap();
     cache.add_core(core.clone(), Some(1)).unwrap();
     let lines = cache.line_count();
     let handle = cache.core(1).unwrap();

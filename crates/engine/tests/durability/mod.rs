@@ -91,6 +91,15 @@ impl Mortal {
     }
 }
 
+/// Cut the power of every device sharing `budget`: from now on nothing they are asked to write
+/// or flush reaches them. Call it before dropping the cache and before `CrashVolume::crash`: a
+/// dropped cache's cleaner may still be finishing a run (it holds the cache while it runs), and
+/// a power cut stops it too. Without this, that run's commit could reach the cache device
+/// after the core device's crash had dropped the data the commit records as clean.
+pub fn power_cut(budget: &AtomicI64) {
+    budget.store(i64::MIN / 2, Ordering::SeqCst);
+}
+
 impl Volume for Mortal {
     fn name(&self) -> &str {
         self.inner.name()
