@@ -61,6 +61,9 @@ impl Volume for ClaimedVolume {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> VolumeResult<()> {
         self.inner.read_at(buf, offset)
     }
+    fn read_batch(&self, pieces: &mut [hybridcache_volume::ReadPiece<'_>]) -> VolumeResult<()> {
+        self.inner.read_batch(pieces)
+    }
     fn write_at(&self, buf: &[u8], offset: u64) -> VolumeResult<()> {
         self.inner.write_at(buf, offset)
     }

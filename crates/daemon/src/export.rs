@@ -129,6 +129,19 @@ impl Export for CoreExport {
         self.core.read(buf, offset).map_err(|e| self.error(e))
     }
 
+    fn read_batch(&self, reqs: &mut [(&mut [u8], u64)]) -> Vec<ExportResult<()>> {
+        self.core
+            .read_batch(reqs)
+            .into_iter()
+            .map(|r| r.map_err(|e| self.error(e)))
+            .collect()
+    }
+
+    /// Cache hits in a batch are read from the cache device together (engine read_batch.rs).
+    fn batches_reads(&self) -> bool {
+        true
+    }
+
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> ExportResult<()> {
         if fua {
             self.core.write_fua(buf, offset)

@@ -41,6 +41,7 @@ use crate::policy::{
 };
 use crate::prefetch::{PrefetchState, PrefetchThread, ReadStreams};
 use crate::progress::{FlushProgress, FlushStatus};
+use crate::read_batch::ReadPlan;
 use crate::stats::{thread_slot, Counter, Counters, Stats, Usage, SLOTS};
 use crate::{
     CacheConfig, CacheMode, CoreId, EngineError, LineSize, Result, MAX_CORES, MAX_REQUEST, SECTOR,
@@ -728,22 +729,45 @@ impl CacheInner {
     // ---- reads ----------------------------------------------------------------------------
 
     fn read(&self, core: &CoreState, buf: &mut [u8], offset: u64) -> Result<()> {
-        self.check(core, offset, buf.len() as u64, Some(MAX_REQUEST))?;
-        if buf.is_empty() {
+        let Some(plan) = self.read_plan(core, buf.len(), offset, |stripes| {
+            self.locks.lock_sorted(stripes)
+        })?
+        else {
             return Ok(());
+        };
+        self.core_read(core, buf, &plan.core_runs)?;
+        let cached = self.cache_read(core, buf, &plan.cache_runs);
+        self.read_finish(core, buf, offset, plan, cached)
+    }
+
+    /// Everything a read does before its device I/O: the checks, classification, seq cutoff,
+    /// locking (by `lock`, given the sorted stripes), lookup, promotion and offload decisions,
+    /// statistics, and which sectors come from the core and which from the cache. None for an
+    /// empty read. The plan holds the stripes until [`read_finish`](Self::read_finish).
+    pub(crate) fn read_plan<'a>(
+        &'a self,
+        core: &'a CoreState,
+        len: usize,
+        offset: u64,
+        lock: impl FnOnce(Vec<u32>) -> StripeGuard<'a>,
+    ) -> Result<Option<ReadPlan<'a>>> {
+        self.check(core, offset, len as u64, Some(MAX_REQUEST))?;
+        if len == 0 {
+            return Ok(None);
         }
-        let _entered = core.enter()?;
+        let entered = core.enter()?;
         let mode = self.mode();
         // In wo and pt, and for a request sequential cutoff or promotion turns away, only dirty
         // sectors come from the cache and nothing is inserted.
-        let class = self
-            .classes
-            .classify(core.id, offset, buf.len() as u64, false);
+        let class = self.classes.classify(core.id, offset, len as u64, false);
         let mut bypass = matches!(mode, CacheMode::Wo | CacheMode::Pt)
             || class.is_some_and(|c| c.cap == 0)
-            || self.cut_off(core, offset, buf.len() as u64, false);
-        let mut segs = self.segments(core.id, offset, buf.len() as u64);
-        let locks = self.lock_keys(segs.iter().map(|s| s.key));
+            || self.cut_off(core, offset, len as u64, false);
+        let mut segs = self.segments(core.id, offset, len as u64);
+        let mut stripes: Vec<u32> = segs.iter().map(|s| self.table.stripe(s.key)).collect();
+        stripes.sort_unstable();
+        stripes.dedup();
+        let locks = lock(stripes);
         self.lookup(&mut segs);
         bypass = bypass || self.promotion_declines(&segs);
         // Offload may serve a hit from the core only when no line it touches has a dirty
@@ -779,7 +803,7 @@ impl CacheInner {
             }
         }
         let c = &core.counters;
-        let total = buf.len() as u64 / SECTOR;
+        let total = len as u64 / SECTOR;
         let outcome = if bypass {
             Counter::PassThroughReads
         } else {
@@ -796,16 +820,42 @@ impl CacheInner {
             c.add(Counter::OffloadReads, 1);
             self.classes.count(class, Counter::OffloadReads, 1);
         }
-        c.add(Counter::ExportedReadBytes, buf.len() as u64);
+        c.add(Counter::ExportedReadBytes, len as u64);
         c.add(Counter::PrefetchHits, prefetch_hits);
         self.classes
             .count(class, Counter::PrefetchHits, prefetch_hits);
         self.classes.count(class, outcome, 1);
         self.classes
-            .count(class, Counter::ExportedReadBytes, buf.len() as u64);
+            .count(class, Counter::ExportedReadBytes, len as u64);
+        Ok(Some(ReadPlan {
+            _entered: entered,
+            locks,
+            segs,
+            core_runs,
+            cache_runs,
+            bypass,
+            class,
+        }))
+    }
 
-        self.core_read(core, buf, &core_runs)?;
-        if let Err(e) = self.cache_read(core, buf, &cache_runs) {
+    /// The rest of a read once its core runs are in `buf` and its cache runs were read with
+    /// result `cached`: the fallback for a failed cache read, insertion, and read-ahead.
+    pub(crate) fn read_finish(
+        &self,
+        core: &CoreState,
+        buf: &mut [u8],
+        offset: u64,
+        plan: ReadPlan<'_>,
+        cached: Result<()>,
+    ) -> Result<()> {
+        let ReadPlan {
+            locks,
+            segs,
+            bypass,
+            class,
+            ..
+        } = plan;
+        if let Err(e) = cached {
             // The cache device failed: clean sectors can still come from the core, dirty ones
             // exist nowhere else.
             if segs.iter().any(|s| s.mask() & s.dirty != 0) {
@@ -2470,6 +2520,16 @@ impl Core {
         };
         self.core.latency.record(kind, start.elapsed());
         Ok(())
+    }
+
+    /// Serve several reads at once, one result per request in order: what a pipelining client
+    /// has queued. Each is the read [`read`](Self::read) would do; the cache hits among them are
+    /// read from the cache device together (read_batch.rs).
+    pub fn read_batch(&self, reqs: &mut [(&mut [u8], u64)]) -> Vec<Result<()>> {
+        if let [(buf, offset)] = reqs {
+            return vec![self.read(buf, *offset)];
+        }
+        self.cache.read_batch(&self.core, reqs)
     }
 
     pub fn write(&self, buf: &[u8], offset: u64) -> Result<()> {

@@ -30,6 +30,7 @@ mod persist;
 pub mod policy;
 mod prefetch;
 mod progress;
+mod read_batch;
 mod stats;
 
 pub use cache::{Cache, Core, CoreInfo, CoreStatus};

@@ -32,6 +32,25 @@ impl StripedLocks {
         }
     }
 
+    /// Lock `stripes` (sorted ascending, no duplicates) if every one is free now; otherwise
+    /// take none of them.
+    pub(crate) fn try_lock_sorted(&self, stripes: &[u32]) -> Option<StripeGuard<'_>> {
+        debug_assert!(stripes.windows(2).all(|w| w[0] < w[1]));
+        for (i, &s) in stripes.iter().enumerate() {
+            if !self.locks[s as usize].try_lock() {
+                for &t in stripes[..i].iter().rev() {
+                    // SAFETY: locked just above by this call, unlocked once.
+                    unsafe { self.locks[t as usize].unlock() };
+                }
+                return None;
+            }
+        }
+        Some(StripeGuard {
+            locks: self,
+            held: stripes.to_vec(),
+        })
+    }
+
     /// Try to lock one stripe without waiting.
     pub(crate) fn try_lock(&self, stripe: u32) -> Option<StripeGuard<'_>> {
         if self.locks[stripe as usize].try_lock() {

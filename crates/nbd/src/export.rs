@@ -245,6 +245,23 @@ pub trait Export: Send + Sync {
     /// Fills `buf` with the bytes at `offset`.
     fn read(&self, buf: &mut [u8], offset: u64) -> ExportResult<()>;
 
+    /// Several reads at once, one result per `(buffer, offset)` in order: what a pipelining
+    /// client has queued. The default reads one after another.
+    fn read_batch(&self, reqs: &mut [(&mut [u8], u64)]) -> Vec<ExportResult<()>> {
+        reqs.iter_mut()
+            .map(|(buf, offset)| self.read(buf, *offset))
+            .collect()
+    }
+
+    /// Whether the server should hand buffered reads to [`read_batch`](Self::read_batch)
+    /// together: true for an export that serves a batch faster than its reads one by one (one
+    /// device submission for all). A batch's replies leave together, so the server batches
+    /// only while reads have been fast on average; slow ones keep running in parallel on the
+    /// connection's workers.
+    fn batches_reads(&self) -> bool {
+        false
+    }
+
     /// Stores `buf` at `offset`; with `fua`, durable before returning.
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> ExportResult<()>;
 

@@ -230,6 +230,10 @@ const IDLE_TICKS: u32 = 200;
 /// Requests whose kind recently took longer than this on average are not
 /// run inline but handed off at once.
 const SLOW_NS: u64 = 50_000;
+/// The most buffered reads the reader takes into one batch ([`Export::read_batch`]).
+const READ_BATCH: usize = 32;
+/// While batches are slow, one chance in this many batches anyway (a probe).
+const BATCH_PROBE: u64 = 64;
 
 /// Who may read the next request. Protected by `Conn::role`.
 #[derive(Default)]
@@ -269,6 +273,9 @@ struct Buffers<'m> {
     reply: Option<Box<[u8]>>,
     /// Budget held for `payload` and `reply`.
     charged: u64,
+    /// Budget this worker holds for other requests it serves together with this one (a read
+    /// batch): counted as held should it have to wait, so waiting can never deadlock on it.
+    held_elsewhere: u64,
     /// One block for read-modify-write (at most the export's minimum block
     /// size, 64 KiB); kept across requests.
     block: Vec<u8>,
@@ -281,6 +288,7 @@ impl<'m> Buffers<'m> {
             payload: Payload::None,
             reply: None,
             charged: 0,
+            held_elsewhere: 0,
             block: Vec::new(),
         }
     }
@@ -336,6 +344,10 @@ pub(crate) struct Conn<'a, R, W> {
     rescue_cv: Condvar,
     /// Moving average of execution time (ns) per kind: read, write, other.
     ewma_ns: [AtomicU64; 3],
+    /// Moving average of a batched read's share of its batch's time (ns), and a count of the
+    /// batches declined since, to probe again now and then (see `batchable`).
+    batch_ns: AtomicU64,
+    batch_declined: AtomicU64,
     /// Requests being executed now, inline or handed off.
     executing: AtomicUsize,
     export: &'a dyn Export,
@@ -375,6 +387,8 @@ pub(crate) fn run<R: Read + Send, W: Write + Send>(
         follow_cv: Condvar::new(),
         rescue_cv: Condvar::new(),
         ewma_ns: Default::default(),
+        batch_ns: AtomicU64::new(0),
+        batch_declined: AtomicU64::new(0),
         executing: AtomicUsize::new(0),
         export: &*n.entry.export,
         mem,
@@ -481,6 +495,21 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
                     return;
                 }
             };
+            if let (Job::Read { offset, len }, true) = (job, more_buffered) {
+                if self.batchable(offset, len) && self.batch_allowed() {
+                    match self.read_batch(handle, offset, len, bufs) {
+                        Ok(still_reader) => {
+                            holding = still_reader;
+                            bufs = Buffers::new(self.mem);
+                            continue;
+                        }
+                        Err(e) => {
+                            self.fail_with(&e);
+                            return;
+                        }
+                    }
+                }
+            }
             let kind = kind_index(&job);
             let slow = self.ewma_ns[kind].load(Ordering::Relaxed) > SLOW_NS;
             // A slow request is handed off only when another one could use the reader now: one
@@ -507,6 +536,136 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
                 return;
             }
         }
+    }
+
+    /// Whether a read can join a batch: the export batches reads, the reply fits one buffer,
+    /// and the read is aligned (no read-modify-write of a partial block).
+    fn batchable(&self, offset: u64, len: u32) -> bool {
+        self.export.batches_reads()
+            && self.reply_prefix() + len as usize <= PIECE
+            && aligned(offset, u64::from(len), self.min())
+    }
+
+    /// Whether to start a batch now. A batch's replies leave together, so batches that were
+    /// slow per read (misses among them) stop batching, and those reads run in parallel on the
+    /// workers instead; every BATCH_PROBE-th chance batches anyway, so a workload that turns to
+    /// hits batches again.
+    fn batch_allowed(&self) -> bool {
+        self.batch_ns.load(Ordering::Relaxed) <= SLOW_NS
+            || self.batch_declined.fetch_add(1, Ordering::Relaxed) % BATCH_PROBE == BATCH_PROBE - 1
+    }
+
+    /// The next buffered request, if it is a whole header of a read that can join a batch and
+    /// its reply buffer fits the budget now (a batch never waits for budget it holds itself).
+    fn next_batchable(&self, r: &BufReader<R>) -> bool {
+        let Some(hdr) = r.buffer().get(..REQUEST_LEN) else {
+            return false;
+        };
+        let hdr: &[u8; REQUEST_LEN] = hdr.try_into().expect("a slice of REQUEST_LEN bytes");
+        let Ok(req) = parse_request(hdr) else {
+            return false;
+        };
+        let budget = &self.mem.budget;
+        req.typ == CMD_READ
+            && req.flags == 0
+            && req.length > 0
+            && req
+                .offset
+                .checked_add(u64::from(req.length))
+                .is_some_and(|end| end <= self.p.size)
+            && self.batchable(req.offset, req.length)
+            && budget.used() + Pool::cost(self.reply_prefix() + req.length as usize)
+                <= budget.limit()
+    }
+
+    /// Serves the read just read (in `first`) together with the reads buffered behind it, up to
+    /// READ_BATCH: all executed inline with one [`Export::read_batch`], replies deferred (they
+    /// leave in one write when the reader would block). Returns whether this worker still holds
+    /// the reader role.
+    fn read_batch(
+        &self,
+        handle: u64,
+        offset: u64,
+        len: u32,
+        first: Buffers<'_>,
+    ) -> io::Result<bool> {
+        let mut batch = vec![(handle, offset, len, first)];
+        let mut stopped = false;
+        {
+            let mut r = self.reader.lock();
+            while batch.len() < READ_BATCH && self.next_batchable(&r) {
+                let mut b = Buffers::new(self.mem);
+                b.held_elsewhere = batch.iter().map(|(.., b)| b.charged).sum();
+                match self.next_request(&mut r, &mut b)? {
+                    Next::Job(h, Job::Read { offset, len }) => batch.push((h, offset, len, b)),
+                    // Checked above; anything else would be a bug, never a reason to drop data.
+                    Next::Job(h, job) => {
+                        drop(r);
+                        self.executing.fetch_add(1, Ordering::Relaxed);
+                        let res = self.execute(h, job, &mut b, false);
+                        self.executing.fetch_sub(1, Ordering::Relaxed);
+                        res?;
+                        r = self.reader.lock();
+                    }
+                    Next::Rejected(h, rej) => self.send_error(h, rej.errno, rej.msg, true)?,
+                    Next::Stop => {
+                        self.close();
+                        stopped = true;
+                        break;
+                    }
+                }
+            }
+        }
+        let prefix = self.reply_prefix();
+        self.executing.fetch_add(batch.len(), Ordering::Relaxed);
+        let token = self.go_inline();
+        let t0 = Instant::now();
+        let results = {
+            let mut reqs: Vec<(&mut [u8], u64)> = Vec::with_capacity(batch.len());
+            for (_, offset, len, b) in batch.iter_mut() {
+                let Some(reply) = b.reply.as_deref_mut() else {
+                    return Err(io::Error::other("read without a reply buffer"));
+                };
+                reqs.push((&mut reply[prefix..prefix + *len as usize], *offset));
+            }
+            self.export.read_batch(&mut reqs)
+        };
+        // Each read's share of the batch's time feeds the batches' average.
+        let ns = (t0.elapsed().as_nanos() / batch.len() as u128).min(u128::from(u32::MAX)) as u64;
+        let old = self.batch_ns.load(Ordering::Relaxed);
+        self.batch_ns
+            .store(old - old / 8 + ns / 8, Ordering::Relaxed);
+        let mut sent = Ok(());
+        for ((h, offset, len, b), res) in batch.iter_mut().zip(results) {
+            self.observe_replied(
+                *h,
+                &Job::Read {
+                    offset: *offset,
+                    len: *len,
+                },
+            );
+            if sent.is_err() {
+                continue;
+            }
+            sent = match res {
+                Err(e) => self.send_export_error(*h, &e, false, true),
+                Ok(()) => {
+                    let reply = b.reply.as_deref_mut().expect("checked above");
+                    let reply = &mut reply[..prefix + *len as usize];
+                    self.encode_read_header(reply, *h, *offset, *len);
+                    self.send(reply, true)
+                }
+            };
+        }
+        let still_reader = self.finish_inline(token);
+        self.executing.fetch_sub(batch.len(), Ordering::Relaxed);
+        drop(batch);
+        sent?;
+        if stopped {
+            // Nothing more will be read, so no reader flushes the deferred replies later.
+            self.flush_pending()?;
+        }
+        Ok(still_reader)
     }
 
     fn timed(&self, kind: usize, f: impl FnOnce() -> io::Result<()>) -> io::Result<()> {
@@ -743,9 +902,11 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
     /// is spent, this connection reads nothing, but first sends the replies
     /// it has queued (the client may be waiting for them).
     fn charge(&self, bufs: &mut Buffers<'_>, n: u64) {
-        self.mem.budget.acquire(n, bufs.charged, || {
-            let _ = self.flush_pending();
-        });
+        self.mem
+            .budget
+            .acquire(n, bufs.charged + bufs.held_elsewhere, || {
+                let _ = self.flush_pending();
+            });
         bufs.charged += n;
     }
 

@@ -2,6 +2,7 @@
 
 mod common;
 
+use std::io::Write;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -91,6 +92,65 @@ fn several_connections_at_once() {
     let mut r = vec![0; 4096];
     c.read(&mut r, 3 * MIB as u64 + 49 * 4096).unwrap();
     assert_eq!(r, pattern(4096, 3u8.wrapping_add(49)));
+}
+
+/// Reads a client has pipelined reach an export that batches reads together (at most 32 at a
+/// time), each gets its own correct reply, and the requests around them (a write, a read too
+/// large for one buffer, an unaligned read, one out of range) are served as before.
+#[test]
+fn pipelined_reads_reach_a_batching_export_together() {
+    let mut m = MemExport::new(MIB);
+    m.batching = true;
+    m.check_alignment = false;
+    for (i, b) in m.data.get_mut().iter_mut().enumerate() {
+        *b = (i / 512) as u8 ^ (i % 251) as u8;
+    }
+    let expect = m.data.read().clone();
+    let m = m.arc();
+    let t = start(&[("batch", m.clone() as Arc<dyn Export>)]);
+    for structured in [false, true] {
+        let mut raw = Raw::connect(&t.sock);
+        if structured {
+            raw.structured();
+        }
+        raw.go("batch", &[]).unwrap();
+        // 40 reads in one write: they arrive buffered together.
+        let mut wire = Vec::new();
+        let mut lens = std::collections::HashMap::new();
+        for h in 1..=40u64 {
+            let (off, len) = match h {
+                17 => (3 * 4096 + 100, 700), // unaligned: read-modify-write, not batched
+                23 => (0, 300 << 10),        // larger than one buffer: streamed
+                31 => (MIB as u64 - 4096, 8192), // out of range: an error reply
+                _ => ((h * 7919 % 250) * 4096, 4096 * (1 + h as u32 % 3)),
+            };
+            lens.insert(h, (off, len));
+            wire.extend_from_slice(&encode_request(&Request {
+                flags: 0,
+                typ: CMD_READ,
+                handle: h,
+                offset: off,
+                length: len,
+            }));
+        }
+        raw.s.write_all(&wire).unwrap();
+        for _ in 1..=40 {
+            let (h, e, data) = raw.reply_for(|h| if h == 31 { 0 } else { lens[&h].1 as usize });
+            let (off, len) = lens[&h];
+            if h == 31 {
+                assert_ne!(e, 0, "out of range must fail");
+                continue;
+            }
+            assert_eq!(e, 0, "read {h}");
+            assert_eq!(
+                data,
+                &expect[off as usize..off as usize + len as usize],
+                "read {h}"
+            );
+        }
+    }
+    let largest = m.largest_batch.load(Ordering::SeqCst);
+    assert!(largest > 1 && largest <= 32, "largest batch {largest}");
 }
 
 #[test]

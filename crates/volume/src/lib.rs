@@ -126,6 +126,22 @@ pub trait Volume: Send + Sync {
     fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
         write_zeroes_by_writing(self, offset, len)
     }
+    /// Read several ranges. A device that can have them in flight together does so and submits
+    /// them with one system call (a file volume on io_uring); the default reads one after
+    /// another. On an error, which pieces were read is unspecified: a caller that must know
+    /// which failed reads them again one by one.
+    fn read_batch(&self, pieces: &mut [ReadPiece<'_>]) -> Result<()> {
+        for p in pieces.iter_mut() {
+            self.read_at(p.buf, p.offset)?;
+        }
+        Ok(())
+    }
+}
+
+/// One range of a [`Volume::read_batch`]: `buf.len()` bytes at `offset` go into `buf`.
+pub struct ReadPiece<'a> {
+    pub buf: &'a mut [u8],
+    pub offset: u64,
 }
 
 /// Shared, dynamically typed volume handle as the engine and servers hold it.

@@ -9,9 +9,10 @@
 //!
 //! Every request waits for its own completion before returning (the [`crate::Volume`] trait is
 //! synchronous), so the caller's buffer outlives the kernel's use of it, and registered buffers
-//! would not help: the buffers are the callers' and change with every request. Batching needs
-//! a caller with several requests at once, which the synchronous trait does not have yet
-//! (docs/performance.md, "Against the device").
+//! would not help: the buffers are the callers' and change with every request. A caller with
+//! several reads at once (the NBD server's pipelined cache hits) batches them with
+//! [`read_batch`]: one `io_uring_enter` submits them all and waits for all, so the device sees
+//! them together and the virtio doorbell rings once per batch, not once per read.
 
 use std::cell::RefCell;
 use std::io;
@@ -20,8 +21,9 @@ use std::sync::OnceLock;
 
 use io_uring::{opcode, types, IoUring};
 
-/// Entries per thread's ring: one request is in flight at a time, a few spare.
-const RING_ENTRIES: u32 = 8;
+/// Entries per thread's ring: a batch ([`read_batch`]) puts up to this many reads in flight at
+/// once; a single request uses one.
+const RING_ENTRIES: u32 = 64;
 
 /// Which I/O engine a file volume's direct requests use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -187,6 +189,102 @@ unsafe fn one(fd: RawFd, ptr: *mut u8, len: u32, offset: u64, dir: Dir) -> io::R
                 };
             }
         }
+    })
+}
+
+/// Reads each `(buffer, offset)` fully, up to [`RING_ENTRIES`] in flight at once. Every
+/// submitted read is reaped before this returns, whatever fails, so no buffer is written after.
+pub(crate) fn read_batch(fd: RawFd, pieces: &mut [(&mut [u8], u64)]) -> io::Result<()> {
+    let mut first_error = None;
+    for group in pieces.chunks_mut(RING_ENTRIES as usize) {
+        // Bytes each read transferred, or its error.
+        let mut got: Vec<io::Result<usize>> = Vec::with_capacity(group.len());
+        // SAFETY: every buffer stays borrowed (and so valid) until `submit_group` returns, and
+        // it returns only after reaping every completion it submitted.
+        unsafe { submit_group(fd, group, &mut got) }?;
+        for ((buf, offset), r) in group.iter_mut().zip(got) {
+            let res = match r {
+                // A short read (end of a file, or a partial transfer): the rest one at a time.
+                Ok(n) if n < buf.len() => read_exact_at(fd, &mut buf[n..], *offset + n as u64),
+                Ok(_) => Ok(()),
+                Err(e) => Err(e),
+            };
+            if let Err(e) = res {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// Submits one read per piece of `group` (at most the ring's size) and reaps them all into
+/// `got`, in the group's order.
+///
+/// # Safety
+/// Each piece's buffer must stay valid and unaliased until this returns.
+unsafe fn submit_group(
+    fd: RawFd,
+    group: &mut [(&mut [u8], u64)],
+    got: &mut Vec<io::Result<usize>>,
+) -> io::Result<()> {
+    RING.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        if slot.is_none() {
+            *slot = Some(new_ring()?);
+        }
+        let ring = slot.as_mut().expect("the ring was just created");
+        for (i, (buf, offset)) in group.iter_mut().enumerate() {
+            // Pieces above 1 GiB are not batched by any caller; clamp rather than truncate
+            // silently: the short-read path finishes the rest.
+            let len = buf.len().min(1 << 30) as u32;
+            let sqe = opcode::Read::new(types::Fd(fd), buf.as_mut_ptr(), len)
+                .offset(*offset)
+                .build()
+                .user_data(i as u64);
+            // SAFETY: the caller keeps the buffer valid until its completion is reaped below.
+            if unsafe { ring.submission().push(&sqe) }.is_err() {
+                // More entries than the ring holds: only possible if the group was too large.
+                // Nothing was submitted yet, so dropping the ring discards the entries.
+                *slot = None;
+                return Err(io::Error::other("io_uring submission queue full"));
+            }
+        }
+        got.clear();
+        got.extend(group.iter().map(|_| Ok(0)));
+        let mut reaped = 0;
+        while reaped < group.len() {
+            match ring.submit_and_wait(group.len() - reaped) {
+                Ok(_) => {}
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::EBUSY)
+                    ) => {}
+                Err(e) => {
+                    if reaped == 0 && ring.submission().len() == group.len() {
+                        // The kernel took none of them: dropping the ring discards them.
+                        *slot = None;
+                        return Err(e);
+                    }
+                    // Some are in the kernel's hands: keep waiting for their completions, or
+                    // the kernel could write into a buffer after we return.
+                }
+            }
+            for c in ring.completion() {
+                let i = c.user_data() as usize;
+                let r = c.result();
+                got[i] = if r < 0 {
+                    Err(io::Error::from_raw_os_error(-r))
+                } else {
+                    Ok(r as usize)
+                };
+                reaped += 1;
+            }
+        }
+        Ok(())
     })
 }
 

@@ -30,6 +30,9 @@ pub struct MemExport {
     pub check_alignment: bool,
     /// Reads and writes of every n-th 4 KiB block sleep 2 ms.
     pub jitter_every: Option<u64>,
+    /// Ask the server for read batches (`Export::batches_reads`), and the largest it sent.
+    pub batching: bool,
+    pub largest_batch: AtomicUsize,
 }
 
 impl MemExport {
@@ -49,6 +52,8 @@ impl MemExport {
             slow_read: None,
             check_alignment: true,
             jitter_every: None,
+            batching: false,
+            largest_batch: AtomicUsize::new(0),
         }
     }
 
@@ -89,6 +94,17 @@ impl Export for MemExport {
         let o = offset as usize;
         buf.copy_from_slice(&self.data.read()[o..o + buf.len()]);
         Ok(())
+    }
+
+    fn read_batch(&self, reqs: &mut [(&mut [u8], u64)]) -> Vec<ExportResult<()>> {
+        self.largest_batch.fetch_max(reqs.len(), Ordering::SeqCst);
+        reqs.iter_mut()
+            .map(|(buf, offset)| self.read(buf, *offset))
+            .collect()
+    }
+
+    fn batches_reads(&self) -> bool {
+        self.batching
     }
 
     fn write(&self, buf: &[u8], offset: u64, _fua: bool) -> ExportResult<()> {
