@@ -126,3 +126,70 @@ fn unknown_front_ends_are_refused_on_the_command_line_and_in_the_configuration()
         "{err}"
     );
 }
+
+/// A queue count the ublk driver cannot take stops the daemon before it serves anything, from
+/// the command line and from `[daemon]` alike, instead of failing at the first ublk core.
+#[test]
+fn impossible_ublk_queue_counts_stop_the_daemon_from_starting() {
+    let dir = workdir();
+    let cfg = dir.path().join("hc.toml");
+    std::fs::write(&cfg, "[daemon]\nublk_queues = 5000\n").unwrap();
+    for (args, msg) in [
+        (&["--ublk-queues", "0"][..], "between 1 and 4096, not 0"),
+        (&["--config", cfg.to_str().unwrap()][..], "not 5000"),
+    ] {
+        let out = Command::new(BIN)
+            .arg("daemon")
+            .arg("--control")
+            .arg(dir.path().join("c.sock"))
+            .arg("--nbd-socket")
+            .arg(dir.path().join("n.sock"))
+            .args(args)
+            .env_remove("HYBRIDCACHE_CONTROL")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(msg), "{args:?}: {err}");
+        assert!(
+            !dir.path().join("c.sock").exists(),
+            "{args:?}: control socket left behind"
+        );
+    }
+}
+
+/// A client that has disconnected does not hold off a stop or a removal issued right after:
+/// its connection may still be winding down on the server's side when the next command
+/// arrives (seen as a refused `-T` in a test that disconnected and stopped at once), and a
+/// script that unmounts or disconnects and then stops must not be refused for that.
+#[test]
+fn a_client_that_just_disconnected_does_not_hold_off_remove_or_stop() {
+    let dir = workdir();
+    let cache = dir.path().join("cache.img");
+    let core = dir.path().join("core.img");
+    sparse_file(&cache, 16 << 20);
+    sparse_file(&core, 32 << 20);
+    let d = Daemon::start(dir.path());
+    // Write-through: a removal never meets dirty data, so only the client can refuse it.
+    d.ok(&["-S", "-d", cache.to_str().unwrap(), "-c", "wt"]);
+    for round in 0..50 {
+        d.ok(&["-A", "-i", "1", "-j", "1", "-d", core.to_str().unwrap()]);
+        let mut c = hybridcache_nbd::Client::connect_unix(&d.nbd, "cas1-1").expect("connect");
+        c.write(&[round as u8; 4096], 0, true).expect("write");
+        c.disconnect().unwrap();
+        let out = d.cli(&["-R", "-i", "1", "-j", "1"]);
+        assert!(
+            out.status.success(),
+            "round {round}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    assert!(
+        hybridcache_nbd::Client::connect_unix(&d.nbd, "cas1-1").is_err(),
+        "the export outlived its core"
+    );
+    d.ok(&["-A", "-i", "1", "-j", "1", "-d", core.to_str().unwrap()]);
+    let c = hybridcache_nbd::Client::connect_unix(&d.nbd, "cas1-1").expect("connect");
+    c.disconnect().unwrap();
+    d.ok(&["-T", "-i", "1"]);
+}

@@ -19,7 +19,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use hybridcache_engine::{
@@ -45,6 +45,10 @@ use hybridcache_volume::VolumeRef;
 pub const DEFAULT_CONTROL: &str = "/run/hybridcache/control.sock";
 pub const DEFAULT_NBD_SOCKET: &str = "/run/hybridcache/nbd.sock";
 const MAX_CACHE_ID: u16 = 16384;
+/// How long a stop or removal waits for clients that are disconnecting before it refuses.
+const CLIENT_GONE_GRACE: Duration = Duration::from_secs(2);
+/// The ublk driver's own limit on hardware queues per device (UBLK_MAX_NR_QUEUES).
+const MAX_UBLK_QUEUES: u16 = 4096;
 /// A control request line longer than this is refused (a request is a few hundred bytes).
 const MAX_LINE: usize = 64 << 10;
 
@@ -63,6 +67,8 @@ pub struct DaemonOptions {
     pub nbd_limits: NbdLimits,
     /// The front-end of cores that name none (`--frontend`): "nbd" (default) or "ublk".
     pub frontend: Option<String>,
+    /// Queues of each ublk device (`--ublk-queues`); None: one per CPU.
+    pub ublk_queues: Option<u16>,
     /// State kept across a daemon restart (`--state-dir`); default: the control socket's dir.
     pub state_dir: Option<PathBuf>,
 }
@@ -1258,6 +1264,23 @@ impl Daemon {
         &self,
         exports: &[(String, &'static str)],
     ) -> std::result::Result<(), String> {
+        // A client that has just disconnected is still counted until its connection has wound
+        // down on the server's side: a script that disconnects and then stops must not be
+        // refused for that, so a busy answer is checked again for a moment before it stands.
+        let deadline = Instant::now() + CLIENT_GONE_GRACE;
+        loop {
+            match self.clients_connected(exports) {
+                Ok(()) => return Ok(()),
+                Err(e) if Instant::now() >= deadline => return Err(e),
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    }
+
+    fn clients_connected(
+        &self,
+        exports: &[(String, &'static str)],
+    ) -> std::result::Result<(), String> {
         let busy: Vec<String> = exports
             .iter()
             .filter_map(|(name, kind)| {
@@ -1932,11 +1955,21 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
         .clone()
         .or_else(|| d.frontend.clone())
         .unwrap_or_else(|| "nbd".into());
+    let ublk_queues = opts.ublk_queues.or(d.ublk_queues);
+    if let Some(q) = ublk_queues {
+        if q == 0 || q > MAX_UBLK_QUEUES {
+            cleanup_control();
+            bail!("ublk queues must be between 1 and {MAX_UBLK_QUEUES}, not {q}");
+        }
+    }
     let kinds = crate::frontend::KindMemory::new(&state_dir);
     let frontends = Frontends::new(
         vec![
             Arc::new(NbdFrontend::new(registry.clone())),
-            Arc::new(crate::ublk_export::UblkFrontend::new(state_dir, None)),
+            Arc::new(crate::ublk_export::UblkFrontend::new(
+                state_dir,
+                ublk_queues,
+            )),
         ],
         &default_frontend,
     )
