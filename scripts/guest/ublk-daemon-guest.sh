@@ -2,7 +2,7 @@
 # /dev/ublkbN (`--frontend ublk`), and its recovery after kill -9.
 #  1. cache (write-back) and cores on files in tmpfs; ext4 on the ublk device; files with sha256
 #     sums; `-L` must show /dev/ublkbN; `-T` must be refused while the file system is mounted.
-#  2. fio writes with crc32c verification; 4 s in, the daemon is killed with SIGKILL; a new
+#  2. fio writes 96 MiB with crc32c verification; once it is writing, the daemon is killed with SIGKILL; a new
 #     daemon loads the cache (`-S --load`) and resumes the same device. fio and the mount must
 #     carry on with zero I/O errors (fio's error count, and the kernel log's I/O error lines).
 #  3. for information: ublk against nbd, both served by this daemon from the same cache, fio
@@ -48,6 +48,11 @@ dev=$(hybridcache -L -o csv | awk -F, '$1 == "core" && $2 == 1 { print $6 }')
 raw=$(hybridcache -L -o csv | awk -F, '$1 == "core" && $2 == 2 { print $6 }')
 case $dev in /dev/ublkb*) ;; *) fail "-L shows '$dev' for core 1, not /dev/ublkbN" ;; esac
 [ -b "$dev" ] || fail "$dev is not a block device"
+# One queue per CPU by default, each with the driver's tags for 128 requests in flight.
+queues() { ls "/sys/block/${1#/dev/}/mq" | wc -l; }
+tags() { cat "/sys/block/${1#/dev/}/mq/0/nr_tags"; }
+[ "$(queues "$dev")" = "$(grep -c ^processor /proc/cpuinfo)" ] || fail "$dev has $(queues "$dev") queues, not one per CPU ($(grep -c ^processor /proc/cpuinfo))"
+[ "$(tags "$dev")" = 128 ] || fail "$dev's queues take $(tags "$dev") requests, not 128"
 hybridcache -L -o csv | grep -q "core,3,/tmp/core3.img,Active,-,cas1-3," || fail "-L: core 3 is not cas1-3"
 step "core 1 is $dev, core 2 is $raw, core 3 is cas1-3 over NBD"
 
@@ -139,10 +144,11 @@ hybridcache stop-daemon >/dev/null
 wait $dpid || fail "the daemon did not stop cleanly"
 truncate -s 64M /tmp/cache3.img
 truncate -s 128M /tmp/core5.img
-printf '[[cache]]\nid = 3\ndevice = "/tmp/cache3.img"\nmode = "wb"\n\n[[core]]\ncache = 3\nid = 1\ndevice = "/tmp/core5.img"\n' >/tmp/hc.toml
+printf '[daemon]\nublk_queues = 1\n\n[[cache]]\nid = 3\ndevice = "/tmp/cache3.img"\nmode = "wb"\n\n[[core]]\ncache = 3\nid = 1\ndevice = "/tmp/core5.img"\n' >/tmp/hc.toml
 start_daemon --config /tmp/hc.toml
 dev3=$(hybridcache -L -o csv | awk -F, '$1 == "core" && $2 == 1 { print $6 }')
 [ -b "$dev3" ] || fail "no device for cache 3 from the configuration"
+[ "$(queues "$dev3")" = 1 ] || fail "$dev3 has $(queues "$dev3") queues; the configuration asked for 1"
 /usr/sbin/mke2fs -q -t ext4 -F "$dev3"
 mount -t ext4 "$dev3" /mnt/vol
 dd if=/dev/urandom of=/mnt/vol/conf bs=64k count=32 2>/dev/null

@@ -129,6 +129,9 @@ pub enum Command {
         /// How cores that name no front-end are served: over NBD, or as /dev/ublkbN [default: nbd].
         #[arg(long, value_name = "nbd|ublk", value_parser = ["nbd", "ublk"])]
         frontend: Option<String>,
+        /// Queues of each /dev/ublkbN, each with its own thread and ring [default: one per CPU].
+        #[arg(long, value_name = "N")]
+        ublk_queues: Option<u16>,
         /// Directory for state that outlives the daemon but not a reboot (which ublk device
         /// serves which export) [default: the control socket's directory].
         #[arg(long, value_name = "DIR")]

@@ -112,6 +112,7 @@ fn run(cli: Cli) -> Result<()> {
             metrics_listen,
             nbd_limits,
             frontend,
+            ublk_queues,
             state_dir,
         } => {
             return daemon::run(daemon::DaemonOptions {
@@ -131,6 +132,7 @@ fn run(cli: Cli) -> Result<()> {
                     memory_limit: nbd_limits.nbd_memory_limit,
                 },
                 frontend: frontend.clone(),
+                ublk_queues: *ublk_queues,
                 state_dir: state_dir.clone(),
             })
         }

@@ -62,6 +62,9 @@ pub struct DaemonSection {
     pub nbd_listen: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nbd_workers: Option<usize>,
+    /// Queues of each ublk device; absent: one per CPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ublk_queues: Option<u16>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub save_config: Option<bool>,
     /// Prometheus metrics endpoint, `PORT` (loopback) or `ADDRESS:PORT`; off when absent.
