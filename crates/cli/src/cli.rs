@@ -145,6 +145,7 @@ pub enum Command {
         #[arg(short = 'd', long = "cache-device", value_name = "DEV")]
         device: String,
         /// Cache id [default: the lowest free].
+        /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
         id: Option<u16>,
         /// Cache mode [default: wt].
@@ -165,6 +166,7 @@ pub enum Command {
     /// Stop a cache (flushing its dirty data first).
     #[command(short_flag = 'T', long_flag = "stop-cache")]
     StopCache {
+        /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
         id: u16,
         /// Keep dirty data on the cache device instead of flushing it.
@@ -178,12 +180,13 @@ pub enum Command {
     /// Add a core device to a cache (exported as cas<cache>-<core>), or attach an inactive core again.
     #[command(short_flag = 'A', long_flag = "add-core")]
     AddCore {
+        /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
         id: u16,
         /// Core device: a path, file:PATH, ram:SIZE, null:SIZE or an NBD URI.
         #[arg(short = 'd', long = "core-device", value_name = "DEV")]
         device: String,
-        /// Core id [default: the lowest free].
+        /// Core id (1..4095) [default: the lowest free].
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: Option<u16>,
         /// Take a core device even though it is mounted (without an exclusive claim).
@@ -198,8 +201,10 @@ pub enum Command {
     /// Remove a core from a cache.
     #[command(short_flag = 'R', long_flag = "remove-core")]
     RemoveCore {
+        /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
         id: u16,
+        /// Core id (1..4095).
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: u16,
         /// Remove even with dirty data (which is lost) or with NBD clients connected.
@@ -207,9 +212,25 @@ pub enum Command {
         force: bool,
     },
 
+    /// Remove a core whose device is missing (Inactive or Waiting for device); an active core
+    /// is refused (use --remove-core).
+    #[command(long_flag = "remove-inactive")]
+    RemoveInactive {
+        /// Cache id (1..16384).
+        #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
+        id: u16,
+        /// Core id (1..4095).
+        #[arg(short = 'j', long = "core-id", value_parser = core_id)]
+        core: u16,
+        /// Remove it even though the cache holds dirty data of it (that data is lost).
+        #[arg(short = 'f', long)]
+        force: bool,
+    },
+
     /// List caches and their cores.
     #[command(short_flag = 'L', long_flag = "list-caches")]
     ListCaches {
+        /// Output format.
         #[arg(
             short = 'o',
             long = "output-format",
@@ -222,13 +243,16 @@ pub enum Command {
     /// Print statistics of a cache or one core.
     #[command(short_flag = 'P', long_flag = "stats")]
     Stats {
+        /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
         id: u16,
+        /// Core id (1..4095) [default: every core of the cache].
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: Option<u16>,
         /// Statistics of one IO class (usage and requests of that class, across cores).
         #[arg(short = 'd', long = "io-class-id", value_parser = clap::value_parser!(u8).range(0..=32))]
         io_class: Option<u8>,
+        /// Output format.
         #[arg(
             short = 'o',
             long = "output-format",
@@ -241,8 +265,10 @@ pub enum Command {
     /// Reset the statistics counters.
     #[command(short_flag = 'Z', long_flag = "reset-counters")]
     ResetCounters {
+        /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
         id: u16,
+        /// Core id (1..4095) [default: every core of the cache].
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: Option<u16>,
     },
@@ -250,8 +276,10 @@ pub enum Command {
     /// Switch the cache mode.
     #[command(short_flag = 'Q', long_flag = "set-cache-mode")]
     SetCacheMode {
+        /// The new cache mode.
         #[arg(short = 'c', long = "cache-mode", value_parser = mode, value_name = "wt|wb|wa|wi|wo|pt")]
         mode: CacheMode,
+        /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
         id: u16,
         /// When leaving wb/wo: yes flushes dirty data first, no lets cleaning drain it.
@@ -259,11 +287,24 @@ pub enum Command {
         flush: Option<bool>,
     },
 
+    /// Write dirty data of one core to it (casadm's -E; the same as -F -j).
+    #[command(short_flag = 'E', long_flag = "flush-core")]
+    FlushCore {
+        /// Cache id (1..16384).
+        #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
+        id: u16,
+        /// Core id (1..4095).
+        #[arg(short = 'j', long = "core-id", value_parser = core_id)]
+        core: u16,
+    },
+
     /// Write dirty data of a cache (or one core) to the core(s).
     #[command(short_flag = 'F', long_flag = "flush-cache")]
     FlushCache {
+        /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
         id: u16,
+        /// Core id (1..4095) [default: every core of the cache].
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: Option<u16>,
     },
@@ -275,8 +316,10 @@ pub enum Command {
     /// offload-queue (--share -t). See docs/policies.md.
     #[command(short_flag = 'X', long_flag = "set-param")]
     SetParam {
+        /// Parameter group (see above).
         #[arg(short = 'n', long = "name")]
         name: String,
+        /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
         id: u16,
         /// Core (seq-cutoff; all cores when omitted).
@@ -335,12 +378,16 @@ pub enum Command {
     /// Print a parameter group (names as for set-param, and cache-line-size).
     #[command(short_flag = 'G', long_flag = "get-param")]
     GetParam {
+        /// Parameter group: those of set-param, and cache-line-size.
         #[arg(short = 'n', long = "name")]
         name: String,
+        /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
         id: u16,
+        /// Core id (1..4095) [default: every core of the cache].
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: Option<u16>,
+        /// Output format.
         #[arg(
             short = 'o',
             long = "output-format",
@@ -365,6 +412,7 @@ pub enum Command {
         /// List the classes in force.
         #[arg(short = 'L', long = "list")]
         list: bool,
+        /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
         id: u16,
         /// The CSV file (with --load-config).
@@ -379,6 +427,7 @@ pub enum Command {
         /// match on a block export. Without it such a file is refused.
         #[arg(long)]
         ignore_unsupported: bool,
+        /// Output format.
         #[arg(
             short = 'o',
             long = "output-format",
@@ -468,6 +517,13 @@ impl Command {
                 cache: *id,
                 core: *core,
                 force: *force,
+                inactive_only: false,
+            },
+            Command::RemoveInactive { id, core, force } => Request::RemoveCore {
+                cache: *id,
+                core: *core,
+                force: *force,
+                inactive_only: true,
             },
             Command::ListCaches { .. } => Request::List,
             Command::Stats {
@@ -489,6 +545,10 @@ impl Command {
             Command::FlushCache { id, core } => Request::Flush {
                 cache: *id,
                 core: *core,
+            },
+            Command::FlushCore { id, core } => Request::Flush {
+                cache: *id,
+                core: Some(*core),
             },
             Command::SetParam {
                 name,
@@ -570,6 +630,29 @@ mod tests {
             .command
             .request()
             .expect("a management command")
+    }
+
+    /// Every option of every verb says what it is for in `-H` (casadm users read the help to
+    /// find out which of its flags we take).
+    #[test]
+    fn every_option_has_a_help_line() {
+        use clap::CommandFactory;
+        fn walk(cmd: &clap::Command, path: &str, blank: &mut Vec<String>) {
+            for arg in cmd.get_arguments() {
+                if arg.is_hide_set() || arg.get_id() == "help" {
+                    continue;
+                }
+                if !matches!(arg.get_help(), Some(h) if !h.to_string().trim().is_empty()) {
+                    blank.push(format!("{path} --{}", arg.get_id()));
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                walk(sub, &format!("{path} {}", sub.get_name()), blank);
+            }
+        }
+        let mut blank = Vec::new();
+        walk(&Cli::command(), "hybridcache", &mut blank);
+        assert!(blank.is_empty(), "options without help: {blank:#?}");
     }
 
     #[test]
@@ -671,9 +754,28 @@ mod tests {
             Request::RemoveCore {
                 cache: 1,
                 core: 2,
-                force: true
+                force: true,
+                inactive_only: false
             }
         );
+        assert_eq!(
+            req(&["--remove-inactive", "-i", "1", "-j", "2"]),
+            Request::RemoveCore {
+                cache: 1,
+                core: 2,
+                force: false,
+                inactive_only: true
+            }
+        );
+        assert_eq!(
+            req(&["-E", "-i", "1", "-j", "3"]),
+            req(&["-F", "-i", "1", "-j", "3"])
+        );
+        assert_eq!(
+            req(&["--flush-core", "-i", "1", "-j", "3"]),
+            req(&["-F", "-i", "1", "-j", "3"])
+        );
+        assert!(parse(&["-E", "-i", "1"]).is_err(), "-E needs a core");
         assert_eq!(req(&["-L"]), Request::List);
         assert_eq!(
             req(&["-P", "-i", "1", "-j", "1", "-o", "json"]),

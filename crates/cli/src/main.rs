@@ -138,6 +138,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Serve(args) => return serve::run(args),
         Command::FlushCache { id, core } => return flush::run(&control, *id, *core),
+        Command::FlushCore { id, core } => return flush::run(&control, *id, Some(*core)),
         Command::Top(args) => return top::run(args, &control),
         Command::Trace(args) => return trace::run_cli(args, &control),
         Command::Version => {

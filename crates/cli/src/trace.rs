@@ -46,6 +46,7 @@ pub struct TraceArgs {
 pub enum TraceCmd {
     /// Record every request on a cache's exported volumes to FILE (blkparse text).
     Start {
+        /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = crate::cli::cache_id)]
         id: u16,
         /// Trace only this core [default: every active core of the cache].
@@ -60,8 +61,10 @@ pub enum TraceCmd {
     },
     /// Stop tracing (every trace of the cache, or only the one started with -j CORE).
     Stop {
+        /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = crate::cli::cache_id)]
         id: u16,
+        /// Stop only the trace started with this core [default: every trace of the cache].
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: Option<u16>,
     },

@@ -232,6 +232,66 @@ fn missing_core_is_inactive_until_attached() {
     assert!(file_range(&other, 0, data2.len()) == data2);
 }
 
+/// casadm's `--remove-inactive` takes a core whose device is missing, and only such a core;
+/// its dirty data is lost, so that needs `--force`. `-E` (casadm's `--flush-core`) flushes one
+/// core, as `-F -j` does.
+#[test]
+fn remove_inactive_takes_only_a_missing_core_and_flush_core_flushes_one() {
+    let dir = workdir();
+    let cache = dir.path().join("cache.img");
+    let core = dir.path().join("core.img");
+    let other = dir.path().join("other.img");
+    sparse_file(&cache, 16 << 20);
+    sparse_file(&core, 32 << 20);
+    sparse_file(&other, 32 << 20);
+    let cache_s = cache.to_str().unwrap();
+    let mut d = Daemon::start(dir.path());
+    d.ok(&["-S", "-d", cache_s, "-c", "wb"]);
+    d.ok(&["-A", "-i", "1", "-d", core.to_str().unwrap()]);
+    d.ok(&["-A", "-i", "1", "-d", other.to_str().unwrap()]);
+    let data = pattern(3, 1 << 20);
+    let data2 = pattern(4, 1 << 20);
+    write_flush(&d, "cas1-1", &data, 0);
+    write_flush(&d, "cas1-2", &data2, 0);
+    d.ok(&["-T", "-i", "1", "-n"]);
+    assert!(d.stop(), "{}", d.log_text());
+    std::fs::remove_file(&core).unwrap();
+
+    let d = Daemon::start(dir.path());
+    d.ok(&["-S", "-d", cache_s, "--load"]);
+    let err = d.fails(&["--remove-inactive", "-i", "1", "-j", "2"]);
+    assert!(err.contains("core 2 of cache 1 is active"), "{err}");
+    let err = d.fails(&["--remove-inactive", "-i", "1", "-j", "1"]);
+    assert!(err.contains("dirty"), "{err}");
+    assert!(
+        d.ok(&["-L"]).contains("Inactive"),
+        "a refusal changes nothing"
+    );
+
+    d.ok(&["-E", "-i", "1", "-j", "2"]);
+    assert!(
+        file_range(&other, 0, data2.len()) == data2,
+        "-E wrote core 2's data"
+    );
+    let core2 = d.stats_json(1, Some(2));
+    assert_eq!(
+        core2["usage"]["dirty"]["count"].as_u64(),
+        Some(0),
+        "{core2}"
+    );
+    assert!(dirty(&d, 1) > 0, "core 1's dirty data is still held");
+
+    d.ok(&["--remove-inactive", "-i", "1", "-j", "1", "--force"]);
+    let list = d.ok(&["-L"]);
+    assert!(
+        !list.contains("Inactive") && !list.contains("cas1-1") && list.contains("cas1-2"),
+        "{list}"
+    );
+    assert_eq!(dirty(&d, 1), 0, "nothing of the removed core is left dirty");
+    assert!(read(&d, "cas1-2", data2.len(), 0) == data2);
+    d.ok(&["-T", "-i", "1"]);
+}
+
 #[test]
 fn config_file_loads_the_cache_on_its_device() {
     let dir = workdir();

@@ -539,7 +539,12 @@ impl Daemon {
                 force,
                 frontend,
             } => self.add_core(cache, &device, core, force, frontend.as_deref()),
-            Request::RemoveCore { cache, core, force } => self.remove_core(cache, core, force),
+            Request::RemoveCore {
+                cache,
+                core,
+                force,
+                inactive_only,
+            } => self.remove_core(cache, core, force, inactive_only),
             Request::List => {
                 let st = self.state.lock();
                 let mut caches: Vec<CacheInfo> = st
@@ -1199,11 +1204,16 @@ impl Daemon {
         .map_err(|e| e.to_string())
     }
 
-    fn remove_core(&self, cache_id: u16, core: u16, force: bool) -> Reply {
+    fn remove_core(&self, cache_id: u16, core: u16, force: bool, inactive_only: bool) -> Reply {
         let mut st = self.state.lock();
         let c = st.cache(cache_id)?;
         match c.cores.get(&core) {
             None => return Err(format!("core {core} does not exist in cache {cache_id}")),
+            Some(e) if inactive_only && e.active => {
+                return Err(format!(
+                    "core {core} of cache {cache_id} is active; remove it with --remove-core (-R)"
+                ))
+            }
             Some(e) if e.pending => {
                 // The engine never had it: only the setup names it.
                 if let Some(c) = st.caches.get_mut(&cache_id) {

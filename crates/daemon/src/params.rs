@@ -46,9 +46,13 @@ pub struct Group {
 }
 
 fn parse_u32(key: &str, v: &str) -> Result<u32, String> {
-    v.trim()
-        .parse::<u32>()
-        .map_err(|_| format!("{key}: '{v}' is not a whole number"))
+    let t = v.trim();
+    t.parse::<u32>().map_err(|e| match e.kind() {
+        // A whole number too large to hold is still a number: the operator needs to hear that
+        // it is too large, not that it is not one.
+        std::num::IntErrorKind::PosOverflow => format!("{key}: {t} is out of range"),
+        _ => format!("{key}: '{v}' is not a whole number"),
+    })
 }
 
 fn engine<T>(r: hybridcache_engine::Result<T>) -> Result<T, String> {
@@ -612,6 +616,16 @@ mod tests {
             "{e}"
         );
         assert!(find("cache-line-size").unwrap().set.is_none());
+    }
+
+    #[test]
+    fn a_number_too_large_is_out_of_range_not_a_non_number() {
+        let e = parse_u32("wake-up", "99999999999999999999999").unwrap_err();
+        assert_eq!(e, "wake-up: 99999999999999999999999 is out of range");
+        let e = parse_u32("wake-up", "ten").unwrap_err();
+        assert!(e.contains("not a whole number"), "{e}");
+        let e = parse_u32("wake-up", "-1").unwrap_err();
+        assert!(e.contains("not a whole number"), "{e}");
     }
 
     #[test]

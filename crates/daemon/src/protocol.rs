@@ -52,6 +52,9 @@ pub enum Request {
         core: u16,
         #[serde(default)]
         force: bool,
+        /// `--remove-inactive`: refuse an active core instead of removing it.
+        #[serde(default)]
+        inactive_only: bool,
     },
     List,
     Stats {

@@ -42,6 +42,7 @@ pub enum Method {
 
 #[derive(Debug, Clone, Args)]
 pub struct CalibrationArgs {
+    /// sim: the model in virtual time, in-process; fio: fio through NBD and `serve`; both.
     #[arg(long, value_enum, default_value = "sim")]
     pub method: Method,
     /// fio: seconds per cell.

@@ -68,6 +68,7 @@ pub struct OverlayArgs {
     /// Which configuration's cells: core, cache, nbdkit-cache.
     #[arg(long, default_value = "cache")]
     pub config: String,
+    /// The chart's title.
     #[arg(long, default_value = "IOPS over time")]
     pub title: String,
     /// Runs as LABEL=DIR (a `bench run` output directory).
