@@ -1556,6 +1556,7 @@ impl Cache {
     pub fn create(cache_volume: VolumeRef, config: CacheConfig, force: bool) -> Result<Cache> {
         let slots = persist::read_config(&*cache_volume)?;
         if !force {
+            persist::refuse_newer(&slots)?;
             if let Some((_, sb, _)) = persist::newest(&slots) {
                 return Err(EngineError::ExistingCache {
                     id: sb.cache_id,
@@ -1613,6 +1614,7 @@ impl Cache {
         open_core: &mut dyn FnMut(&CoreRecord) -> Option<VolumeRef>,
     ) -> Result<Cache> {
         let slots = persist::read_config(&*cache_volume)?;
+        persist::refuse_newer(&slots)?;
         let Some((sb_seq, sb, version)) = persist::newest(&slots) else {
             let damaged: Vec<String> = slots
                 .iter()
@@ -1758,6 +1760,7 @@ impl Cache {
     /// anything: what `casadm` shows before deciding to load.
     pub fn peek(cache_volume: &dyn Volume) -> Result<Superblock> {
         let slots = persist::read_config(cache_volume)?;
+        persist::refuse_newer(&slots)?;
         if let Some((_, sb, _)) = persist::newest(&slots) {
             return Ok(sb.clone());
         }

@@ -161,6 +161,9 @@ pub(crate) enum ConfigSlot {
     Empty,
     /// Magic present but the content is not valid; the message says what is wrong.
     Corrupt(String),
+    /// An intact superblock of a format version newer than this build reads: written by a
+    /// newer hybridcache, not damaged.
+    Newer(u32),
     Valid {
         seq: u64,
         sb: Box<Superblock>,
@@ -179,10 +182,13 @@ pub(crate) fn decode_config(
         return ConfigSlot::Empty;
     }
     let version = u32::from_le_bytes(head[8..12].try_into().expect("4 bytes"));
-    if !(OLDEST_VERSION..=VERSION).contains(&version) {
-        return ConfigSlot::Corrupt(format!(
+    let unsupported = || {
+        ConfigSlot::Corrupt(format!(
             "format version {version} is not supported (this build reads versions {OLDEST_VERSION} to {VERSION})"
-        ));
+        ))
+    };
+    if version < OLDEST_VERSION {
+        return unsupported();
     }
     let body_len = u32::from_le_bytes(head[24..28].try_into().expect("4 bytes")) as usize;
     let len = CONFIG_HEADER + body_len;
@@ -203,7 +209,18 @@ pub(crate) fn decode_config(
     };
     let stored = u32::from_le_bytes(bytes[12..16].try_into().expect("4 bytes"));
     if config_crc(bytes) != stored {
-        return ConfigSlot::Corrupt("checksum mismatch".into());
+        // A version field beyond ours in a slot that fails its checksum is damage, not a
+        // newer build's work: say what the version says, as before.
+        return if version > VERSION {
+            unsupported()
+        } else {
+            ConfigSlot::Corrupt("checksum mismatch".into())
+        };
+    }
+    if version > VERSION {
+        // The header (magic, version, checksum, sequence, body length) is the one thing every
+        // version keeps, so an intact slot of a later version can be told from a damaged one.
+        return ConfigSlot::Newer(version);
     }
     let seq = u64::from_le_bytes(bytes[16..24].try_into().expect("8 bytes"));
     match serde_json::from_slice::<Superblock>(&bytes[CONFIG_HEADER..]) {

@@ -226,6 +226,12 @@ pub enum EngineError {
     },
     #[error("the cache volume holds a damaged hybridcache superblock ({0}); force a new cache to overwrite it")]
     DamagedSuperblock(String),
+    #[error("the cache volume holds a cache made by a newer hybridcache (format {found}); this build reads formats {oldest} to {newest}: load it with that newer build (nothing was written)")]
+    NewerFormat {
+        found: u32,
+        oldest: u32,
+        newest: u32,
+    },
     #[error("no hybridcache cache found on {0}")]
     NoCache(String),
     #[error("corrupt cache metadata: {0}; the cache was not loaded and nothing was written")]

@@ -265,6 +265,23 @@ pub(crate) fn read_config(volume: &dyn Volume) -> Result<[ConfigSlot; 2]> {
 }
 
 /// The newest valid superblock, with its sequence number and format version.
+/// Refuse a volume that a newer build wrote to: its older slot, if any, is not the cache's
+/// state any more (the newer build has moved on from it), and loading or overwriting it on
+/// the strength of the other slot would roll the cache back or destroy it.
+pub(crate) fn refuse_newer(slots: &[ConfigSlot; 2]) -> Result<()> {
+    match slots.iter().find_map(|s| match s {
+        ConfigSlot::Newer(v) => Some(*v),
+        _ => None,
+    }) {
+        Some(found) => Err(EngineError::NewerFormat {
+            found,
+            oldest: crate::format::OLDEST_VERSION,
+            newest: crate::format::VERSION,
+        }),
+        None => Ok(()),
+    }
+}
+
 pub(crate) fn newest(slots: &[ConfigSlot; 2]) -> Option<(u64, &Superblock, u32)> {
     slots
         .iter()
@@ -1462,13 +1479,64 @@ mod version_tests {
         let e = Cache::load(vol.clone(), &mut |_| Some(core.clone()))
             .err()
             .expect("refused");
+        let newer = format!("made by a newer hybridcache (format {})", VERSION + 1);
         assert!(
-            e.to_string()
-                .contains(&format!("format version {} is not supported", VERSION + 1)),
+            e.to_string().contains(&newer) && !e.to_string().contains("force"),
             "{e}"
         );
+        // Starting a new cache on it without force is refused the same way (it is not damaged,
+        // so force is not offered), and so is a look at it.
+        let config = CacheConfig {
+            id: 2,
+            line_size: LineSize::from_kib(4).unwrap(),
+            mode: CacheMode::Wt,
+        };
+        let e = Cache::create(vol.clone(), config, false)
+            .err()
+            .expect("refused");
+        assert!(e.to_string().contains(&newer), "{e}");
+        let e = Cache::peek(&*vol).expect_err("refused");
+        assert!(e.to_string().contains(&newer), "{e}");
         let mut after = vec![0u8; vol.size() as usize];
         vol.read_at(&mut after, 0).unwrap();
         assert!(before == after, "a refused load wrote nothing");
+    }
+
+    /// A newer build that rewrote only one slot (its next superblock write) still owns the
+    /// cache: the older slot must not be loaded in its place.
+    #[test]
+    fn one_slot_of_a_newer_version_is_enough_to_refuse() {
+        let (vol, core) = stopped_as_version(VERSION);
+        let mut head = vec![0u8; 4096];
+        vol.read_at(&mut head, CONFIG_SLOT_BYTES).unwrap();
+        let len = 32 + u32::from_le_bytes(head[24..28].try_into().unwrap()) as usize;
+        head[8..12].copy_from_slice(&(VERSION + 1).to_le_bytes());
+        let crc = config_crc(&head[..len]);
+        head[12..16].copy_from_slice(&crc.to_le_bytes());
+        vol.write_at(&head, CONFIG_SLOT_BYTES).unwrap();
+        let e = Cache::load(vol.clone(), &mut |_| Some(core.clone()))
+            .err()
+            .expect("refused");
+        assert!(e.to_string().contains("newer hybridcache"), "{e}");
+    }
+
+    /// A version field beyond ours in a slot whose checksum fails is damage, reported as such.
+    #[test]
+    fn a_damaged_slot_claiming_a_newer_version_is_damage() {
+        let (vol, core) = stopped_as_version(VERSION);
+        for slot in 0..2u64 {
+            let mut head = vec![0u8; 4096];
+            vol.read_at(&mut head, slot * CONFIG_SLOT_BYTES).unwrap();
+            head[8..12].copy_from_slice(&(VERSION + 1).to_le_bytes());
+            vol.write_at(&head, slot * CONFIG_SLOT_BYTES).unwrap();
+        }
+        let e = Cache::load(vol.clone(), &mut |_| Some(core.clone()))
+            .err()
+            .expect("refused");
+        let e = e.to_string();
+        assert!(
+            !e.contains("newer hybridcache") && e.contains("is not supported"),
+            "{e}"
+        );
     }
 }
