@@ -53,6 +53,28 @@ fn core_id(s: &str) -> Result<u16, String> {
     }
 }
 
+/// A device path as the daemon must see it: the daemon's working directory is not the
+/// operator's, so a relative path (bare or `file:`) is made absolute against ours. Other
+/// specs (`ram:`, `nbd://`, emulated devices) pass as typed.
+fn device_from_here(spec: &str) -> String {
+    let (prefix, path) = match spec.strip_prefix("file:") {
+        Some(p) => ("file:", p),
+        None => match spec.split_once(':') {
+            // `kind:...`; a path with a colon in it starts with `/` or `.`.
+            Some((kind, _)) if !kind.contains('/') && !kind.starts_with('.') => return spec.into(),
+            _ => ("", spec),
+        },
+    };
+    let p = std::path::Path::new(path);
+    if path.is_empty() || p.is_absolute() {
+        return spec.into();
+    }
+    match std::env::current_dir() {
+        Ok(here) => format!("{prefix}{}", here.join(p).display()),
+        Err(_) => spec.into(),
+    }
+}
+
 fn mode(s: &str) -> Result<CacheMode, String> {
     s.parse()
 }
@@ -484,7 +506,7 @@ impl Command {
                 force,
                 load,
             } => Request::StartCache {
-                device: device.clone(),
+                device: device_from_here(device),
                 id: *id,
                 mode: mode.map(|m| m.to_string()),
                 line_size_kib: *line_size,
@@ -508,7 +530,7 @@ impl Command {
                 frontend,
             } => Request::AddCore {
                 cache: *id,
-                device: device.clone(),
+                device: device_from_here(device),
                 core: *core,
                 force: *force,
                 frontend: frontend.clone(),
@@ -653,6 +675,33 @@ mod tests {
         let mut blank = Vec::new();
         walk(&Cli::command(), "hybridcache", &mut blank);
         assert!(blank.is_empty(), "options without help: {blank:#?}");
+    }
+
+    #[test]
+    fn relative_device_paths_are_resolved_against_the_cli_s_directory() {
+        let here = std::env::current_dir().unwrap();
+        let abs = |p: &str| here.join(p).display().to_string();
+        assert_eq!(device_from_here("cache.img"), abs("cache.img"));
+        assert_eq!(device_from_here("./d/core.img"), abs("./d/core.img"));
+        assert_eq!(device_from_here("../x:y.img"), abs("../x:y.img"));
+        assert_eq!(
+            device_from_here("file:core.img"),
+            format!("file:{}", abs("core.img"))
+        );
+        for kept in [
+            "/dev/sdb",
+            "file:/srv/core.img",
+            "ram:1G",
+            "null:64G",
+            "nbd+unix:///cas1-1?socket=n.sock",
+            "raid:preset=study60,disk_size=64G,nodata",
+        ] {
+            assert_eq!(device_from_here(kept), kept);
+        }
+        match req(&["-A", "-i", "1", "-d", "core.img"]) {
+            Request::AddCore { device, .. } => assert_eq!(device, abs("core.img")),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
