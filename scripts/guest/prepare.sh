@@ -48,7 +48,10 @@ private_apt_update() {
 
 # ---- host tools ----------------------------------------------------------------------------
 qemu_major() {
-	qemu-system-x86_64 --version 2>/dev/null | sed -n 's/^QEMU emulator version \([0-9]*\)\..*/\1/p'
+	# No qemu at all (a new machine) is an empty answer, not a failure: with pipefail the
+	# missing command's 127 would end the script before it installs qemu.
+	{ qemu-system-x86_64 --version 2>/dev/null || true; } |
+		sed -n 's/^QEMU emulator version \([0-9]*\)\..*/\1/p'
 }
 need=()
 [ -x /bin/busybox ] || need+=(busybox-static)
