@@ -9,7 +9,7 @@ mod common;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use common::{fio, have, sparse_file, workdir, Daemon};
+use common::{fio, need, sparse_file, workdir, Daemon};
 
 struct Kill(Child);
 
@@ -22,8 +22,7 @@ impl Drop for Kill {
 
 #[test]
 fn a_dead_remote_core_does_not_block_another_cores_flushes() {
-    if !have("nbdkit") || !have("fio") {
-        eprintln!("skipped: nbdkit or fio is not installed (make deps)");
+    if !need(&["nbdkit", "fio"]) {
         return;
     }
     let dir = workdir();
