@@ -488,6 +488,79 @@ fn loop_aliases_of_a_cache_file_and_of_a_core_file_are_refused() {
     assert!(d.ok(&["-L"]).contains(&fc.spec), "cache 1 is back");
 }
 
+/// The specs that keep their data in `file`: throttled (any inner spelling) and emulated
+/// devices with `file=`. Each is that file, for claims, identity and signatures.
+fn wrapped(file: &str) -> Vec<String> {
+    vec![
+        format!("throttle:latency_us=1:{file}"),
+        format!("throttle:iops=100000:file:{file}"),
+        format!("throttle:latency_us=1:throttle:bw=1G:{file}"),
+        format!("hdd:size=64M,file={file}"),
+        format!("ssd:size=64M,file={file}"),
+        format!("raid:level=1,disks=2,disk_size=64M,file={file}"),
+    ]
+}
+
+#[test]
+fn wrapped_specs_of_a_claimed_file_are_refused() {
+    let fc = file_cache(64 * MIB, 64 * MIB, &["-c", "wb"]);
+    let d = &fc.daemon;
+    d.ok(&["-S", "-d", "ram:64M", "-i", "2"]);
+    for (file, user) in [
+        (path_str(&fc.cache), "cache device of cache 1"),
+        (path_str(&fc.core), "core 1 of cache 1"),
+    ] {
+        for spec in wrapped(file) {
+            let e = d.fails(&["-S", "-d", &spec, "-i", "3", "--force"]);
+            assert!(e.contains(user), "{spec}: {e}");
+            let e = d.fails(&["-A", "-i", "2", "-d", &spec, "--force"]);
+            assert!(e.contains(user), "{spec}: {e}");
+        }
+    }
+    // Another process meets the same claims.
+    let dir2 = workdir();
+    let second = Daemon::start(dir2.path());
+    second.ok(&["-S", "-d", "ram:64M", "-i", "5"]);
+    for spec in wrapped(path_str(&fc.core)) {
+        let e = second.fails(&["-A", "-i", "5", "-d", &spec]);
+        assert!(e.contains("claimed by another user"), "{spec}: {e}");
+    }
+    drop(second);
+    // A wrapped device claims its file: the plain path and other wrappings are refused.
+    let img = fc.dir.path().join("wrapped.img");
+    sparse_file(&img, 64 * MIB);
+    let throttled = format!("throttle:latency_us=1:{}", path_str(&img));
+    d.ok(&["-A", "-i", "2", "-d", &throttled]);
+    let e = d.fails(&["-A", "-i", "2", "-d", path_str(&img)]);
+    assert!(e.contains("core 1 of cache 2"), "{e}");
+    let e = d.fails(&[
+        "-S",
+        "-d",
+        &format!("hdd:size=64M,file={}", path_str(&img)),
+        "-i",
+        "3",
+        "--force",
+    ]);
+    assert!(e.contains("core 1 of cache 2"), "{e}");
+    d.ok(&["-R", "-i", "2", "-j", "1"]);
+    // Signatures are read through the wrapping: a throttled or emulated ext4 file is refused.
+    let fs = fc.dir.path().join("fs.img");
+    sparse_file(&fs, 64 * MIB);
+    sh("mkfs.ext4", &["-q", "-F", path_str(&fs)]).expect("mkfs.ext4");
+    let before = std::fs::read(&fs).unwrap();
+    for spec in wrapped(path_str(&fs)) {
+        let e = d.fails(&["-S", "-d", &spec, "-i", "3"]);
+        assert!(
+            e.contains("an ext4 file system") && e.contains("use --force"),
+            "{spec}: {e}"
+        );
+    }
+    assert!(
+        std::fs::read(&fs).unwrap() == before,
+        "a refusal wrote to the file"
+    );
+}
+
 #[test]
 fn stop_and_remove_are_refused_while_nbdfuse_holds_the_export() {
     if !need(&["nbdfuse", "fusermount3"]) {
