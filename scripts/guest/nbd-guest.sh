@@ -27,8 +27,9 @@ verify_job() {
 }
 
 # The chardev forward connects to the daemon when qemu starts, and the daemon drops a
-# connection whose handshake has not finished within 30 s: on a slow boot nbd-client would then
-# wait for ever for the greeting. It gets 15 s; after that the socat forward serves this
+# connection whose handshake has not finished within its handshake timeout (10 s by default;
+# test-nbd.sh starts it with --nbd-handshake-timeout 30 for this): on a slow boot nbd-client
+# would then wait for ever for the greeting. It gets 15 s; after that the socat forward serves this
 # connection too (the host's clock, not the guest's uptime, decides, so no heuristic is used).
 if ! timeout 15 nbd-client 10.0.2.100 10809 /dev/nbd0 -N cas1-1 -C 1 -b 4096; then
 	step "the chardev forward's connection is gone (slow boot?): using the socat forward"

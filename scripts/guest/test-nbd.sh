@@ -35,8 +35,11 @@ truncate -s 2G "$work/core.img"
 hc() { "$BIN" "$@" --control "$work/control.sock"; }
 
 : >"$work/daemon.log"
+# qemu's chardev forward connects when qemu starts, but the guest's nbd-client sends its first
+# byte only after the boot (up to 16 s on a busy machine) and then waits up to 15 s more
+# (nbd-guest.sh): the default 10 s handshake timeout would drop that connection first.
 "$BIN" daemon --control "$work/control.sock" --nbd-socket "$work/nbd.sock" \
-	--nbd-listen 127.0.0.1:0 </dev/null >/dev/null 2>"$work/daemon.log" &
+	--nbd-listen 127.0.0.1:0 --nbd-handshake-timeout 30 </dev/null >/dev/null 2>"$work/daemon.log" &
 dpid=$!
 port=
 for _ in $(seq 200); do

@@ -1,15 +1,16 @@
 //! One failing core cannot block the others, through the real daemon: core 1 is a remote NBD
 //! export served by nbdkit (memory plugin behind the error filter, which then starts failing
 //! every request, and is finally killed), core 2 a file. fio writes core 2's export with crc32c
-//! verification and fsyncs throughout; then the daemon is killed with SIGKILL, the cache loaded
-//! again, and fio's `verify_only` must find every one of core 2's writes.
+//! verification and fsyncs throughout, and core 1's server is killed while it writes; then the
+//! daemon is killed with SIGKILL, the cache loaded again, and fio's `verify_only` must find
+//! every one of core 2's writes.
 
 mod common;
 
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use common::{fio, have, sparse_file, workdir, Daemon};
+use common::{fio, need, sparse_file, workdir, Daemon};
 
 struct Kill(Child);
 
@@ -22,8 +23,7 @@ impl Drop for Kill {
 
 #[test]
 fn a_dead_remote_core_does_not_block_another_cores_flushes() {
-    if !have("nbdkit") || !have("fio") {
-        eprintln!("skipped: nbdkit or fio is not installed (make deps)");
+    if !need(&["nbdkit", "fio"]) {
         return;
     }
     let dir = workdir();
@@ -92,11 +92,38 @@ fn a_dead_remote_core_does_not_block_another_cores_flushes() {
         a.extend(extra.iter().map(|s| s.to_string()));
         a
     };
-    fio(dir.path(), "errors", &job("core2", &[]));
-    // Now core 1's server is gone altogether: its flushes fail too.
+    // One verify run on core 2, its writes slowed to 2 MiB/s (12 s) so that it is still writing
+    // when core 1's server goes: it starts while core 1 fails every request, and core 1 dies
+    // under it.
+    let run = {
+        let (dir, args) = (dir.path().to_path_buf(), job("core2", &["--rate=,2m"]));
+        std::thread::spawn(move || fio(&dir, "core2", &args))
+    };
+    let exported = |d: &Daemon| {
+        d.stats_json(1, Some(2))["blocks"]["exported_writes"]["count"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while exported(&d) == 0 {
+        assert!(!run.is_finished(), "fio ended before writing");
+        assert!(Instant::now() < deadline, "fio never wrote to cas1-2");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let _ = nbdkit.0.kill();
     let _ = nbdkit.0.wait();
-    fio(dir.path(), "killed", &job("core2", &[]));
+    // In 4 KiB blocks: the run's 24 MiB were not all written when the server went.
+    let at_kill = exported(&d);
+    assert!(
+        at_kill < 6144,
+        "core 1 was killed after fio's writes, not during them ({at_kill} blocks written)"
+    );
+    let report = run.join().expect("the fio thread");
+    assert_eq!(
+        report["jobs"][0]["write"]["io_bytes"].as_u64(),
+        Some(24 << 20),
+        "fio wrote all of its run"
+    );
     // A client's own flush on cas1-2 (fio's nbd engine does not say whether its flushes failed).
     let mut c2 = hybridcache_nbd::Client::connect_unix(&d.nbd, "cas1-2").unwrap();
     c2.flush()

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{fio, have, sparse_file, workdir, Daemon, BIN};
+use common::{fio, need, sparse_file, workdir, Daemon, BIN};
 use hybridcache_daemon::config::ConfigFile;
 use hybridcache_nbd::Client;
 
@@ -400,8 +400,7 @@ impl Drop for Nbdkit {
 
 #[test]
 fn a_remote_core_reconnects_after_its_server_restarts_during_fio() {
-    if !have("nbdkit") || !have("fio") {
-        eprintln!("skipped: needs nbdkit and fio (make deps)");
+    if !need(&["nbdkit", "fio"]) {
         return;
     }
     let dir = workdir();
@@ -521,8 +520,7 @@ fn a_remote_core_reconnects_after_its_server_restarts_during_fio() {
 
 #[test]
 fn an_inactive_remote_core_attaches_when_its_server_answers() {
-    if !have("nbdkit") {
-        eprintln!("skipped: needs nbdkit (make deps)");
+    if !need(&["nbdkit"]) {
         return;
     }
     let dir = workdir();
@@ -569,8 +567,7 @@ fn an_inactive_remote_core_attaches_when_its_server_answers() {
 
 #[test]
 fn stop_daemon_with_its_remote_core_gone_keeps_the_dirty_data_and_says_so() {
-    if !have("nbdkit") {
-        eprintln!("skipped: needs nbdkit (make deps)");
+    if !need(&["nbdkit"]) {
         return;
     }
     let dir = workdir();

@@ -81,11 +81,31 @@ impl Volume for ClaimedVolume {
     }
 }
 
-/// The path a spec names when it is a plain path or `file:PATH` (volume URIs, RAM and remote
-/// devices have nothing to claim).
+/// The file or block device that holds a spec's data: a plain path or `file:PATH`, and inside
+/// the wrappers of the volume crate's spec grammar (`throttle:PARAMS:INNER`, and `hdd:`,
+/// `ssd:`, `raid:` with `file=PATH`), which must be claimed, identified and checked for
+/// signatures as that file, or a wrapping would get past all three. Volume URIs, RAM, remote
+/// devices and emulated devices without `file=` have nothing to claim.
 pub fn spec_path(spec: &str) -> Option<&str> {
     if let Some(p) = spec.strip_prefix("file:") {
         return Some(p);
+    }
+    if let Some(rest) = spec.strip_prefix("throttle:") {
+        // Throttle parameters hold no colon: the inner spec is everything after the first.
+        return spec_path(rest.split_once(':')?.1);
+    }
+    if let Some(params) = ["hdd:", "ssd:", "raid:"]
+        .iter()
+        .find_map(|kind| spec.strip_prefix(kind))
+    {
+        // `key=value` items separated by commas, spaces around either trimmed, as the volume
+        // crate parses them (its `file=` path cannot contain a comma).
+        return params
+            .split(',')
+            .filter_map(|item| item.split_once('='))
+            .find(|(k, _)| k.trim() == "file")
+            .map(|(_, v)| v.trim())
+            .filter(|v| !v.is_empty());
     }
     // Every other volume kind is spelled `kind:...`; a path with a colon still starts with `/`
     // or `.` in practice, and a bare relative name without one is a path too.
@@ -541,7 +561,19 @@ mod tests {
         assert_eq!(spec_path("rel.img"), Some("rel.img"));
         assert_eq!(spec_path("./x:y"), Some("./x:y"));
         assert_eq!(spec_path("ram:1G"), None);
-        assert_eq!(spec_path("throttle:latency_us=1:/a"), None);
+        // Wrapped devices are the file that holds their data.
+        assert_eq!(spec_path("throttle:latency_us=1:/a"), Some("/a"));
+        assert_eq!(spec_path("throttle:iops=5:file:/a:b"), Some("/a:b"));
+        assert_eq!(spec_path("throttle:iops=5:throttle:bw=1M:/a"), Some("/a"));
+        assert_eq!(spec_path("throttle:iops=5:ram:1G"), None);
+        assert_eq!(spec_path("hdd:size=1G,file=/a,rpm=5400"), Some("/a"));
+        assert_eq!(spec_path("ssd:size=1G, file = /a"), Some("/a"));
+        assert_eq!(
+            spec_path("raid:level=1,disks=2,disk_size=1G,file=/a"),
+            Some("/a")
+        );
+        assert_eq!(spec_path("hdd:size=1G"), None);
+        assert_eq!(spec_path("hdd:size=1G,nodata"), None);
         assert_eq!(spec_path("nbd+unix:///x?socket=/s"), None);
     }
 

@@ -82,7 +82,7 @@ pub fn device_key(spec: &str) -> Option<DeviceKey> {
     if is_nbd_uri(spec) {
         return Some(DeviceKey::Nbd(spec.to_string()));
     }
-    let path = spec.strip_prefix("file:").unwrap_or(spec);
+    let path = crate::claims::spec_path(spec)?;
     match std::fs::metadata(Path::new(path)) {
         Ok(m) if m.file_type().is_block_device() => Some(block_key(m.rdev())),
         Ok(m) => Some(DeviceKey::File {
@@ -105,12 +105,16 @@ pub fn open_device(spec: &str) -> Result<VolumeRef, String> {
 }
 
 /// Whether `spec` names a local path that does not exist (yet): a late device, as opposed to
-/// one that exists but cannot be used. RAM, null and remote devices are never missing.
+/// one that exists but cannot be used. RAM, null and remote devices are never missing; a wrapped
+/// device is missing when the file holding its data is (an emulated device without `file=` never
+/// is, nor is a spec of an unknown kind, which opening then reports).
 pub fn is_missing(spec: &str) -> bool {
     if spec.starts_with("ram:") || spec.starts_with("null:") || is_nbd_uri(spec) {
         return false;
     }
-    let path = spec.strip_prefix("file:").unwrap_or(spec);
+    let Some(path) = crate::claims::spec_path(spec) else {
+        return false;
+    };
     matches!(std::fs::metadata(Path::new(path)), Err(e) if e.kind() == std::io::ErrorKind::NotFound)
 }
 
@@ -118,7 +122,7 @@ pub fn is_missing(spec: &str) -> bool {
 /// the same for a whole poll interval, so a file still being copied or grown is not formatted
 /// or loaded half-written. None while the device is missing or empty.
 pub fn settle_mark(spec: &str) -> Option<(u64, i64, i64)> {
-    let path = spec.strip_prefix("file:").unwrap_or(spec);
+    let path = crate::claims::spec_path(spec)?;
     let m = std::fs::metadata(Path::new(path)).ok()?;
     let size = if m.file_type().is_block_device() {
         // A block device's metadata size is 0; its appearance is the event.
@@ -158,6 +162,12 @@ mod tests {
         assert!(a.is_some());
         assert_eq!(a, b);
         assert_eq!(device_key("ram:1G"), None);
+        // A wrapped device is the file holding its data.
+        assert_eq!(device_key(&format!("throttle:latency_us=1:{plain}")), a);
+        assert_eq!(device_key(&format!("hdd:size=1M,file={plain}")), a);
+        assert!(!is_missing(&format!("throttle:iops=5:{plain}")));
+        assert!(is_missing(&format!("throttle:iops=5:{plain}.gone")));
+        assert!(!is_missing("hdd:size=1M,nodata"));
     }
 
     #[test]
