@@ -211,7 +211,8 @@ pub enum Command {
         /// Core id (1..4095) [default: the lowest free].
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: Option<u16>,
-        /// Take a core device even though it is mounted (without an exclusive claim).
+        /// Take a core device even though it is mounted (without an exclusive claim), or attach
+        /// an inactive core to a device that is not the one it was added as.
         #[arg(short = 'f', long)]
         force: bool,
         /// Serve the exported volume over NBD or as a block device /dev/ublkbN (Linux ublk

@@ -213,8 +213,12 @@ fn run(cli: Cli) -> Result<()> {
             if v.loaded {
                 println!("cache {} loaded", v.id);
                 for core in &v.inactive {
+                    let why = v
+                        .why_inactive
+                        .get(core)
+                        .map_or("its device is missing", String::as_str);
                     println!(
-                        "core {core} of cache {} is inactive: its device is missing (attach it with add-core -i {} -j {core} -d DEVICE)",
+                        "core {core} of cache {} is inactive: {why} (attach it with add-core -i {} -j {core} -d DEVICE)",
                         v.id, v.id
                     );
                 }

@@ -311,6 +311,72 @@ fn a_core_of_the_wrong_size_is_not_attached() {
     assert_eq!(d.log_text().matches("cannot be attached").count(), 1);
 }
 
+/// Another device of the same size under a core's recorded name (disks renamed at boot, a file
+/// replaced) is not that core: its dirty data must not be written there. The load leaves the
+/// core inactive, the watcher does not attach it, and only a forced attach does.
+#[test]
+fn another_device_of_the_same_size_under_the_core_s_name_is_not_attached() {
+    let dir = workdir();
+    let p = dir.path();
+    let cache = p.join("cache.img");
+    let core = p.join("core.img");
+    sparse_file(&cache, 64 << 20);
+    sparse_file(&core, 64 << 20);
+    let mut d = Daemon::start(p);
+    let spec = format!("file:{}", cache.display());
+    d.ok(&["-S", "-d", &spec, "-c", "wb"]);
+    let core_s = core.to_str().expect("UTF-8");
+    d.ok(&["-A", "-i", "1", "-d", core_s]);
+    let data = pattern(5, 1 << 20);
+    let mut c = Client::connect_unix(&d.nbd, "cas1-1").expect("connect");
+    c.write(&data, 0, false).expect("write");
+    c.flush().expect("flush");
+    c.disconnect().expect("disconnect");
+    d.ok(&["-T", "-i", "1", "-n"]);
+    assert!(d.stop());
+    // Keep the old file (so its inode number stays taken) and put another in its place.
+    let away = p.join("core.away");
+    std::fs::rename(&core, &away).expect("move the core away");
+    sparse_file(&core, 64 << 20);
+    let impostor = hash(&core);
+
+    let d = Daemon::start(p);
+    let out = d.ok(&["-S", "-d", &spec, "--load"]);
+    assert!(
+        out.contains("core 1 of cache 1 is inactive")
+            && out.contains("is not the device it was added as"),
+        "{out}"
+    );
+    let (_, cores) = statuses(&d, 1).expect("listed");
+    assert_eq!(cores, ["Inactive"]);
+    // The watcher looks at it and refuses it too, once.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !d.log_text().contains("cannot be attached") {
+        assert!(Instant::now() < deadline, "{}", d.log_text());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        d.log_text().contains("is not the device it was added as"),
+        "{}",
+        d.log_text()
+    );
+    let err = d.fails(&["-A", "-i", "1", "-j", "1", "-d", core_s]);
+    assert!(err.contains("--force"), "{err}");
+    let (_, cores) = statuses(&d, 1).expect("listed");
+    assert_eq!(cores, ["Inactive"]);
+    assert_eq!(
+        hash(&core),
+        impostor,
+        "nothing was written to the other device"
+    );
+
+    // The operator says it is the core: it attaches, and takes the dirty data.
+    d.ok(&["-A", "-i", "1", "-j", "1", "-d", core_s, "--force"]);
+    d.ok(&["-F", "-i", "1"]);
+    let on_core = std::fs::read(&core).expect("read the core");
+    assert_eq!(&on_core[..data.len()], &data[..]);
+}
+
 #[test]
 fn stop_daemon_flushes_and_stops() {
     let dir = workdir();

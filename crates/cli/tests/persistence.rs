@@ -207,10 +207,22 @@ fn missing_core_is_inactive_until_attached() {
             "{err}"
         );
     }
-    // Attaching it from the wrong device (another size) is refused and changes nothing.
+    // Attaching it from another device is refused and changes nothing: it is not the device
+    // the core was added as, and even when forced, its size differs from the recorded one.
     let wrong = dir.path().join("wrong.img");
     sparse_file(&wrong, 16 << 20);
     let err = d.fails(&["-A", "-i", "1", "-j", "1", "-d", wrong.to_str().unwrap()]);
+    assert!(err.contains("not the device it was added as"), "{err}");
+    let err = d.fails(&[
+        "-A",
+        "-i",
+        "1",
+        "-j",
+        "1",
+        "-d",
+        wrong.to_str().unwrap(),
+        "-f",
+    ]);
     assert!(err.contains("bytes"), "{err}");
     assert!(d.ok(&["-L"]).contains("Inactive"));
     assert!(dirty(&d, 1) > 0, "the inactive core's dirty data is kept");

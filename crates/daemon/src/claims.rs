@@ -395,6 +395,26 @@ pub fn whole_disk(rdev: u64) -> u64 {
         .unwrap_or(rdev)
 }
 
+/// What the kernel says a disk is, whatever its name: its WWID, or else its serial number.
+/// None for a disk that reports neither (loop, RAM and many virtual disks).
+pub fn disk_hardware_id(disk: u64) -> Option<String> {
+    let dir = sysfs_dir(disk);
+    ["wwid", "device/wwid", "serial", "device/serial"]
+        .iter()
+        .filter_map(|f| std::fs::read_to_string(dir.join(f)).ok())
+        .map(|t| t.trim().to_string())
+        .find(|t| !t.is_empty())
+}
+
+/// A partition's number on its disk (None for a whole disk).
+pub fn partition_number(rdev: u64) -> Option<u32> {
+    std::fs::read_to_string(sysfs_dir(rdev).join("partition"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
 fn partitions_of(rdev: u64) -> Vec<u64> {
     let Ok(dir) = std::fs::canonicalize(sysfs_dir(rdev)) else {
         return Vec::new();

@@ -461,6 +461,20 @@ fn core_status(core: &CoreEntry) -> String {
     }
 }
 
+/// Why the device at `spec` is not the one `rec` was added as, if it is not: its identity
+/// differs from the recorded one, or it has none where one was recorded. Nothing to compare
+/// (a record without identity) accepts it, as path and size always did.
+fn not_the_recorded_device(rec: &CoreRecord, spec: &str) -> Option<String> {
+    let want = rec.identity.as_deref()?;
+    match crate::devices::identity(spec) {
+        Some(found) if found == want => None,
+        found => Some(format!(
+            "{spec} is not the device it was added as (recorded: {want}; found: {})",
+            found.as_deref().unwrap_or("no identity")
+        )),
+    }
+}
+
 /// `-L`'s entry for a cache that is not running.
 fn waiting_info(w: &Waiting) -> CacheInfo {
     CacheInfo {
@@ -858,6 +872,7 @@ impl Daemon {
             id,
             loaded: false,
             inactive: Vec::new(),
+            why_inactive: Default::default(),
         })
         .map_err(|e| e.to_string())
     }
@@ -885,12 +900,15 @@ impl Daemon {
                     return None;
                 }
                 match self.open_claimed(&rec.path, false) {
-                    Ok(v) => Some(v),
+                    Ok(v) => match not_the_recorded_device(rec, &rec.path) {
+                        None => Some(v),
+                        Some(why) => {
+                            notes.push((rec.id, why));
+                            None
+                        }
+                    },
                     Err(e) => {
-                        notes.push(format!(
-                            "core {} is inactive: its device cannot be opened ({e})",
-                            rec.id
-                        ));
+                        notes.push((rec.id, format!("its device cannot be opened ({e})")));
                         None
                     }
                 }
@@ -977,13 +995,14 @@ impl Daemon {
             "loaded cache {id} from {device} ({mode}, {line_kib} KiB lines, {count} cores, {} inactive)",
             inactive.len()
         );
-        for n in notes {
-            tracing::info!("cache {id}: {n}");
+        for (core, why) in &notes {
+            tracing::info!("cache {id}: core {core} is inactive: {why}");
         }
         serde_json::to_value(protocol::Started {
             id,
             loaded: true,
             inactive,
+            why_inactive: notes.into_iter().collect(),
         })
         .map_err(|e| e.to_string())
     }
@@ -1133,8 +1152,21 @@ impl Daemon {
         let volume = self.open_claimed(device, force)?;
         let c = st.cache(cache_id)?;
         let line = c.cache.line_size().bytes();
+        let identity = crate::devices::identity(device);
         let core_id = match reattach {
             Some(j) => {
+                if let Some(why) = c
+                    .cache
+                    .core_record(j)
+                    .and_then(|rec| not_the_recorded_device(&rec, device))
+                {
+                    if !force {
+                        return Err(format!(
+                            "cache {cache_id}: core {j}: {why}; attach it with --force if it is that core's device"
+                        ));
+                    }
+                    tracing::warn!("cache {cache_id}: core {j}: {why}; attached as forced");
+                }
                 c.cache
                     .attach_core(j, volume)
                     .map_err(|e| format!("cache {cache_id}: {}", engine_err(e)))?;
@@ -1142,6 +1174,13 @@ impl Daemon {
             }
             None => c.cache.add_core(volume, core).map_err(engine_err)?,
         };
+        if let Err(e) = c.cache.set_core_identity(core_id, identity) {
+            // Not fatal: without it the core is known by path and size only, as before.
+            tracing::warn!(
+                "cache {cache_id}: core {core_id}: its device's identity could not be recorded: {}",
+                engine_err(e)
+            );
+        }
         let name = export_name(cache_id, core_id);
         let description = format!("core {core_id} ({device}) of cache {cache_id}");
         let exported = c.cache.core(core_id).map_err(engine_err).and_then(|core| {

@@ -94,6 +94,32 @@ pub fn device_key(spec: &str) -> Option<DeviceKey> {
     }
 }
 
+/// What the device `spec` names is, to tell a core's device from another one that takes its
+/// path later (disks renamed at boot, a file replaced by another of the same size): a file, or
+/// a loop device over one, by its file system's device and its inode; a disk by the WWID or
+/// serial number the kernel reports; a partition by its disk's and its number. None when
+/// nothing stable is known (a disk that reports neither, remote, RAM and null devices).
+pub fn identity(spec: &str) -> Option<String> {
+    match device_key(spec)? {
+        DeviceKey::File { dev, ino } => Some(format!("file {dev}:{ino}")),
+        DeviceKey::Block {
+            rdev,
+            disk,
+            backing,
+        } => {
+            let whole = match backing {
+                Some((dev, ino)) => format!("file {dev}:{ino}"),
+                None => format!("disk {}", crate::claims::disk_hardware_id(disk)?),
+            };
+            Some(match crate::claims::partition_number(rdev) {
+                Some(n) if rdev != disk => format!("{whole} partition {n}"),
+                _ => whole,
+            })
+        }
+        DeviceKey::Nbd(_) => None,
+    }
+}
+
 /// Open the device `spec` names: anything `open_volume` takes, or an `nbd://` / `nbd+unix://` URI.
 pub fn open_device(spec: &str) -> Result<VolumeRef, String> {
     let opened = if is_nbd_uri(spec) {
@@ -168,6 +194,36 @@ mod tests {
         assert!(!is_missing(&format!("throttle:iops=5:{plain}")));
         assert!(is_missing(&format!("throttle:iops=5:{plain}.gone")));
         assert!(!is_missing("hdd:size=1M,nodata"));
+    }
+
+    #[test]
+    fn a_file_is_known_by_its_inode_not_its_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("core.img");
+        std::fs::write(&p, vec![0u8; 4096]).unwrap();
+        let plain = p.to_str().unwrap().to_string();
+        let first = identity(&plain).expect("a file has an identity");
+        assert_eq!(identity(&format!("file:{plain}")).as_deref(), Some(&*first));
+        let moved = dir.path().join("moved.img");
+        std::fs::rename(&p, &moved).unwrap();
+        std::fs::rename(&moved, &p).unwrap();
+        assert_eq!(
+            identity(&plain).as_deref(),
+            Some(&*first),
+            "moving keeps it"
+        );
+        std::fs::remove_file(&p).unwrap();
+        // Hold the old inode's number so the new file cannot reuse it.
+        let keep = dir.path().join("keep.img");
+        std::fs::write(&keep, b"x").unwrap();
+        std::fs::write(&p, vec![0u8; 4096]).unwrap();
+        assert_ne!(
+            identity(&plain),
+            Some(first),
+            "another file at the path is another device"
+        );
+        assert_eq!(identity("ram:1G"), None);
+        assert_eq!(identity("nbd://127.0.0.1/x"), None);
     }
 
     #[test]

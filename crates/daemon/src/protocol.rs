@@ -180,6 +180,10 @@ pub struct Started {
     /// Cores of a loaded cache whose device was missing: inactive until attached again.
     #[serde(default)]
     pub inactive: Vec<u16>,
+    /// Why an inactive core is, where that is more than a missing device (it cannot be
+    /// opened, or it is not the device the core was added as), by core id.
+    #[serde(default)]
+    pub why_inactive: std::collections::BTreeMap<u16, String>,
 }
 
 /// Result of `add-core`.

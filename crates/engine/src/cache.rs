@@ -1904,6 +1904,7 @@ impl Cache {
                 path: volume.name().to_string(),
                 size,
                 uuid: new_uuid(),
+                identity: None,
             };
             p.update_superblock(&*self.inner.volume, |sb| sb.cores.push(record))?;
         }
@@ -1960,6 +1961,29 @@ impl Cache {
         self.inner.seq_cutoff_inactive.write().remove(&id);
         self.inner.save_policies()?;
         Ok(())
+    }
+
+    /// Record what core `id`'s device is (see [`CoreRecord::identity`]), so that a load or a
+    /// re-attach can tell it from another device that takes its path. A cache without
+    /// persistence has nothing to record.
+    pub fn set_core_identity(&self, id: CoreId, identity: Option<String>) -> Result<()> {
+        let Some(p) = &self.inner.persist else {
+            return Ok(());
+        };
+        if !p.superblock().cores.iter().any(|c| c.id == id) {
+            return Err(EngineError::NoSuchCore(id));
+        }
+        p.update_superblock(&*self.inner.volume, |sb| {
+            if let Some(c) = sb.cores.iter_mut().find(|c| c.id == id) {
+                c.identity = identity;
+            }
+        })
+    }
+
+    /// Core `id` as the superblock records it (persistent caches only).
+    pub fn core_record(&self, id: CoreId) -> Option<CoreRecord> {
+        let p = self.inner.persist.as_ref()?;
+        p.superblock().cores.into_iter().find(|c| c.id == id)
     }
 
     /// Bring back an inactive core (its device was missing at load). The device must have the

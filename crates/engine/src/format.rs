@@ -44,6 +44,12 @@ pub struct CoreRecord {
     pub size: u64,
     /// Written by us when the core was added; tells two cores on the same path apart in messages.
     pub uuid: String,
+    /// What the device is, independently of its path (a disk's WWID or serial, a file's
+    /// device and inode), as the daemon found it when the core was added or attached; None
+    /// when it could not tell (remote and emulated devices) or the record predates it. A device
+    /// at the recorded path with another identity is not this core.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity: Option<String>,
 }
 
 /// The superblock: everything needed to load a cache except per-line state.
