@@ -110,6 +110,7 @@ fn run(cli: Cli) -> Result<()> {
             nbd_workers,
             save_config,
             metrics_listen,
+            cleaning_stall_warn,
             nbd_limits,
             frontend,
             state_dir,
@@ -132,6 +133,7 @@ fn run(cli: Cli) -> Result<()> {
                 },
                 frontend: frontend.clone(),
                 state_dir: state_dir.clone(),
+                cleaning_stall_warn: *cleaning_stall_warn,
             })
         }
         Command::Serve(args) => return serve::run(args),

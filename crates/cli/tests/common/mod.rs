@@ -84,6 +84,11 @@ impl Daemon {
     }
 
     pub fn start_with(dir: &Path, extra: &[&str]) -> Daemon {
+        Self::start_with_env(dir, extra, &[])
+    }
+
+    /// As [`Daemon::start_with`], with environment variables for the daemon (e.g. `RUST_LOG`).
+    pub fn start_with_env(dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> Daemon {
         let control = dir.join("control.sock");
         let nbd = dir.join("nbd.sock");
         let log = dir.join("daemon.log");
@@ -96,6 +101,7 @@ impl Daemon {
             .arg(&nbd)
             .args(extra)
             .env_remove("HYBRIDCACHE_CONTROL")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(logf)
@@ -107,11 +113,13 @@ impl Daemon {
             nbd,
             log,
         };
-        d.wait_ready();
+        // A log filtered below INFO has no "ready" line: then the control socket answering says
+        // it.
+        d.wait_ready(env.iter().any(|(k, _)| *k == "RUST_LOG"));
         d
     }
 
-    fn wait_ready(&mut self) {
+    fn wait_ready(&mut self, by_socket: bool) {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             if let Some(c) = self.child.as_mut() {
@@ -121,6 +129,9 @@ impl Daemon {
             }
             // The daemon prints "ready" once it accepts control requests.
             if self.log_text().contains(" ready: ") {
+                return;
+            }
+            if by_socket && self.cli(&["-L"]).status.success() {
                 return;
             }
             assert!(
