@@ -1,9 +1,10 @@
-//! Background work that no client waits for: device errors of cleaning and read-ahead, and
-//! cleaning that has stalled. A client's failed request is logged where it fails (export.rs);
-//! these would otherwise only be counted. The engine keeps a count and the last error of each
-//! kind of work, and whether its cleaning policy has cleaning due; the device watcher's thread
-//! looks once a second (watch.rs) and logs what changed since its last look, so the log gets at
-//! most one line per cache and kind of error a second however fast a device fails.
+//! Background work that no client waits for: device errors of cleaning and prefetch
+//! (read-ahead), and cleaning that has stalled. A client's failed request is logged where it
+//! fails (export.rs); these would otherwise only be counted. The engine keeps a count and the
+//! last error of each kind of work, and whether its cleaning policy has cleaning due; the device
+//! watcher's thread looks once a second (watch.rs) and logs what changed since its last look, so
+//! the log gets at most one line per cache and kind of error a second however fast a device
+//! fails.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -139,7 +140,7 @@ impl Daemon {
             log_new_errors(id, "cleaning", &cleaning.errors, &mut h.cleaning_errors);
             log_new_errors(
                 id,
-                "read-ahead",
+                "prefetch",
                 &cache.prefetch_errors(),
                 &mut h.prefetch_errors,
             );
