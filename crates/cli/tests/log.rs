@@ -4,19 +4,9 @@
 
 mod common;
 
-use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use common::{have, workdir, Daemon};
-
-struct Kill(Child);
-
-impl Drop for Kill {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use common::{have, nbdkit, workdir, Daemon};
 
 fn wait_for(d: &Daemon, what: &str, found: impl Fn(&str) -> bool) -> String {
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -40,20 +30,16 @@ fn background_cleaning_errors_and_a_stall_are_logged() {
     let sock = dir.path().join("nbdkit.sock");
     let inject = dir.path().join("inject");
     // Writes to the core fail while `inject` exists; reads and flushes work.
-    let _nbdkit = Kill(
-        Command::new("nbdkit")
-            .args(["-f", "-U"])
-            .arg(&sock)
-            .args(["--filter=error", "memory", "64M", "error-pwrite-rate=100%"])
-            .arg(format!("error-pwrite-file={}", inject.display()))
-            .spawn()
-            .expect("nbdkit"),
+    let _nbdkit = nbdkit(
+        &sock,
+        &[
+            "--filter=error".into(),
+            "memory".into(),
+            "64M".into(),
+            "error-pwrite-rate=100%".into(),
+            format!("error-pwrite-file={}", inject.display()),
+        ],
     );
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !sock.exists() {
-        assert!(Instant::now() < deadline, "nbdkit did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
     let d = Daemon::start_with(dir.path(), &["--cleaning-stall-warn", "2"]);
     d.ok(&["-S", "-d", "ram:64M", "-c", "wb"]);
     let remote = format!("nbd+unix:///?socket={}", sock.display());

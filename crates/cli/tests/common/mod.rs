@@ -31,6 +31,35 @@ pub fn have(tool: &str) -> bool {
         .unwrap_or(false)
 }
 
+/// A child process killed (and reaped) when dropped.
+pub struct Kill(pub Child);
+
+impl Drop for Kill {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// nbdkit in the foreground on the Unix socket `sock`, with `args` (filters, plugin and its
+/// parameters), once its socket exists.
+pub fn nbdkit(sock: &Path, args: &[String]) -> Kill {
+    let child = Kill(
+        Command::new("nbdkit")
+            .args(["-f", "-U"])
+            .arg(sock)
+            .args(args)
+            .spawn()
+            .expect("nbdkit"),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !sock.exists() {
+        assert!(Instant::now() < deadline, "nbdkit did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
+}
+
 /// Make a sparse file of `size` bytes.
 pub fn sparse_file(path: &Path, size: u64) {
     let f = std::fs::File::create(path).expect("create file");
