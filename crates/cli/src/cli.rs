@@ -143,6 +143,10 @@ pub enum Command {
         /// Serve Prometheus metrics at http://ADDR:PORT/metrics: PORT (loopback) or ADDRESS:PORT.
         #[arg(long, value_name = "ADDR:PORT")]
         metrics_listen: Option<String>,
+        /// Log a WARN when cleaning is due but has cleaned nothing for this long (a failing or
+        /// blocked core) [default: 30].
+        #[arg(long, value_name = "SECONDS")]
+        cleaning_stall_warn: Option<u64>,
         /// Write every setup change back to the --config file.
         #[arg(long)]
         save_config: bool,

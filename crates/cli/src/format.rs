@@ -573,6 +573,22 @@ fn sections(r: &StatsReport) -> Vec<Section> {
     ]
 }
 
+/// Info keys whose values are text even when they look like numbers: names, paths and modes.
+/// JSON gives every other info value that is a number as a number.
+const INFO_TEXT: &[&str] = &[
+    "core_device",
+    "exported_object",
+    "status",
+    "io_class_name",
+    "cache_device",
+    "write_policy",
+    "cleaning_policy",
+    "promotion_policy",
+    "lazy_flush",
+    "prefetch_policy",
+    "dirty_for",
+];
+
 /// The key/value lines casadm prints above the tables.
 fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
     let c = &r.cache;
@@ -718,11 +734,10 @@ pub fn stats(r: &StatsReport, format: OutputFormat) -> String {
             let mut top = Map::new();
             let mut inf = Map::new();
             for (key, _, v) in &info {
-                // Numbers stay numbers for scripts.
-                let val = v
-                    .parse::<u64>()
-                    .map(Value::from)
-                    .unwrap_or_else(|_| Value::from(v.clone()));
+                let mut val = Value::from(v.clone());
+                if !INFO_TEXT.contains(key) {
+                    numbers_as_numbers(&mut val);
+                }
                 inf.insert((*key).into(), val);
             }
             top.insert("info".into(), Value::Object(inf));
@@ -1030,6 +1045,146 @@ mod tests {
         assert_eq!(j["classes"][0]["allocation"], 0.99);
         assert_eq!(j["classes"][0]["eviction_priority"], "Pinned");
         assert_eq!(j["classes"][0]["name"], "1");
+    }
+
+    /// Keys whose values are names, paths or modes: text whatever they look like.
+    const TEXT_KEYS: &[&str] = &[
+        "name",
+        "label",
+        "key",
+        "unit",
+        "device",
+        "export",
+        "block_device",
+        "frontend",
+        "mode",
+        "mode_change",
+        "status",
+        "cleaning",
+        "promotion",
+        "lazy_flush",
+        "prefetch",
+    ];
+
+    /// Every string value of `v` that reads as a number, by its path, outside [`TEXT_KEYS`] and
+    /// [`INFO_TEXT`].
+    fn number_strings(v: &Value, path: &str, out: &mut Vec<String>) {
+        match v {
+            Value::String(s) => {
+                let numeric_start = s
+                    .trim()
+                    .starts_with(|c: char| c.is_ascii_digit() || "+-.".contains(c));
+                if numeric_start && s.trim().parse::<f64>().is_ok() {
+                    out.push(format!("{path} = {s:?}"));
+                }
+            }
+            Value::Array(items) => {
+                for (i, item) in items.iter().enumerate() {
+                    number_strings(item, &format!("{path}[{i}]"), out);
+                }
+            }
+            Value::Object(map) => {
+                for (k, item) in map {
+                    if !TEXT_KEYS.contains(&k.as_str()) && !INFO_TEXT.contains(&k.as_str()) {
+                        number_strings(item, &format!("{path}.{k}"), out);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn assert_numbers(what: &str, json: &str) {
+        let v: Value = serde_json::from_str(json).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let mut found = Vec::new();
+        number_strings(&v, what, &mut found);
+        assert!(found.is_empty(), "numbers given as strings: {found:?}");
+    }
+
+    /// `-P` (cache, core and IO class), `-L` and `-G` of every parameter group: no value a script
+    /// reads is a number in quotes.
+    #[test]
+    fn json_output_has_no_numbers_in_strings() {
+        use hybridcache_engine::{Cache, CacheConfig, CacheMode, LineSize};
+
+        let r = report();
+        assert_numbers("-P", &stats(&r, OutputFormat::Json));
+        let core = StatsReport {
+            core: Some(r.cache.cores[0].clone()),
+            ..report()
+        };
+        assert_numbers("-P -j", &stats(&core, OutputFormat::Json));
+        let class = StatsReport {
+            io_class: Some(crate::protocol::IoClassInfo {
+                id: 1,
+                name: "metadata".into(),
+                eviction_priority: "100".into(),
+                allocation: "1.00".into(),
+            }),
+            ..report()
+        };
+        let class_json = stats(&class, OutputFormat::Json);
+        assert_numbers("-P -d", &class_json);
+        let j: Value = serde_json::from_str(&class_json).unwrap();
+        assert_eq!(j["info"]["allocation"], 1.0);
+        assert_eq!(j["info"]["eviction_priority"], 100);
+        let j: Value = serde_json::from_str(&stats(&core, OutputFormat::Json)).unwrap();
+        assert_eq!(j["info"]["core_size_gib"], 1.0);
+
+        let mut flushing = report().cache;
+        flushing.status = "Flushing (42.0 %)".into();
+        flushing.mode = "wb->wt".into();
+        flushing.flush = Some(crate::protocol::FlushInfo {
+            percent: 42.0,
+            total_lines: 100,
+            done_lines: 42,
+            elapsed_s: 1.5,
+            bytes_per_s: 1e6,
+            eta_s: Some(2.0),
+            mode_change: Some("wb->wt".into()),
+        });
+        assert_numbers("-L", &list(&[flushing], OutputFormat::Json));
+
+        // -G of every group, with the values a real cache gives.
+        let cache = Cache::new(
+            std::sync::Arc::new(hybridcache_volume::RamVolume::new("cache", 16 << 20).unwrap()),
+            CacheConfig {
+                id: 1,
+                line_size: LineSize::from_kib(4).unwrap(),
+                mode: CacheMode::Wb,
+            },
+        )
+        .unwrap();
+        let id = cache
+            .add_core(
+                std::sync::Arc::new(hybridcache_volume::RamVolume::new("core", 16 << 20).unwrap()),
+                None,
+            )
+            .unwrap();
+        for g in hybridcache_daemon::params::GROUPS {
+            let core = g.per_core.then_some(id);
+            let fields: Vec<crate::protocol::ParamField> = (g.get)(&cache, core)
+                .unwrap_or_else(|e| panic!("{}: {e}", g.name))
+                .into_iter()
+                .zip(g.fields)
+                .map(|(value, f)| crate::protocol::ParamField {
+                    key: f.key.into(),
+                    label: f.label.into(),
+                    value,
+                })
+                .collect();
+            let p = crate::protocol::ParamValue {
+                name: g.name.into(),
+                value: fields.first().map(|f| f.value.clone()).unwrap_or_default(),
+                read_only: g.set.is_none(),
+                fields: fields.clone(),
+                cores: vec![crate::protocol::CoreParams { core: id, fields }],
+            };
+            assert_numbers(
+                &format!("-G -n {}", g.name),
+                &params(&p, OutputFormat::Json),
+            );
+        }
     }
 
     #[test]

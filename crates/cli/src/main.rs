@@ -110,6 +110,7 @@ fn run(cli: Cli) -> Result<()> {
             nbd_workers,
             save_config,
             metrics_listen,
+            cleaning_stall_warn,
             nbd_limits,
             frontend,
             ublk_queues,
@@ -134,6 +135,7 @@ fn run(cli: Cli) -> Result<()> {
                 frontend: frontend.clone(),
                 ublk_queues: *ublk_queues,
                 state_dir: state_dir.clone(),
+                cleaning_stall_warn: *cleaning_stall_warn,
             })
         }
         Command::Serve(args) => return serve::run(args),

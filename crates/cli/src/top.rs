@@ -109,7 +109,8 @@ struct View {
     rates: BTreeMap<RowKey, Rates>,
     history: BTreeMap<u16, VecDeque<u64>>,
     latency: BTreeMap<u16, StatsReport>,
-    selected: usize,
+    /// The selected cache, by id: it stays selected when the sort order moves it.
+    selected: Option<u16>,
     sort: usize,
     last_at: Option<Instant>,
     error: Option<String>,
@@ -182,7 +183,23 @@ impl View {
         self.last = samples;
         self.caches = list.caches;
         self.last_at = Some(now);
-        self.selected = self.selected.min(self.caches.len().saturating_sub(1));
+    }
+
+    /// Where the selected cache is in `sorted`; the first row if it is gone.
+    fn selected_index(&self, sorted: &[&CacheInfo]) -> usize {
+        self.selected
+            .and_then(|id| sorted.iter().position(|c| c.id == id))
+            .unwrap_or(0)
+    }
+
+    /// Select the cache `by` rows further down (wrapping).
+    fn step(&mut self, by: usize) {
+        let sorted = self.sorted();
+        if sorted.is_empty() {
+            return;
+        }
+        let i = (self.selected_index(&sorted) + by) % sorted.len();
+        self.selected = Some(sorted[i].id);
     }
 
     fn sorted(&self) -> Vec<&CacheInfo> {
@@ -201,6 +218,7 @@ impl View {
     fn draw(&self, f: &mut Frame) {
         let area = f.area();
         let sorted = self.sorted();
+        let selected = self.selected_index(&sorted);
         let table_height = (sorted.iter().map(|c| 1 + c.cores.len()).sum::<usize>() + 3)
             .min(area.height.saturating_sub(8) as usize)
             .max(4) as u16;
@@ -216,7 +234,7 @@ impl View {
         let fmt1 = |v: f64| format!("{v:.1}");
         let mut rows = Vec::new();
         for (i, c) in sorted.iter().enumerate() {
-            let style = if i == self.selected {
+            let style = if i == selected {
                 Style::default().add_modifier(Modifier::REVERSED)
             } else {
                 Style::default()
@@ -292,7 +310,7 @@ impl View {
         f.render_widget(table, parts[0]);
 
         let detail = parts[1];
-        if let Some(c) = sorted.get(self.selected) {
+        if let Some(c) = sorted.get(selected) {
             let halves = Layout::default()
                 .direction(Direction::Horizontal)
                 .constraints([Constraint::Length(40), Constraint::Min(10)])
@@ -383,15 +401,12 @@ fn run_loop(terminal: &mut ratatui::DefaultTerminal, args: &TopArgs, control: &P
         rates: BTreeMap::new(),
         history: BTreeMap::new(),
         latency: BTreeMap::new(),
-        selected: 0,
+        selected: args.id,
         sort: 0,
         last_at: None,
         error: None,
     };
     view.refresh(control);
-    if let Some(id) = args.id {
-        view.selected = view.sorted().iter().position(|c| c.id == id).unwrap_or(0);
-    }
     let interval = Duration::from_secs_f64(args.delay);
     let mut next = Instant::now() + interval;
     loop {
@@ -405,8 +420,8 @@ fn run_loop(terminal: &mut ratatui::DefaultTerminal, args: &TopArgs, control: &P
                 let n = view.caches.len().max(1);
                 match k.code {
                     KeyCode::Char('q') | KeyCode::Esc => return Ok(()),
-                    KeyCode::Tab | KeyCode::Right => view.selected = (view.selected + 1) % n,
-                    KeyCode::Left | KeyCode::BackTab => view.selected = (view.selected + n - 1) % n,
+                    KeyCode::Tab | KeyCode::Right => view.step(1),
+                    KeyCode::Left | KeyCode::BackTab => view.step(n - 1),
                     KeyCode::Char('s') => view.sort = (view.sort + 1) % SORTS.len(),
                     _ => {}
                 }

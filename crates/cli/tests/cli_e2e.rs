@@ -426,26 +426,7 @@ fn remote_nbd_export_as_core() {
     }
     let dir = workdir();
     let sock = dir.path().join("nbdkit.sock");
-    struct Kill(std::process::Child);
-    impl Drop for Kill {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let _nbdkit = Kill(
-        Command::new("nbdkit")
-            .args(["-f", "-U"])
-            .arg(&sock)
-            .args(["memory", "64M"])
-            .spawn()
-            .expect("nbdkit"),
-    );
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while !sock.exists() {
-        assert!(std::time::Instant::now() < deadline, "nbdkit did not start");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    let _nbdkit = common::nbdkit(&sock, &["memory".into(), "64M".into()]);
     let d = Daemon::start(dir.path());
     d.ok(&["-S", "-d", "ram:4M", "-c", "wb"]);
     let remote = format!("nbd+unix:///?socket={}", sock.display());

@@ -7,19 +7,9 @@
 
 mod common;
 
-use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use common::{fio, need, sparse_file, workdir, Daemon};
-
-struct Kill(Child);
-
-impl Drop for Kill {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use common::{fio, nbdkit, need, sparse_file, workdir, Daemon};
 
 #[test]
 fn a_dead_remote_core_does_not_block_another_cores_flushes() {
@@ -29,20 +19,16 @@ fn a_dead_remote_core_does_not_block_another_cores_flushes() {
     let dir = workdir();
     let sock = dir.path().join("nbdkit.sock");
     let inject = dir.path().join("inject");
-    let mut nbdkit = Kill(
-        Command::new("nbdkit")
-            .args(["-f", "-U"])
-            .arg(&sock)
-            .args(["--filter=error", "memory", "64M", "error-rate=100%"])
-            .arg(format!("error-file={}", inject.display()))
-            .spawn()
-            .expect("nbdkit"),
+    let mut nbdkit = nbdkit(
+        &sock,
+        &[
+            "--filter=error".into(),
+            "memory".into(),
+            "64M".into(),
+            "error-rate=100%".into(),
+            format!("error-file={}", inject.display()),
+        ],
     );
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !sock.exists() {
-        assert!(Instant::now() < deadline, "nbdkit did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
     let cache = dir.path().join("cache.img");
     let core2 = dir.path().join("core2.img");
     sparse_file(&cache, 64 << 20);

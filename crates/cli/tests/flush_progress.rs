@@ -1,6 +1,7 @@
 //! `-F` on a slow core: `-L` shows "Flushing (x %)" with a rising percentage and `-P` the dirty
 //! age; Ctrl-C (SIGINT) on the `-F` command stops the flush after its current batch, the command
-//! says how far it got, and the data stays exactly right; a second `-F` finishes.
+//! says how far it got, and the data stays exactly right; a second `-F` finishes. A mode switch
+//! that flushes (`-Q -c wt -f yes`) shows as `wb->wt` in `-L` and `Flushing (x %)` in `-P`.
 
 mod common;
 
@@ -106,4 +107,40 @@ fn flush_shows_progress_and_can_be_interrupted() {
         Some(0)
     );
     fio(dir.path(), "verify2", &job(&["--verify_only"]));
+
+    // A mode switch that flushes: -L shows the change in progress and -P the flush.
+    fio(dir.path(), "refill", &job(&["--do_verify=0"]));
+    let mut switch = Command::new(BIN)
+        .args(["-Q", "-c", "wt", "-i", "1", "-f", "yes", "--control"])
+        .arg(&d.control)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (mut saw_mode, mut saw_flushing) = (false, false);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !(saw_mode && saw_flushing) {
+        let list = d.ok(&["-L"]);
+        let cache_row = list.lines().find(|l| l.starts_with("cache")).unwrap_or("");
+        saw_mode |= cache_row.contains("wb->wt");
+        saw_flushing |= d.ok(&["-P", "-i", "1"]).contains("Flushing (");
+        if let Some(status) = switch.try_wait().unwrap() {
+            panic!("the switch ended ({status}) before -L showed wb->wt ({saw_mode}) and -P Flushing ({saw_flushing}): {list}");
+        }
+        assert!(Instant::now() < deadline, "{list}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = switch.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let list = d.ok(&["-L"]);
+    let cache_row = list.lines().find(|l| l.starts_with("cache")).unwrap();
+    assert!(
+        cache_row.contains(" wt ") && !cache_row.contains("Flushing"),
+        "{list}"
+    );
+    fio(dir.path(), "verify3", &job(&["--verify_only"]));
 }

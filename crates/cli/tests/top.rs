@@ -1,5 +1,6 @@
 //! `hybridcache top` in a real terminal: tmux runs it in an 80x24 window (what an ssh session
-//! gives), capture-pane reads the screen while fio runs, and `q` ends it.
+//! gives), capture-pane reads the screen while fio runs; with a second cache, Tab selects it and
+//! `s` sorts by IOPS, dirty % and id again; `q` ends it.
 
 mod common;
 
@@ -21,6 +22,19 @@ fn cache_iops(screen: &str) -> Option<u64> {
         .nth(4)?
         .parse()
         .ok()
+}
+
+/// The screen line of cache `id`'s row in the table.
+fn row(screen: &str, id: u16) -> Option<usize> {
+    let label = format!("cache {id} ");
+    screen.lines().position(|l| l.contains(&label))
+}
+
+/// The cache whose detail the screen shows ("cache 2: 4096 lines of 4 KiB, alru").
+fn detail(screen: &str) -> Option<u16> {
+    let at = screen.find(" lines of ")?;
+    let head = screen[..at].rsplit("cache ").next()?;
+    head.split(':').next()?.parse().ok()
 }
 
 struct Session(String);
@@ -112,6 +126,48 @@ fn top_shows_the_caches_and_moves_while_fio_runs() {
         std::thread::sleep(Duration::from_millis(200));
     }
     assert!(fio.join().unwrap().success());
+
+    // A second cache, dirtier than the first (cache 1 has at most 32 of its 64 MiB dirty).
+    d.ok(&["-S", "-d", "ram:16M", "-i", "2", "-c", "wb"]);
+    d.ok(&["-A", "-i", "2", "-d", "ram:64M"]);
+    d.ok(&["-X", "-n", "seq-cutoff", "-i", "2", "-p", "never"]);
+    let mut c2 = hybridcache_nbd::Client::connect_unix(&d.nbd, "cas2-1").unwrap();
+    for i in 0..14u64 {
+        c2.write(&[0x77; 1 << 20], i << 20, false).unwrap();
+    }
+    let wait = |what: &str, ok: &dyn Fn(&str) -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let s = screen();
+            if ok(&s) {
+                return s;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "never saw {what}:
+{s}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    let s = wait("cache 2", &|s| row(s, 1).is_some() && row(s, 2).is_some());
+    // Sorted by id, the first cache is selected: its detail shows.
+    assert!(row(&s, 1) < row(&s, 2), "{s}");
+    assert!(detail(&s) == Some(1), "{s}");
+    tmux(&["send-keys", "-t", &name, "Tab"]);
+    wait("cache 2 selected", &|s| detail(s) == Some(2));
+    tmux(&["send-keys", "-t", &name, "s"]);
+    wait("sort by IOPS", &|s| s.contains("sort: IOPS"));
+    tmux(&["send-keys", "-t", &name, "s"]);
+    // By dirty %: cache 2 comes first, and stays the selected one.
+    let s = wait("sort by dirty %", &|s| {
+        s.contains("sort: dirty %") && row(s, 2) < row(s, 1)
+    });
+    assert_eq!(detail(&s), Some(2), "{s}");
+    tmux(&["send-keys", "-t", &name, "s"]);
+    wait("sort by id", &|s| {
+        s.contains("sort: id") && row(s, 1) < row(s, 2)
+    });
 
     tmux(&["send-keys", "-t", &name, "q"]);
     let deadline = Instant::now() + Duration::from_secs(10);

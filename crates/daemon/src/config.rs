@@ -8,6 +8,7 @@
 //! nbd_workers = 4                  # requests in flight per NBD connection
 //! save_config = true               # write setup changes back to this file
 //! metrics_listen = "127.0.0.1:9563" # optional; Prometheus metrics at /metrics
+//! cleaning_stall_warn = 30         # seconds of due cleaning without progress before a WARN
 //! nbd_max_connections = 256        # NBD limits (docs/cli.md, "Limits")
 //! nbd_max_connections_per_client = 64
 //! nbd_max_connections_per_export = 192
@@ -70,6 +71,9 @@ pub struct DaemonSection {
     /// Prometheus metrics endpoint, `PORT` (loopback) or `ADDRESS:PORT`; off when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metrics_listen: Option<String>,
+    /// Seconds of due cleaning without progress before the log reports a stall (default 30).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cleaning_stall_warn: Option<u64>,
     /// NBD limits; absent keys keep the server's defaults (docs/cli.md, "Limits").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nbd_max_connections: Option<usize>,

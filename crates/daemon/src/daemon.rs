@@ -38,6 +38,7 @@ use crate::nbd_volume::is_nbd_uri;
 use crate::params;
 
 mod check;
+mod health;
 mod watch;
 use crate::protocol::{self, CacheInfo, CoreInfo, Request, Response, StatsReport};
 use hybridcache_volume::VolumeRef;
@@ -71,6 +72,9 @@ pub struct DaemonOptions {
     pub ublk_queues: Option<u16>,
     /// State kept across a daemon restart (`--state-dir`); default: the control socket's dir.
     pub state_dir: Option<PathBuf>,
+    /// Seconds of due cleaning without progress before a stall is logged
+    /// (`--cleaning-stall-warn`).
+    pub cleaning_stall_warn: Option<u64>,
 }
 
 /// NBD server limits as the command line gives them (`--nbd-max-connections` ...); None
@@ -263,6 +267,8 @@ struct Daemon {
     shutdown_outcome: Mutex<Option<bool>>,
     shutdown_done: Condvar,
     shutdown_waiters: AtomicUsize,
+    /// Due cleaning without progress for this long is logged as a stall (health.rs).
+    stall_warn: Duration,
 }
 
 type Reply = std::result::Result<Value, String>;
@@ -1972,6 +1978,10 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
     if workers == 0 || workers > 256 {
         bail!("nbd workers must be between 1 and 256, not {workers}");
     }
+    let stall_warn = match opts.cleaning_stall_warn.or(d.cleaning_stall_warn) {
+        Some(0) => bail!("cleaning stall warn must be at least 1 second"),
+        s => Duration::from_secs(s.unwrap_or(health::DEFAULT_STALL_WARN_S)),
+    };
     let save = opts.save_config || d.save_config.unwrap_or(false);
     let save_to = match (&opts.config, save) {
         (Some(path), true) => Some((path.clone(), file_cfg.daemon.clone())),
@@ -2076,6 +2086,7 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
         shutdown_outcome: Mutex::new(None),
         shutdown_done: Condvar::new(),
         shutdown_waiters: AtomicUsize::new(0),
+        stall_warn,
     });
     // The metrics endpoint comes up before the configuration is applied (a refused address
     // must not leave devices touched), and shows the caches as they start.

@@ -395,6 +395,14 @@ impl Collector for Collected {
             "hybridcache_prefetch_hit_lines",
             "Cache lines filled by read-ahead that a client read later hit (once per line)",
         );
+        let mut offload_reads = Family::counter(
+            "hybridcache_offload_reads",
+            "Clean read hits offload sent to the core instead (also counted as pass-through reads)",
+        );
+        let mut offload_writes = Family::counter(
+            "hybridcache_offload_writes",
+            "Write misses offload sent to the core instead (also counted as pass-through writes)",
+        );
         let mut cleaned = Family::counter(
             "hybridcache_cleaned_lines",
             "Dirty cache lines written to their core and marked clean (cleaning and flushes)",
@@ -492,6 +500,8 @@ impl Collector for Collected {
                 prefetch_requests.push(l.clone(), s.requests.prefetch_requests as f64);
                 prefetch_bytes.push(l.clone(), s.blocks.prefetch_read_bytes as f64);
                 prefetch_hits.push(l.clone(), s.requests.prefetch_hits as f64);
+                offload_reads.push(l.clone(), s.requests.offload_reads as f64);
+                offload_writes.push(l.clone(), s.requests.offload_writes as f64);
             }
 
             for class in cache.io_classes().iter() {
@@ -580,6 +590,8 @@ impl Collector for Collected {
             &prefetch_requests,
             &prefetch_bytes,
             &prefetch_hits,
+            &offload_reads,
+            &offload_writes,
             &cleaned,
             &cleaning_writes,
             &cleaning_bytes,
@@ -723,6 +735,8 @@ mod tests {
             r#"hybridcache_prefetch_requests_total{cache="3",core="1"}"#,
             r#"hybridcache_prefetch_read_bytes_total{cache="3",core="1"}"#,
             r#"hybridcache_prefetch_hit_lines_total{cache="3",core="1"}"#,
+            r#"hybridcache_offload_reads_total{cache="3",core="1"}"#,
+            r#"hybridcache_offload_writes_total{cache="3",core="1"}"#,
         ] {
             assert_eq!(value(&text, series), 0.0, "{series}");
         }
@@ -772,6 +786,32 @@ mod tests {
         assert!(ok.contains("hybridcache_build_info"), "{ok}");
         assert!(get("/nope").starts_with("HTTP/1.1 404"));
         server.shutdown();
+    }
+
+    /// Every metric the endpoint serves has its row in docs/observability.md, so the docs
+    /// cannot fall behind the code.
+    #[test]
+    fn every_metric_is_documented() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/observability.md");
+        let docs = std::fs::read_to_string(path).expect("docs/observability.md");
+        let scrape = render(&source(cache_with_writes())).unwrap();
+        let mut names: Vec<&str> = scrape
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split(' ').next())
+            .collect();
+        // Present only while a flush runs (the scrape above has none).
+        names.push("hybridcache_flush_progress_ratio");
+        assert!(names.len() >= 30, "{names:?}");
+        for name in names {
+            // The TYPE line names a counter without its `_total` and a histogram without its
+            // `_bucket`/`_sum`/`_count`; the docs give the name a query uses.
+            let row = |n: &str| docs.contains(&format!("| `{n}` |"));
+            assert!(
+                row(name) || row(&format!("{name}_total")),
+                "{name} has no row in docs/observability.md"
+            );
+        }
     }
 
     /// The sample Grafana dashboard (docs/grafana/hybridcache.json) is valid JSON and asks only

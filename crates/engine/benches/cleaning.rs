@@ -140,6 +140,7 @@ fn drain(cache: &Cache, how: &str) -> (f64, CleaningStats) {
         core_write_bytes: after.core_write_bytes - before.core_write_bytes,
         write_sizes: std::array::from_fn(|i| after.write_sizes[i] - before.write_sizes[i]),
         max_in_flight: after.max_in_flight,
+        ..CleaningStats::default()
     };
     (secs, diff)
 }

@@ -426,8 +426,24 @@ fn prefill(core: &Core, from: u64, to: u64) -> Result<()> {
     core.flush()
 }
 
+/// Work that runs beside each case's timed part, such as a metrics scraper: called with the
+/// case's cache just before the clock starts; what it returns is dropped just after the clock
+/// stops (so a guard that ends the work on drop keeps it out of the next case).
+pub type Beside<'a> = &'a (dyn Fn(&Cache) -> Box<dyn std::any::Any> + Sync);
+
 /// Run one case once on a fresh cache on `ram`.
 pub fn run_once(ram: &VolumeRef, opts: &EngineBenchOptions, case: &Case) -> Result<Sample> {
+    run_once_with(ram, opts, case, None)
+}
+
+/// [`run_once`] with `beside` running during the timed part.
+pub fn run_once_with(
+    ram: &VolumeRef,
+    opts: &EngineBenchOptions,
+    case: &Case,
+    beside: Option<Beside>,
+) -> Result<Sample> {
+    let start_beside = |cache: &Cache| beside.map(|b| b(cache));
     let cache_bytes = ram.size();
     let threads = case.threads.max(1);
     let req = case.request_kib as u64 * 1024;
@@ -450,6 +466,7 @@ pub fn run_once(ram: &VolumeRef, opts: &EngineBenchOptions, case: &Case) -> Resu
         }
         // The prefill's commit records the lines dirty; they stay dirty until the timed flush.
         let barrier = Barrier::new(threads + 1);
+        let running = start_beside(&cache);
         let elapsed = std::thread::scope(|s| -> Result<f64> {
             let workers: Vec<_> = handles
                 .iter()
@@ -468,6 +485,7 @@ pub fn run_once(ram: &VolumeRef, opts: &EngineBenchOptions, case: &Case) -> Resu
             }
             Ok(t.elapsed().as_secs_f64())
         })?;
+        drop(running);
         return Ok(Sample {
             ops: 0,
             bytes: share * threads as u64,
@@ -533,6 +551,7 @@ pub fn run_once(ram: &VolumeRef, opts: &EngineBenchOptions, case: &Case) -> Resu
 
     let flush_every = opts.flush_every;
     let barrier = Barrier::new(threads + 1);
+    let running = start_beside(&cache);
     let elapsed = std::thread::scope(|s| -> Result<f64> {
         let workers: Vec<_> = plans
             .iter()
@@ -563,6 +582,7 @@ pub fn run_once(ram: &VolumeRef, opts: &EngineBenchOptions, case: &Case) -> Resu
         }
         Ok(t.elapsed().as_secs_f64())
     })?;
+    drop(running);
     let ops: u64 = plans.iter().map(|p| p.1.len() as u64).sum();
     // Keep the cache alive until the clock stopped; dropping it is not part of the test.
     drop(cache);
@@ -583,6 +603,15 @@ pub fn ram_volume(bytes: u64) -> Result<VolumeRef> {
 
 /// Run every case of `opts` `opts.reps` times, rep-major. `progress` gets one line per sample.
 pub fn run(opts: &EngineBenchOptions, progress: &mut dyn FnMut(&str)) -> Result<EngineBenchReport> {
+    run_with(opts, progress, None)
+}
+
+/// [`run`] with `beside` running during every case's timed part.
+pub fn run_with(
+    opts: &EngineBenchOptions,
+    progress: &mut dyn FnMut(&str),
+    beside: Option<Beside>,
+) -> Result<EngineBenchReport> {
     let started = Instant::now();
     let cases = opts.cases();
     let ram = ram_volume(opts.cache_bytes)?;
@@ -598,7 +627,7 @@ pub fn run(opts: &EngineBenchOptions, progress: &mut dyn FnMut(&str)) -> Result<
     let reps = opts.reps.max(1);
     for rep in 0..reps {
         for (i, case) in cases.iter().enumerate() {
-            let s = run_once(&ram, opts, case)?;
+            let s = run_once_with(&ram, opts, case, beside)?;
             progress(&format!(
                 "rep {}/{reps} {:<40} {:>10.0} IOPS {:>8.0} MB/s {:.3} s",
                 rep + 1,

@@ -42,7 +42,9 @@ use crate::policy::{
 use crate::prefetch::{PrefetchState, PrefetchThread, ReadStreams};
 use crate::progress::{FlushProgress, FlushStatus};
 use crate::read_batch::ReadPlan;
-use crate::stats::{thread_slot, Counter, Counters, Stats, Usage, SLOTS};
+use crate::stats::{
+    thread_slot, BackgroundErrorLog, BackgroundErrors, Counter, Counters, Stats, Usage, SLOTS,
+};
 use crate::{
     CacheConfig, CacheMode, CoreId, EngineError, LineSize, Result, MAX_CORES, MAX_REQUEST, SECTOR,
 };
@@ -116,6 +118,8 @@ pub(crate) struct CacheInner {
     pub(crate) offload: OffloadState,
     pub(crate) pacer: Pacer,
     pub(crate) cleaning_counters: CleaningCounters,
+    /// Device errors of read-ahead (cleaning's are in `cleaning_counters`).
+    pub(crate) prefetch_errors: BackgroundErrorLog,
     pub(crate) promotion: PromotionState,
     pub(crate) classes: ClassState,
     pub(crate) flush_progress: FlushProgress,
@@ -1420,6 +1424,7 @@ impl CacheInner {
             offload: OffloadState::new(MAX_CORES as usize + 1),
             pacer: Pacer::default(),
             cleaning_counters: CleaningCounters::default(),
+            prefetch_errors: BackgroundErrorLog::default(),
             promotion: PromotionState::new(Promotion::default()),
             classes: ClassState::new(lines),
             flush_progress: FlushProgress::default(),
@@ -2321,6 +2326,11 @@ impl Cache {
     /// What cleaning (background, eviction and flushes) has written since the cache started.
     pub fn cleaning_stats(&self) -> CleaningStats {
         self.inner.cleaning_counters.snapshot()
+    }
+
+    /// Device errors of read-ahead (those of cleaning are in [`Cache::cleaning_stats`]).
+    pub fn prefetch_errors(&self) -> BackgroundErrors {
+        self.inner.prefetch_errors.snapshot()
     }
 
     /// Stop the background cleaner thread (it is not restarted). For tests that drive the

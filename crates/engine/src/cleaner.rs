@@ -20,6 +20,7 @@ use crate::bits;
 use crate::cache::{push_run, CacheInner, CoreState, Run};
 use crate::meta::Key;
 use crate::policy::FLUSH_BUFFERS;
+use crate::stats::{BackgroundErrorLog, BackgroundErrors};
 use crate::{Result, SECTOR};
 
 /// Dirty data cleaned under one set of locks by a flush; bounds how long client requests to
@@ -53,6 +54,13 @@ pub struct CleaningStats {
     pub write_sizes: [u64; WRITE_SIZE_BUCKETS],
     /// Most core writes cleaning had in flight at once.
     pub max_in_flight: u64,
+    /// Core writes (and the cache reads before them) that failed; the lines stay dirty.
+    pub errors: BackgroundErrors,
+    /// The policy has no cleaning due: it is nop, the cache has not been idle for the activity
+    /// threshold, no dirty line is old enough yet, or its last run cleaned what was due and it
+    /// waits for its wake-up time. While this is false and lines are dirty, cleaning should be
+    /// making progress; when it makes none, cleaning has stalled (a failing or blocked core).
+    pub waiting: bool,
 }
 
 #[derive(Default)]
@@ -63,6 +71,8 @@ pub(crate) struct CleaningCounters {
     sizes: [AtomicU64; WRITE_SIZE_BUCKETS],
     in_flight: AtomicU64,
     max_in_flight: AtomicU64,
+    pub(crate) errors: BackgroundErrorLog,
+    pub(crate) waiting: AtomicBool,
 }
 
 impl CleaningCounters {
@@ -73,6 +83,8 @@ impl CleaningCounters {
             core_write_bytes: self.bytes.load(Relaxed),
             write_sizes: std::array::from_fn(|i| self.sizes[i].load(Relaxed)),
             max_in_flight: self.max_in_flight.load(Relaxed),
+            errors: self.errors.snapshot(),
+            waiting: self.waiting.load(Relaxed),
         }
     }
 
@@ -241,6 +253,7 @@ impl CacheInner {
                         for p in group {
                             failed[p.item].store(true, Relaxed);
                         }
+                        c.errors.record(core.id, &e);
                         first_error.lock().get_or_insert(e);
                     }
                 }

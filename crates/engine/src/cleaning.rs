@@ -196,6 +196,14 @@ impl CacheInner {
         Duration::from_millis(next.saturating_sub(now)).min(TICK)
     }
 
+    /// Record whether the policy has cleaning due (see `CleaningStats::waiting`). A look that
+    /// only waits for the policy's wake-up time keeps the last run's verdict.
+    fn set_waiting(&self, waiting: bool) {
+        self.cleaning_counters
+            .waiting
+            .store(waiting, Ordering::Relaxed);
+    }
+
     /// One look by the cleaner at time `now` (ms since any fixed origin, never decreasing).
     pub(crate) fn cleaner_tick(&self, now: u64) -> CleaningTick {
         let cfg = *self.cleaning.read();
@@ -214,7 +222,10 @@ impl CacheInner {
             self.clear_fences();
         }
         let result = match cfg.policy {
-            CleaningPolicy::Nop => Ok(CleaningTick::default()),
+            CleaningPolicy::Nop => {
+                self.set_waiting(true);
+                Ok(CleaningTick::default())
+            }
             CleaningPolicy::Alru => self.alru_tick(&mut st, now),
             CleaningPolicy::Acp => self.acp_tick(&mut st, now),
         };
@@ -289,16 +300,22 @@ impl CacheInner {
         if !st.ratio_active && idle_for < p.activity_threshold_ms as u64 {
             // Not idle long enough: look again at the next tick (not only once the cache could
             // have been idle long enough, so that the dirty-ratio trigger is not missed).
+            self.set_waiting(true);
             return Ok(CleaningTick::default());
         }
         let budget = p.flush_max_buffers as usize;
-        let picked = match (st.ratio_active, stale) {
+        let (picked, passed_failing) = match (st.ratio_active, stale) {
             (true, _) => self.alru_pick(st, budget, None),
             (false, Some(stale)) => self.alru_pick(st, budget, Some(stale)),
-            (false, None) => Vec::new(),
+            (false, None) => (Vec::new(), false),
         };
+        // Nothing picked and nothing passed by: no dirty line is old enough yet. Otherwise
+        // cleaning is due until a run ends well: a run that fails or blocks on the core leaves
+        // it due, and the daemon reports a stall.
+        self.set_waiting(picked.is_empty() && !passed_failing);
         let more = picked.len() >= budget;
         let cleaned = self.clean_and_commit(picked, budget)?;
+        self.set_waiting(!more && !passed_failing);
         st.next_run_ms = if more {
             now
         } else {
@@ -312,8 +329,14 @@ impl CacheInner {
     }
 
     /// Up to `budget` dirty lines from the old ends of the shards' dirty lists: with `stale`,
-    /// only lines the age marks say were last written at or before it.
-    fn alru_pick(&self, st: &mut CleanerState, budget: usize, stale: Option<u64>) -> Vec<u32> {
+    /// only lines the age marks say were last written at or before it. Also whether lines of a
+    /// failing core were passed by.
+    fn alru_pick(
+        &self,
+        st: &mut CleanerState,
+        budget: usize,
+        stale: Option<u64>,
+    ) -> (Vec<u32>, bool) {
         let n = self.lists.shard_count();
         let mut picked = Vec::new();
         // Several passes, each taking an even share from every shard, so the oldest of all shards
@@ -321,6 +344,7 @@ impl CacheInner {
         let share = budget.div_ceil(n).max(1);
         let mut progress = true;
         let mut taken = vec![0usize; n];
+        let mut passed_failing = false;
         while picked.len() < budget && progress {
             progress = false;
             for i in 0..n {
@@ -348,6 +372,7 @@ impl CacheInner {
                     } else {
                         // Passed by, and by the next pass over this shard too.
                         taken[shard] += 1;
+                        passed_failing = true;
                     }
                     if Some(line) == end {
                         break;
@@ -359,7 +384,7 @@ impl CacheInner {
             }
         }
         st.next_shard = (st.next_shard + 1) % n;
-        picked
+        (picked, passed_failing)
     }
 
     fn acp_tick(&self, st: &mut CleanerState, now: u64) -> Result<CleaningTick> {
@@ -370,6 +395,8 @@ impl CacheInner {
         st.next_run_ms = now + p.wake_up_ms as u64;
         let budget = p.flush_max_buffers as usize;
         let Some((core, chunk, dirty)) = self.dirtiest_chunk() else {
+            // Dirty lines but no chunk to clean: they are all of failing cores.
+            self.set_waiting(self.usage(None).dirty_lines == 0);
             return Ok(CleaningTick {
                 ran: true,
                 cleaned: 0,
@@ -377,7 +404,9 @@ impl CacheInner {
             });
         };
         let picked = self.chunk_dirty_lines(core, chunk, budget.min(dirty as usize));
+        self.set_waiting(false);
         let cleaned = self.clean_and_commit(picked, budget)?;
+        self.set_waiting(true);
         Ok(CleaningTick {
             ran: true,
             cleaned,

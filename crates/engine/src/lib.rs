@@ -45,7 +45,9 @@ pub use policy::{
     PrefetchPolicy, Promotion, PromotionPolicy, SeqCutoff, SeqCutoffPolicy,
 };
 pub use progress::FlushStatus;
-pub use stats::{BlockStats, ErrorStats, RequestStats, Stats, Usage};
+pub use stats::{
+    BackgroundErrors, BlockStats, DeviceFault, ErrorStats, RequestStats, Stats, Usage,
+};
 
 use std::fmt;
 use std::str::FromStr;

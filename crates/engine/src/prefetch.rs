@@ -373,8 +373,13 @@ impl CacheInner {
             }
         }
         let read: u64 = core_runs.iter().map(|r| r.len as u64).sum();
-        let ok = self.core_read(&core, &mut buf, &core_runs).is_ok()
-            && self.cache_write(&core, &buf, &cache_runs).is_ok();
+        let result = self
+            .core_read(&core, &mut buf, &core_runs)
+            .and_then(|()| self.cache_write(&core, &buf, &cache_runs));
+        if let Err(e) = &result {
+            self.prefetch_errors.record(core.id, e);
+        }
+        let ok = result.is_ok();
         core.counters.add(Counter::PrefetchRequests, 1);
         self.classes.count(job.class, Counter::PrefetchRequests, 1);
         if ok {

@@ -69,6 +69,56 @@ pub struct ErrorStats {
     pub core_write: u64,
 }
 
+/// A failed device operation of background work (cleaning, read-ahead): no client request
+/// waits for it, so nobody else would report it. The engine keeps the last one for the daemon
+/// to log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceFault {
+    pub core: crate::CoreId,
+    /// What failed: "read", "write", ...
+    pub op: String,
+    /// The device as its volume names it.
+    pub device: String,
+    pub offset: u64,
+    pub len: u64,
+    pub error: String,
+}
+
+/// The device errors of one kind of background work, since the cache started (not reset with
+/// the statistics).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BackgroundErrors {
+    pub count: u64,
+    pub last: Option<DeviceFault>,
+}
+
+/// Where background work records its device errors; only the error path takes the lock.
+#[derive(Default)]
+pub(crate) struct BackgroundErrorLog(parking_lot::Mutex<BackgroundErrors>);
+
+impl BackgroundErrorLog {
+    /// Record `e` if it is a device error (other errors, such as a removed core, are no fault
+    /// of a device).
+    pub(crate) fn record(&self, core: crate::CoreId, e: &crate::EngineError) {
+        if let crate::EngineError::Volume(v) = e {
+            let mut log = self.0.lock();
+            log.count += 1;
+            log.last = Some(DeviceFault {
+                core,
+                op: v.op.to_string(),
+                device: v.device.clone(),
+                offset: v.offset,
+                len: v.len,
+                error: v.kind.to_string(),
+            });
+        }
+    }
+
+    pub(crate) fn snapshot(&self) -> BackgroundErrors {
+        self.0.lock().clone()
+    }
+}
+
 /// A snapshot of statistics for a cache or one core.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Stats {

@@ -20,7 +20,7 @@ use hybridcache_engine::{
     CleaningTick, Core, CoreId, LineSize, Promotion, PromotionPolicy, SeqCutoff, SeqCutoffPolicy,
     WRITE_SIZE_BUCKETS,
 };
-use hybridcache_volume::{NullVolume, RamVolume, VolumeRef};
+use hybridcache_volume::{FaultConfig, FaultyVolume, NullVolume, RamVolume, VolumeRef};
 
 const KIB: u64 = 1024;
 const MIB: u64 = 1 << 20;
@@ -241,6 +241,63 @@ fn alru_waits_for_activity_threshold_of_idleness() {
         t += 100;
     }
     assert_eq!(r.tick(t1 + 8000).cleaned, 5);
+}
+
+/// Cleaning due but failing: the error is recorded with its device, offset and length (no
+/// client waits for it, so the daemon logs it from here), and the policy does not count as
+/// waiting, which is what tells the daemon that cleaning has stalled. While the cache is busy
+/// (activity threshold), the policy is waiting.
+#[test]
+fn failed_cleaning_is_recorded_and_leaves_cleaning_due() {
+    let faulty = Arc::new(FaultyVolume::new(as_ref(&ram("ram:core", 4 * MIB))));
+    let r = rig_on(4, 256, CacheMode::Wb, faulty.clone(), None);
+    r.alru(|a| {
+        a.staleness_time_s = 1;
+        a.activity_threshold_ms = 2000;
+        a.wake_up_s = 0;
+    });
+    for l in 0..4 {
+        r.write_line(10 + l, 1);
+    }
+    // Busy: the activity threshold holds cleaning back (the ticks place alru's age marks).
+    let mut t = 1000;
+    while t <= 3000 {
+        if t == 3000 {
+            r.poke();
+        }
+        assert_eq!(r.tick(t).cleaned, 0);
+        assert!(r.cache.cleaning_stats().waiting, "at {t}");
+        t += 100;
+    }
+
+    faulty.set_config(FaultConfig {
+        fail_writes_in: Some(0..u64::MAX),
+        ..FaultConfig::default()
+    });
+    let tick = r.tick(5000);
+    assert_eq!(tick.cleaned, 0, "{tick:?}");
+    let s = r.cache.cleaning_stats();
+    assert!(!s.waiting, "cleaning is due and failing: {s:?}");
+    assert!(s.errors.count >= 1, "{s:?}");
+    let fault = s.errors.last.expect("the last cleaning error");
+    assert_eq!(
+        (fault.core, fault.op.as_str(), fault.device.as_str()),
+        (r.id, "write", "ram:core")
+    );
+    // The four lines are neighbours: one merged write.
+    assert_eq!((fault.offset, fault.len), (10 * r.line, 4 * r.line));
+    assert!(!fault.error.is_empty());
+    assert_eq!(r.dirty(), 4);
+    // Still due on the next look, though the core's lines are now passed by as failing.
+    assert_eq!(r.tick(5100).cleaned, 0);
+    assert!(!r.cache.cleaning_stats().waiting);
+
+    // The device heals; a flush that succeeds on it ends its failing state.
+    faulty.set_config(FaultConfig::default());
+    r.core.flush().unwrap();
+    assert_eq!(r.tick(5200).cleaned, 4);
+    assert!(r.cache.cleaning_stats().waiting);
+    assert_eq!(r.dirty(), 0);
 }
 
 /// Nothing is cleaned before staleness-time has passed since its last write: A written at t0,

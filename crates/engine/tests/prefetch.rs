@@ -302,3 +302,36 @@ fn nearby_random_reads_are_no_stream() {
     assert_eq!(cache.run_prefetch(), 0);
     assert_eq!(stats(&cache, &c).requests.prefetch_requests, 0);
 }
+
+/// A read-ahead whose core read fails fails no client request: the error is recorded with its
+/// device, offset and length for the daemon to log, and the lines stay uncached.
+#[test]
+fn a_failed_read_ahead_is_recorded() {
+    use hybridcache_volume::{FaultConfig, FaultyVolume};
+    let (cache, _vol) = new_cache(4, 256, CacheMode::Wt);
+    cache.stop_background_prefetch();
+    cache.set_prefetch(readahead(8, 64, 4)).unwrap();
+    let faulty = std::sync::Arc::new(FaultyVolume::new(as_ref(&ram("ram:core", 1 << 20))));
+    let id = cache.add_core(faulty.clone(), None).unwrap();
+    let core = cache.core(id).unwrap();
+    let mut buf = vec![0u8; 4 * KIB as usize];
+    core.read(&mut buf, 0).unwrap();
+    core.read(&mut buf, 4 * KIB).unwrap();
+    assert_eq!(cache.prefetch_errors().count, 0);
+    // The client's reads are done; the read-ahead of 8..72 KiB is not.
+    faulty.set_config(FaultConfig {
+        fail_reads_in: Some(8 * KIB..72 * KIB),
+        ..FaultConfig::default()
+    });
+    assert_eq!(cache.run_prefetch(), 1);
+    let e = cache.prefetch_errors();
+    assert_eq!(e.count, 1);
+    let fault = e.last.expect("the read-ahead's error");
+    assert_eq!(
+        (fault.core, fault.op.as_str(), fault.device.as_str()),
+        (id, "read", "ram:core")
+    );
+    assert_eq!((fault.offset, fault.len), (8 * KIB, 64 * KIB));
+    assert_eq!(cache.core_stats(id).unwrap().usage.occupancy_lines, 2);
+    assert_eq!(cache.cleaning_stats().errors.count, 0);
+}

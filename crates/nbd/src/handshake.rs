@@ -79,6 +79,8 @@ pub(crate) struct HandshakeCtx<'a> {
     /// if the export has no room (the refusal is already logged). Called only
     /// when the handshake is certain to enter transmission on success.
     pub(crate) admit: &'a dyn Fn(&ExportEntry) -> bool,
+    /// The client named an export that does not exist (the server logs it as a refusal).
+    pub(crate) unknown: &'a dyn Fn(&[u8]),
 }
 
 fn read_exact_or_eof<R: Read>(r: &mut R, buf: &mut [u8]) -> io::Result<bool> {
@@ -194,6 +196,7 @@ pub(crate) fn negotiate<R: Read, W: Write>(
         match option {
             OPT_EXPORT_NAME => {
                 let Some(entry) = ctx.registry.lookup(&data) else {
+                    (ctx.unknown)(&data);
                     return Ok(Outcome::Closed);
                 };
                 // No error reply exists for EXPORT_NAME.
@@ -247,6 +250,7 @@ pub(crate) fn negotiate<R: Read, W: Write>(
                     }
                 };
                 let Some(entry) = ctx.registry.lookup(req.name) else {
+                    (ctx.unknown)(req.name);
                     error_reply(w, &mut out, option, REP_ERR_UNKNOWN, "unknown export")?;
                     continue;
                 };

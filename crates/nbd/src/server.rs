@@ -735,11 +735,15 @@ fn run_connection<R: Read + Send, W: Write + Send>(
         }
         ok
     };
+    let unknown = |name: &[u8]| {
+        inner.refuse(peer, Some(&String::from_utf8_lossy(name)), "no such export");
+    };
     let ctx = HandshakeCtx {
         registry: &inner.registry,
         max_option_len: inner.config.max_option_len,
         shutting_down: &inner.shutting_down,
         admit: &admit,
+        unknown: &unknown,
     };
     let res = (|| {
         // Buffered during the handshake only: option replies come in bursts

@@ -483,6 +483,21 @@ fn tcp_server(exports: &[&str], cfg: ServerConfig) -> (Server, SocketAddr) {
 }
 
 #[test]
+fn an_unknown_export_name_is_refused_and_logged() {
+    let (server, addr) = tcp_server(&["known"], ServerConfig::default());
+    let mut s = tcp_from(Ipv4Addr::new(127, 0, 0, 21), addr).unwrap();
+    assert_eq!(handshake(&mut s, "no-such-export"), Err(REP_ERR_UNKNOWN));
+    assert!(
+        wait_for_log(|l| l.contains("connection refused: no such export")
+            && l.contains("tcp 127.0.0.21:")
+            && l.contains("no-such-export")),
+        "{}",
+        log_text()
+    );
+    server.shutdown();
+}
+
+#[test]
 fn per_client_limit_refuses_that_client_only() {
     let (server, addr) = tcp_server(
         &["a"],

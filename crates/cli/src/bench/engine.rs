@@ -3,10 +3,16 @@
 //! The benchmark itself is `hybridcache_engine::bench`, shared with `cargo bench`.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use hybridcache_daemon::metrics::{self, CacheView, CoreView};
 use hybridcache_engine::bench::{self, EngineBenchOptions, Test};
+use hybridcache_engine::Cache;
 
 #[derive(Debug, Clone, Args)]
 pub struct EngineArgs {
@@ -31,6 +37,11 @@ pub struct EngineArgs {
     /// Every combination of the lists, not only the standard cases (about half an hour).
     #[arg(long)]
     pub all: bool,
+    /// During every case, render the daemon's /metrics body for the bench's cache at once and
+    /// then every MS milliseconds, as a Prometheus scraper makes the daemon do (to measure what
+    /// a scraper costs the request path).
+    #[arg(long, value_name = "MS")]
+    pub scrape_every_ms: Option<u64>,
     /// Also write every figure as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -82,13 +93,88 @@ pub fn run(a: &EngineArgs) -> Result<()> {
     if opts.cases().is_empty() {
         bail!("no case matches these options");
     }
-    let report =
-        bench::run(&opts, &mut |line| eprintln!("{line}")).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let scrapes = Arc::new(AtomicU64::new(0));
+    let every = match a.scrape_every_ms {
+        Some(0) => bail!("--scrape-every-ms must be at least 1"),
+        Some(ms) => Some(Duration::from_millis(ms)),
+        None => None,
+    };
+    let start_scraper = |cache: &Cache| -> Box<dyn std::any::Any> {
+        match every {
+            Some(every) => Box::new(Scraper::start(cache, every, scrapes.clone())),
+            None => Box::new(()),
+        }
+    };
+    let report = bench::run_with(
+        &opts,
+        &mut |line| eprintln!("{line}"),
+        every.is_some().then_some(&start_scraper as bench::Beside),
+    )
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
     print!("{}", report.table());
+    if let Some(every) = every {
+        println!(
+            "metrics scraped every {} ms during the timed parts: {} scrapes",
+            every.as_millis(),
+            scrapes.load(Ordering::Relaxed)
+        );
+    }
     if let Some(path) = &a.json {
         std::fs::write(path, report.to_json())
             .with_context(|| format!("writing {}", path.display()))?;
         eprintln!("figures written to {}", path.display());
     }
     Ok(())
+}
+
+/// A thread that renders the metrics of one cache as the daemon's endpoint does, until dropped.
+struct Scraper {
+    stop: Option<mpsc::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Scraper {
+    fn start(cache: &Cache, every: Duration, scrapes: Arc<AtomicU64>) -> Scraper {
+        let cache = cache.clone();
+        let source: metrics::Source = Arc::new(move || {
+            vec![CacheView {
+                id: 1,
+                device: "ram-cache".into(),
+                status: "Running".into(),
+                cores: cache
+                    .cores()
+                    .iter()
+                    .map(|c| CoreView {
+                        id: c.id,
+                        device: c.name.clone(),
+                        active: true,
+                        clients: 1,
+                    })
+                    .collect(),
+                cache: cache.clone(),
+            }]
+        });
+        let (stop, stopped) = mpsc::channel::<()>();
+        let thread = std::thread::spawn(move || loop {
+            std::hint::black_box(metrics::render(&source).ok());
+            scrapes.fetch_add(1, Ordering::Relaxed);
+            // The sender goes when the scraper is dropped: that ends the wait at once.
+            if stopped.recv_timeout(every) != Err(mpsc::RecvTimeoutError::Timeout) {
+                return;
+            }
+        });
+        Scraper {
+            stop: Some(stop),
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Scraper {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }

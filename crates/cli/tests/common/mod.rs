@@ -59,6 +59,35 @@ pub fn need(tools: &[&str]) -> bool {
     false
 }
 
+/// A child process killed (and reaped) when dropped.
+pub struct Kill(pub Child);
+
+impl Drop for Kill {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// nbdkit in the foreground on the Unix socket `sock`, with `args` (filters, plugin and its
+/// parameters), once its socket exists.
+pub fn nbdkit(sock: &Path, args: &[String]) -> Kill {
+    let child = Kill(
+        Command::new("nbdkit")
+            .args(["-f", "-U"])
+            .arg(sock)
+            .args(args)
+            .spawn()
+            .expect("nbdkit"),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !sock.exists() {
+        assert!(Instant::now() < deadline, "nbdkit did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
+}
+
 /// Make a sparse file of `size` bytes.
 pub fn sparse_file(path: &Path, size: u64) {
     let f = std::fs::File::create(path).expect("create file");
@@ -112,6 +141,11 @@ impl Daemon {
     }
 
     pub fn start_with(dir: &Path, extra: &[&str]) -> Daemon {
+        Self::start_with_env(dir, extra, &[])
+    }
+
+    /// As [`Daemon::start_with`], with environment variables for the daemon (e.g. `RUST_LOG`).
+    pub fn start_with_env(dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> Daemon {
         let control = dir.join("control.sock");
         let nbd = dir.join("nbd.sock");
         let log = dir.join("daemon.log");
@@ -124,6 +158,7 @@ impl Daemon {
             .arg(&nbd)
             .args(extra)
             .env_remove("HYBRIDCACHE_CONTROL")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(logf)
@@ -135,11 +170,13 @@ impl Daemon {
             nbd,
             log,
         };
-        d.wait_ready();
+        // A log filtered below INFO has no "ready" line: then the control socket answering says
+        // it.
+        d.wait_ready(env.iter().any(|(k, _)| *k == "RUST_LOG"));
         d
     }
 
-    fn wait_ready(&mut self) {
+    fn wait_ready(&mut self, by_socket: bool) {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             if let Some(c) = self.child.as_mut() {
@@ -149,6 +186,9 @@ impl Daemon {
             }
             // The daemon prints "ready" once it accepts control requests.
             if self.log_text().contains(" ready: ") {
+                return;
+            }
+            if by_socket && self.cli(&["-L"]).status.success() {
                 return;
             }
             assert!(

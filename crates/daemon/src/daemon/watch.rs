@@ -19,8 +19,9 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use super::health::Health;
 use super::{Daemon, Ordering, WAITING_FOR_DEVICE};
 use crate::devices::settle_mark;
 use crate::nbd_volume::is_nbd_uri;
@@ -67,18 +68,22 @@ impl Seen {
     }
 }
 
-/// Start the watcher thread; it ends when the daemon stops.
+/// Start the watcher thread; it ends when the daemon stops. It also looks at the caches'
+/// background work once a poll (health.rs).
 pub(super) fn spawn(daemon: Arc<Daemon>) -> std::io::Result<()> {
     std::thread::Builder::new()
         .name("device-watch".into())
         .spawn(move || {
             let mut seen = Seen::default();
+            let mut health = Health::default();
+            let epoch = Instant::now();
             loop {
                 std::thread::sleep(POLL);
                 if daemon.stopping.load(Ordering::SeqCst) {
                     return;
                 }
                 daemon.watch_tick(&mut seen);
+                daemon.health_tick(&mut health, epoch.elapsed());
             }
         })
         .map(|_| ())
