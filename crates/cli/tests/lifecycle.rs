@@ -228,10 +228,10 @@ fn a_refused_configuration_changes_no_device_and_not_the_file() {
     }
 }
 
-#[test]
-fn an_inactive_core_attaches_again_when_its_file_reappears() {
-    let dir = workdir();
-    let p = dir.path();
+/// A write-back cache (device `spec`) on cache.img in `p` with one core on core.img, holding
+/// `data` dirty at `offset` of that core, stopped with `-T -n` so the dirty data stays on the
+/// cache device, and its daemon stopped.
+fn stopped_with_dirty_data(p: &Path, data: &[u8], offset: u64) -> (String, PathBuf) {
     let cache = p.join("cache.img");
     let core = p.join("core.img");
     sparse_file(&cache, 64 << 20);
@@ -240,14 +240,21 @@ fn an_inactive_core_attaches_again_when_its_file_reappears() {
     let spec = format!("file:{}", cache.display());
     d.ok(&["-S", "-d", &spec, "-c", "wb"]);
     d.ok(&["-A", "-i", "1", "-d", core.to_str().expect("UTF-8")]);
-    // Dirty data, kept on the cache device across a stop without flush.
-    let data = pattern(7, 2 << 20);
     let mut c = Client::connect_unix(&d.nbd, "cas1-1").expect("connect");
-    c.write(&data, 1 << 20, false).expect("write");
+    c.write(data, offset, false).expect("write");
     c.flush().expect("flush");
     c.disconnect().expect("disconnect");
     d.ok(&["-T", "-i", "1", "-n"]);
     assert!(d.stop());
+    (spec, core)
+}
+
+#[test]
+fn an_inactive_core_attaches_again_when_its_file_reappears() {
+    let dir = workdir();
+    let p = dir.path();
+    let data = pattern(7, 2 << 20);
+    let (spec, core) = stopped_with_dirty_data(p, &data, 1 << 20);
     let away = p.join("core.away");
     std::fs::rename(&core, &away).expect("move the core away");
 
@@ -318,22 +325,9 @@ fn a_core_of_the_wrong_size_is_not_attached() {
 fn another_device_of_the_same_size_under_the_core_s_name_is_not_attached() {
     let dir = workdir();
     let p = dir.path();
-    let cache = p.join("cache.img");
-    let core = p.join("core.img");
-    sparse_file(&cache, 64 << 20);
-    sparse_file(&core, 64 << 20);
-    let mut d = Daemon::start(p);
-    let spec = format!("file:{}", cache.display());
-    d.ok(&["-S", "-d", &spec, "-c", "wb"]);
-    let core_s = core.to_str().expect("UTF-8");
-    d.ok(&["-A", "-i", "1", "-d", core_s]);
     let data = pattern(5, 1 << 20);
-    let mut c = Client::connect_unix(&d.nbd, "cas1-1").expect("connect");
-    c.write(&data, 0, false).expect("write");
-    c.flush().expect("flush");
-    c.disconnect().expect("disconnect");
-    d.ok(&["-T", "-i", "1", "-n"]);
-    assert!(d.stop());
+    let (spec, core) = stopped_with_dirty_data(p, &data, 0);
+    let core_s = core.to_str().expect("UTF-8");
     // Keep the old file (so its inode number stays taken) and put another in its place.
     let away = p.join("core.away");
     std::fs::rename(&core, &away).expect("move the core away");
