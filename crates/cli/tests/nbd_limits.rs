@@ -4,10 +4,9 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{workdir, Daemon, BIN};
+use common::{daemon_refuses_to_start, workdir, Daemon};
 use hybridcache_nbd::Client;
 
 fn wait_log(d: &Daemon, what: &[&str]) -> bool {
@@ -114,17 +113,7 @@ fn impossible_limits_stop_the_daemon_from_starting() {
         (&["--nbd-max-connections", "0"][..], "at least 1"),
         (&["--nbd-handshake-timeout", "0"][..], "at least 1 second"),
     ] {
-        let out = Command::new(BIN)
-            .arg("daemon")
-            .arg("--control")
-            .arg(dir.path().join("c.sock"))
-            .arg("--nbd-socket")
-            .arg(dir.path().join("n.sock"))
-            .args(args)
-            .output()
-            .unwrap();
-        assert_eq!(out.status.code(), Some(1), "{args:?}");
-        let err = String::from_utf8_lossy(&out.stderr);
+        let err = daemon_refuses_to_start(dir.path(), args);
         assert!(err.contains(msg), "{args:?}: {err}");
     }
 }

@@ -2036,7 +2036,9 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
         cleanup_control();
         anyhow!("--frontend: {e}")
     })?;
-    let server_config = nbd_server_config(workers, &opts.nbd_limits, d)?;
+    let server_config = nbd_server_config(workers, &opts.nbd_limits, d).inspect_err(|_| {
+        cleanup_control();
+    })?;
     tracing::info!(
         "NBD limits: {} connections, {} per client, {} per export, memory {} MiB \
          ({} MiB for in-flight requests)",

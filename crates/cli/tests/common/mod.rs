@@ -340,3 +340,24 @@ pub fn fio_iops(v: &serde_json::Value) -> f64 {
         })
         .unwrap_or(0.0)
 }
+
+/// Start a daemon in `dir` with `args` that must refuse to start: it exits 1, leaves no control
+/// socket behind, and its stderr (returned) says why.
+pub fn daemon_refuses_to_start(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new(BIN)
+        .arg("daemon")
+        .arg("--control")
+        .arg(dir.join("c.sock"))
+        .arg("--nbd-socket")
+        .arg(dir.join("n.sock"))
+        .args(args)
+        .env_remove("HYBRIDCACHE_CONTROL")
+        .output()
+        .expect("run the daemon");
+    assert_eq!(out.status.code(), Some(1), "{args:?}");
+    assert!(
+        !dir.join("c.sock").exists(),
+        "{args:?}: control socket left behind"
+    );
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
