@@ -173,3 +173,53 @@ fn make_deb_builds_a_package_that_installs() {
     let help = run(Command::new(root.join("usr/bin/hybridcache")).arg("-H"));
     assert!(help.contains("start-cache"), "{help}");
 }
+
+/// The unit's Type=notify: started as systemd would (NOTIFY_SOCKET set), the daemon sends
+/// READY=1, and by then its control socket answers.
+#[test]
+fn the_daemon_tells_systemd_it_is_ready() {
+    use std::os::unix::net::UnixDatagram;
+    use std::time::Duration;
+    let dir = tempfile::tempdir().unwrap();
+    let notify = dir.path().join("notify.sock");
+    let listener = UnixDatagram::bind(&notify).unwrap();
+    listener
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let control = dir.path().join("control.sock");
+    let log = std::fs::File::create(dir.path().join("daemon.log")).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_hybridcache"))
+        .arg("daemon")
+        .arg("--control")
+        .arg(&control)
+        .arg("--nbd-socket")
+        .arg(dir.path().join("nbd.sock"))
+        .env("NOTIFY_SOCKET", &notify)
+        .env_remove("HYBRIDCACHE_CONTROL")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let mut buf = [0u8; 256];
+    let got = listener.recv(&mut buf);
+    let listed = Command::new(env!("CARGO_BIN_EXE_hybridcache"))
+        .arg("--control")
+        .arg(&control)
+        .arg("-L")
+        .output()
+        .unwrap();
+    // SIGTERM: the daemon stops as systemd stops it.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    let log = std::fs::read_to_string(dir.path().join("daemon.log")).unwrap_or_default();
+    let n = got.unwrap_or_else(|e| panic!("no READY=1 within 30 s ({e}): {log}"));
+    assert_eq!(&buf[..n], b"READY=1", "{log}");
+    assert!(
+        listed.status.success(),
+        "-L after READY=1: {}",
+        String::from_utf8_lossy(&listed.stderr)
+    );
+    assert!(log.contains("told systemd the daemon is ready"), "{log}");
+    assert!(status.success(), "{status}: {log}");
+}
