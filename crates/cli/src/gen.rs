@@ -155,4 +155,70 @@ mod tests {
         // The hidden generator documents nothing of itself.
         assert!(!dir.path().join("hybridcache-gen.8").exists());
     }
+
+    /// A serde Deserializer that only records the field names a struct asks for: the keys the
+    /// configuration file accepts, straight from config.rs, so the page cannot miss a new one.
+    struct Fields(&'static [&'static str]);
+
+    impl<'de> serde::Deserializer<'de> for &mut Fields {
+        type Error = serde::de::value::Error;
+        fn deserialize_any<V: serde::de::Visitor<'de>>(
+            self,
+            _: V,
+        ) -> Result<V::Value, Self::Error> {
+            Err(serde::de::Error::custom("not a struct"))
+        }
+        fn deserialize_struct<V: serde::de::Visitor<'de>>(
+            self,
+            _: &'static str,
+            fields: &'static [&'static str],
+            _: V,
+        ) -> Result<V::Value, Self::Error> {
+            self.0 = fields;
+            Err(serde::de::Error::custom("fields recorded"))
+        }
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes byte_buf
+            option unit unit_struct newtype_struct seq tuple tuple_struct map enum identifier
+            ignored_any
+        }
+    }
+
+    fn fields<T: serde::de::DeserializeOwned>() -> &'static [&'static str] {
+        let mut f = Fields(&[]);
+        let _ = T::deserialize(&mut f);
+        f.0
+    }
+
+    #[test]
+    fn the_toml_page_names_every_key_of_the_file() {
+        use hybridcache_daemon::config::{CacheSection, CoreSection, DaemonSection};
+        let sections = [
+            ("[daemon]", fields::<DaemonSection>()),
+            ("[[cache]]", fields::<CacheSection>()),
+            ("[[core]]", fields::<CoreSection>()),
+        ];
+        for (section, keys) in sections {
+            assert!(!keys.is_empty(), "{section}: no fields recorded");
+            // The page's section for this table: from its .SH to the next one.
+            let start = TOML_PAGE
+                .find(&format!(".SH \"{section}\""))
+                .unwrap_or_else(|| panic!("hybridcache.toml.5 has no {section} section"));
+            let rest = &TOML_PAGE[start + 4..];
+            let body = &rest[..rest.find(".SH ").unwrap_or(rest.len())];
+            for key in keys {
+                // `params` is the [cache.params] table.
+                let shown = if *key == "params" {
+                    "[cache.params]"
+                } else {
+                    key
+                };
+                assert!(
+                    body.contains(&format!(".BR {shown} "))
+                        || body.contains(&format!(".B {shown}\n")),
+                    "hybridcache.toml.5 does not describe {section} {key}"
+                );
+            }
+        }
+    }
 }
