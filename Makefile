@@ -142,13 +142,15 @@ install:
 		install -m644 packaging/ioclass-config.csv "$(DESTDIR)$(DOCDIR)/"; fi
 
 # A Debian package from an install tree (PREFIX=/usr): target/hybridcache_VERSION_ARCH.deb
-# (DEB_DIR= writes it elsewhere; DEB_COMPRESS=none skips xz, as the install test does). Depends: the packages that own the libraries the binary links.
+# (DEB_DIR= writes it elsewhere; DEB_COMPRESS=none skips xz, as the install test does). Man pages
+# are gzipped, as Debian policy wants. Depends: the packages that own the libraries the binary links.
 DEB_DIR ?= target
 DEB_COMPRESS ?= xz
 deb:
 	@if [ "$(BIN)" = target/release/hybridcache ]; then $(CARGO) build --release -p hybridcache; fi
 	set -e; root=$$(mktemp -d); trap 'rm -rf "$$root"' EXIT; chmod 755 "$$root"; \
 	$(MAKE) --no-print-directory install DESTDIR="$$root" PREFIX=/usr BIN="$(BIN)"; \
+	gzip -9n "$$root"/usr/share/man/man[58]/*; \
 	version=$$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1); \
 	arch=$$(dpkg --print-architecture); \
 	depends=$$(ldd "$(BIN)" | awk '$$3 ~ /^\// {print $$3} $$1 ~ /^\// {print $$1}' \

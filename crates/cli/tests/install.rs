@@ -54,13 +54,18 @@ fn renders(page: &Path, expect: &str) {
     assert!(text.contains(expect), "{}: {text}", page.display());
 }
 
-fn installed_files(root: &Path) {
+/// What `make install` puts under `root`; `man_gz`: the pages are gzipped (the package).
+fn installed_files(root: &Path, man_gz: bool) {
+    let gz = if man_gz { ".gz" } else { "" };
+    let man8 = root.join(format!("usr/share/man/man8/hybridcache.8{gz}"));
+    let man5 = root.join(format!("usr/share/man/man5/hybridcache.toml.5{gz}"));
+    let verb = root.join(format!("usr/share/man/man8/hybridcache-start-cache.8{gz}"));
+    for p in [&man8, &man5, &verb] {
+        assert!(p.is_file(), "{} is not installed", p.display());
+    }
     for f in [
         "usr/bin/hybridcache",
         "usr/lib/systemd/system/hybridcache.service",
-        "usr/share/man/man8/hybridcache.8",
-        "usr/share/man/man8/hybridcache-start-cache.8",
-        "usr/share/man/man5/hybridcache.toml.5",
         "usr/share/bash-completion/completions/hybridcache",
         "usr/share/zsh/site-functions/_hybridcache",
         "usr/share/fish/vendor_completions.d/hybridcache.fish",
@@ -74,14 +79,8 @@ fn installed_files(root: &Path) {
             .join("usr/share/doc/hybridcache/ioclass-config.csv")
             .is_file());
     }
-    renders(
-        &root.join("usr/share/man/man8/hybridcache.8"),
-        "start-cache",
-    );
-    renders(
-        &root.join("usr/share/man/man5/hybridcache.toml.5"),
-        "nbd_memory_limit",
-    );
+    renders(&man8, "start-cache");
+    renders(&man5, "nbd_memory_limit");
     let completion = root.join("usr/share/bash-completion/completions/hybridcache");
     let out = run(Command::new("bash").arg("-c").arg(format!(
         "source '{}' && complete -p hybridcache",
@@ -106,7 +105,7 @@ fn make_install_puts_everything_in_place() {
         &format!("DESTDIR={}", dest.display()),
         "PREFIX=/usr",
     ]);
-    installed_files(&dest);
+    installed_files(&dest, false);
     let help = run(Command::new(dest.join("usr/bin/hybridcache")).arg("-H"));
     assert!(help.contains("start-cache"), "{help}");
 }
@@ -150,8 +149,8 @@ fn make_deb_builds_a_package_that_installs() {
     for f in [
         "./usr/bin/hybridcache",
         "./usr/lib/systemd/system/hybridcache.service",
-        "./usr/share/man/man8/hybridcache.8",
-        "./usr/share/man/man5/hybridcache.toml.5",
+        "./usr/share/man/man8/hybridcache.8.gz",
+        "./usr/share/man/man5/hybridcache.toml.5.gz",
         "./usr/share/bash-completion/completions/hybridcache",
     ] {
         assert!(contents.contains(f), "{f} not in the package:\n{contents}");
@@ -169,7 +168,7 @@ fn make_deb_builds_a_package_that_installs() {
         .arg(format!("--root={}", root.display()))
         .args(["--force-depends", "--force-script-chrootless", "-i"])
         .arg(deb));
-    installed_files(&root);
+    installed_files(&root, true);
     let help = run(Command::new(root.join("usr/bin/hybridcache")).arg("-H"));
     assert!(help.contains("start-cache"), "{help}");
 }
