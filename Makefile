@@ -1,14 +1,15 @@
 # hybridcache: the two commands a new machine needs are `make demo` and `make test`.
 SHELL := /bin/bash
 CARGO ?= cargo
+# man-db: the install test renders the man pages with `man -l`.
 # libclang-dev: libublk's bindgen (crates/ublk). xfsprogs ... bcache-tools: the signature tests make
 # each file system and volume signature with its own tool. prometheus: the metrics test. tmux: top.
-DEB_PACKAGES := fio nbdkit libnbd-bin qemu-utils fuse3 python3-libnbd prometheus tmux libclang-dev \
+DEB_PACKAGES := man-db fio nbdkit libnbd-bin qemu-utils fuse3 python3-libnbd prometheus tmux libclang-dev \
 	xfsprogs btrfs-progs lvm2 fdisk bcache-tools
 STAMP := target/.deps-installed
 
 .PHONY: all build deps ceph-deps test test-rust test-guest test-ceph ceph-demo ceph-ops lint fmt bench \
-	demo clean
+	demo clean install deb
 
 all: build
 
@@ -102,6 +103,72 @@ bench: deps
 demo: deps
 	$(CARGO) build --release -p hybridcache
 	scripts/demo.sh
+
+# Install (docs/cli.md, "Install"): the binary in $(PREFIX)/bin (bin, not sbin: the CLI is run by
+# operators as casadm is, and the unit's ExecStart names it), the systemd unit in
+# $(PREFIX)/lib/systemd/system (with PREFIX=/usr that is /usr/lib/systemd/system, where Debian's
+# usr-merged systemd packages put units; with /usr/local systemd reads /usr/local/lib/systemd/system),
+# man pages and completions made by the binary itself (`hybridcache gen`), the docs and the example
+# IO class file when packaging/ has one. BIN= installs another build (the install test uses the
+# debug binary to skip a release build).
+PREFIX ?= /usr/local
+DESTDIR ?=
+BIN ?= target/release/hybridcache
+BINDIR ?= $(PREFIX)/bin
+UNITDIR ?= $(PREFIX)/lib/systemd/system
+MANDIR ?= $(PREFIX)/share/man
+DATADIR ?= $(PREFIX)/share
+DOCDIR ?= $(DATADIR)/doc/hybridcache
+install:
+	@if [ "$(BIN)" = target/release/hybridcache ]; then $(CARGO) build --release -p hybridcache; fi
+	set -e; gen=$$(mktemp -d); trap 'rm -rf "$$gen"' EXIT; \
+	"$(BIN)" gen man "$$gen/man"; "$(BIN)" gen completions "$$gen/completions"; \
+	install -Dm755 "$(BIN)" "$(DESTDIR)$(BINDIR)/hybridcache"; \
+	install -d "$(DESTDIR)$(UNITDIR)"; \
+	sed 's|/usr/bin/hybridcache|$(BINDIR)/hybridcache|' packaging/hybridcache.service \
+		> "$(DESTDIR)$(UNITDIR)/hybridcache.service"; \
+	chmod 644 "$(DESTDIR)$(UNITDIR)/hybridcache.service"; \
+	install -d "$(DESTDIR)$(MANDIR)/man8" "$(DESTDIR)$(MANDIR)/man5"; \
+	install -m644 "$$gen"/man/*.8 "$(DESTDIR)$(MANDIR)/man8/"; \
+	install -m644 "$$gen"/man/*.5 "$(DESTDIR)$(MANDIR)/man5/"; \
+	install -Dm644 "$$gen/completions/hybridcache.bash" \
+		"$(DESTDIR)$(DATADIR)/bash-completion/completions/hybridcache"; \
+	install -Dm644 "$$gen/completions/_hybridcache" "$(DESTDIR)$(DATADIR)/zsh/site-functions/_hybridcache"; \
+	install -Dm644 "$$gen/completions/hybridcache.fish" \
+		"$(DESTDIR)$(DATADIR)/fish/vendor_completions.d/hybridcache.fish"; \
+	install -d "$(DESTDIR)$(DOCDIR)"; \
+	install -m644 README.md docs/*.md "$(DESTDIR)$(DOCDIR)/"; \
+	if [ -f packaging/ioclass-config.csv ]; then \
+		install -m644 packaging/ioclass-config.csv "$(DESTDIR)$(DOCDIR)/"; fi
+
+# A Debian package from an install tree (PREFIX=/usr): target/hybridcache_VERSION_ARCH.deb
+# (DEB_DIR= writes it elsewhere; DEB_COMPRESS=none skips xz, as the install test does). Man pages
+# are gzipped, as Debian policy wants. Depends: the packages that own the libraries the binary links.
+DEB_DIR ?= target
+DEB_COMPRESS ?= xz
+deb:
+	@if [ "$(BIN)" = target/release/hybridcache ]; then $(CARGO) build --release -p hybridcache; fi
+	set -e; root=$$(mktemp -d); trap 'rm -rf "$$root"' EXIT; chmod 755 "$$root"; \
+	$(MAKE) --no-print-directory install DESTDIR="$$root" PREFIX=/usr BIN="$(BIN)"; \
+	gzip -9n "$$root"/usr/share/man/man[58]/*; \
+	version=$$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1); \
+	arch=$$(dpkg --print-architecture); \
+	depends=$$(ldd "$(BIN)" | awk '$$3 ~ /^\// {print $$3} $$1 ~ /^\// {print $$1}' \
+		| while read -r lib; do dpkg -S "$$(readlink -f "$$lib")" 2>/dev/null || dpkg -S "$$lib" 2>/dev/null || true; done \
+		| cut -d: -f1 | sort -u | paste -sd, | sed 's/,/, /g'); \
+	size=$$(du -sk "$$root" | cut -f1); \
+	mkdir -p "$$root/DEBIAN"; \
+	{ echo "Package: hybridcache"; echo "Version: $$version"; echo "Architecture: $$arch"; \
+	  echo "Maintainer: hybridcache developers <hybridcache@localhost>"; \
+	  echo "Installed-Size: $$size"; echo "Depends: $${depends:-libc6}"; \
+	  echo "Suggests: nbd-client, nbdkit"; echo "Section: admin"; echo "Priority: optional"; \
+	  echo "Description: user-space hybrid-storage block cache"; \
+	  echo " A block cache in front of slow disks (HDDs, RAID, network block devices) on fast"; \
+	  echo " ones (SSD, NVMe, RAM), exported over NBD or ublk, with a casadm-style command line"; \
+	  echo " (Open CAS habits work), a systemd unit (Type=notify), man pages and completions."; \
+	} > "$$root/DEBIAN/control"; \
+	mkdir -p "$(DEB_DIR)"; \
+	dpkg-deb --root-owner-group -Z$(DEB_COMPRESS) --build "$$root" "$(DEB_DIR)/hybridcache_$${version}_$${arch}.deb"
 
 clean:
 	$(CARGO) clean

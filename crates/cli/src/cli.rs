@@ -487,6 +487,10 @@ pub enum Command {
 
     /// A live view of the caches: IOPS, MB/s, hit ratio, dirty %, cleaning, latency (q quits).
     Top(crate::top::TopArgs),
+
+    /// Write the man pages or the shell completions (for `make install`; hidden).
+    #[command(hide = true)]
+    Gen(crate::gen::GenArgs),
 }
 
 impl Command {
@@ -502,6 +506,7 @@ impl Command {
             | Command::Trace(_)
             | Command::Serve(_)
             | Command::Top(_)
+            | Command::Gen(_)
             | Command::Bench(_) => return None,
             Command::StartCache {
                 device,

@@ -13,6 +13,7 @@ mod chart;
 mod cli;
 mod flush;
 mod format;
+mod gen;
 mod report_charts;
 mod serve;
 mod top;
@@ -142,6 +143,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::FlushCache { id, core } => return flush::run(&control, *id, *core),
         Command::FlushCore { id, core } => return flush::run(&control, *id, Some(*core)),
         Command::Top(args) => return top::run(args, &control),
+        Command::Gen(args) => return gen::run(args),
         Command::Trace(args) => return trace::run_cli(args, &control),
         Command::Version => {
             println!("hybridcache CLI {}", env!("CARGO_PKG_VERSION"));

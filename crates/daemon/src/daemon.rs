@@ -2145,6 +2145,14 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
         nbd_socket.display(),
         tcp.map(|a| format!(" and tcp {a}")).unwrap_or_default()
     );
+    // Under systemd's Type=notify the unit (and what is ordered after it) waits for this: the
+    // control socket listens and the configuration is applied. A failed send is logged, not
+    // fatal: systemd then times the start out, which says more than exiting here would.
+    match crate::notify::notify("READY=1") {
+        Ok(true) => tracing::info!("told systemd the daemon is ready"),
+        Ok(false) => {}
+        Err(e) => tracing::warn!("cannot notify systemd (NOTIFY_SOCKET): {e}"),
+    }
 
     let sig = wait_for_signal(&signals);
     tracing::info!("signal {sig}: shutting down");

@@ -17,6 +17,7 @@ pub mod frontend;
 pub mod log;
 pub mod metrics;
 pub mod nbd_volume;
+pub mod notify;
 pub mod params;
 pub mod protocol;
 pub mod signature;
