@@ -129,6 +129,51 @@ pub struct EmulatedVolume {
     clock: ClockRef,
     backing: VolumeRef,
     keeps_data: bool,
+    /// `HYBRIDCACHE_EMUL_TRACE=PATH`: every request as the model sees it, for diagnosing the
+    /// model through a transport (see [`Trace`]).
+    trace: Option<Trace>,
+}
+
+/// A request log of an emulated device, one line per request: `start_ns kind offset len
+/// done_ns` (times on the device's clock, kind `R` or `W`), then on every flush and at the end a
+/// `# merges full N expired M` line (the array's merge windows so far). Written through a
+/// buffer, so it perturbs timing by little; enabled only by the environment variable.
+struct Trace {
+    out: Mutex<std::io::BufWriter<std::fs::File>>,
+}
+
+/// The environment variable that turns on an emulated device's [`Trace`].
+pub const TRACE_ENV: &str = "HYBRIDCACHE_EMUL_TRACE";
+
+impl Trace {
+    fn from_env() -> Option<Trace> {
+        let path = std::env::var_os(TRACE_ENV)?;
+        let file = std::fs::File::create(path).ok()?;
+        Some(Trace {
+            out: Mutex::new(std::io::BufWriter::with_capacity(1 << 20, file)),
+        })
+    }
+
+    fn request(&self, start: u64, kind: IoKind, offset: u64, len: u64, done: u64) {
+        use std::io::Write as _;
+        let k = if kind == IoKind::Read { 'R' } else { 'W' };
+        let _ = writeln!(self.out.lock(), "{start} {k} {offset} {len} {done}");
+    }
+
+    fn merges(&self, (full, expired): (u64, u64)) {
+        use std::io::Write as _;
+        let mut out = self.out.lock();
+        let _ = writeln!(out, "# merges full {full} expired {expired}");
+        let _ = out.flush();
+    }
+}
+
+impl Drop for EmulatedVolume {
+    fn drop(&mut self) {
+        if let Some(t) = &self.trace {
+            t.merges(self.model.lock().merge_counts());
+        }
+    }
 }
 
 impl EmulatedVolume {
@@ -157,6 +202,7 @@ impl EmulatedVolume {
             clock,
             backing,
             keeps_data,
+            trace: Trace::from_env(),
         })
     }
 
@@ -177,12 +223,16 @@ impl EmulatedVolume {
 
     /// Start the request in the model, run `f` (the data copy), then wait for the completion.
     fn timed<T>(&self, kind: IoKind, offset: u64, len: u64, f: impl FnOnce() -> T) -> T {
-        let op = self.model.lock().start(self.clock.now(), kind, offset, len);
+        let start = self.clock.now();
+        let op = self.model.lock().start(start, kind, offset, len);
         let r = f();
         loop {
             let p = self.model.lock().poll(self.clock.now(), op);
             match p {
                 Poll::Done(t) => {
+                    if let Some(trace) = &self.trace {
+                        trace.request(start, kind, offset, len, t);
+                    }
                     self.clock.sleep_until(t);
                     return r;
                 }
@@ -220,6 +270,9 @@ impl Volume for EmulatedVolume {
         })
     }
     fn flush(&self) -> Result<()> {
+        if let Some(t) = &self.trace {
+            t.merges(self.model.lock().merge_counts());
+        }
         self.backing.flush()
     }
     fn discard(&self, offset: u64, len: u64) -> Result<()> {

@@ -325,6 +325,9 @@ pub struct Array {
     /// Index in `disks` of the parity engine, if modelled.
     engine: Option<usize>,
     merges: HashMap<(u64, u64), MergeGroup>,
+    /// Merge groups written as one full stripe, and those whose window expired.
+    merged_full: u64,
+    merge_expired: u64,
     ops: HashMap<u64, OpState>,
     next_op: u64,
     now: Nanos,
@@ -393,6 +396,8 @@ impl Array {
             background: Vec::new(),
             engine: None,
             merges: HashMap::new(),
+            merged_full: 0,
+            merge_expired: 0,
             ops: HashMap::new(),
             next_op: 0,
             now: 0,
@@ -409,6 +414,12 @@ impl Array {
             .iter()
             .map(|d| Duration::from_nanos(d.busy_total))
             .collect()
+    }
+
+    /// Merge groups written as one full stripe so far, and those whose window expired (their
+    /// writes went out as partial-stripe writes).
+    pub fn merge_counts(&self) -> (u64, u64) {
+        (self.merged_full, self.merge_expired)
     }
 
     /// Begin a request at `now`; returns its handle for [`poll`](Self::poll).
@@ -662,6 +673,7 @@ impl Array {
         let Some(m) = self.merges.remove(&key) else {
             return;
         };
+        self.merged_full += 1;
         let (group, row) = key;
         let base = group * self.geo.disks;
         let ios: Vec<SubIo> = (0..self.geo.disks)
@@ -697,6 +709,7 @@ impl Array {
         let Some(m) = self.merges.remove(&key) else {
             return;
         };
+        self.merge_expired += 1;
         for (op, piece) in m.members {
             let partial = match self.ops.get(&op).map(|o| &o.pieces[piece]) {
                 Some(PieceState::Merging(p)) => p.clone(),
