@@ -19,11 +19,16 @@
 //!   background. That is what lets a sequential stream of small writes run at the data disk's
 //!   speed instead of rewriting (and waiting a revolution for) the same parity sectors each time;
 //!   random writes still pay every read and, on eviction, every parity write;
-//! - with a merge window, a partial-stripe write first waits up to `merge_window` (from the first
-//!   waiting write of that stripe) for other writes to complete the stripe: if they do, all are
-//!   written as one full stripe; if not, each is written as a partial write. With `n` writes of
-//!   `b` bytes in flight, a sequential stream fills stripes only when `n * b` reaches the stripe's
-//!   data width, which is the jump in the study's sequential-write table.
+//! - with a merge window, a partial-stripe write first waits up to `merge_window` for other
+//!   writes to complete the stripe: if they do, all are written as one full stripe; if not, each
+//!   is written as a partial write. While the parity engine is busy, an expired stripe keeps
+//!   waiting, until one window after the engine is free (at most 20 windows from its first
+//!   write): writes queued for the engine have not been processed yet and may still be merged.
+//!   Without that, a sequential stream that once fell to partial writes (its writes arriving
+//!   spread out, as through a transport) stays paced by the engine, one write per engine slot,
+//!   and never fills a stripe within a window again. With `n` writes of `b` bytes
+//!   in flight, a sequential stream fills stripes only when `n * b` reaches the stripe's data
+//!   width, which is the jump in the study's sequential-write table.
 //!
 //! Every request also pays a fixed controller latency.
 //!
@@ -289,11 +294,16 @@ struct CachedStripe {
 
 #[derive(Debug)]
 struct MergeGroup {
+    /// When the first write joined.
+    first: Nanos,
     deadline: Nanos,
     members: Vec<(u64, usize)>,
     /// Covered byte ranges within the stripe's data, sorted and merged.
     covered: Vec<(u64, u64)>,
 }
+
+/// A stripe waits for a busy parity engine at most this many windows from its first write.
+const MERGE_DEFER_MAX: u64 = 20;
 
 /// Whether a request reads or writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -573,6 +583,7 @@ impl Array {
         op_state.pieces.push(PieceState::Merging(partial));
         let row_bytes = g.strip * g.data_disks;
         let m = self.merges.entry(key).or_insert_with(|| MergeGroup {
+            first: now,
             deadline: now + window,
             members: Vec::new(),
             covered: Vec::new(),
@@ -789,8 +800,26 @@ impl Array {
                 .filter(|(_, m)| m.deadline <= t)
                 .map(|(&k, _)| k)
                 .collect();
+            // Writes waiting for the parity engine have not been processed yet: while it is busy,
+            // an expired stripe keeps waiting (and may still fill up) until it is free.
+            let engine_busy_until = self
+                .engine
+                .map(|e| self.disks[e].backlog().1)
+                .filter(|&b| b > t);
+            let window = self.merge_window.unwrap_or(0);
             for key in expired {
-                self.expire_merge(t, key);
+                let defer = engine_busy_until.and_then(|b| {
+                    let m = &self.merges[&key];
+                    (t < m.first + MERGE_DEFER_MAX * window).then_some(b + window)
+                });
+                match defer {
+                    Some(d) => {
+                        if let Some(m) = self.merges.get_mut(&key) {
+                            m.deadline = d;
+                        }
+                    }
+                    None => self.expire_merge(t, key),
+                }
             }
             // Pieces whose current step has completed issue their next one.
             let mut ready = Vec::new();
