@@ -557,7 +557,12 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
             // each reply (queue depth 1) gets it inline, which saves waking a worker per request
             // (a cache hit on a device: ~100 us of I/O, the wakeup a tenth of it); should the
             // client send more meanwhile, the rescuer takes over reading after a tick.
-            let parallel = more_buffered || self.executing.load(Ordering::Relaxed) > 0;
+            // A kind slower than a rescue tick is not run inline even then: the client may send
+            // its next request meanwhile (a pipelining client whose replies all just left), and
+            // it would wait a tick to be read; one wakeup is little beside such a request.
+            let very_slow =
+                self.ewma_ns[kind].load(Ordering::Relaxed) > RESCUE_TICK.as_nanos() as u64;
+            let parallel = more_buffered || very_slow || self.executing.load(Ordering::Relaxed) > 0;
             self.executing.fetch_add(1, Ordering::Relaxed);
             if slow && parallel {
                 match self.delegate(handle, job, bufs) {
