@@ -26,7 +26,10 @@
 //!   write): writes queued for the engine have not been processed yet and may still be merged.
 //!   Without that, a sequential stream that once fell to partial writes (its writes arriving
 //!   spread out, as through a transport) stays paced by the engine, one write per engine slot,
-//!   and never fills a stripe within a window again. With `n` writes of `b` bytes
+//!   and never fills a stripe within a window again. A stripe that follows one written full
+//!   waits 4 windows instead of one: the stream is expected to continue, and its writes may
+//!   arrive spread out (through NBD on a busy machine, by a millisecond or so). With `n` writes
+//!   of `b` bytes
 //!   in flight, a sequential stream fills stripes only when `n * b` reaches the stripe's data
 //!   width, which is the jump in the study's sequential-write table.
 //!
@@ -290,6 +293,8 @@ struct OpState {
 struct CachedStripe {
     key: (u64, u64),
     dirty: Vec<SubIo>,
+    /// Last written as one full stripe.
+    full: bool,
 }
 
 #[derive(Debug)]
@@ -302,6 +307,8 @@ struct MergeGroup {
     covered: Vec<(u64, u64)>,
 }
 
+/// A stripe that continues a full-stripe stream waits this many merge windows for the rest.
+const STREAM_WINDOWS: u64 = 4;
 /// A stripe waits for a busy parity engine at most this many windows from its first write.
 const MERGE_DEFER_MAX: u64 = 20;
 
@@ -582,6 +589,18 @@ impl Array {
         let piece = op_state.pieces.len();
         op_state.pieces.push(PieceState::Merging(partial));
         let row_bytes = g.strip * g.data_disks;
+        // A stripe right after one written full continues a full-stripe stream: the controller
+        // holds it longer for the rest (a stream's writes may arrive a little spread out).
+        let chunk = row * g.groups + group;
+        let stream = chunk > 0 && {
+            let prev = ((chunk - 1) % g.groups, (chunk - 1) / g.groups);
+            self.cache.iter().rev().any(|e| e.key == prev && e.full)
+        };
+        let window = if stream {
+            window * STREAM_WINDOWS
+        } else {
+            window
+        };
         let m = self.merges.entry(key).or_insert_with(|| MergeGroup {
             first: now,
             deadline: now + window,
@@ -650,10 +669,12 @@ impl Array {
                 CachedStripe {
                     key,
                     dirty: Vec::new(),
+                    full: false,
                 },
                 false,
             ),
         };
+        entry.full = dirty.is_none();
         match dirty {
             None => entry.dirty.clear(),
             Some(parity) => {
