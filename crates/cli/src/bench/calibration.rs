@@ -1,13 +1,15 @@
 //! `hybridcache bench calibration`: the emulated RAID 60 (`raid:preset=study60`) next to the
-//! study's no-cache baselines (domain.md §10), in the study's layout (rows: what, columns:
-//! iodepth 1/4/8/16/32; each cell "ours (study)").
+//! study's no-cache baselines (domain.md §10, every table: random writes, sequential writes,
+//! mixed reads and writes), in the study's layout (rows: what, columns: iodepth 1/4/8/16/32;
+//! each cell "ours (study) ours/study"), then the worst cell.
 //!
 //! Two ways to get "ours", and the output always says which:
 //! - `sim` (default, seconds): the volume crate's closed-loop simulation on virtual time
 //!   (`calibration_cells`), the same numbers `cargo test -p hybridcache-volume calibration`
 //!   prints: the model alone, no fio, no NBD.
-//! - `fio` (minutes: `runtime` × 30 cells): for real, fio's nbd engine against `hybridcache
-//!   serve` exporting `raid:preset=study60,...,nodata`, time really elapsing in the model. This
+//! - `fio` (minutes: `ramp + runtime` × 37 jobs): for real, fio's nbd engine against a fresh
+//!   `hybridcache serve` per job exporting `raid:preset=study60,...,nodata`, time really
+//!   elapsing in the model. This
 //!   adds the NBD transport and the server's workers, so very high rates (the multi-GB/s
 //!   full-stripe cells) are capped by the transport on small machines.
 //!
