@@ -448,7 +448,7 @@ mod tests {
         for row in [
             "randwrite",
             "write 4K",
-            "write 64K",
+            "write 16K",
             "randrw 50/50",
             "randrw 30/70",
             "randrw 70/30",
