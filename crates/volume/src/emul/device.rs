@@ -11,7 +11,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use super::clock::{ClockRef, RealClock};
 use super::hdd::HddConfig;
@@ -126,6 +126,8 @@ pub struct EmulatedVolume {
     description: String,
     size: u64,
     model: Mutex<Array>,
+    /// Signalled when a request settles others waiting in a merge window (a filled stripe).
+    woken: Condvar,
     clock: ClockRef,
     backing: VolumeRef,
     keeps_data: bool,
@@ -199,6 +201,7 @@ impl EmulatedVolume {
             description,
             size,
             model: Mutex::new(config.model()),
+            woken: Condvar::new(),
             clock,
             backing,
             keeps_data,
@@ -222,21 +225,47 @@ impl EmulatedVolume {
     }
 
     /// Start the request in the model, run `f` (the data copy), then wait for the completion.
+    /// A request waiting in a merge window waits for its window's end or for another request to
+    /// fill its stripe, whichever comes first: the one that fills it wakes the waiters, so a
+    /// merged write completes when the stripe is written, not when the window would have ended.
     fn timed<T>(&self, kind: IoKind, offset: u64, len: u64, f: impl FnOnce() -> T) -> T {
         let start = self.clock.now();
-        let op = self.model.lock().start(start, kind, offset, len);
+        let op = {
+            let mut m = self.model.lock();
+            let op = m.start(start, kind, offset, len);
+            if m.take_woken() {
+                self.woken.notify_all();
+            }
+            op
+        };
         let r = f();
         loop {
-            let p = self.model.lock().poll(self.clock.now(), op);
+            let mut m = self.model.lock();
+            let p = m.poll(self.clock.now(), op);
+            if m.take_woken() {
+                self.woken.notify_all();
+            }
             match p {
                 Poll::Done(t) => {
+                    drop(m);
                     if let Some(trace) = &self.trace {
                         trace.request(start, kind, offset, len, t);
                     }
                     self.clock.sleep_until(t);
                     return r;
                 }
-                Poll::Pending(t) => self.clock.sleep_until(t),
+                Poll::Pending(t) if self.clock.is_virtual() => {
+                    drop(m);
+                    self.clock.sleep_until(t);
+                }
+                Poll::Pending(t) => {
+                    let now = self.clock.now();
+                    if t > now {
+                        let _ = self
+                            .woken
+                            .wait_for(&mut m, std::time::Duration::from_nanos(t - now));
+                    }
+                }
             }
         }
     }

@@ -345,6 +345,9 @@ pub struct Array {
     /// Merge groups written as one full stripe, and those whose window expired.
     merged_full: u64,
     merge_expired: u64,
+    /// A merged stripe completed requests other than the one that started it (they learn it
+    /// only by polling again): see [`Array::take_woken`].
+    woken: bool,
     ops: HashMap<u64, OpState>,
     next_op: u64,
     now: Nanos,
@@ -415,6 +418,7 @@ impl Array {
             merges: HashMap::new(),
             merged_full: 0,
             merge_expired: 0,
+            woken: false,
             ops: HashMap::new(),
             next_op: 0,
             now: 0,
@@ -437,6 +441,13 @@ impl Array {
     /// writes went out as partial-stripe writes).
     pub fn merge_counts(&self) -> (u64, u64) {
         (self.merged_full, self.merge_expired)
+    }
+
+    /// Whether requests waiting in a merge window were settled since the last call (a stripe
+    /// they were in was filled): whoever waits for them should poll again now rather than at
+    /// the window's end.
+    pub fn take_woken(&mut self) -> bool {
+        std::mem::take(&mut self.woken)
     }
 
     /// Begin a request at `now`; returns its handle for [`poll`](Self::poll).
@@ -706,6 +717,7 @@ impl Array {
             return;
         };
         self.merged_full += 1;
+        self.woken |= m.members.len() > 1;
         let (group, row) = key;
         let base = group * self.geo.disks;
         let ios: Vec<SubIo> = (0..self.geo.disks)
