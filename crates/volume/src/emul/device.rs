@@ -144,6 +144,10 @@ struct Trace {
     out: Mutex<std::io::BufWriter<std::fs::File>>,
 }
 
+/// How long before a model event a waiting request stops waiting for other requests and waits
+/// for the clock alone.
+const WAKE_MARGIN: u64 = 100_000;
+
 /// The environment variable that turns on an emulated device's [`Trace`].
 pub const TRACE_ENV: &str = "HYBRIDCACHE_EMUL_TRACE";
 
@@ -259,11 +263,15 @@ impl EmulatedVolume {
                     self.clock.sleep_until(t);
                 }
                 Poll::Pending(t) => {
+                    // Wait on the condition until shortly before `t`, then on the clock, which
+                    // spins the last stretch (a timed wait overshoots by tens of microseconds).
                     let now = self.clock.now();
-                    if t > now {
-                        let _ = self
-                            .woken
-                            .wait_for(&mut m, std::time::Duration::from_nanos(t - now));
+                    if t > now + WAKE_MARGIN {
+                        let d = std::time::Duration::from_nanos(t - now - WAKE_MARGIN);
+                        let _ = self.woken.wait_for(&mut m, d);
+                    } else {
+                        drop(m);
+                        self.clock.sleep_until(t);
                     }
                 }
             }
