@@ -423,7 +423,10 @@ fn calibration_by_simulation_prints_the_study_next_to_ours() {
     let s = String::from_utf8_lossy(&o.stdout);
     assert!(s.contains("in-process simulation"), "{s}");
     assert!(s.contains("| randwrite 4K | IOPS |"), "{s}");
-    assert!(s.contains("(63.0)") && s.contains("(929)"), "{s}");
+    assert!(
+        s.contains("(63.0)") && s.contains("(929)") && s.contains("Worst cell"),
+        "{s}"
+    );
     assert!(s.contains("of 5 cells within a factor of 1.5"), "{s}");
 }
 

@@ -8,7 +8,12 @@
 //! worker first). A waiting worker also rescues the role from an inline
 //! request that runs longer than a tick, so a slow request never holds up
 //! later ones for more than about a millisecond, and replies go out in
-//! completion order. Replies are queued whole and written by one thread at
+//! completion order. A slow request read while a worker waits idle is
+//! *delegated*: queued for that worker, which executes it, while the reader
+//! keeps reading, so pipelined slow requests reach the export as fast as
+//! they arrive instead of one thread wakeup apart (a device that merges
+//! requests arriving together, like an emulated RAID's full-stripe merge,
+//! sees them together). Replies are queued whole and written by one thread at
 //! a time; inline replies are batched until the reader would block. This
 //! keeps queue-depth-1 traffic free of thread switches and lets pipelined
 //! traffic use one read and one write system call per batch.
@@ -235,15 +240,34 @@ const READ_BATCH: usize = 32;
 /// While batches are slow, one chance in this many batches anyway (a probe).
 const BATCH_PROBE: u64 = 64;
 
+/// A request read by the reader and queued for a waiting worker to execute.
+type Delegated<'m> = (u64, Job, Buffers<'m>);
+
+/// What a waiting worker gets.
+enum Acquired<'m> {
+    /// The reader role.
+    Reader,
+    /// A delegated request to execute.
+    Job(Delegated<'m>),
+    /// The connection closed and nothing is left to execute.
+    Closed,
+}
+
 /// Who may read the next request. Protected by `Conn::role`.
 #[derive(Default)]
-struct Role {
+struct Role<'m> {
+    /// Workers waiting in `acquire_reader` (followers and the rescuer).
+    waiting: usize,
+    /// Delegated requests not yet taken by a waiting worker (never more than `waiting`).
+    jobs: std::collections::VecDeque<Delegated<'m>>,
     /// A worker holds the reader role (is reading or about to).
     reader_busy: bool,
     /// The token of a request being executed inline by the worker that
     /// released the reader role for it; it resumes reading afterwards
     /// unless a waiting worker rescued the role in the meantime.
     inline: Option<u64>,
+    /// The kind (`kind_index`) of the inline request, if a single one (not a read batch).
+    inline_kind: Option<usize>,
     next_token: u64,
     /// One waiting worker does timed waits to rescue slow inline work.
     rescuer: bool,
@@ -337,7 +361,7 @@ pub(crate) struct Conn<'a, R, W> {
     out: Mutex<OutQueue>,
     /// Room in `pending`, or the writer role, became free (or writing failed).
     out_cv: Condvar,
-    role: Mutex<Role>,
+    role: Mutex<Role<'a>>,
     /// Waiting workers other than the rescuer.
     follow_cv: Condvar,
     /// The rescuer.
@@ -447,7 +471,7 @@ fn kind_index(job: &Job) -> usize {
     }
 }
 
-impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
+impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
     // ---- scheduling ---------------------------------------------------------
     //
     // The worker holding the reader role reads one request. If requests of
@@ -466,8 +490,24 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
         let mut bufs = Buffers::new(self.mem);
         let mut holding = false;
         loop {
-            if !holding && !self.acquire_reader() {
-                return;
+            if !holding {
+                match self.acquire_reader() {
+                    Acquired::Reader => {}
+                    Acquired::Closed => return,
+                    Acquired::Job((handle, job, mut b)) => {
+                        // `executing` was counted by the delegating reader.
+                        let res = self.timed(kind_index(&job), || {
+                            self.execute(handle, job, &mut b, false)
+                        });
+                        self.executing.fetch_sub(1, Ordering::Relaxed);
+                        b.finish();
+                        if let Err(e) = res {
+                            self.fail_with(&e);
+                            return;
+                        }
+                        continue;
+                    }
+                }
             }
             let (next, more_buffered) = {
                 let mut r = self.reader.lock();
@@ -517,14 +557,30 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
             // each reply (queue depth 1) gets it inline, which saves waking a worker per request
             // (a cache hit on a device: ~100 us of I/O, the wakeup a tenth of it); should the
             // client send more meanwhile, the rescuer takes over reading after a tick.
-            let parallel = more_buffered || self.executing.load(Ordering::Relaxed) > 0;
+            // A kind slower than a rescue tick is not run inline even then: the client may send
+            // its next request meanwhile (a pipelining client whose replies all just left), and
+            // it would wait a tick to be read; one wakeup is little beside such a request.
+            let very_slow =
+                self.ewma_ns[kind].load(Ordering::Relaxed) > RESCUE_TICK.as_nanos() as u64;
+            let parallel = more_buffered || very_slow || self.executing.load(Ordering::Relaxed) > 0;
             self.executing.fetch_add(1, Ordering::Relaxed);
+            if slow && parallel {
+                match self.delegate(handle, job, bufs) {
+                    Ok(()) => {
+                        // Still the reader: read on while a waiting worker executes it.
+                        holding = true;
+                        bufs = Buffers::new(self.mem);
+                        continue;
+                    }
+                    Err(b) => bufs = b,
+                }
+            }
             let res = if slow && parallel {
                 self.hand_off();
                 holding = false;
                 self.timed(kind, || self.execute(handle, job, &mut bufs, false))
             } else {
-                let token = self.go_inline();
+                let token = self.go_inline(Some(kind));
                 let res = self.timed(kind, || self.execute(handle, job, &mut bufs, true));
                 holding = self.finish_inline(token);
                 res
@@ -618,7 +674,7 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
         }
         let prefix = self.reply_prefix();
         self.executing.fetch_add(batch.len(), Ordering::Relaxed);
-        let token = self.go_inline();
+        let token = self.go_inline(None);
         let t0 = Instant::now();
         let results = {
             let mut reqs: Vec<(&mut [u8], u64)> = Vec::with_capacity(batch.len());
@@ -678,51 +734,85 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
         res
     }
 
-    /// Waits until this worker may read; false once the connection closed.
-    fn acquire_reader(&self) -> bool {
+    /// Queues a request for a waiting worker to execute, keeping the reader role; gives the
+    /// buffers back when no worker waits idle (the caller then executes it itself).
+    fn delegate(&self, handle: u64, job: Job, bufs: Buffers<'a>) -> Result<(), Buffers<'a>> {
+        let mut st = self.role.lock();
+        if st.closed || st.waiting <= st.jobs.len() {
+            return Err(bufs);
+        }
+        st.jobs.push_back((handle, job, bufs));
+        if !self.follow_cv.notify_one() {
+            self.rescue_cv.notify_one();
+        }
+        Ok(())
+    }
+
+    /// Waits until this worker may read or has a delegated request to execute.
+    fn acquire_reader(&self) -> Acquired<'a> {
         // Deferred replies must not wait while this worker sleeps.
         if self.flush_pending().is_err() {
             self.fail();
-            return false;
+            return Acquired::Closed;
         }
         let mut st = self.role.lock();
+        st.waiting += 1;
+        let got = self.acquire_locked(&mut st);
+        st.waiting -= 1;
+        got
+    }
+
+    fn acquire_locked(&self, st: &mut MutexGuard<'_, Role<'a>>) -> Acquired<'a> {
         loop {
+            // Delegated requests first: the client is owed their replies even after a close.
+            if let Some(j) = st.jobs.pop_front() {
+                return Acquired::Job(j);
+            }
             if st.closed {
-                return false;
+                return Acquired::Closed;
             }
             if !st.reader_busy && st.inline.is_none() {
                 st.reader_busy = true;
-                return true;
+                return Acquired::Reader;
             }
             if !st.rescuer {
                 st.rescuer = true;
-                let got = self.rescue_wait(&mut st);
+                let got = self.rescue_wait(st);
                 st.rescuer = false;
                 return got;
             }
-            self.follow_cv.wait(&mut st);
+            self.follow_cv.wait(st);
         }
     }
 
     /// The rescuer's wait: takes the reader role when it is free, or when
     /// one inline request has been running for a full tick.
-    fn rescue_wait(&self, st: &mut MutexGuard<'_, Role>) -> bool {
+    fn rescue_wait(&self, st: &mut MutexGuard<'_, Role<'a>>) -> Acquired<'a> {
         let mut seen: Option<(u64, Instant)> = None;
         let mut idle = 0;
         loop {
+            if let Some(j) = st.jobs.pop_front() {
+                return Acquired::Job(j);
+            }
             if st.closed {
-                return false;
+                return Acquired::Closed;
             }
             if !st.reader_busy {
                 match (st.inline, seen) {
                     (None, _) => {
                         st.reader_busy = true;
-                        return true;
+                        return Acquired::Reader;
                     }
                     (Some(t), Some((s, since))) if t == s && since.elapsed() >= RESCUE_TICK => {
                         st.inline = None;
                         st.reader_busy = true;
-                        return true;
+                        // A request of this kind has run a full tick: the kind is slow now, so
+                        // the next ones are handed off or delegated at once instead of each
+                        // waiting to be rescued (its own time corrects the average when it ends).
+                        if let Some(k) = st.inline_kind {
+                            self.ewma_ns[k].fetch_max(SLOW_NS + 1, Ordering::Relaxed);
+                        }
+                        return Acquired::Reader;
                     }
                     _ => {}
                 }
@@ -747,11 +837,12 @@ impl<R: Read + Send, W: Write + Send> Conn<'_, R, W> {
         }
     }
 
-    fn go_inline(&self) -> u64 {
+    fn go_inline(&self, kind: Option<usize>) -> u64 {
         let mut st = self.role.lock();
         let token = st.next_token;
         st.next_token = token.wrapping_add(1);
         st.inline = Some(token);
+        st.inline_kind = kind;
         st.reader_busy = false;
         if st.rescuer_asleep {
             st.rescuer_asleep = false;

@@ -27,6 +27,10 @@ pub use emul::{
     ThrottledVolume, VirtualClock, Workload, STARVATION_LIMIT, STUDY_DEPTHS,
     STUDY_RANDOM_WRITE_IOPS, STUDY_SEQ_WRITE_MBS, STUDY_SPAN,
 };
+pub use emul::{
+    measured, simulate_study_job, study_cells, Measure, StudyCell, StudyJob, STUDY_MIXED_5050_IOPS,
+    STUDY_MIXED_QD32_IOPS,
+};
 pub use fault::{CrashVolume, FaultConfig, FaultyVolume, WriteFate};
 pub use file::{FileVolume, IoEngine, IoPath};
 pub use null::NullVolume;

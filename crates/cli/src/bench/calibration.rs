@@ -1,13 +1,15 @@
 //! `hybridcache bench calibration`: the emulated RAID 60 (`raid:preset=study60`) next to the
-//! study's no-cache baselines (domain.md §10), in the study's layout (rows: what, columns:
-//! iodepth 1/4/8/16/32; each cell "ours (study)").
+//! study's no-cache baselines (domain.md §10, every table: random writes, sequential writes,
+//! mixed reads and writes), in the study's layout (rows: what, columns: iodepth 1/4/8/16/32;
+//! each cell "ours (study) ours/study"), then the worst cell.
 //!
 //! Two ways to get "ours", and the output always says which:
 //! - `sim` (default, seconds): the volume crate's closed-loop simulation on virtual time
 //!   (`calibration_cells`), the same numbers `cargo test -p hybridcache-volume calibration`
 //!   prints: the model alone, no fio, no NBD.
-//! - `fio` (minutes: `runtime` × 30 cells): for real, fio's nbd engine against `hybridcache
-//!   serve` exporting `raid:preset=study60,...,nodata`, time really elapsing in the model. This
+//! - `fio` (minutes: `ramp + runtime` × 37 jobs): for real, fio's nbd engine against a fresh
+//!   `hybridcache serve` per job exporting `raid:preset=study60,...,nodata`, time really
+//!   elapsing in the model. This
 //!   adds the NBD transport and the server's workers, so very high rates (the multi-GB/s
 //!   full-stripe cells) are capped by the transport on small machines.
 //!
@@ -16,15 +18,15 @@
 use std::fmt::Write as _;
 use std::path::PathBuf;
 
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, ValueEnum};
 use hybridcache_volume::{
-    calibration_cells, parse_size, EmulConfig, RaidConfig, STUDY_DEPTHS, STUDY_RANDOM_WRITE_IOPS,
-    STUDY_SEQ_WRITE_MBS, STUDY_SPAN,
+    measured, parse_size, simulate_study_job, study_cells as volume_study_cells, EmulConfig,
+    Measure, Pattern as SimPattern, RaidConfig, StudyJob, STUDY_DEPTHS, STUDY_SPAN,
 };
 use serde::Serialize;
 
-use super::fio::FioJob;
+use super::fio::{FioJob, FioResult};
 use super::matrix::Pattern;
 use super::procs;
 use super::rig;
@@ -34,7 +36,7 @@ use super::rig;
 pub enum Method {
     /// In-process simulation on virtual time (seconds).
     Sim,
-    /// fio through NBD against `hybridcache serve` (about runtime × 30 cells).
+    /// fio through NBD against `hybridcache serve` (about runtime × 37 jobs).
     Fio,
     /// Both, side by side.
     Both,
@@ -45,18 +47,31 @@ pub struct CalibrationArgs {
     /// sim: the model in virtual time, in-process; fio: fio through NBD and `serve`; both.
     #[arg(long, value_enum, default_value = "sim")]
     pub method: Method,
-    /// fio: seconds per cell.
+    /// fio: seconds per job (a mixed job gives two cells).
     #[arg(long, default_value_t = 5, value_name = "S")]
     pub runtime: u64,
+    /// fio: seconds of each job run before measuring (fio's ramp_time): the start of a stream
+    /// through NBD (the server still learning the device is slow) is not its steady state.
+    #[arg(long, default_value_t = 1, value_name = "S")]
+    pub ramp: u64,
     /// Size of each emulated disk (the array holds 32 of them worth of data).
     #[arg(long, default_value = "4T", value_name = "SIZE")]
     pub disk_size: String,
-    /// sim: measured requests per random cell (4x for sequential cells).
+    /// sim: measured requests per random job (4x for sequential jobs).
     #[arg(long, default_value_t = 300, value_name = "N")]
     pub requests: u64,
     /// Only the random 4 KiB write row (5 cells): a quick check.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "quick")]
     pub random_only: bool,
+    /// A few cells of every table (10 jobs, 16 cells): the ends of the random row, sequential
+    /// writes below the full-stripe jump (the cells above it are capped by NBD on small
+    /// machines, docs/devices.md), mixed 50/50 at depth 1, 8 and 32, every mix at depth 32.
+    #[arg(long)]
+    pub quick: bool,
+    /// Exit with an error when a measured cell is further than FACTOR from the study
+    /// (ours/study outside 1/FACTOR..FACTOR), after printing the table.
+    #[arg(long, value_name = "FACTOR")]
+    pub check: Option<f64>,
     /// Also write calibration.json and calibration.md here.
     #[arg(long, short = 'o', value_name = "DIR")]
     pub out: Option<PathBuf>,
@@ -71,48 +86,87 @@ pub struct CalCell {
     pub study: f64,
     pub sim: Option<f64>,
     pub fio: Option<f64>,
+    #[serde(skip)]
+    job: StudyJob,
+    #[serde(skip)]
+    measure: Measure,
 }
 
-/// The cells in the study's order: the random row, then sequential writes by block size.
-fn study_cells(random_only: bool) -> Vec<CalCell> {
-    let mut out = Vec::new();
-    for (i, &d) in STUDY_DEPTHS.iter().enumerate() {
-        out.push(CalCell {
-            row: "randwrite 4K".into(),
-            unit: "IOPS",
-            iodepth: d,
-            study: STUDY_RANDOM_WRITE_IOPS[i],
+/// The cells of the `--quick` selection: (row, depth).
+const QUICK: [(&str, u32); 16] = [
+    ("randwrite 4K", 1),
+    ("randwrite 4K", 32),
+    ("write 4K", 1),
+    ("write 8K", 4),
+    ("write 8K", 32),
+    ("write 16K", 16),
+    ("randrw 50/50 4K read", 1),
+    ("randrw 50/50 4K write", 1),
+    ("randrw 50/50 4K read", 32),
+    ("randrw 50/50 4K write", 32),
+    ("randrw 30/70 4K read", 32),
+    ("randrw 30/70 4K write", 32),
+    ("randrw 70/30 4K read", 32),
+    ("randrw 70/30 4K write", 32),
+    ("randrw 50/50 4K read", 8),
+    ("randrw 50/50 4K write", 8),
+];
+
+/// The cells in the study's order (the volume crate's `study_cells`): the random row,
+/// sequential writes by block size, mixed 50/50 by depth, the other mixes at depth 32.
+fn study_cells(random_only: bool, quick: bool) -> Vec<CalCell> {
+    volume_study_cells()
+        .into_iter()
+        .filter(|c| !random_only || c.row == "randwrite 4K")
+        .filter(|c| !quick || QUICK.contains(&(c.row.as_str(), c.job.iodepth)))
+        .map(|c| CalCell {
+            unit: c.measure.unit(),
+            iodepth: c.job.iodepth,
+            study: c.study,
             sim: None,
             fio: None,
-        });
-    }
-    if !random_only {
-        for (bs, row) in STUDY_SEQ_WRITE_MBS {
-            for (i, &d) in STUDY_DEPTHS.iter().enumerate() {
-                out.push(CalCell {
-                    row: format!("write {}K", bs >> 10),
-                    unit: "MB/s",
-                    iodepth: d,
-                    study: row[i],
-                    sim: None,
-                    fio: None,
-                });
-            }
-        }
-    }
-    out
+            row: c.row,
+            job: c.job,
+            measure: c.measure,
+        })
+        .collect()
 }
 
-fn block_size(row: &str) -> u64 {
-    row.rsplit(' ')
-        .next()
-        .and_then(|k| k.trim_end_matches('K').parse::<u64>().ok())
-        .unwrap_or(4)
-        << 10
+/// Run each distinct job once (a mixed job's two cells are neighbours) and fill its cells.
+fn fill<R: Clone>(
+    cells: &mut [CalCell],
+    mut run: impl FnMut(usize, &CalCell) -> Result<R>,
+    mut put: impl FnMut(&mut CalCell, R),
+) -> Result<()> {
+    let mut last: Option<(StudyJob, R)> = None;
+    for (i, c) in cells.iter_mut().enumerate() {
+        let r = match last {
+            Some((j, r)) if j == c.job => r,
+            _ => run(i, c)?,
+        };
+        last = Some((c.job, r.clone()));
+        put(c, r);
+    }
+    Ok(())
+}
+
+fn ratio(ours: f64, study: f64) -> f64 {
+    ours / study
+}
+
+/// How far off a ratio is, as a factor of at least 1.
+fn off(ratio: f64) -> f64 {
+    if ratio >= 1.0 {
+        ratio
+    } else if ratio > 0.0 {
+        1.0 / ratio
+    } else {
+        f64::INFINITY
+    }
 }
 
 fn within(ours: f64, study: f64) -> bool {
-    (1.0 / 1.5..=1.5).contains(&(ours / study))
+    off(ratio(ours, study)) <= 1.5
 }
 
 fn fmt(v: f64) -> String {
@@ -123,7 +177,16 @@ fn fmt(v: f64) -> String {
     }
 }
 
-/// The study-layout table for one method; `*` marks cells off by more than 1.5x.
+/// The measured cell furthest from the study: (cell, ours).
+fn worst(cells: &[CalCell], pick: fn(&CalCell) -> Option<f64>) -> Option<(&CalCell, f64)> {
+    cells
+        .iter()
+        .filter_map(|c| Some((c, pick(c)?)))
+        .max_by(|a, b| off(ratio(a.1, a.0.study)).total_cmp(&off(ratio(b.1, b.0.study))))
+}
+
+/// The study-layout table for one method: each cell "ours (study) ratio", ratio = ours/study;
+/// `*` marks cells off by more than 1.5x. Then the count within 1.5x and the worst cell.
 pub fn table(cells: &[CalCell], pick: fn(&CalCell) -> Option<f64>) -> String {
     let mut s = String::from("| | unit |");
     for d in STUDY_DEPTHS {
@@ -141,12 +204,22 @@ pub fn table(cells: &[CalCell], pick: fn(&CalCell) -> Option<f64>) -> String {
     for row in rows {
         let mut line = String::new();
         let mut unit = "";
-        for c in cells.iter().filter(|c| c.row == row) {
+        for d in STUDY_DEPTHS {
+            let Some(c) = cells.iter().find(|c| c.row == row && c.iodepth == d) else {
+                line.push_str(" |");
+                continue;
+            };
             unit = c.unit;
             match pick(c) {
                 Some(v) => {
                     let mark = if within(v, c.study) { "" } else { " *" };
-                    let _ = write!(line, " {} ({}){mark} |", fmt(v), fmt(c.study));
+                    let _ = write!(
+                        line,
+                        " {} ({}) {:.2}{mark} |",
+                        fmt(v),
+                        fmt(c.study),
+                        ratio(v, c.study)
+                    );
                 }
                 None => line.push_str(" - |"),
             }
@@ -157,10 +230,56 @@ pub fn table(cells: &[CalCell], pick: fn(&CalCell) -> Option<f64>) -> String {
     let ok = measured.iter().filter(|(v, c)| within(*v, c.study)).count();
     let _ = writeln!(
         s,
-        "\n{ok} of {} cells within a factor of 1.5 of the study (ours (study); * = outside).",
+        "\n{ok} of {} cells within a factor of 1.5 of the study (ours (study) ours/study; * = outside).",
         measured.len()
     );
+    if let Some((c, v)) = worst(cells, pick) {
+        let _ = writeln!(
+            s,
+            "Worst cell: {} qd{}: {} {} against the study's {} (ratio {:.2}, {:.2}x off).",
+            c.row,
+            c.iodepth,
+            fmt(v),
+            c.unit,
+            fmt(c.study),
+            ratio(v, c.study),
+            off(ratio(v, c.study))
+        );
+    }
     s
+}
+
+/// The fio job of a cell.
+fn fio_job(c: &CalCell, uri: &str, runtime: u64, ramp: u64) -> FioJob {
+    let j = c.job;
+    let (pattern, what) = match (j.pattern, j.read_pct) {
+        (SimPattern::Sequential, _) => (Pattern::Write, "write".to_string()),
+        (SimPattern::Random, 0) => (Pattern::RandWrite, "randwrite".to_string()),
+        (SimPattern::Random, p) => (Pattern::RandRw(p as u8), format!("randrw{p}")),
+    };
+    FioJob {
+        name: format!("cal-{what}-{}k-qd{}", j.block_size >> 10, j.iodepth),
+        uri: uri.to_string(),
+        pattern,
+        bs: j.block_size,
+        iodepth: j.iodepth,
+        numjobs: 1,
+        offset: 0,
+        size: STUDY_SPAN,
+        runtime: Some(runtime),
+        ramp,
+        io_size: None,
+        distribution: None,
+    }
+}
+
+fn fio_figure(r: &FioResult, m: Measure) -> f64 {
+    match m {
+        Measure::Iops => r.iops,
+        Measure::MbPerS => r.mb_s,
+        Measure::ReadIops => r.read.iops,
+        Measure::WriteIops => r.write.iops,
+    }
 }
 
 pub fn run(a: &CalibrationArgs) -> Result<()> {
@@ -168,7 +287,12 @@ pub fn run(a: &CalibrationArgs) -> Result<()> {
     if a.runtime == 0 {
         return Err(anyhow!("--runtime: must be at least 1 second"));
     }
-    let mut cells = study_cells(a.random_only);
+    if let Some(f) = a.check {
+        if f.is_nan() || f < 1.0 {
+            bail!("--check: a factor of at least 1, not {f}");
+        }
+    }
+    let mut cells = study_cells(a.random_only, a.quick);
     let mut text = String::from(
         "# Calibration: emulated RAID 60 (raid:preset=study60) vs the study (domain.md §10)\n\n\
          4 groups of 10 disks (8 data + 2 parity), 7200 rpm, 64 KiB strip; no cache; fio numjobs 1;\n\
@@ -177,11 +301,12 @@ pub fn run(a: &CalibrationArgs) -> Result<()> {
 
     if matches!(a.method, Method::Sim | Method::Both) {
         let cfg = EmulConfig::Raid(RaidConfig::study_raid60(disk_size));
-        let sim = calibration_cells(&cfg, a.requests.max(10));
-        // Same order as study_cells (random row first, then sequential rows).
-        for (c, (_, model, _)) in cells.iter_mut().zip(sim) {
-            c.sim = Some(model);
-        }
+        let n = a.requests.max(10);
+        fill(
+            &mut cells,
+            |_, c| Ok(simulate_study_job(&cfg, &c.job, n)),
+            |c, r| c.sim = Some(measured(&r, c.measure)),
+        )?;
         text.push_str(&format!(
             "## Method: in-process simulation (virtual time, {} requests per random cell; no fio, no NBD)\n\n",
             a.requests.max(10)
@@ -212,50 +337,41 @@ pub fn run(a: &CalibrationArgs) -> Result<()> {
         let run_dir =
             std::env::temp_dir().join(format!("hybridcache-calrun-{}", std::process::id()));
         std::fs::create_dir_all(&run_dir)?;
-        let (mut serve, socket) = rig::start_serve(&bin, &spec, 64, &run_dir, &dir)?;
-        let uri = rig::core_uri(&socket);
-        let total = cells.len();
-        let res = (|| -> Result<()> {
-            for (i, c) in cells.iter_mut().enumerate() {
-                let bs = block_size(&c.row);
-                let random = c.row.starts_with("randwrite");
-                let job = FioJob {
-                    name: format!(
-                        "cal-{}-{}k-qd{}",
-                        if random { "randwrite" } else { "write" },
-                        bs >> 10,
-                        c.iodepth
-                    ),
-                    uri: uri.clone(),
-                    pattern: if random {
-                        Pattern::RandWrite
-                    } else {
-                        Pattern::Write
-                    },
-                    bs,
-                    iodepth: c.iodepth,
-                    numjobs: 1,
-                    offset: 0,
-                    size: STUDY_SPAN,
-                    runtime: Some(a.runtime),
-                    ramp: 0,
-                    io_size: None,
-                    distribution: None,
-                };
-                eprint!("\r[{}/{total}] {} qd{}        ", i + 1, c.row, c.iodepth);
-                let r = rig::run_fio(&job, &dir)?;
-                c.fio = Some(if random { r.iops } else { r.mb_s });
+        let jobs = {
+            let mut n = 0;
+            let mut last = None;
+            for c in &cells {
+                if last != Some(c.job) {
+                    n += 1;
+                }
+                last = Some(c.job);
             }
-            eprintln!();
-            Ok(())
-        })();
-        serve.stop();
+            n
+        };
+        let mut done = 0;
+        let res = fill(
+            &mut cells,
+            |_, c| {
+                done += 1;
+                eprint!("\r[{done}/{jobs}] {} qd{}        ", c.row, c.iodepth);
+                // A fresh array per job, as the simulation has: a job must not inherit the
+                // heads, queues and dirty stripe cache of the one before.
+                let (mut serve, socket) = rig::start_serve(&bin, &spec, 64, &run_dir, &dir)?;
+                let job = fio_job(c, &rig::core_uri(&socket), a.runtime, a.ramp);
+                let r = rig::run_fio(&job, &dir);
+                serve.stop();
+                r
+            },
+            |c, r| c.fio = Some(fio_figure(&r, c.measure)),
+        );
+        eprintln!();
         let _ = std::fs::remove_dir_all(&run_dir);
         res?;
         text.push_str(&format!(
-            "## Method: fio through NBD ({}, {} s per cell) against `hybridcache serve --core {spec}`\n\n",
+            "## Method: fio through NBD ({}, {} s per job after {} s of ramp, a fresh server per job) against `hybridcache serve --core {spec}`\n\n",
             procs::tool_version("fio"),
-            a.runtime
+            a.runtime,
+            a.ramp
         ));
         text.push_str(&table(&cells, |c| c.fio));
         text.push('\n');
@@ -280,39 +396,94 @@ pub fn run(a: &CalibrationArgs) -> Result<()> {
         .context("cannot write calibration.json")?;
         std::fs::write(out.join("calibration.md"), &text).context("cannot write calibration.md")?;
     }
+    if let Some(f) = a.check {
+        let bad: Vec<String> = cells
+            .iter()
+            .flat_map(|c| [c.sim, c.fio].into_iter().flatten().map(move |v| (c, v)))
+            .filter(|(c, v)| off(ratio(*v, c.study)) > f)
+            .map(|(c, v)| {
+                format!(
+                    "{} qd{}: {} against {}",
+                    c.row,
+                    c.iodepth,
+                    fmt(v),
+                    fmt(c.study)
+                )
+            })
+            .collect();
+        if !bad.is_empty() {
+            bail!(
+                "{} cell(s) further than {f}x from the study: {}",
+                bad.len(),
+                bad.join("; ")
+            );
+        }
+    }
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hybridcache_volume::calibration_cells;
 
     #[test]
     fn cells_follow_the_study_and_the_simulation_order() {
-        let cells = study_cells(false);
-        assert_eq!(cells.len(), 30);
+        let cells = study_cells(false, false);
+        assert_eq!(cells.len(), 44);
         assert_eq!(cells[0].study, 63.0);
         assert_eq!(cells[5].row, "write 4K");
-        assert_eq!(block_size(&cells[29].row), 64 << 10);
+        assert_eq!(cells[29].job.block_size, 64 << 10);
+        assert_eq!(cells[30].row, "randrw 50/50 4K read");
+        assert_eq!(cells[43].row, "randrw 70/30 4K write");
+        assert_eq!(cells[43].study, 399.0);
         // The simulation lists its cells in the same order, with the same study figures.
         let sim = calibration_cells(&EmulConfig::Raid(RaidConfig::study_raid60(4 << 40)), 20);
+        assert_eq!(sim.len(), cells.len());
         for (c, (_, _, study)) in cells.iter().zip(&sim) {
             assert_eq!(c.study, *study);
+        }
+        // The quick selection has cells of every table.
+        let quick = study_cells(false, true);
+        assert_eq!(quick.len(), QUICK.len());
+        for row in [
+            "randwrite",
+            "write 4K",
+            "write 16K",
+            "randrw 50/50",
+            "randrw 30/70",
+            "randrw 70/30",
+        ] {
+            assert!(quick.iter().any(|c| c.row.starts_with(row)), "{row}");
         }
     }
 
     #[test]
     fn table_marks_cells_off_by_more_than_one_and_a_half() {
-        let mut cells = study_cells(true);
+        let mut cells = study_cells(true, false);
         for c in cells.iter_mut() {
             c.sim = Some(c.study);
         }
         cells[0].sim = Some(200.0);
         let t = table(&cells, |c| c.sim);
         assert!(
-            t.contains("| randwrite 4K | IOPS | 200 (63.0) * | 201 (201) |"),
+            t.contains("| randwrite 4K | IOPS | 200 (63.0) 3.17 * | 201 (201) 1.00 |"),
             "{t}"
         );
         assert!(t.contains("4 of 5 cells"), "{t}");
+        assert!(t.contains("Worst cell: randwrite 4K qd1: 200 IOPS"), "{t}");
+    }
+
+    #[test]
+    fn mixed_rows_place_cells_by_depth() {
+        let mut cells = study_cells(false, false);
+        for c in cells.iter_mut() {
+            c.sim = Some(c.study);
+        }
+        let t = table(&cells, |c| c.sim);
+        assert!(
+            t.contains("| randrw 70/30 4K read | IOPS | | | | | 930 (930) 1.00 |"),
+            "{t}"
+        );
     }
 }

@@ -22,6 +22,11 @@ pub trait Clock: Send + Sync {
     fn now(&self) -> Nanos;
     /// Return once `now() >= t`.
     fn sleep_until(&self, t: Nanos);
+    /// Whether time only moves when someone sleeps (then waiting for another thread would
+    /// block forever: sleep instead).
+    fn is_virtual(&self) -> bool {
+        false
+    }
 }
 
 /// Shared clock handle as the emulated devices hold it.
@@ -98,6 +103,10 @@ impl Clock for VirtualClock {
 
     fn sleep_until(&self, t: Nanos) {
         self.now.fetch_max(t, Ordering::SeqCst);
+    }
+
+    fn is_virtual(&self) -> bool {
+        true
     }
 }
 

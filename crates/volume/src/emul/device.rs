@@ -11,7 +11,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use super::clock::{ClockRef, RealClock};
 use super::hdd::HddConfig;
@@ -126,9 +126,60 @@ pub struct EmulatedVolume {
     description: String,
     size: u64,
     model: Mutex<Array>,
+    /// Signalled when a request settles others waiting in a merge window (a filled stripe).
+    woken: Condvar,
     clock: ClockRef,
     backing: VolumeRef,
     keeps_data: bool,
+    /// `HYBRIDCACHE_EMUL_TRACE=PATH`: every request as the model sees it, for diagnosing the
+    /// model through a transport (see [`Trace`]).
+    trace: Option<Trace>,
+}
+
+/// A request log of an emulated device, one line per request: `start_ns kind offset len
+/// done_ns` (times on the device's clock, kind `R` or `W`), then on every flush and at the end a
+/// `# merges full N expired M` line (the array's merge windows so far). Written through a
+/// buffer, so it perturbs timing by little; enabled only by the environment variable.
+struct Trace {
+    out: Mutex<std::io::BufWriter<std::fs::File>>,
+}
+
+/// How long before a model event a waiting request stops waiting for other requests and waits
+/// for the clock alone.
+const WAKE_MARGIN: u64 = 100_000;
+
+/// The environment variable that turns on an emulated device's [`Trace`].
+pub const TRACE_ENV: &str = "HYBRIDCACHE_EMUL_TRACE";
+
+impl Trace {
+    fn from_env() -> Option<Trace> {
+        let path = std::env::var_os(TRACE_ENV)?;
+        let file = std::fs::File::create(path).ok()?;
+        Some(Trace {
+            out: Mutex::new(std::io::BufWriter::with_capacity(1 << 20, file)),
+        })
+    }
+
+    fn request(&self, start: u64, kind: IoKind, offset: u64, len: u64, done: u64) {
+        use std::io::Write as _;
+        let k = if kind == IoKind::Read { 'R' } else { 'W' };
+        let _ = writeln!(self.out.lock(), "{start} {k} {offset} {len} {done}");
+    }
+
+    fn merges(&self, (full, expired): (u64, u64)) {
+        use std::io::Write as _;
+        let mut out = self.out.lock();
+        let _ = writeln!(out, "# merges full {full} expired {expired}");
+        let _ = out.flush();
+    }
+}
+
+impl Drop for EmulatedVolume {
+    fn drop(&mut self) {
+        if let Some(t) = &self.trace {
+            t.merges(self.model.lock().merge_counts());
+        }
+    }
 }
 
 impl EmulatedVolume {
@@ -154,9 +205,11 @@ impl EmulatedVolume {
             description,
             size,
             model: Mutex::new(config.model()),
+            woken: Condvar::new(),
             clock,
             backing,
             keeps_data,
+            trace: Trace::from_env(),
         })
     }
 
@@ -176,17 +229,51 @@ impl EmulatedVolume {
     }
 
     /// Start the request in the model, run `f` (the data copy), then wait for the completion.
+    /// A request waiting in a merge window waits for its window's end or for another request to
+    /// fill its stripe, whichever comes first: the one that fills it wakes the waiters, so a
+    /// merged write completes when the stripe is written, not when the window would have ended.
     fn timed<T>(&self, kind: IoKind, offset: u64, len: u64, f: impl FnOnce() -> T) -> T {
-        let op = self.model.lock().start(self.clock.now(), kind, offset, len);
+        let start = self.clock.now();
+        let op = {
+            let mut m = self.model.lock();
+            let op = m.start(start, kind, offset, len);
+            if m.take_woken() {
+                self.woken.notify_all();
+            }
+            op
+        };
         let r = f();
         loop {
-            let p = self.model.lock().poll(self.clock.now(), op);
+            let mut m = self.model.lock();
+            let p = m.poll(self.clock.now(), op);
+            if m.take_woken() {
+                self.woken.notify_all();
+            }
             match p {
                 Poll::Done(t) => {
+                    drop(m);
+                    if let Some(trace) = &self.trace {
+                        trace.request(start, kind, offset, len, t);
+                    }
                     self.clock.sleep_until(t);
                     return r;
                 }
-                Poll::Pending(t) => self.clock.sleep_until(t),
+                Poll::Pending(t) if self.clock.is_virtual() => {
+                    drop(m);
+                    self.clock.sleep_until(t);
+                }
+                Poll::Pending(t) => {
+                    // Wait on the condition until shortly before `t`, then on the clock, which
+                    // spins the last stretch (a timed wait overshoots by tens of microseconds).
+                    let now = self.clock.now();
+                    if t > now + WAKE_MARGIN {
+                        let d = std::time::Duration::from_nanos(t - now - WAKE_MARGIN);
+                        let _ = self.woken.wait_for(&mut m, d);
+                    } else {
+                        drop(m);
+                        self.clock.sleep_until(t);
+                    }
+                }
             }
         }
     }
@@ -220,6 +307,9 @@ impl Volume for EmulatedVolume {
         })
     }
     fn flush(&self) -> Result<()> {
+        if let Some(t) = &self.trace {
+            t.merges(self.model.lock().merge_counts());
+        }
         self.backing.flush()
     }
     fn discard(&self, offset: u64, len: u64) -> Result<()> {

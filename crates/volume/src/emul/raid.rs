@@ -19,11 +19,19 @@
 //!   background. That is what lets a sequential stream of small writes run at the data disk's
 //!   speed instead of rewriting (and waiting a revolution for) the same parity sectors each time;
 //!   random writes still pay every read and, on eviction, every parity write;
-//! - with a merge window, a partial-stripe write first waits up to `merge_window` (from the first
-//!   waiting write of that stripe) for other writes to complete the stripe: if they do, all are
-//!   written as one full stripe; if not, each is written as a partial write. With `n` writes of
-//!   `b` bytes in flight, a sequential stream fills stripes only when `n * b` reaches the stripe's
-//!   data width, which is the jump in the study's sequential-write table.
+//! - with a merge window, a partial-stripe write first waits up to `merge_window` for other
+//!   writes to complete the stripe: if they do, all are written as one full stripe; if not, each
+//!   is written as a partial write. While the parity engine is busy, an expired stripe keeps
+//!   waiting, until one window after the engine is free (at most 20 windows from its first
+//!   write): writes queued for the engine have not been processed yet and may still be merged.
+//!   Without that, a sequential stream that once fell to partial writes (its writes arriving
+//!   spread out, as through a transport) stays paced by the engine, one write per engine slot,
+//!   and never fills a stripe within a window again. A stripe that follows one written full
+//!   waits 4 windows instead of one: the stream is expected to continue, and its writes may
+//!   arrive spread out (through NBD on a busy machine, by a millisecond or so). With `n` writes
+//!   of `b` bytes
+//!   in flight, a sequential stream fills stripes only when `n * b` reaches the stripe's data
+//!   width, which is the jump in the study's sequential-write table.
 //!
 //! Every request also pays a fixed controller latency.
 //!
@@ -285,15 +293,24 @@ struct OpState {
 struct CachedStripe {
     key: (u64, u64),
     dirty: Vec<SubIo>,
+    /// Last written as one full stripe.
+    full: bool,
 }
 
 #[derive(Debug)]
 struct MergeGroup {
+    /// When the first write joined.
+    first: Nanos,
     deadline: Nanos,
     members: Vec<(u64, usize)>,
     /// Covered byte ranges within the stripe's data, sorted and merged.
     covered: Vec<(u64, u64)>,
 }
+
+/// A stripe that continues a full-stripe stream waits this many merge windows for the rest.
+const STREAM_WINDOWS: u64 = 4;
+/// A stripe waits for a busy parity engine at most this many windows from its first write.
+const MERGE_DEFER_MAX: u64 = 20;
 
 /// Whether a request reads or writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -325,6 +342,12 @@ pub struct Array {
     /// Index in `disks` of the parity engine, if modelled.
     engine: Option<usize>,
     merges: HashMap<(u64, u64), MergeGroup>,
+    /// Merge groups written as one full stripe, and those whose window expired.
+    merged_full: u64,
+    merge_expired: u64,
+    /// A merged stripe completed requests other than the one that started it (they learn it
+    /// only by polling again): see [`Array::take_woken`].
+    woken: bool,
     ops: HashMap<u64, OpState>,
     next_op: u64,
     now: Nanos,
@@ -393,6 +416,9 @@ impl Array {
             background: Vec::new(),
             engine: None,
             merges: HashMap::new(),
+            merged_full: 0,
+            merge_expired: 0,
+            woken: false,
             ops: HashMap::new(),
             next_op: 0,
             now: 0,
@@ -409,6 +435,19 @@ impl Array {
             .iter()
             .map(|d| Duration::from_nanos(d.busy_total))
             .collect()
+    }
+
+    /// Merge groups written as one full stripe so far, and those whose window expired (their
+    /// writes went out as partial-stripe writes).
+    pub fn merge_counts(&self) -> (u64, u64) {
+        (self.merged_full, self.merge_expired)
+    }
+
+    /// Whether requests waiting in a merge window were settled since the last call (a stripe
+    /// they were in was filled): whoever waits for them should poll again now rather than at
+    /// the window's end.
+    pub fn take_woken(&mut self) -> bool {
+        std::mem::take(&mut self.woken)
     }
 
     /// Begin a request at `now`; returns its handle for [`poll`](Self::poll).
@@ -561,7 +600,20 @@ impl Array {
         let piece = op_state.pieces.len();
         op_state.pieces.push(PieceState::Merging(partial));
         let row_bytes = g.strip * g.data_disks;
+        // A stripe right after one written full continues a full-stripe stream: the controller
+        // holds it longer for the rest (a stream's writes may arrive a little spread out).
+        let chunk = row * g.groups + group;
+        let stream = chunk > 0 && {
+            let prev = ((chunk - 1) % g.groups, (chunk - 1) / g.groups);
+            self.cache.iter().rev().any(|e| e.key == prev && e.full)
+        };
+        let window = if stream {
+            window * STREAM_WINDOWS
+        } else {
+            window
+        };
         let m = self.merges.entry(key).or_insert_with(|| MergeGroup {
+            first: now,
             deadline: now + window,
             members: Vec::new(),
             covered: Vec::new(),
@@ -628,10 +680,12 @@ impl Array {
                 CachedStripe {
                     key,
                     dirty: Vec::new(),
+                    full: false,
                 },
                 false,
             ),
         };
+        entry.full = dirty.is_none();
         match dirty {
             None => entry.dirty.clear(),
             Some(parity) => {
@@ -662,6 +716,8 @@ impl Array {
         let Some(m) = self.merges.remove(&key) else {
             return;
         };
+        self.merged_full += 1;
+        self.woken |= m.members.len() > 1;
         let (group, row) = key;
         let base = group * self.geo.disks;
         let ios: Vec<SubIo> = (0..self.geo.disks)
@@ -697,6 +753,7 @@ impl Array {
         let Some(m) = self.merges.remove(&key) else {
             return;
         };
+        self.merge_expired += 1;
         for (op, piece) in m.members {
             let partial = match self.ops.get(&op).map(|o| &o.pieces[piece]) {
                 Some(PieceState::Merging(p)) => p.clone(),
@@ -776,8 +833,26 @@ impl Array {
                 .filter(|(_, m)| m.deadline <= t)
                 .map(|(&k, _)| k)
                 .collect();
+            // Writes waiting for the parity engine have not been processed yet: while it is busy,
+            // an expired stripe keeps waiting (and may still fill up) until it is free.
+            let engine_busy_until = self
+                .engine
+                .map(|e| self.disks[e].backlog().1)
+                .filter(|&b| b > t);
+            let window = self.merge_window.unwrap_or(0);
             for key in expired {
-                self.expire_merge(t, key);
+                let defer = engine_busy_until.and_then(|b| {
+                    let m = &self.merges[&key];
+                    (t < m.first + MERGE_DEFER_MAX * window).then_some(b + window)
+                });
+                match defer {
+                    Some(d) => {
+                        if let Some(m) = self.merges.get_mut(&key) {
+                            m.deadline = d;
+                        }
+                    }
+                    None => self.expire_merge(t, key),
+                }
             }
             // Pieces whose current step has completed issue their next one.
             let mut ready = Vec::new();

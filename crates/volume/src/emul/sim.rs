@@ -24,6 +24,9 @@ pub enum Pattern {
 pub struct Workload {
     pub pattern: Pattern,
     pub kind: IoKind,
+    /// Percent of requests that read, each drawn at random as fio's `rwmixread` does; `None`
+    /// for a stream of `kind` only.
+    pub read_pct: Option<u32>,
     pub block_size: u64,
     pub iodepth: u32,
     /// Bytes from offset 0 the stream stays in (fio's file size); `None` for the whole device.
@@ -46,6 +49,7 @@ impl Workload {
         Workload {
             pattern,
             kind,
+            read_pct: None,
             block_size,
             iodepth,
             span: None,
@@ -60,6 +64,9 @@ impl Workload {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SimResult {
     pub iops: f64,
+    /// The reads and the writes among `iops` (a mixed workload has both).
+    pub read_iops: f64,
+    pub write_iops: f64,
     /// Megabytes (10^6 bytes, as fio prints MB/s) per second.
     pub mb_per_s: f64,
     pub mean_latency: Duration,
@@ -86,27 +93,30 @@ pub fn simulate(config: &EmulConfig, workload: &Workload) -> SimResult {
             o
         }
     };
+    let mut mix_rng = SplitMix64(workload.seed ^ 0x5eed);
+    let mut next_kind = || match workload.read_pct {
+        Some(p) if mix_rng.below(100) < p as u64 => IoKind::Read,
+        Some(_) => IoKind::Write,
+        None => workload.kind,
+    };
     let total = workload.warmup + workload.requests;
     let depth = workload.iodepth.max(1) as u64;
-    // (handle, start time, known completion)
-    let mut slots: Vec<(u64, Nanos, Option<Nanos>)> = Vec::new();
+    // (handle, kind, start time, known completion)
+    let mut slots: Vec<(u64, IoKind, Nanos, Option<Nanos>)> = Vec::new();
     let mut issued = 0u64;
     let mut completed = 0u64;
     let mut now: Nanos = 0;
-    let (mut measure_start, mut lat_sum) = (0, 0u128);
+    let (mut measure_start, mut lat_sum, mut reads) = (0, 0u128, 0u64);
     while issued < total.min(depth) {
-        slots.push((
-            model.start(now, workload.kind, next_offset(), bs),
-            now,
-            None,
-        ));
+        let kind = next_kind();
+        slots.push((model.start(now, kind, next_offset(), bs), kind, now, None));
         issued += 1;
     }
     while !slots.is_empty() {
         let mut wake = Nanos::MAX;
         let mut i = 0;
         while i < slots.len() {
-            let (op, started, known) = slots[i];
+            let (op, kind, started, known) = slots[i];
             let done = match known {
                 Some(t) => Some(t),
                 None => match model.poll(now, op) {
@@ -117,7 +127,7 @@ pub fn simulate(config: &EmulConfig, workload: &Workload) -> SimResult {
                     }
                 },
             };
-            slots[i].2 = done;
+            slots[i].3 = done;
             match done {
                 Some(t) if t <= now => {
                     completed += 1;
@@ -126,13 +136,11 @@ pub fn simulate(config: &EmulConfig, workload: &Workload) -> SimResult {
                     }
                     if completed > workload.warmup {
                         lat_sum += (t - started) as u128;
+                        reads += u64::from(kind == IoKind::Read);
                     }
                     if issued < total {
-                        slots[i] = (
-                            model.start(now, workload.kind, next_offset(), bs),
-                            now,
-                            None,
-                        );
+                        let kind = next_kind();
+                        slots[i] = (model.start(now, kind, next_offset(), bs), kind, now, None);
                         issued += 1;
                         continue; // poll the new request in this pass too
                     }
@@ -158,6 +166,8 @@ pub fn simulate(config: &EmulConfig, workload: &Workload) -> SimResult {
     let secs = elapsed as f64 / 1e9;
     SimResult {
         iops: n / secs,
+        read_iops: reads as f64 / secs,
+        write_iops: (n - reads as f64) / secs,
         mb_per_s: n * bs as f64 / secs / 1e6,
         mean_latency: Duration::from_nanos((lat_sum / n as u128) as u64),
         elapsed: Duration::from_nanos(elapsed),
@@ -176,38 +186,158 @@ pub const STUDY_SEQ_WRITE_MBS: [(u64, [f64; 5]); 5] = [
     (32 << 10, [35.0, 69.0, 110.6, 1378.0, 2773.0]),
     (64 << 10, [64.0, 155.0, 1495.0, 2999.0, 5415.0]),
 ];
+/// The study's mixed random 4 KiB reads and writes, 50/50 by depth: (read, write) IOPS per
+/// depth of [`STUDY_DEPTHS`] (domain.md §10; at depth 32 its other table says 591 + 591).
+pub const STUDY_MIXED_5050_IOPS: [(f64, f64); 5] = [
+    (63.0, 62.0),
+    (182.0, 182.0),
+    (217.0, 215.0),
+    (359.0, 357.0),
+    (590.0, 592.0),
+];
+/// The study's other mixes of random 4 KiB reads and writes at depth 32: (read percent, read
+/// IOPS, write IOPS). Its 50/50 figure (591 + 591) is [`STUDY_MIXED_5050_IOPS`]'s last cell.
+pub const STUDY_MIXED_QD32_IOPS: [(u32, f64, f64); 2] = [(30, 324.0, 751.0), (70, 930.0, 399.0)];
 /// The part of the array the study's fio jobs are assumed to touch: the study does not say,
 /// so this is an assumption (a test file of 1 TiB, small beside the array, keeps seeks short).
 pub const STUDY_SPAN: u64 = 1 << 40;
 
+/// One fio job of the study's tables (numjobs 1, over [`STUDY_SPAN`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StudyJob {
+    /// Random or sequential offsets.
+    pub pattern: Pattern,
+    /// Percent of reads (fio's `rwmixread`); 0 for writes only.
+    pub read_pct: u32,
+    pub block_size: u64,
+    pub iodepth: u32,
+}
+
+/// Which figure of a job's result a cell is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Measure {
+    /// All requests per second.
+    Iops,
+    /// Megabytes (10^6 bytes) per second.
+    MbPerS,
+    /// Reads per second (of a mixed job).
+    ReadIops,
+    /// Writes per second (of a mixed job).
+    WriteIops,
+}
+
+impl Measure {
+    pub fn unit(self) -> &'static str {
+        match self {
+            Measure::MbPerS => "MB/s",
+            _ => "IOPS",
+        }
+    }
+}
+
+/// One cell of the study's no-cache tables: its row (what), the job, which figure, the study's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StudyCell {
+    pub row: String,
+    pub job: StudyJob,
+    pub measure: Measure,
+    pub study: f64,
+}
+
+/// Every cell of the study's no-cache tables (domain.md §10) in table order: random 4 KiB
+/// writes by depth; sequential writes 4K..64K by depth; mixed random 4 KiB 50/50 by depth,
+/// reads then writes; the 30/70 and 70/30 mixes at depth 32, reads then writes. A mixed job
+/// gives two cells (its reads and its writes).
+pub fn study_cells() -> Vec<StudyCell> {
+    let mut out = Vec::new();
+    let job = |pattern, read_pct, block_size, iodepth| StudyJob {
+        pattern,
+        read_pct,
+        block_size,
+        iodepth,
+    };
+    for (i, &d) in STUDY_DEPTHS.iter().enumerate() {
+        out.push(StudyCell {
+            row: "randwrite 4K".into(),
+            job: job(Pattern::Random, 0, 4096, d),
+            measure: Measure::Iops,
+            study: STUDY_RANDOM_WRITE_IOPS[i],
+        });
+    }
+    for (bs, row) in STUDY_SEQ_WRITE_MBS {
+        for (i, &d) in STUDY_DEPTHS.iter().enumerate() {
+            out.push(StudyCell {
+                row: format!("write {}K", bs >> 10),
+                job: job(Pattern::Sequential, 0, bs, d),
+                measure: Measure::MbPerS,
+                study: row[i],
+            });
+        }
+    }
+    let mixed = |out: &mut Vec<StudyCell>, pct: u32, d: u32, (r, w): (f64, f64)| {
+        for (what, measure, study) in [
+            ("read", Measure::ReadIops, r),
+            ("write", Measure::WriteIops, w),
+        ] {
+            out.push(StudyCell {
+                row: format!("randrw {pct}/{} 4K {what}", 100 - pct),
+                job: job(Pattern::Random, pct, 4096, d),
+                measure,
+                study,
+            });
+        }
+    };
+    for (i, &d) in STUDY_DEPTHS.iter().enumerate() {
+        mixed(&mut out, 50, d, STUDY_MIXED_5050_IOPS[i]);
+    }
+    for (pct, r, w) in STUDY_MIXED_QD32_IOPS {
+        mixed(&mut out, pct, 32, (r, w));
+    }
+    out
+}
+
 /// One cell of the calibration table: (what, model, study).
 pub type Cell = (String, f64, f64);
 
-/// Simulate every cell of the study's tables on `config`; `requests` per cell trades precision
-/// for speed. Random cells are IOPS, sequential cells MB/s.
+/// Simulate `job` on a fresh model of `config`; `requests` measured requests (4x for
+/// sequential jobs, whose requests are shorter).
+pub fn simulate_study_job(config: &EmulConfig, job: &StudyJob, requests: u64) -> SimResult {
+    let n = match job.pattern {
+        Pattern::Sequential => requests * 4,
+        Pattern::Random => requests,
+    };
+    let mut w = Workload::new(job.pattern, IoKind::Write, job.block_size, job.iodepth, n);
+    w.span = Some(STUDY_SPAN);
+    w.read_pct = (job.read_pct > 0).then_some(job.read_pct);
+    simulate(config, &w)
+}
+
+/// A result's figure for a cell.
+pub fn measured(r: &SimResult, m: Measure) -> f64 {
+    match m {
+        Measure::Iops => r.iops,
+        Measure::MbPerS => r.mb_per_s,
+        Measure::ReadIops => r.read_iops,
+        Measure::WriteIops => r.write_iops,
+    }
+}
+
+/// Simulate every cell of the study's tables ([`study_cells`]) on `config`, each job once;
+/// `requests` per job trades precision for speed.
 pub fn calibration_cells(config: &EmulConfig, requests: u64) -> Vec<Cell> {
     let mut out = Vec::new();
-    for (i, &depth) in STUDY_DEPTHS.iter().enumerate() {
-        let mut w = Workload::new(Pattern::Random, IoKind::Write, 4096, depth, requests);
-        w.span = Some(STUDY_SPAN);
-        let r = simulate(config, &w);
+    let mut last: Option<(StudyJob, SimResult)> = None;
+    for c in study_cells() {
+        let r = match last {
+            Some((j, r)) if j == c.job => r,
+            _ => simulate_study_job(config, &c.job, requests),
+        };
+        last = Some((c.job, r));
         out.push((
-            format!("randwrite 4K qd{depth} IOPS"),
-            r.iops,
-            STUDY_RANDOM_WRITE_IOPS[i],
+            format!("{} qd{} {}", c.row, c.job.iodepth, c.measure.unit()),
+            measured(&r, c.measure),
+            c.study,
         ));
-    }
-    for (bs, row) in STUDY_SEQ_WRITE_MBS {
-        for (i, &depth) in STUDY_DEPTHS.iter().enumerate() {
-            let mut w = Workload::new(Pattern::Sequential, IoKind::Write, bs, depth, requests * 4);
-            w.span = Some(STUDY_SPAN);
-            let r = simulate(config, &w);
-            out.push((
-                format!("write {}K qd{depth} MB/s", bs >> 10),
-                r.mb_per_s,
-                row[i],
-            ));
-        }
     }
     out
 }
