@@ -264,9 +264,6 @@ impl CacheInner {
             });
         }
         let cleaned = cleaned.into_inner();
-        self.cleaning_counters
-            .lines
-            .fetch_add(cleaned as u64, Relaxed);
         match first_error.into_inner() {
             Some(e) => Err(e),
             None => Ok(cleaned),
@@ -344,6 +341,10 @@ impl CacheInner {
                 cleaned += 1;
             }
         }
+        // Counted as they go, so that cleaning's throughput can be sampled during a batch.
+        self.cleaning_counters
+            .lines
+            .fetch_add(cleaned as u64, Relaxed);
         match first_error {
             Some(e) => Err(e),
             None => Ok(cleaned),
