@@ -345,6 +345,10 @@ impl CacheInner {
         self.cleaning_counters
             .lines
             .fetch_add(cleaned as u64, Relaxed);
+        if cleaned > 0 && self.persist.is_none() {
+            // Reusable at once (no commit needed): writes waiting for a line may take them.
+            self.cleaner_signal.room_made();
+        }
         match first_error {
             Some(e) => Err(e),
             None => Ok(cleaned),
