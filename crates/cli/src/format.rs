@@ -772,6 +772,12 @@ pub fn stats(r: &StatsReport, format: OutputFormat) -> String {
                 "raw".into(),
                 serde_json::to_value(r.stats).unwrap_or(Value::Null),
             );
+            if let Some(c) = &r.cleaning {
+                top.insert(
+                    "cleaning".into(),
+                    serde_json::to_value(c).unwrap_or(Value::Null),
+                );
+            }
             serde_json::to_string_pretty(&Value::Object(top)).unwrap_or_default() + "\n"
         }
     }

@@ -11,7 +11,10 @@
 //! A write-back write that finds no line to take (every line dirty, or locked by others) drops its
 //! locks without having changed anything, cleans the oldest dirty lines, and tries again; after a
 //! few rounds it writes the remaining segments straight to the core, which is always correct.
-//! With lazy flush on it does that at once and asks the cleaner thread for room instead.
+//! With lazy flush on it does that at once and asks the cleaner thread for room instead; on a
+//! volatile cache while background cleaning is under way it first waits up to `ROOM_WAIT` for a
+//! line cleaning frees (those are reusable at once), so that a full cache in front of a slow core
+//! does not send random writes to a core busy with sorted cleaning.
 //!
 //! A read that continues a sequential stream may queue read-ahead (prefetch.rs) after it has
 //! released its locks; the prefetch worker fills only invalid sectors, under the same locks.
@@ -84,6 +87,9 @@ pub struct CoreInfo {
 /// How many times a write-back write gives up its locks to make room before it writes the rest
 /// straight to the core.
 const MAKE_ROOM_ROUNDS: usize = 8;
+/// With lazy flush on a volatile cache, how long a write that finds no line waits for one that
+/// background cleaning frees, before it goes to the core.
+const ROOM_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
 
 pub(crate) struct CacheInner {
     pub(crate) id: u16,
@@ -1001,11 +1007,14 @@ impl CacheInner {
         let mut declined = false;
         let mut offloaded = false;
         let lazy = self.lazy_flush.load(Ordering::Relaxed);
+        let mut room_deadline: Option<std::time::Instant> = None;
+        let mut asked = false;
         let (locks, short) = loop {
             let locks = self.lock_keys(segs.iter().map(|s| s.key));
             self.lookup(&mut segs);
             // Promotion is asked once: a retry after making room must not count accesses again.
-            if round == 0 {
+            if !asked {
+                asked = true;
                 declined = self.promotion_declines(&segs);
                 // Offload takes only write misses: with no core line mapped (under the locks)
                 // there is no cached copy that the core's new data could leave stale.
@@ -1033,6 +1042,26 @@ impl CacheInner {
                 break (locks, false);
             }
             if lazy {
+                // A volatile cache whose background cleaning is under way: the lines it cleans
+                // are reusable at once, so wait a little for one rather than send a random
+                // write to a core that cleaning keeps busy (issue 20). Nothing has changed yet,
+                // so the locks can go meanwhile. With no cleaning under way the write goes to
+                // the core at once, as before, and asks for room.
+                let sig = &self.cleaner_signal;
+                if self.persist.is_none()
+                    && sig.running.load(Ordering::Relaxed)
+                    && sig.active.load(Ordering::Relaxed) > 0
+                {
+                    let deadline =
+                        *room_deadline.get_or_insert_with(|| std::time::Instant::now() + ROOM_WAIT);
+                    if std::time::Instant::now() < deadline {
+                        let seen = sig.room_generation();
+                        drop(locks);
+                        sig.want_room();
+                        sig.wait_room(seen, deadline);
+                        continue;
+                    }
+                }
                 // Lazy flush: what has no line goes to the core now (those core lines are not
                 // mapped, so no cached copy can go stale), and background cleaning makes room
                 // for the writes to come.

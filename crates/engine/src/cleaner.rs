@@ -1,13 +1,18 @@
 //! Cleaning: writing dirty sectors to the core and marking them clean.
 //!
 //! One mechanism serves the user's flush, eviction under dirty pressure, and (later) background
-//! cleaning policies: take a batch of dirty lines, sort them by core address, lock their stripes
-//! in ascending order, and write their dirty sectors to the core with neighbouring sectors merged
-//! into writes of up to merge-max bytes (1 MiB by default), and keep up to `depth` of those writes
-//! in flight at once (the policy's flush-max-buffers, [`FLUSH_BUFFERS`] for flushes). A 1 MiB
-//! sequential write cached as 256 lines of 4 KiB goes back to the core as one 1 MiB write, not
-//! 256 small ones; scattered dirty lines go back as many writes in parallel, so a disk array
-//! sees a queue it can reorder instead of one write at a time.
+//! cleaning policies: take a batch of dirty lines, sort them by core address, and write their
+//! dirty sectors to the core with neighbouring sectors merged into writes of up to merge-max bytes
+//! (1 MiB by default), and keep up to `depth` of those writes in flight at once (the policy's
+//! flush-max-buffers, [`FLUSH_BUFFERS`] for flushes). A 1 MiB sequential write cached as 256
+//! lines of 4 KiB goes back to the core as one 1 MiB write, not 256 small ones; scattered dirty
+//! lines go back as many writes in parallel, so a disk array sees a queue it can reorder instead
+//! of one write at a time.
+//!
+//! Each merged write locks only its own lines' stripes (in ascending order), from reading their
+//! dirty masks to marking them clean. Holding the whole batch's stripes instead made client writes
+//! to any of thousands of stripes wait for the whole batch: seconds in front of a disk array with
+//! alru-very-aggressive's 8192-line batches (issue 20).
 //!
 //! [`FLUSH_BUFFERS`]: crate::policy::FLUSH_BUFFERS
 
@@ -132,23 +137,22 @@ impl CacheInner {
     /// Clean the given lines (those still dirty when locked), `depth` core writes at most in
     /// flight, `paced` by the cleaning bandwidth cap (background cleaning only). Caller holds
     /// no stripe. Returns how many lines were cleaned.
+    ///
+    /// Stripes are locked per unit of work (the lines of one merged core write), never for the
+    /// whole batch: a batch of thousands of scattered lines takes seconds on a disk array, and a
+    /// client request to any of those stripes would wait for all of it (issue 20).
     pub(crate) fn clean_lines(&self, lines: Vec<u32>, depth: usize, paced: bool) -> Result<usize> {
         let mut items: Vec<(Key, u32)> = lines
             .into_iter()
             .filter_map(|l| self.table.key(l).map(|k| (k, l)))
             .collect();
+        // The snapshot is taken without locks; each unit looks again under its stripes.
+        items.retain(|&(_, l)| self.table.dirty(l) != 0);
         if items.is_empty() {
             return Ok(0);
         }
         items.sort_unstable();
         items.dedup();
-        let mut stripes: Vec<u32> = items.iter().map(|(k, _)| self.table.stripe(*k)).collect();
-        stripes.sort_unstable();
-        stripes.dedup();
-        let _locks = self.locks.lock_sorted(stripes);
-        // The snapshot was taken without locks: keep only lines that still hold that key and
-        // still have something dirty.
-        items.retain(|&(k, l)| self.table.key(l) == Some(k) && self.table.dirty(l) != 0);
 
         let mut cleaned = 0;
         let mut first_error = None;
@@ -171,14 +175,8 @@ impl CacheInner {
         }
     }
 
-    /// Clean lines of one core, sorted by core line. Caller holds their stripes.
-    fn clean_group(
-        &self,
-        core: &CoreState,
-        items: &[(Key, u32)],
-        depth: usize,
-        paced: bool,
-    ) -> Result<usize> {
+    /// The dirty runs of `items` (sorted by core line) as pieces, with the dirty masks read now.
+    fn pieces(&self, items: &[(Key, u32)]) -> Vec<Piece> {
         let mut pieces = Vec::new();
         for (i, &(key, line)) in items.iter().enumerate() {
             for (first, n) in bits::runs(self.table.dirty(line)) {
@@ -192,10 +190,13 @@ impl CacheInner {
                 });
             }
         }
-        let io = self.cleaning.read().io;
-        let merge_max = io.merge_max_kib as usize * 1024;
-        // Each core write: a range of `pieces` whose core addresses continue.
-        let mut writes: Vec<(usize, usize, usize)> = Vec::new();
+        pieces
+    }
+
+    /// Core writes of `pieces`: ranges `(start, end, bytes)` of pieces whose core addresses
+    /// continue, `merge_max` bytes at most each.
+    fn merged_writes(pieces: &[Piece], merge_max: usize) -> Vec<(usize, usize, usize)> {
+        let mut writes = Vec::new();
         let mut start = 0;
         while start < pieces.len() {
             let mut end = start + 1;
@@ -210,56 +211,60 @@ impl CacheInner {
             writes.push((start, end, len));
             start = end;
         }
-        let failed: Vec<AtomicBool> = items.iter().map(|_| AtomicBool::new(false)).collect();
+        writes
+    }
+
+    /// Clean lines of one core, sorted by core line. Caller holds no stripe.
+    ///
+    /// The batch is cut into units: the lines of one merged core write (or of a few, when a
+    /// line with several dirty runs shares writes with both neighbours). Up to `depth` workers
+    /// each take a unit, lock its stripes (ascending; a worker holds one unit's at a time, so
+    /// workers cannot deadlock each other or a request), read its lines' dirty masks again,
+    /// write them to the core, mark the lines clean and unlock. A request waits at most for the
+    /// unit holding its stripe, one core write, not for the batch.
+    fn clean_group(
+        &self,
+        core: &CoreState,
+        items: &[(Key, u32)],
+        depth: usize,
+        paced: bool,
+    ) -> Result<usize> {
+        let io = self.cleaning.read().io;
+        let merge_max = io.merge_max_kib as usize * 1024;
+        // Units from the unlocked snapshot: consecutive writes that share a line stay together,
+        // since a line is marked clean only once all of its runs are written.
+        let pieces = self.pieces(items);
+        let mut units: Vec<std::ops::Range<usize>> = Vec::new();
+        for (start, end, _) in Self::merged_writes(&pieces, merge_max) {
+            let (first, last) = (pieces[start].item, pieces[end - 1].item);
+            match units.last_mut() {
+                Some(u) if u.end > first => u.end = last + 1,
+                _ => units.push(first..last + 1),
+            }
+        }
+        drop(pieces);
+
         let first_error = Mutex::new(None);
         let next = AtomicUsize::new(0);
+        let cleaned = AtomicUsize::new(0);
         let worker = || {
             let mut buf = Vec::new();
             loop {
-                let w = next.fetch_add(1, Relaxed);
-                let Some(&(start, end, len)) = writes.get(w) else {
+                let u = next.fetch_add(1, Relaxed);
+                let Some(range) = units.get(u) else {
                     break;
                 };
-                let group = &pieces[start..end];
-                // Grow only: the runs below address the first `len` bytes, and re-zeroing a
-                // megabyte per write costs a tenth of the copy.
-                if buf.len() < len {
-                    buf.resize(len, 0);
-                }
-                let mut reads = Vec::new();
-                let mut at = 0;
-                for p in group {
-                    push_run(&mut reads, p.cache_off, at, p.len);
-                    at += p.len;
-                }
-                let write = [Run {
-                    dev_off: group[0].core_off,
-                    buf_off: 0,
-                    len,
-                }];
-                if paced {
-                    self.pacer.wait(len, io.max_bandwidth_mib_s);
-                }
-                let c = &self.cleaning_counters;
-                let now = c.in_flight.fetch_add(1, Relaxed) + 1;
-                c.max_in_flight.fetch_max(now, Relaxed);
-                let result = self
-                    .cache_read(core, &mut buf, &reads)
-                    .and_then(|()| self.core_write(core, &buf, &write));
-                c.in_flight.fetch_sub(1, Relaxed);
-                match result {
-                    Ok(()) => c.record(len),
+                match self.clean_unit(core, &items[range.clone()], &mut buf, merge_max, paced) {
+                    Ok(n) => {
+                        cleaned.fetch_add(n, Relaxed);
+                    }
                     Err(e) => {
-                        for p in group {
-                            failed[p.item].store(true, Relaxed);
-                        }
-                        c.errors.record(core.id, &e);
                         first_error.lock().get_or_insert(e);
                     }
                 }
             }
         };
-        let threads = writes.len().min(depth).clamp(1, MAX_IN_FLIGHT);
+        let threads = units.len().min(depth).clamp(1, MAX_IN_FLIGHT);
         if threads == 1 {
             worker();
         } else {
@@ -270,17 +275,94 @@ impl CacheInner {
                 worker();
             });
         }
+        let cleaned = cleaned.into_inner();
+        match first_error.into_inner() {
+            Some(e) => Err(e),
+            None => Ok(cleaned),
+        }
+    }
+
+    /// Clean one unit of lines (sorted by core line) under their stripes: what is dirty in them
+    /// now goes to the core, then they are marked clean. Returns how many lines were cleaned; a
+    /// line whose write failed stays dirty (the first error is returned once the others are
+    /// done).
+    fn clean_unit(
+        &self,
+        core: &CoreState,
+        unit: &[(Key, u32)],
+        buf: &mut Vec<u8>,
+        merge_max: usize,
+        paced: bool,
+    ) -> Result<usize> {
+        let mut stripes: Vec<u32> = unit.iter().map(|(k, _)| self.table.stripe(*k)).collect();
+        stripes.sort_unstable();
+        stripes.dedup();
+        let _locks = self.locks.lock_sorted(stripes);
+        // Keep only lines that still hold that key and still have something dirty.
+        let items: Vec<(Key, u32)> = unit
+            .iter()
+            .copied()
+            .filter(|&(k, l)| self.table.key(l) == Some(k) && self.table.dirty(l) != 0)
+            .collect();
+        let pieces = self.pieces(&items);
+        let mut failed = vec![false; items.len()];
+        let mut first_error = None;
+        let max_bandwidth = self.cleaning.read().io.max_bandwidth_mib_s;
+        for (start, end, len) in Self::merged_writes(&pieces, merge_max) {
+            let group = &pieces[start..end];
+            // Grow only: the runs below address the first `len` bytes, and re-zeroing a
+            // megabyte per write costs a tenth of the copy.
+            if buf.len() < len {
+                buf.resize(len, 0);
+            }
+            let mut reads = Vec::new();
+            let mut at = 0;
+            for p in group {
+                push_run(&mut reads, p.cache_off, at, p.len);
+                at += p.len;
+            }
+            let write = [Run {
+                dev_off: group[0].core_off,
+                buf_off: 0,
+                len,
+            }];
+            if paced {
+                self.pacer.wait(len, max_bandwidth);
+            }
+            let c = &self.cleaning_counters;
+            let now = c.in_flight.fetch_add(1, Relaxed) + 1;
+            c.max_in_flight.fetch_max(now, Relaxed);
+            let result = self
+                .cache_read(core, buf, &reads)
+                .and_then(|()| self.core_write(core, buf, &write));
+            c.in_flight.fetch_sub(1, Relaxed);
+            match result {
+                Ok(()) => c.record(len),
+                Err(e) => {
+                    for p in group {
+                        failed[p.item] = true;
+                    }
+                    c.errors.record(core.id, &e);
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
         let mut cleaned = 0;
         for (i, &(key, line)) in items.iter().enumerate() {
-            if !failed[i].load(Relaxed) {
+            if !failed[i] {
                 self.update_line(line, key, self.table.valid(line), 0, false);
                 cleaned += 1;
             }
         }
+        // Counted as they go, so that cleaning's throughput can be sampled during a batch.
         self.cleaning_counters
             .lines
             .fetch_add(cleaned as u64, Relaxed);
-        match first_error.into_inner() {
+        if cleaned > 0 && self.persist.is_none() {
+            // Reusable at once (no commit needed): writes waiting for a line may take them.
+            self.cleaner_signal.room_made();
+        }
+        match first_error {
             Some(e) => Err(e),
             None => Ok(cleaned),
         }

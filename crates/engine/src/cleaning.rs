@@ -18,7 +18,7 @@
 //! merged into large writes, `flush-max-buffers` in flight. A persistent cache then commits, so
 //! the cleaned lines become reusable.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -84,9 +84,38 @@ pub(crate) struct CleanerSignal {
     /// A write found no free or clean line and went to the core: the next tick cleans the
     /// oldest dirty lines whatever the policy (nop included).
     room_wanted: AtomicBool,
+    /// The cleaner thread is running (not stopped by a test).
+    pub(crate) running: AtomicBool,
+    /// Background cleaning batches under way: lines are about to become clean.
+    pub(crate) active: AtomicUsize,
+    /// Bumped each time cleaning makes lines reusable at once (a volatile cache), so that writes
+    /// waiting for a line try again.
+    room_gen: Mutex<u64>,
+    room_cv: Condvar,
 }
 
 impl CleanerSignal {
+    /// Cleaning just made lines reusable: wake the writes waiting for one.
+    pub(crate) fn room_made(&self) {
+        *self.room_gen.lock() += 1;
+        self.room_cv.notify_all();
+    }
+
+    pub(crate) fn room_generation(&self) -> u64 {
+        *self.room_gen.lock()
+    }
+
+    /// Wait until lines were made reusable after `seen`, or `deadline`. Returns whether some were.
+    pub(crate) fn wait_room(&self, seen: u64, deadline: Instant) -> bool {
+        let mut g = self.room_gen.lock();
+        while *g == seen {
+            if self.room_cv.wait_until(&mut g, deadline).timed_out() {
+                return *g != seen;
+            }
+        }
+        true
+    }
+
     /// Ask for room and wake the thread. Only the request that raises the flag pays for the
     /// wake-up; the lock around the notify pairs with the thread's look at the flag under the
     /// same lock, so the wake-up cannot fall between that look and its wait.
@@ -109,6 +138,7 @@ impl CleanerThread {
     pub(crate) fn start(cache: &Arc<CacheInner>) -> CleanerThread {
         let weak: Weak<CacheInner> = Arc::downgrade(cache);
         let signal = cache.cleaner_signal.clone();
+        signal.running.store(true, Ordering::SeqCst);
         let sig = signal.clone();
         let epoch = Instant::now();
         let handle = std::thread::Builder::new()
@@ -144,6 +174,7 @@ impl CleanerThread {
     /// Stop the thread. Its clock goes with it: whoever ticks the cleaner next (a test with its
     /// own clock) starts from a clean schedule.
     pub(crate) fn stop(self) {
+        self.signal.running.store(false, Ordering::SeqCst);
         *self.signal.stopped.lock() = true;
         self.signal.cv.notify_all();
         let _ = self.handle.join();
@@ -464,7 +495,9 @@ impl CacheInner {
         if lines.is_empty() {
             return Ok(0);
         }
+        self.cleaner_signal.active.fetch_add(1, Ordering::SeqCst);
         let cleaned = self.clean_lines(lines, depth, true);
+        self.cleaner_signal.active.fetch_sub(1, Ordering::SeqCst);
         // Lines of other cores may have been cleaned even when one core failed.
         if !matches!(cleaned, Ok(0)) && self.persist.is_some() {
             // Cleaned lines are reusable only once the device records them clean.

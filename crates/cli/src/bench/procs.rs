@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 
-use crate::protocol::StatsData;
+use crate::protocol::{CleaningData, StatsData};
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
@@ -265,6 +265,11 @@ impl CacheCtl {
 
     /// `hybridcache -P -i ID -o json`, its `raw` counters.
     pub fn stats(&self) -> Result<StatsData> {
+        self.stats_and_cleaning().map(|(s, _)| s)
+    }
+
+    /// The raw counters and, when the daemon reports them, cleaning's.
+    pub fn stats_and_cleaning(&self) -> Result<(StatsData, Option<CleaningData>)> {
         let text = self.run(&[
             "-P".into(),
             "-i".into(),
@@ -274,7 +279,9 @@ impl CacheCtl {
         ])?;
         let v: serde_json::Value =
             serde_json::from_str(&text).context("the statistics JSON does not parse")?;
-        serde_json::from_value(v["raw"].clone()).context("the statistics JSON has no raw counters")
+        let raw = serde_json::from_value(v["raw"].clone())
+            .context("the statistics JSON has no raw counters")?;
+        Ok((raw, serde_json::from_value(v["cleaning"].clone()).ok()))
     }
 
     /// `hybridcache -X -n cleaning -i ID -p POLICY`.

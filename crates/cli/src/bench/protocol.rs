@@ -37,6 +37,15 @@ pub struct Sample {
     pub mb_s: Option<f64>,
     pub dirty_pct: Option<f64>,
     pub occupancy_pct: Option<f64>,
+    /// Free lines (unmapped, ready to take), % of the cache's lines (cache only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub free_pct: Option<f64>,
+    /// Clean lines (mapped, nothing dirty: what eviction may take once committed), %.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clean_pct: Option<f64>,
+    /// Cleaning throughput: lines written to the core and marked clean over the last second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cleaned_lines_s: Option<f64>,
 }
 
 impl Sample {
@@ -47,6 +56,9 @@ impl Sample {
             mb_s,
             dirty_pct: Some(s.dirty_lines as f64 * 100.0 / total),
             occupancy_pct: Some(s.occupancy_lines as f64 * 100.0 / total),
+            free_pct: Some(s.free_lines as f64 * 100.0 / total),
+            clean_pct: Some(s.occupancy_lines.saturating_sub(s.dirty_lines) as f64 * 100.0 / total),
+            cleaned_lines_s: None,
         }
     }
 }

@@ -14,7 +14,7 @@ use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
 use super::matrix::{size_label, Cell, Config, Matrix, Pattern, ProtocolName};
-use super::protocol::CellOutcome;
+use super::protocol::{CellOutcome, Sample};
 use crate::chart::{bar_chart, line_chart, LineChart, Series};
 
 /// Format marker of results.json, bumped when its meaning changes.
@@ -631,6 +631,51 @@ pub fn markdown_report(res: &Results, chart_files: &[String]) -> String {
                 a.pass_through_writes.saturating_sub(b.pass_through_writes),
             );
         }
+        s.push('\n');
+    }
+
+    // The steady state over the measured phase, from the per-second samples.
+    let mut over_time = String::new();
+    for c in res
+        .cells
+        .iter()
+        .filter(|c| c.ok() && c.cell.config == Config::Cache)
+    {
+        let Some(o) = &c.outcome else { continue };
+        let range = |f: fn(&Sample) -> Option<f64>| {
+            let v: Vec<f64> = o.series.iter().filter_map(f).collect();
+            let min = v.iter().copied().fold(f64::INFINITY, f64::min);
+            let max = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let mean = v.iter().sum::<f64>() / v.len().max(1) as f64;
+            (!v.is_empty()).then_some((min, mean, max))
+        };
+        let span = |r: Option<(f64, f64, f64)>| {
+            r.map(|(a, _, b)| format!("{a:.1}-{b:.1}"))
+                .unwrap_or_else(|| "-".into())
+        };
+        let cleaned = range(|s| s.cleaned_lines_s);
+        if cleaned.is_none() && range(|s| s.free_pct).is_none() {
+            continue;
+        }
+        let _ = writeln!(
+            over_time,
+            "| {} | {} | {} | {} | {} | {} |",
+            c.key,
+            span(range(|s| s.dirty_pct)),
+            span(range(|s| s.clean_pct)),
+            span(range(|s| s.free_pct)),
+            cleaned
+                .map(|(_, m, _)| fmt_value(m))
+                .unwrap_or_else(|| "-".into()),
+            cleaned
+                .map(|(a, _, b)| format!("{}-{}", fmt_value(a), fmt_value(b)))
+                .unwrap_or_else(|| "-".into()),
+        );
+    }
+    if !over_time.is_empty() {
+        s.push_str("## Steady state over the measured phase (per-second samples)\n\n");
+        s.push_str("| cell | dirty % min-max | clean % min-max | free % min-max | cleaned lines/s mean | cleaned lines/s min-max |\n|---|---:|---:|---:|---:|---:|\n");
+        s.push_str(&over_time);
         s.push('\n');
     }
 

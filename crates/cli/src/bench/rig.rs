@@ -186,22 +186,29 @@ impl Rig {
         }
     }
 
-    fn sample(&self, t: f64, prev: &mut Option<(Instant, u64)>) -> Sample {
+    /// `prev`: the time, exported bytes and cleaned lines of the previous sample.
+    fn sample(&self, t: f64, prev: &mut Option<(Instant, u64, Option<u64>)>) -> Sample {
         let Some(ctl) = &self.ctl else {
             return Sample {
                 t,
                 ..Default::default()
             };
         };
-        match ctl.stats() {
-            Ok(s) => {
+        match ctl.stats_and_cleaning() {
+            Ok((s, cleaning)) => {
                 let bytes = s.exported_read_bytes + s.exported_written_bytes;
+                let cleaned = cleaning.map(|c| c.cleaned_lines);
                 let now = Instant::now();
-                let mb_s = prev.map(|(at, b)| {
-                    bytes.saturating_sub(b) as f64 / now.duration_since(at).as_secs_f64() / 1e6
-                });
-                *prev = Some((now, bytes));
-                Sample::from_stats(t, &s, mb_s)
+                let mut sample = Sample::from_stats(t, &s, None);
+                if let Some((at, b, c)) = *prev {
+                    let secs = now.duration_since(at).as_secs_f64();
+                    sample.mb_s = Some(bytes.saturating_sub(b) as f64 / secs / 1e6);
+                    if let (Some(c), Some(now_c)) = (c, cleaned) {
+                        sample.cleaned_lines_s = Some(now_c.saturating_sub(c) as f64 / secs);
+                    }
+                }
+                *prev = Some((now, bytes, cleaned));
+                sample
             }
             Err(_) => Sample {
                 t,
