@@ -86,6 +86,32 @@ fn the_shipped_example_loads_once_file_system_rules_are_ignored() {
     }
 }
 
+/// hybridcache's own example, packaging/ioclass-config.csv (docs/io-classes.md, "The example
+/// file"): block-level rules only, so it loads strictly, and every size lands in its class.
+#[test]
+fn the_packaged_example_loads_strictly_and_sorts_by_size() {
+    let text = include_str!("../../../packaging/ioclass-config.csv");
+    let t = IoClasses::parse(text, &STRICT).unwrap_or_else(|e| panic!("{e}"));
+    let ids: Vec<ClassId> = t.iter().map(|c| c.id).collect();
+    assert_eq!(ids, [0, 1, 2, 3, 4, 5]);
+    assert!(t.iter().all(|c| !c.has_unsupported_conditions()));
+    for (size, class) in [
+        (512, 1),
+        (4096, 1),
+        (8192, 2),
+        (16384, 2),
+        (65536, 3),
+        (131072, 4),
+        (262144, 4),
+        (262145, 5),
+        (1 << 20, 5),
+    ] {
+        assert_eq!(t.classify(&req(size, 0)), class, "{size} bytes");
+    }
+    assert_eq!(t.get(5).unwrap().allocation, 50);
+    assert_eq!(t.get(1).unwrap().eviction_priority, Some(1));
+}
+
 #[test]
 fn the_examples_of_domain_md_load() {
     let t = IoClasses::parse(
