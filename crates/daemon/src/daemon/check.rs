@@ -147,6 +147,15 @@ fn check_params(
         if g.set.is_none() {
             return Err(format!("parameter {key} is read-only"));
         }
+        if g.per_core {
+            // Applied when the cache starts, before its cores exist, it would set nothing.
+            return Err(format!(
+                "parameter {key}: {} is set per core, and [cache.params] holds cache-wide \
+                 parameters only; set it with `hybridcache --set-param --name {} --cache-id ID \
+                 --core-id ID` (it is kept in the cache's superblock)",
+                g.name, g.name
+            ));
+        }
         groups
             .entry(g.name)
             .or_default()
@@ -277,6 +286,17 @@ mod tests {
         .unwrap();
         let e = problems(&cache(&dir.path().join("none.csv"), ""));
         assert!(e.contains("none.csv"), "{e}");
+    }
+
+    #[test]
+    fn per_core_parameters_in_cache_params_are_refused() {
+        let e = problems(
+            "[[cache]]\nid = 1\ndevice = \"ram:8M\"\n[cache.params]\n\"seq-cutoff.policy\" = \"never\"\n",
+        );
+        assert!(
+            e.contains("cache 1: parameter seq-cutoff.policy: seq-cutoff is set per core"),
+            "{e}"
+        );
     }
 
     #[test]
