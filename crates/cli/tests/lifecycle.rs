@@ -727,3 +727,35 @@ fn a_configured_ioclass_file_is_loaded_and_a_bad_one_refuses_the_file() {
         Some(example.as_path())
     );
 }
+
+/// docs/policies.md, "In the configuration file": a loaded cache keeps its superblock's policies
+/// for what the file does not name, and the file's `[cache.params]` win over them.
+#[test]
+fn the_file_s_parameters_win_over_the_superblock_s() {
+    let dir = workdir();
+    let p = dir.path();
+    let cache = p.join("cache.img");
+    sparse_file(&cache, 64 << 20);
+    let plain = p.join("plain.toml");
+    let with_params = p.join("params.toml");
+    let section = format!("[[cache]]\nid = 1\ndevice = \"{}\"\n", cache.display());
+    write_file(&plain, &section);
+    write_file(
+        &with_params,
+        &format!("{section}[cache.params]\n\"cleaning.policy\" = \"acp\"\n"),
+    );
+    let start = |cfg: &Path| Daemon::start_with(p, &["--config", cfg.to_str().expect("UTF-8")]);
+
+    let mut d = start(&plain);
+    d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "nop"]);
+    assert!(d.stop(), "the first daemon stops cleanly");
+    let mut d = start(&plain);
+    assert_eq!(d.ok(&["-G", "-n", "cleaning", "-i", "1"]), "nop\n", "kept");
+    assert!(d.stop(), "the second daemon stops cleanly");
+    let d = start(&with_params);
+    assert_eq!(
+        d.ok(&["-G", "-n", "cleaning", "-i", "1"]),
+        "acp\n",
+        "the file wins"
+    );
+}
