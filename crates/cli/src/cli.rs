@@ -277,7 +277,7 @@ pub enum Command {
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: Option<u16>,
         /// Statistics of one IO class (usage and requests of that class, across cores).
-        #[arg(short = 'd', long = "io-class-id", value_parser = clap::value_parser!(u8).range(0..=32))]
+        #[arg(short = 'd', long = "io-class-id", value_parser = clap::value_parser!(u8).range(0..=33))]
         io_class: Option<u8>,
         /// Output format.
         #[arg(

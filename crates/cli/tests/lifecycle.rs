@@ -675,3 +675,81 @@ fn stop_daemon_with_its_remote_core_gone_keeps_the_dirty_data_and_says_so() {
         &data[..]
     );
 }
+
+/// opencas.conf's `ioclass_file` (docs/cli.md, "From opencas.conf"): a `[[cache]]`'s
+/// `ioclass_file` is loaded when the cache starts and kept when the file is saved; a class file
+/// that would be refused refuses the whole configuration, named by line and column.
+#[test]
+fn a_configured_ioclass_file_is_loaded_and_a_bad_one_refuses_the_file() {
+    let dir = workdir();
+    let p = dir.path();
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packaging/ioclass-config.csv");
+    let bad = p.join("fs-rules.csv");
+    write_file(
+        &bad,
+        "IO class id,IO class name,Eviction priority,Allocation\n0,unclassified,22,1\n1,metadata&done,0,1\n",
+    );
+    let cache = p.join("cache.img");
+    sparse_file(&cache, 64 << 20);
+    let cfg = p.join("hybridcache.toml");
+    let text = |classes: &Path| {
+        format!(
+            "[[cache]]\nid = 1\ndevice = \"{}\"\nioclass_file = \"{}\"\n",
+            cache.display(),
+            classes.display()
+        )
+    };
+
+    write_file(&cfg, &text(&bad));
+    let err = refused_daemon(p, &cfg);
+    assert!(
+        err.contains("cache 1: ioclass_file") && err.contains("line 3, column 3"),
+        "{err}"
+    );
+
+    write_file(&cfg, &text(&example));
+    let cfg_s = cfg.to_str().expect("UTF-8 path");
+    let d = Daemon::start_with(p, &["--config", cfg_s, "--save-config"]);
+    let listed = d.ok(&["-C", "-L", "-i", "1", "-o", "csv"]);
+    assert!(
+        listed.contains("5,request_size:gt:262144&done,20,0.50"),
+        "{listed}"
+    );
+    let saved = ConfigFile::load(&cfg).expect("the saved file");
+    assert_eq!(
+        saved.caches[0].ioclass_file.as_deref(),
+        Some(example.as_path())
+    );
+}
+
+/// docs/policies.md, "In the configuration file": a loaded cache keeps its superblock's policies
+/// for what the file does not name, and the file's `[cache.params]` win over them.
+#[test]
+fn the_file_s_parameters_win_over_the_superblock_s() {
+    let dir = workdir();
+    let p = dir.path();
+    let cache = p.join("cache.img");
+    sparse_file(&cache, 64 << 20);
+    let plain = p.join("plain.toml");
+    let with_params = p.join("params.toml");
+    let section = format!("[[cache]]\nid = 1\ndevice = \"{}\"\n", cache.display());
+    write_file(&plain, &section);
+    write_file(
+        &with_params,
+        &format!("{section}[cache.params]\n\"cleaning.policy\" = \"acp\"\n"),
+    );
+    let start = |cfg: &Path| Daemon::start_with(p, &["--config", cfg.to_str().expect("UTF-8")]);
+
+    let mut d = start(&plain);
+    d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "nop"]);
+    assert!(d.stop(), "the first daemon stops cleanly");
+    let mut d = start(&plain);
+    assert_eq!(d.ok(&["-G", "-n", "cleaning", "-i", "1"]), "nop\n", "kept");
+    assert!(d.stop(), "the second daemon stops cleanly");
+    let d = start(&with_params);
+    assert_eq!(
+        d.ok(&["-G", "-n", "cleaning", "-i", "1"]),
+        "acp\n",
+        "the file wins"
+    );
+}

@@ -23,6 +23,8 @@
 //! device = "/dev/nvme0n1p1"
 //! line_size = 4                    # KiB
 //! mode = "wb"
+//! ioclass_file = "/etc/hybridcache/ioclass-config.csv" # optional; Open CAS IO class file
+//! ioclass_ignore_unsupported = false # load its file-system rules as never true
 //! [cache.params]                   # policy fields, "GROUP.FIELD" = "VALUE" (docs/policies.md)
 //!
 //! [[core]]
@@ -113,6 +115,12 @@ pub struct CacheSection {
     /// Further parameters by their `get-param` names, applied after the cache starts.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub params: BTreeMap<String, String>,
+    /// An Open CAS IO class file (opencas.conf's `ioclass_file`), loaded when the cache starts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ioclass_file: Option<PathBuf>,
+    /// Load `ioclass_file` with file-system rules never true (`--ignore-unsupported`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ioclass_ignore_unsupported: Option<bool>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -168,6 +176,24 @@ impl ConfigFile {
             .with_context(|| format!("cannot replace {}", path.display()))?;
         Ok(())
     }
+}
+
+/// Read and parse a cache's `ioclass_file`; a refused file is named with its line and column.
+pub fn load_ioclass_file(
+    c: &CacheSection,
+) -> Option<std::result::Result<hybridcache_engine::ioclass::IoClasses, String>> {
+    let path = c.ioclass_file.as_ref()?;
+    let opts = hybridcache_engine::ioclass::LoadOptions {
+        ignore_unsupported: c.ioclass_ignore_unsupported.unwrap_or(false),
+    };
+    Some(
+        std::fs::read_to_string(path)
+            .map_err(|e| format!("ioclass_file {}: {e}", path.display()))
+            .and_then(|text| {
+                hybridcache_engine::ioclass::IoClasses::parse(&text, &opts)
+                    .map_err(|e| format!("ioclass_file {}: {e}", path.display()))
+            }),
+    )
 }
 
 #[cfg(test)]

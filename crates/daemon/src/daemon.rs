@@ -234,6 +234,9 @@ struct CacheEntry {
     device: String,
     key: Option<DeviceKey>,
     cores: BTreeMap<u16, CoreEntry>,
+    /// The configuration file's `ioclass_file` and `ioclass_ignore_unsupported`, kept so that
+    /// saving the file keeps them (the classes themselves are in the superblock).
+    ioclass: (Option<PathBuf>, Option<bool>),
 }
 
 #[derive(Default)]
@@ -351,6 +354,8 @@ impl State {
                 line_size: Some(c.cache.line_size().kib()),
                 mode: Some(c.cache.mode().to_string()),
                 params,
+                ioclass_file: c.ioclass.0.clone(),
+                ioclass_ignore_unsupported: c.ioclass.1,
             });
             for (core_id, core) in &c.cores {
                 cfg.cores.push(CoreSection {
@@ -866,6 +871,7 @@ impl Daemon {
                 device: device.to_string(),
                 key,
                 cores: BTreeMap::new(),
+                ioclass: (None, None),
             },
         );
         self.save_locked(&st);
@@ -994,6 +1000,7 @@ impl Daemon {
                 device: device.to_string(),
                 key,
                 cores,
+                ioclass: (None, None),
             },
         );
         self.save_locked(st);
@@ -1602,6 +1609,21 @@ impl Daemon {
         for (name, values) in groups {
             if let Err(e) = self.set_param_group(c.id, name, values) {
                 tracing::error!("cache {}: parameter {name}: {e}", c.id);
+            }
+        }
+        if let Some(entry) = self.state.lock().caches.get_mut(&c.id) {
+            entry.ioclass = (c.ioclass_file.clone(), c.ioclass_ignore_unsupported);
+        }
+        match crate::config::load_ioclass_file(c) {
+            None => {}
+            Some(Err(e)) => tracing::error!("cache {}: {e}", c.id),
+            Some(Ok(classes)) => {
+                let loaded = self
+                    .checked(c.id, None)
+                    .and_then(|h| h.load_io_classes(classes).map_err(engine_err));
+                if let Err(e) = loaded {
+                    tracing::error!("cache {}: ioclass_file: {e}", c.id);
+                }
             }
         }
         for core in cores {

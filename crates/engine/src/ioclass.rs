@@ -2,7 +2,7 @@
 //! into one (domain.md §7; the operator's guide is docs/io-classes.md).
 //!
 //! Job: read the file as Open CAS's `casadm --io-class --load-config` reads it (a header naming
-//! four columns, ids 0..=32, eviction priority, allocation), compile each class's name into the
+//! four columns, ids 0..=33, eviction priority, allocation), compile each class's name into the
 //! rule Open CAS's kernel classifier (`classifier.c`) would build from it, and evaluate the rules
 //! per request the way `cas_cls_classify` does: classes in id order, a later match overrides an
 //! earlier one, a matching rule containing `done` ends the walk. [`IoClasses::to_csv`] writes the
@@ -21,8 +21,15 @@ use std::fmt::Write as _;
 /// An IO class id, 0..=[`MAX_CLASS_ID`].
 pub type ClassId = u8;
 
-/// The highest id Open CAS accepts (`OCF_IO_CLASS_ID_MAX`: 33 classes, 0..=32).
-pub const MAX_CLASS_ID: ClassId = 32;
+/// The highest id casadm accepts: `OCF_IO_CLASS_ID_MAX` = `OCF_USER_IO_CLASS_MAX - 1` = 33 in
+/// OCF master (34 classes, 0..=33; older releases had 33 classes, 0..=32, and refused 33). A
+/// table saved by a build whose limit was 32 loads unchanged.
+pub const MAX_CLASS_ID: ClassId = 33;
+/// The id OCF gives its prefetch class (`OCF_IO_CLASS_PREFETCH`).
+pub const PREFETCH_CLASS_ID: ClassId = 33;
+/// The prefetch class's name (`OCF_IO_CLASS_PREFETCH_NAME`): like `unclassified`, a name that is
+/// not parsed as a rule, allowed on class 33 only.
+pub const PREFETCH_CLASS_NAME: &str = "prefetch";
 /// The longest class name: Open CAS keeps names in 1024-byte buffers that end in a NUL.
 pub const MAX_NAME_LEN: usize = 1023;
 /// The highest value a `core_id` condition may name (`OCF_CORE_ID_MAX`).
@@ -36,7 +43,7 @@ pub const DEFAULT_PRIORITY: u8 = 255;
 
 /// Open CAS's `MAX_STRING_SPECIFIER_LEN` (256) less the NUL.
 const MAX_STRING_OPERAND: usize = 255;
-const ID_RANGE: &str = "expected a number from 0 to 32";
+const ID_RANGE: &str = "expected a number from 0 to 33";
 const PRIORITY_RANGE: &str = "expected a number from 0 to 255, or nothing for pinned";
 const ALLOCATION_RANGE: &str =
     "expected a decimal from 0.00 to 1.00 with at most two decimal places";
@@ -180,7 +187,8 @@ pub struct IoClass {
     pub eviction_priority: Option<u8>,
     /// The share of the cache the class may occupy, in hundredths: 0 = never cached, 100 = all.
     pub allocation: u8,
-    /// `None` only for class 0, whose name Open CAS never parses.
+    /// `None` for class 0 and for class 33 named `prefetch`, whose names Open CAS never parses
+    /// (no request is classified into them by a rule).
     rule: Option<Rule>,
 }
 
@@ -490,6 +498,19 @@ fn parse(text: &str, opts: &LoadOptions) -> Result<IoClasses, IoClassError> {
                 ));
             }
             None
+        } else if name_field.text == PREFETCH_CLASS_NAME {
+            // Open CAS's classifier: `prefetch` is class 33's name, not a rule.
+            if id != PREFETCH_CLASS_ID {
+                return Err(error(
+                    line_no,
+                    name_field.column,
+                    format!(
+                        "`{PREFETCH_CLASS_NAME}` is class {PREFETCH_CLASS_ID}'s name, not a \
+                         condition; only class {PREFETCH_CLASS_ID} may use it"
+                    ),
+                ));
+            }
+            None
         } else {
             Some(compile_rule(
                 &name_field.text,
@@ -572,7 +593,6 @@ fn parse_header(line: &str, line_no: usize) -> Result<[Column; 4], IoClassError>
 fn parse_id(f: &Field, line_no: usize) -> Result<ClassId, IoClassError> {
     let message = match parse_u64(&f.text) {
         Ok(n) if n <= u64::from(MAX_CLASS_ID) => return Ok(n as ClassId),
-        Ok(33) => "IO class id 33 is reserved; ids go from 0 to 32".to_string(),
         Ok(n) => format!("IO class id {n} is out of range; {ID_RANGE}"),
         Err(NumError::TooLarge) => format!("IO class id {} is out of range; {ID_RANGE}", f.text),
         Err(NumError::Invalid) if f.text.is_empty() => format!("missing IO class id; {ID_RANGE}"),

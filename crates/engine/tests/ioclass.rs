@@ -86,6 +86,80 @@ fn the_shipped_example_loads_once_file_system_rules_are_ignored() {
     }
 }
 
+/// hybridcache's own example, packaging/ioclass-config.csv (docs/io-classes.md, "The example
+/// file"): block-level rules only, so it loads strictly, and every size lands in its class.
+#[test]
+fn the_packaged_example_loads_strictly_and_sorts_by_size() {
+    let text = include_str!("../../../packaging/ioclass-config.csv");
+    let t = IoClasses::parse(text, &STRICT).unwrap_or_else(|e| panic!("{e}"));
+    let ids: Vec<ClassId> = t.iter().map(|c| c.id).collect();
+    assert_eq!(ids, [0, 1, 2, 3, 4, 5]);
+    assert!(t.iter().all(|c| !c.has_unsupported_conditions()));
+    for (size, class) in [
+        (512, 1),
+        (4096, 1),
+        (8192, 2),
+        (16384, 2),
+        (65536, 3),
+        (131072, 4),
+        (262144, 4),
+        (262145, 5),
+        (1 << 20, 5),
+    ] {
+        assert_eq!(t.classify(&req(size, 0)), class, "{size} bytes");
+    }
+    assert_eq!(t.get(5).unwrap().allocation, 50);
+    assert_eq!(t.get(1).unwrap().eviction_priority, Some(1));
+}
+
+/// Open CAS master's utils/ioclass-config.csv (open-cas-linux e7ddd7b, "Add prefetch support"),
+/// verbatim in tests/data: class 33 is `prefetch`. Its other rules need a file system, so it loads
+/// with `ignore_unsupported`; strictly it is refused at its first file-system rule, not at id 33.
+#[test]
+fn open_cas_master_file_with_class_33_loads() {
+    let text = include_str!("data/open-cas-master-ioclass-config.csv");
+    let e = IoClasses::parse(text, &STRICT).unwrap_err();
+    assert_at(&e, 3, 3, "\"metadata\"");
+
+    let t = IoClasses::parse(text, &LENIENT).unwrap_or_else(|e| panic!("{e}"));
+    let ids: Vec<ClassId> = t.iter().map(|c| c.id).collect();
+    assert_eq!(
+        ids,
+        [0, 1, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 33]
+    );
+    let prefetch = t.get(33).unwrap();
+    assert_eq!(
+        (prefetch.name.as_str(), prefetch.eviction_priority),
+        ("prefetch", Some(21))
+    );
+    assert!(!prefetch.has_unsupported_conditions());
+    // `prefetch` is a name, not a rule: no request is classified into class 33.
+    for r in [req(512, 0), req(1 << 20, 12345)] {
+        assert_eq!(t.classify(&r), 0);
+    }
+    assert_eq!(IoClasses::parse(&t.to_csv(), &LENIENT).unwrap(), t);
+    // Only class 33 may be called `prefetch`; class 33 may also hold an ordinary rule.
+    let e = refused("5,prefetch,1,1");
+    assert_at(&e, 3, 3, "only class 33");
+    assert_eq!(
+        table("33,request_size:gt:4096,1,1").classify(&req(8192, 0)),
+        33
+    );
+}
+
+/// Open CAS v26.03.2's utils/ioclass-config.csv (open-cas-linux 44d3418), verbatim in
+/// tests/data: file-system rules only, so refused by default and loaded with
+/// `ignore_unsupported` (docs/io-classes.md says why the default stays strict).
+#[test]
+fn open_cas_v26_03_2_file_loads_with_ignore_unsupported() {
+    let text = include_str!("data/open-cas-v26.03.2-ioclass-config.csv");
+    let e = IoClasses::parse(text, &STRICT).unwrap_err();
+    assert_at(&e, 3, 3, "ignore_unsupported");
+    let t = IoClasses::parse(text, &LENIENT).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(t.len(), 14);
+    assert!(t.get(22).unwrap().has_unsupported_conditions());
+}
+
 #[test]
 fn the_examples_of_domain_md_load() {
     let t = IoClasses::parse(
@@ -287,7 +361,7 @@ fn malformed_lines_are_refused_at_their_line_and_column() {
         ("x,request_size:lt:4096,1,1", 1, "invalid IO class id \"x\""),
         (",request_size:lt:4096,1,1", 1, "missing IO class id"),
         ("-1,lba:gt:1,1,1", 1, "invalid IO class id"),
-        ("33,lba:gt:1,1,1", 1, "33 is reserved"),
+        ("1,prefetch,1,1", 3, "only class 33 may use it"),
         ("34,lba:gt:1,1,1", 1, "34 is out of range"),
         ("0,unclassified,1,1", 1, "defined twice (first on line 2)"),
         (
@@ -415,9 +489,9 @@ fn names_up_to_1023_characters() {
 }
 
 #[test]
-fn all_33_classes_load() {
+fn all_34_classes_load() {
     let mut text = format!("{HEADER}\n");
-    for id in 0..=32 {
+    for id in 0..=33 {
         if id == 0 {
             text.push_str("0,unclassified,,1\n");
         } else {
@@ -425,7 +499,8 @@ fn all_33_classes_load() {
         }
     }
     let t = IoClasses::parse(&text, &STRICT).unwrap();
-    assert_eq!(t.len(), 33);
+    assert_eq!(t.len(), 34);
+    assert_eq!(t.classify(&req(33, 0)), 33);
     assert_eq!(t.classify(&req(32, 0)), 32);
     assert_eq!(t.classify(&req(7, 0)), 7);
     assert_eq!(t.to_csv(), text.replace(",1\n", ",1.00\n"));
@@ -720,7 +795,7 @@ proptest! {
 
     #[test]
     fn random_tables_round_trip_and_classify_like_open_cas(
-        classes in prop::collection::btree_map(1u8..=32, class(), 0..10),
+        classes in prop::collection::btree_map(1u8..=33, class(), 0..10),
         class0 in prop::option::of((prop::option::of(any::<u8>()), 0u8..=100)),
         crlf in any::<bool>(),
         padded in any::<bool>(),

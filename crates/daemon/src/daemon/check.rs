@@ -105,6 +105,9 @@ pub(super) fn check_config(cfg: &ConfigFile, st: &State) -> Result<(), String> {
         if let Err(e) = check_cache_device(c.id, &c.device) {
             problems.push(format!("{who}: {e}"));
         }
+        if let Some(Err(e)) = crate::config::load_ioclass_file(c) {
+            problems.push(format!("{who}: {e}"));
+        }
     }
     let mut core_ids = BTreeSet::new();
     for core in &cfg.cores {
@@ -143,6 +146,15 @@ fn check_params(
         let (g, field) = params::split_key(key).map_err(|e| format!("parameter {key}: {e}"))?;
         if g.set.is_none() {
             return Err(format!("parameter {key} is read-only"));
+        }
+        if g.per_core {
+            // Applied when the cache starts, before its cores exist, it would set nothing.
+            return Err(format!(
+                "parameter {key}: {} is set per core, and [cache.params] holds cache-wide \
+                 parameters only; set it with `hybridcache --set-param --name {} --cache-id ID \
+                 --core-id ID` (it is kept in the cache's superblock)",
+                g.name, g.name
+            ));
         }
         groups
             .entry(g.name)
@@ -238,6 +250,53 @@ mod tests {
         ] {
             assert!(e.contains(want), "missing '{want}' in: {e}");
         }
+    }
+
+    #[test]
+    fn ioclass_files_are_checked_with_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let good = dir.path().join("good.csv");
+        std::fs::write(
+            &good,
+            include_str!("../../../../packaging/ioclass-config.csv"),
+        )
+        .unwrap();
+        let fs_rules = dir.path().join("fs.csv");
+        std::fs::write(
+            &fs_rules,
+            "IO class id,IO class name,Eviction priority,Allocation\n0,unclassified,22,1\n1,metadata&done,0,1\n",
+        )
+        .unwrap();
+        let cache = |file: &std::path::Path, extra: &str| {
+            format!(
+                "[[cache]]\nid = 1\ndevice = \"ram:8M\"\nioclass_file = \"{}\"\n{extra}",
+                file.display()
+            )
+        };
+        check_config(&parse(&cache(&good, "")), &State::default()).unwrap();
+        let e = problems(&cache(&fs_rules, ""));
+        assert!(
+            e.contains("cache 1: ioclass_file") && e.contains("line 3, column 3"),
+            "{e}"
+        );
+        check_config(
+            &parse(&cache(&fs_rules, "ioclass_ignore_unsupported = true\n")),
+            &State::default(),
+        )
+        .unwrap();
+        let e = problems(&cache(&dir.path().join("none.csv"), ""));
+        assert!(e.contains("none.csv"), "{e}");
+    }
+
+    #[test]
+    fn per_core_parameters_in_cache_params_are_refused() {
+        let e = problems(
+            "[[cache]]\nid = 1\ndevice = \"ram:8M\"\n[cache.params]\n\"seq-cutoff.policy\" = \"never\"\n",
+        );
+        assert!(
+            e.contains("cache 1: parameter seq-cutoff.policy: seq-cutoff is set per core"),
+            "{e}"
+        );
     }
 
     #[test]
