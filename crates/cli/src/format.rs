@@ -587,14 +587,25 @@ const INFO_TEXT: &[&str] = &[
     "lazy_flush",
     "prefetch_policy",
     "dirty_for",
+    "seq_cutoff_policy",
 ];
 
-/// The key/value lines casadm prints above the tables.
+/// The key/value lines casadm prints above the tables, in casadm's names and order
+/// (statistics_model.c: cache_stats_conf, print_core_conf, print_stats_ioclass_conf); our own
+/// fields follow casadm's.
 fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
     let c = &r.cache;
     let line_kib = c.line_size_kib as u64;
     let cache_blocks = c.lines * line_kib / 4;
     let gib = |bytes: u64| format!("{:.2}", bytes as f64 / (1u64 << 30) as f64);
+    let dirty_for = |v: &mut Vec<(&'static str, &'static str, String)>, d: Option<u64>| {
+        v.push((
+            "dirty_for_s",
+            "Dirty for [s]",
+            d.map_or("0".into(), |d| d.to_string()),
+        ));
+        v.push(("dirty_for", "Dirty for", dirty_for_text(d.unwrap_or(0))));
+    };
     let mut v = vec![];
     if let Some(core) = &r.core {
         v.push(("core_id", "Core Id", core.id.to_string()));
@@ -612,7 +623,19 @@ fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
             (core.size / 4096).to_string(),
         ));
         v.push(("core_size_gib", "Core Size [GiB]", gib(core.size)));
+        dirty_for(&mut v, core.dirty_for_s);
         v.push(("status", "Status", core.status.clone()));
+        v.push((
+            "seq_cutoff_threshold_kib",
+            "Seq cutoff threshold [KiB]",
+            core.seq_cutoff_threshold_kib
+                .map_or("-".into(), |t| t.to_string()),
+        ));
+        v.push((
+            "seq_cutoff_policy",
+            "Seq cutoff policy",
+            core.seq_cutoff_policy.clone().unwrap_or_else(|| "-".into()),
+        ));
         v.push(("clients", "Clients", core.clients.to_string()));
         v.push(("cache_id", "Cache Id", c.id.to_string()));
     } else if let Some(k) = &r.io_class {
@@ -623,7 +646,12 @@ fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
             "Eviction priority",
             k.eviction_priority.clone(),
         ));
-        v.push(("allocation", "Allocation", k.allocation.clone()));
+        // casadm: the class's allocation as a whole percentage ("Max size", "50%").
+        let percent = k
+            .allocation
+            .parse::<f64>()
+            .map_or_else(|_| k.allocation.clone(), |a| format!("{:.0}%", a * 100.0));
+        v.push(("max_size", "Max size", percent));
         v.push(("cache_id", "Cache Id", c.id.to_string()));
     } else {
         v.push(("cache_id", "Cache Id", c.id.to_string()));
@@ -638,46 +666,53 @@ fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
             gib(c.lines * line_kib * 1024),
         ));
         v.push(("cache_device", "Cache Device", c.device.clone()));
+        // casadm shows a cache's own exported object only in standby, which we do not have.
+        v.push(("exported_object", "Exported Object", "-".into()));
         v.push(("core_devices", "Core Devices", c.cores.len().to_string()));
+        v.push((
+            "inactive_core_devices",
+            "Inactive Core Devices",
+            c.inactive_cores.to_string(),
+        ));
         v.push(("write_policy", "Write Policy", c.mode.clone()));
+        v.push(("cleaning_policy", "Cleaning Policy", c.cleaning.clone()));
+        v.push(("promotion_policy", "Promotion Policy", c.promotion.clone()));
+        v.push(("prefetch_policy", "Prefetch Policy", c.prefetch.clone()));
         v.push((
             "cache_line_size_kib",
             "Cache line size [KiB]",
             line_kib.to_string(),
         ));
-        v.push(("cleaning_policy", "Cleaning Policy", c.cleaning.clone()));
-        v.push(("promotion_policy", "Promotion Policy", c.promotion.clone()));
-        v.push(("lazy_flush", "Lazy Flush", c.lazy_flush.clone()));
-        v.push(("prefetch_policy", "Prefetch Policy", c.prefetch.clone()));
+        v.push((
+            "metadata_memory_footprint_mib",
+            "Metadata Memory Footprint [MiB]",
+            format!("{:.1}", c.metadata_bytes as f64 / (1u64 << 20) as f64),
+        ));
+        dirty_for(&mut v, c.dirty_for_s);
         v.push(("status", "Status", c.status.clone()));
-        v.push((
-            "dirty_for_s",
-            "Dirty for [s]",
-            c.dirty_for_s.map_or("0".into(), |d| d.to_string()),
-        ));
-        v.push((
-            "dirty_for",
-            "Dirty for",
-            c.dirty_for_s.map_or("clean".into(), duration_text),
-        ));
+        v.push(("lazy_flush", "Lazy Flush", c.lazy_flush.clone()));
         let clients: usize = c.cores.iter().map(|k| k.clients).sum();
         v.push(("clients", "Clients", clients.to_string()));
     }
     v
 }
 
-/// "1 h 5 min 3 s", as casadm prints "Dirty for".
-fn duration_text(secs: u64) -> String {
-    let (h, m, s) = (secs / 3600, secs / 60 % 60, secs % 60);
+/// casadm's "Dirty for": "1 [h] 5 [m] 3 [s]", with days, or "Cache clean".
+fn dirty_for_text(secs: u64) -> String {
+    if secs == 0 {
+        return "Cache clean".into();
+    }
+    let (d, h, m, s) = (
+        secs / 86_400,
+        secs % 86_400 / 3600,
+        secs % 3600 / 60,
+        secs % 60,
+    );
     let mut parts = Vec::new();
-    if h > 0 {
-        parts.push(format!("{h} h"));
-    }
-    if m > 0 {
-        parts.push(format!("{m} min"));
-    }
-    if s > 0 || parts.is_empty() {
-        parts.push(format!("{s} s"));
+    for (n, unit) in [(d, "d"), (h, "h"), (m, "m"), (s, "s")] {
+        if n > 0 {
+            parts.push(format!("{n} [{unit}]"));
+        }
     }
     parts.join(" ")
 }
@@ -734,7 +769,13 @@ pub fn stats(r: &StatsReport, format: OutputFormat) -> String {
             let mut top = Map::new();
             let mut inf = Map::new();
             for (key, _, v) in &info {
-                let mut val = Value::from(v.clone());
+                // "Max size" is a percentage: JSON gives the number (50 for "50%").
+                let v = if *key == "max_size" {
+                    v.trim_end_matches('%')
+                } else {
+                    v.as_str()
+                };
+                let mut val = Value::from(v);
                 if !INFO_TEXT.contains(key) {
                     numbers_as_numbers(&mut val);
                 }
@@ -915,9 +956,14 @@ mod tests {
                     clients: 2,
                     frontend: "nbd".into(),
                     block_device: None,
+                    dirty_for_s: Some(3723),
+                    seq_cutoff_threshold_kib: Some(1024),
+                    seq_cutoff_policy: Some("full".into()),
                 }],
                 flush: None,
                 dirty_for_s: Some(3723),
+                inactive_cores: 0,
+                metadata_bytes: 3 << 20,
             },
             core: None,
             io_class: None,
@@ -970,6 +1016,9 @@ mod tests {
             clients: 1,
             frontend: "ublk".into(),
             block_device: Some("/dev/ublkb3".into()),
+            dirty_for_s: None,
+            seq_cutoff_threshold_kib: None,
+            seq_cutoff_policy: None,
         });
         let caches = [cache];
         let table = list(&caches, OutputFormat::Table);
@@ -991,6 +1040,126 @@ mod tests {
         assert_eq!(core["frontend"], "ublk");
     }
 
+    /// casadm's `-P -o csv` configuration columns, in order (open-cas-linux
+    /// casadm/statistics_model.c, cache_stats_conf, print_core_conf and
+    /// print_stats_ioclass_conf, as statistics_view_csv.c names them).
+    const CASADM_CACHE_CONF: &[&str] = &[
+        "Cache Id",
+        "Cache Size [4KiB Blocks]",
+        "Cache Size [GiB]",
+        "Cache Device",
+        "Exported Object",
+        "Core Devices",
+        "Inactive Core Devices",
+        "Write Policy",
+        "Cleaning Policy",
+        "Promotion Policy",
+        "Prefetch Policy",
+        "Cache line size [KiB]",
+        "Metadata Memory Footprint [MiB]",
+        "Dirty for [s]",
+        "Dirty for",
+        "Status",
+    ];
+    const CASADM_CORE_CONF: &[&str] = &[
+        "Core Id",
+        "Core Device",
+        "Exported Object",
+        "Core Size [4KiB Blocks]",
+        "Core Size [GiB]",
+        "Dirty for [s]",
+        "Dirty for",
+        "Status",
+        "Seq cutoff threshold [KiB]",
+        "Seq cutoff policy",
+    ];
+    const CASADM_IO_CLASS_CONF: &[&str] = &[
+        "IO class ID",
+        "IO class name",
+        "Eviction priority",
+        "Max size",
+    ];
+    /// The first rows of casadm's usage, request, block and error tables.
+    const CASADM_FIRST_ROWS: &[&str] = &[
+        "Occupancy [4KiB Blocks]",
+        "Occupancy [%]",
+        "Free [4KiB Blocks]",
+        "Free [%]",
+        "Clean [4KiB Blocks]",
+        "Clean [%]",
+        "Dirty [4KiB Blocks]",
+        "Dirty [%]",
+        "Read hits [Requests]",
+        "Read hits [%]",
+    ];
+
+    fn csv_header(csv: &str) -> Vec<String> {
+        csv.lines()
+            .next()
+            .unwrap_or_default()
+            .split(',')
+            .map(str::to_string)
+            .collect()
+    }
+
+    #[test]
+    fn csv_header_starts_with_casadms_fields_in_casadms_order() {
+        let r = report();
+        let head = csv_header(&stats(&r, OutputFormat::Csv));
+        for (i, want) in CASADM_CACHE_CONF.iter().enumerate() {
+            assert_eq!(head[i], *want, "cache column {i}: {head:?}");
+        }
+        let usage = head
+            .iter()
+            .position(|h| h == "Occupancy [4KiB Blocks]")
+            .unwrap();
+        for (i, want) in CASADM_FIRST_ROWS.iter().enumerate() {
+            assert_eq!(head[usage + i], *want, "usage column {i}: {head:?}");
+        }
+        let values: Vec<String> = stats(&r, OutputFormat::Csv)
+            .lines()
+            .nth(1)
+            .unwrap()
+            .split(',')
+            .map(str::to_string)
+            .collect();
+        assert_eq!(values[12], "3.0", "{values:?}");
+        assert_eq!(values[13], "3723");
+        assert_eq!(values[14], "1 [h] 2 [m] 3 [s]");
+
+        let core = StatsReport {
+            core: Some(r.cache.cores[0].clone()),
+            ..report()
+        };
+        let head = csv_header(&stats(&core, OutputFormat::Csv));
+        for (i, want) in CASADM_CORE_CONF.iter().enumerate() {
+            assert_eq!(head[i], *want, "core column {i}: {head:?}");
+        }
+        let class = StatsReport {
+            io_class: Some(crate::protocol::IoClassInfo {
+                id: 1,
+                name: "metadata".into(),
+                eviction_priority: "100".into(),
+                allocation: "0.50".into(),
+            }),
+            ..report()
+        };
+        let csv = stats(&class, OutputFormat::Csv);
+        let head = csv_header(&csv);
+        for (i, want) in CASADM_IO_CLASS_CONF.iter().enumerate() {
+            assert_eq!(head[i], *want, "IO class column {i}: {head:?}");
+        }
+        assert!(
+            csv.lines()
+                .nth(1)
+                .unwrap()
+                .starts_with("1,metadata,100,50%,"),
+            "{csv}"
+        );
+        assert_eq!(dirty_for_text(0), "Cache clean");
+        assert_eq!(dirty_for_text(90_061), "1 [d] 1 [h] 1 [m] 1 [s]");
+    }
+
     #[test]
     fn table_csv_json_agree() {
         let r = report();
@@ -1007,7 +1176,7 @@ mod tests {
         assert_eq!(j["requests"]["read_hits"]["percent"], 75.0);
         assert_eq!(j["blocks"]["core_reads"]["count"], 2);
         assert_eq!(j["info"]["dirty_for_s"], 3723);
-        assert!(t.contains("1 h 2 min 3 s"), "{t}");
+        assert!(t.contains("1 [h] 2 [m] 3 [s]"), "{t}");
         // Latency: numbers in JSON, "-" in the table where nothing completed.
         assert_eq!(j["latency"]["read"]["p99_us"], 95.0);
         assert_eq!(j["latency"]["read"]["p9999_us"], 95.0);
@@ -1126,7 +1295,7 @@ mod tests {
         let class_json = stats(&class, OutputFormat::Json);
         assert_numbers("-P -d", &class_json);
         let j: Value = serde_json::from_str(&class_json).unwrap();
-        assert_eq!(j["info"]["allocation"], 1.0);
+        assert_eq!(j["info"]["max_size"], 100);
         assert_eq!(j["info"]["eviction_priority"], 100);
         let j: Value = serde_json::from_str(&stats(&core, OutputFormat::Json)).unwrap();
         assert_eq!(j["info"]["core_size_gib"], 1.0);

@@ -421,11 +421,20 @@ fn cache_info(id: u16, c: &CacheEntry, frontends: &Frontends) -> CacheInfo {
         promotion: c.cache.promotion().policy.to_string(),
         lazy_flush: hybridcache_engine::policy::on_off(c.cache.lazy_flush().enabled).into(),
         prefetch: c.cache.prefetch().policy.to_string(),
+        inactive_cores: c.cores.values().filter(|core| !core.active).count(),
+        metadata_bytes: c.cache.metadata_bytes(),
         cores: c
             .cores
             .iter()
             .map(|(core_id, core)| {
-                core_info(id, *core_id, core, sizes.get(core_id).copied(), frontends)
+                let mut info =
+                    core_info(id, *core_id, core, sizes.get(core_id).copied(), frontends);
+                info.dirty_for_s = c.cache.dirty_for(Some(*core_id)).map(|d| d.as_secs());
+                if let Ok(seq) = c.cache.seq_cutoff(*core_id) {
+                    info.seq_cutoff_threshold_kib = Some(seq.threshold_kib);
+                    info.seq_cutoff_policy = Some(seq.policy.to_string());
+                }
+                info
             })
             .collect(),
     }
@@ -449,6 +458,9 @@ fn core_info(
         block_device: frontend.and_then(|f| f.device(&name)),
         frontend: core.frontend.to_string(),
         export: name,
+        dirty_for_s: None,
+        seq_cutoff_threshold_kib: None,
+        seq_cutoff_policy: None,
     }
 }
 
@@ -496,6 +508,8 @@ fn waiting_info(w: &Waiting) -> CacheInfo {
         prefetch: String::new(),
         flush: None,
         dirty_for_s: None,
+        inactive_cores: w.cores.len(),
+        metadata_bytes: 0,
         cores: w
             .cores
             .iter()
@@ -508,6 +522,9 @@ fn waiting_info(w: &Waiting) -> CacheInfo {
                 clients: 0,
                 frontend: c.frontend.clone().unwrap_or_default(),
                 block_device: None,
+                dirty_for_s: None,
+                seq_cutoff_threshold_kib: None,
+                seq_cutoff_policy: None,
             })
             .collect(),
     }
