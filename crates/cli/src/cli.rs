@@ -276,9 +276,13 @@ pub enum Command {
         /// Core id (1..4095) [default: every core of the cache].
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: Option<u16>,
-        /// Statistics of one IO class (usage and requests of that class, across cores).
-        #[arg(short = 'd', long = "io-class-id", value_parser = clap::value_parser!(u8).range(0..=32))]
-        io_class: Option<u8>,
+        /// Statistics of one IO class (usage and requests of that class, across cores); `-d`
+        /// without a value: of every IO class.
+        #[arg(short = 'd', long = "io-class-id", num_args = 0..=1, value_parser = clap::value_parser!(u8).range(0..=32))]
+        io_class: Option<Option<u8>>,
+        /// Sections to show, comma-separated: all, conf, usage, req, blk, err [default: all].
+        #[arg(short = 'f', long = "filter", value_delimiter = ',', value_enum)]
+        filter: Vec<crate::format::StatsFilter>,
         /// Output format.
         #[arg(
             short = 'o',
@@ -466,7 +470,16 @@ pub enum Command {
 
     /// Print the version of this program and of the running daemon.
     #[command(short_flag = 'V', long_flag = "version")]
-    Version,
+    Version {
+        /// Output format.
+        #[arg(
+            short = 'o',
+            long = "output-format",
+            value_enum,
+            default_value = "table"
+        )]
+        output: OutputFormat,
+    },
 
     /// Stop the daemon as SIGTERM does: every cache is flushed and stopped, the sockets removed.
     /// Waits for the outcome; fails if some dirty data could not be flushed.
@@ -495,7 +508,7 @@ impl Command {
     pub fn request(&self) -> Option<Request> {
         Some(match self {
             Command::Daemon { .. }
-            | Command::Version
+            | Command::Version { .. }
             | Command::StopDaemon
             | Command::Analyze(_)
             | Command::IoClass { .. }
@@ -558,7 +571,7 @@ impl Command {
             } => Request::Stats {
                 cache: *id,
                 core: *core,
-                io_class: *io_class,
+                io_class: io_class.flatten(),
             },
             Command::ResetCounters { id, core } => Request::ResetCounters {
                 cache: *id,

@@ -717,10 +717,124 @@ fn dirty_for_text(secs: u64) -> String {
     parts.join(" ")
 }
 
-/// `stats` in the chosen format.
+/// `-P -f`: casadm's statistics sections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum StatsFilter {
+    /// Every section (ours too: lazy flush and prefetch, latency).
+    All,
+    /// The configuration lines (Cache Id, Cache Size, ...).
+    Conf,
+    /// Usage statistics.
+    Usage,
+    /// Request statistics.
+    Req,
+    /// Block statistics.
+    Blk,
+    /// Error statistics.
+    Err,
+}
+
+/// Whether `-f filter` shows the section `key` ("conf", "usage", "requests", "blocks",
+/// "errors", or one of ours, shown only with `all` or no filter).
+fn shown(filter: &[StatsFilter], key: &str) -> bool {
+    if filter.is_empty() || filter.contains(&StatsFilter::All) {
+        return true;
+    }
+    let want = match key {
+        "conf" => StatsFilter::Conf,
+        "usage" => StatsFilter::Usage,
+        "requests" => StatsFilter::Req,
+        "blocks" => StatsFilter::Blk,
+        "errors" => StatsFilter::Err,
+        _ => return false,
+    };
+    filter.contains(&want)
+}
+
+/// `-V`: the CLI's version and the daemon's (None: not reachable).
+pub fn version(cli: &str, daemon: Option<&str>, format: OutputFormat) -> String {
+    match format {
+        OutputFormat::Table => {
+            let mut out = format!("hybridcache CLI {cli}\n");
+            if let Some(d) = daemon {
+                let _ = writeln!(out, "hybridcache daemon {d}");
+            }
+            out
+        }
+        OutputFormat::Csv => {
+            let mut out = format!("Name,Version\nhybridcache CLI,{}\n", csv_cell(cli));
+            if let Some(d) = daemon {
+                let _ = writeln!(out, "hybridcache daemon,{}", csv_cell(d));
+            }
+            out
+        }
+        OutputFormat::Json => {
+            let v = json!({ "cli": cli, "daemon": daemon });
+            serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
+        }
+    }
+}
+
+/// `-P` of several reports (`-d` without a value: every IO class): tables one after the other,
+/// CSV one header and a value line per report, JSON an array (one report: the object alone).
+pub fn stats_many(reports: &[StatsReport], filter: &[StatsFilter], format: OutputFormat) -> String {
+    let each: Vec<String> = reports
+        .iter()
+        .map(|r| stats_with(r, filter, format))
+        .collect();
+    if each.len() == 1 {
+        return each.into_iter().next().unwrap_or_default();
+    }
+    match format {
+        OutputFormat::Table => each.join("\n"),
+        OutputFormat::Csv => {
+            let mut out = String::new();
+            for (i, csv) in each.iter().enumerate() {
+                let mut lines = csv.lines();
+                let head = lines.next().unwrap_or_default();
+                if i == 0 {
+                    out.push_str(head);
+                    out.push('\n');
+                }
+                for l in lines {
+                    out.push_str(l);
+                    out.push('\n');
+                }
+            }
+            out
+        }
+        OutputFormat::Json => {
+            let items: Vec<Value> = each
+                .iter()
+                .filter_map(|j| serde_json::from_str(j).ok())
+                .collect();
+            serde_json::to_string_pretty(&Value::Array(items)).unwrap_or_default() + "\n"
+        }
+    }
+}
+
+/// `stats` in the chosen format, every section.
+#[cfg(test)]
 pub fn stats(r: &StatsReport, format: OutputFormat) -> String {
-    let info = info(r);
-    let secs = sections(r);
+    stats_with(r, &[], format)
+}
+
+/// `stats` in the chosen format, the sections of `-f filter` only.
+pub fn stats_with(r: &StatsReport, filter: &[StatsFilter], format: OutputFormat) -> String {
+    let info = if shown(filter, "conf") {
+        info(r)
+    } else {
+        Vec::new()
+    };
+    let secs: Vec<Section> = sections(r)
+        .into_iter()
+        .filter(|s| shown(filter, s.key))
+        .collect();
+    let latency: &[crate::protocol::LatencyRow] = if shown(filter, "latency") {
+        &r.latency
+    } else {
+        &[]
+    };
     match format {
         OutputFormat::Table => {
             let mut out = String::new();
@@ -732,9 +846,9 @@ pub fn stats(r: &StatsReport, format: OutputFormat) -> String {
                 out.push('\n');
                 table(&mut out, s);
             }
-            if !r.latency.is_empty() {
+            if !latency.is_empty() {
                 out.push('\n');
-                latency_table(&mut out, &r.latency);
+                latency_table(&mut out, latency);
             }
             out
         }
@@ -755,7 +869,7 @@ pub fn stats(r: &StatsReport, format: OutputFormat) -> String {
                     }
                 }
             }
-            for l in &r.latency {
+            for l in latency {
                 names.push(csv_cell(&format!("{} [count]", l.name)));
                 values.push(l.count.to_string());
                 for (label, v) in latency_cells(l) {
@@ -796,9 +910,9 @@ pub fn stats(r: &StatsReport, format: OutputFormat) -> String {
                 }
                 top.insert(s.key.into(), Value::Object(m));
             }
-            if !r.latency.is_empty() {
+            if !latency.is_empty() {
                 let mut m = Map::new();
-                for l in &r.latency {
+                for l in latency {
                     let mut row = Map::new();
                     row.insert("count".into(), Value::from(l.count));
                     for (label, v) in latency_cells(l) {
@@ -1158,6 +1272,45 @@ mod tests {
         );
         assert_eq!(dirty_for_text(0), "Cache clean");
         assert_eq!(dirty_for_text(90_061), "1 [d] 1 [h] 1 [m] 1 [s]");
+    }
+
+    #[test]
+    fn filter_shows_the_chosen_sections_only() {
+        let r = report();
+        let csv = stats_with(
+            &r,
+            &[StatsFilter::Usage, StatsFilter::Err],
+            OutputFormat::Csv,
+        );
+        let head = csv_header(&csv);
+        assert_eq!(head[0], "Occupancy [4KiB Blocks]", "{csv}");
+        assert!(head.iter().any(|h| h == "Total errors [Requests]"), "{csv}");
+        assert!(!head
+            .iter()
+            .any(|h| h.starts_with("Cache Id") || h.starts_with("Read hits")));
+        assert!(!csv.contains("[us]"), "{csv}");
+        let t = stats_with(&r, &[StatsFilter::Conf], OutputFormat::Table);
+        assert!(t.contains("Cache Id") && !t.contains("Occupancy"), "{t}");
+        let all = stats_with(&r, &[StatsFilter::All], OutputFormat::Csv);
+        assert_eq!(all, stats(&r, OutputFormat::Csv));
+        let j: Value =
+            serde_json::from_str(&stats_with(&r, &[StatsFilter::Req], OutputFormat::Json)).unwrap();
+        assert!(
+            j.get("requests").is_some() && j.get("usage").is_none(),
+            "{j}"
+        );
+        // Several reports: one CSV header, a line each; a JSON array.
+        let two = [report(), report()];
+        let csv = stats_many(&two, &[], OutputFormat::Csv);
+        assert_eq!(csv.lines().count(), 3, "{csv}");
+        let j: Value = serde_json::from_str(&stats_many(&two, &[], OutputFormat::Json)).unwrap();
+        assert_eq!(j.as_array().map(Vec::len), Some(2));
+        assert_eq!(
+            version("1.0", Some("1.1"), OutputFormat::Csv),
+            "Name,Version\nhybridcache CLI,1.0\nhybridcache daemon,1.1\n"
+        );
+        let j: Value = serde_json::from_str(&version("1.0", None, OutputFormat::Json)).unwrap();
+        assert!(j["daemon"].is_null() && j["cli"] == "1.0");
     }
 
     #[test]

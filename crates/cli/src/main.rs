@@ -143,12 +143,14 @@ fn run(cli: Cli) -> Result<()> {
         Command::FlushCore { id, core } => return flush::run(&control, *id, Some(*core)),
         Command::Top(args) => return top::run(args, &control),
         Command::Trace(args) => return trace::run_cli(args, &control),
-        Command::Version => {
-            println!("hybridcache CLI {}", env!("CARGO_PKG_VERSION"));
+        Command::Version { output } => {
+            let cli = env!("CARGO_PKG_VERSION");
             // The CLI's own version is printed either way; an unreachable daemon is still an
             // error (exit 1), so `hybridcache -V` tells a script whether the daemon is up.
-            let v: VersionInfo = call(&control, &Request::Version)?;
-            println!("hybridcache daemon {}", v.version);
+            let daemon = call::<VersionInfo>(&control, &Request::Version);
+            let daemon_version = daemon.as_ref().ok().map(|v| v.version.as_str());
+            print!("{}", format::version(cli, daemon_version, *output));
+            daemon?;
             return Ok(());
         }
         Command::StopDaemon => {
@@ -202,9 +204,33 @@ fn run(cli: Cli) -> Result<()> {
             let list: CacheList = call(&control, &req)?;
             print!("{}", format::list(&list.caches, *output));
         }
-        Command::Stats { output, .. } => {
+        Command::Stats {
+            id,
+            io_class: Some(None),
+            filter,
+            output,
+            ..
+        } => {
+            // `-d` without a value: every IO class in force, one after the other.
+            let list: protocol::IoClassList =
+                call(&control, &Request::ListIoClasses { cache: *id })?;
+            let mut reports = Vec::new();
+            for class in &list.classes {
+                let r: StatsReport = call(
+                    &control,
+                    &Request::Stats {
+                        cache: *id,
+                        core: None,
+                        io_class: Some(class.id),
+                    },
+                )?;
+                reports.push(r);
+            }
+            print!("{}", format::stats_many(&reports, filter, *output));
+        }
+        Command::Stats { filter, output, .. } => {
             let report: StatsReport = call(&control, &req)?;
-            print!("{}", format::stats(&report, *output));
+            print!("{}", format::stats_many(&[report], filter, *output));
         }
         Command::GetParam { output, .. } => {
             let p: ParamValue = call(&control, &req)?;

@@ -278,6 +278,9 @@ fn management_verbs_end_to_end() {
     d.ok(&["-T", "-i", "2"]);
     let v = d.ok(&["-V"]);
     assert!(v.contains("daemon 0.") || v.contains("daemon 1."), "{v}");
+    let v = d.ok(&["-V", "-o", "csv"]);
+    assert!(v.starts_with("Name,Version\nhybridcache CLI,"), "{v}");
+    assert!(v.contains("\nhybridcache daemon,"), "{v}");
 }
 
 #[test]
