@@ -313,7 +313,8 @@ pub enum Command {
         /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
         id: u16,
-        /// When leaving wb/wo: yes flushes dirty data first, no lets cleaning drain it.
+        /// When leaving wb/wo: yes flushes dirty data first, no lets cleaning drain it; required
+        /// when leaving wb or wo for wt, wa, wi or pt.
         #[arg(short = 'f', long = "flush-cache", value_parser = yes_no, value_name = "yes|no")]
         flush: Option<bool>,
     },
@@ -580,7 +581,7 @@ impl Command {
             Command::SetCacheMode { mode, id, flush } => Request::SetCacheMode {
                 cache: *id,
                 mode: mode.to_string(),
-                flush: flush.unwrap_or(false),
+                flush: *flush,
             },
             Command::FlushCache { id, core } => Request::Flush {
                 cache: *id,
@@ -864,7 +865,7 @@ mod tests {
             Request::SetCacheMode {
                 cache: 1,
                 mode: "pt".into(),
-                flush: true
+                flush: Some(true)
             }
         );
         assert_eq!(

@@ -349,7 +349,11 @@ fn config_file_applied_and_saved() {
     assert!(list.contains("cas3-2") && list.contains("wb"), "{list}");
     assert_eq!(d.ok(&["-G", "-n", "cache-line-size", "-i", "3"]), "8\n");
     d.ok(&["-A", "-i", "3", "-d", "ram:8M", "-j", "4"]);
-    d.ok(&["-Q", "-c", "wt", "-i", "3"]);
+    // Leaving wb needs -f yes|no, as casadm.
+    let err = d.fails(&["-Q", "-c", "wt", "-i", "3"]);
+    assert!(err.contains("--flush-cache (-f) yes or no"), "{err}");
+    assert!(d.ok(&["-L"]).contains("wb"));
+    d.ok(&["-Q", "-c", "wt", "-i", "3", "-f", "no"]);
     let saved = std::fs::read_to_string(&cfg).unwrap();
     assert!(
         saved.contains("id = 4") && saved.contains("ram:8M"),

@@ -635,6 +635,18 @@ impl Daemon {
             Request::SetCacheMode { cache, mode, flush } => {
                 let mode: CacheMode = mode.parse()?;
                 let handle = self.state.lock().cache(cache)?.cache.clone();
+                let lazy = |m: CacheMode| matches!(m, CacheMode::Wb | CacheMode::Wo);
+                let from = handle.mode();
+                let flush = match flush {
+                    Some(f) => f,
+                    // As casadm: leaving write-back or write-only, the operator chooses.
+                    None if lazy(from) && !lazy(mode) => {
+                        return Err(format!(
+                            "cache {cache} leaves {from} for {mode}: say whether to flush its dirty data first with --flush-cache (-f) yes or no"
+                        ))
+                    }
+                    None => false,
+                };
                 handle.set_mode(mode, flush).map_err(engine_err)?;
                 self.save();
                 Ok(json!({}))

@@ -83,9 +83,11 @@ pub enum Request {
     SetCacheMode {
         cache: u16,
         mode: String,
-        /// Flush dirty data before leaving wb/wo.
+        /// Flush dirty data before leaving wb/wo (`-f yes|no`). Required, as casadm requires
+        /// it, when the switch leaves wb or wo for a mode that does not write back; otherwise
+        /// None means no.
         #[serde(default)]
-        flush: bool,
+        flush: Option<bool>,
     },
     Flush {
         cache: u16,
