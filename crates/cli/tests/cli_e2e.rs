@@ -75,10 +75,29 @@ fn management_verbs_end_to_end() {
             json["usage"]["dirty"]["count"].as_u64().unwrap() > 0,
             "{json}"
         );
-        // A core with dirty data is not removed without --force, and stays.
-        let err = d.fails(&["-R", "-i", "1", "-j", "1"]);
-        assert!(err.contains("dirty"), "{err}");
-        assert!(d.ok(&["-L"]).contains("cas1-1"));
+    }
+    // As casadm, -R without --force flushes a core's dirty data to it, then removes it.
+    {
+        let core3 = dir.path().join("core3.img");
+        sparse_file(&core3, 16 << 20);
+        d.ok(&["-A", "-i", "1", "-j", "7", "-d", core3.to_str().unwrap()]);
+        let mut c = hybridcache_nbd::Client::connect_unix(&d.nbd, "cas1-7").expect("connect");
+        c.write(&[0xcd; 65536], 4096, false).expect("write");
+        c.disconnect().unwrap();
+        let json: serde_json::Value =
+            serde_json::from_str(&d.ok(&["-P", "-i", "1", "-j", "7", "-o", "json"])).unwrap();
+        assert!(
+            json["usage"]["dirty"]["count"].as_u64().unwrap() > 0,
+            "{json}"
+        );
+        d.ok(&["-R", "-i", "1", "-j", "7"]);
+        assert!(!d.ok(&["-L"]).contains("cas1-7"));
+        let on_core = std::fs::read(&core3).unwrap();
+        assert!(
+            on_core[4096..4096 + 65536].iter().all(|b| *b == 0xcd),
+            "the dirty data did not reach the core"
+        );
+        assert!(on_core[..4096].iter().all(|b| *b == 0));
     }
 
     // Parameters.

@@ -1279,6 +1279,24 @@ impl Daemon {
     }
 
     fn remove_core(&self, cache_id: u16, core: u16, force: bool, inactive_only: bool) -> Reply {
+        if !force && !inactive_only {
+            // As casadm: without --force, an active core's dirty data goes to it first (outside
+            // the state lock: a flush takes as long as the data). With --force it is lost.
+            let active = {
+                let st = self.state.lock();
+                let c = st.cache(cache_id)?;
+                match c.cores.get(&core) {
+                    Some(e) if e.active && !e.pending => Some((c.cache.clone(), e.frontend)),
+                    _ => None,
+                }
+            };
+            if let Some((handle, kind)) = active {
+                self.refuse_if_clients(&[(export_name(cache_id, core), kind)])?;
+                handle.flush_core(core).map_err(|e| {
+                    format!("cache {cache_id}: flushing core {core}: {}", engine_err(e))
+                })?;
+            }
+        }
         let mut st = self.state.lock();
         let c = st.cache(cache_id)?;
         match c.cores.get(&core) {
