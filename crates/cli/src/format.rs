@@ -385,7 +385,7 @@ fn sections(r: &StatsReport) -> Vec<Section> {
     let serviced = reads + writes;
     let all = serviced + s.pass_through_reads + s.pass_through_writes;
     let req = |key, name, n| row(key, name, n, pct(n, all), REQUESTS);
-    let requests = vec![
+    let mut requests = vec![
         req("read_hits", "Read hits", s.read_hits),
         req(
             "read_partial_misses",
@@ -460,6 +460,33 @@ fn sections(r: &StatsReport) -> Vec<Section> {
         "exported_total",
         "Total to/from exported object(s)",
     ));
+
+    // The cleaner's work (background cleaning and flushes), in casadm's row names (v26.09:
+    // "Cleaner" requests, "Cleaner core writes" blocks); cache statistics only.
+    if let Some(cl) = r.cleaning {
+        requests.push(row(
+            "cleaner",
+            "Cleaner",
+            cl.core_writes,
+            pct(cl.core_writes, all + cl.core_writes),
+            REQUESTS,
+        ));
+        let written = b4(cl.core_write_bytes);
+        blocks.push(row(
+            "cleaner_core_writes",
+            "Cleaner core writes",
+            written,
+            pct(written, b4(s.core_written_bytes)),
+            BLOCKS,
+        ));
+        blocks.push(Row {
+            key: "cleaned_lines",
+            name: "Cleaned lines",
+            count: cl.cleaned_lines,
+            percent: None,
+            unit: "Cache lines",
+        });
+    }
 
     let cache_err = s.cache_read_errors + s.cache_write_errors;
     let core_err = s.core_read_errors + s.core_write_errors;
@@ -1114,7 +1141,11 @@ mod tests {
                     p9999_us: None,
                 },
             ],
-            cleaning: None,
+            cleaning: Some(crate::protocol::CleaningData {
+                cleaned_lines: 5,
+                core_writes: 2,
+                core_write_bytes: 20480,
+            }),
         }
     }
 
@@ -1311,6 +1342,37 @@ mod tests {
         );
         let j: Value = serde_json::from_str(&version("1.0", None, OutputFormat::Json)).unwrap();
         assert!(j["daemon"].is_null() && j["cli"] == "1.0");
+    }
+
+    #[test]
+    fn cleaner_statistics_in_every_format() {
+        let r = report();
+        let t = stats(&r, OutputFormat::Table);
+        assert!(t.contains("║ Cleaner core writes"), "{t}");
+        let csv = stats(&r, OutputFormat::Csv);
+        let head = csv_header(&csv);
+        let values: Vec<&str> = csv.lines().nth(1).unwrap().split(',').collect();
+        let at = |name: &str| {
+            let i = head
+                .iter()
+                .position(|h| h == name)
+                .unwrap_or_else(|| panic!("{name}: {csv}"));
+            values[i].to_string()
+        };
+        assert_eq!(at("Cleaner [Requests]"), "2");
+        assert_eq!(at("Cleaner core writes [4KiB Blocks]"), "5");
+        assert_eq!(at("Cleaned lines [Cache lines]"), "5");
+        let j: Value = serde_json::from_str(&stats(&r, OutputFormat::Json)).unwrap();
+        assert_eq!(j["requests"]["cleaner"]["count"], 2);
+        assert_eq!(j["blocks"]["cleaner_core_writes"]["count"], 5);
+        assert_eq!(j["blocks"]["cleaned_lines"]["count"], 5);
+        // Core statistics have none.
+        let core = StatsReport {
+            core: Some(r.cache.cores[0].clone()),
+            cleaning: None,
+            ..report()
+        };
+        assert!(!stats(&core, OutputFormat::Csv).contains("Cleaner"));
     }
 
     #[test]
