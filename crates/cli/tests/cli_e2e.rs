@@ -372,7 +372,20 @@ fn config_file_applied_and_saved() {
     let err = d.fails(&["-Q", "-c", "wt", "-i", "3"]);
     assert!(err.contains("--flush-cache (-f) yes or no"), "{err}");
     assert!(d.ok(&["-L"]).contains("wb"));
+    // Dirty data left by `-f no` shows as wb->wt in -L until it has drained (here: flushed;
+    // cleaning nop keeps it until then).
+    d.ok(&["-X", "-n", "cleaning", "-i", "3", "-p", "nop"]);
+    {
+        let mut c = hybridcache_nbd::Client::connect_unix(&d.nbd, "cas3-2").expect("connect");
+        c.write(&[0x5a; 65536], 0, false).expect("write");
+        c.disconnect().unwrap();
+    }
     d.ok(&["-Q", "-c", "wt", "-i", "3", "-f", "no"]);
+    let list = d.ok(&["-L"]);
+    assert!(list.contains("wb->wt"), "{list}");
+    d.ok(&["-F", "-i", "3"]);
+    let list = d.ok(&["-L"]);
+    assert!(list.contains("wt") && !list.contains("wb->wt"), "{list}");
     let saved = std::fs::read_to_string(&cfg).unwrap();
     assert!(
         saved.contains("id = 4") && saved.contains("ram:8M"),

@@ -234,6 +234,9 @@ struct CacheEntry {
     device: String,
     key: Option<DeviceKey>,
     cores: BTreeMap<u16, CoreEntry>,
+    /// The write-back mode a `-Q ... -f no` left while dirty data remained: `-L` shows
+    /// `wb->wt` until that data has drained.
+    left_mode: Option<CacheMode>,
 }
 
 #[derive(Default)]
@@ -401,6 +404,12 @@ fn cache_info(id: u16, c: &CacheEntry, frontends: &Frontends) -> CacheInfo {
         }
     });
     let mut mode = c.cache.mode().to_string();
+    if let Some(from) = c.left_mode {
+        // Dirty data left by a switch without flush drains: as casadm, "wb->wt".
+        if c.cache.dirty_for(None).is_some() {
+            mode = format!("{from}->{mode}");
+        }
+    }
     if let Some(f) = &flush {
         // As casadm: "Flushing" with how far, and the mode switch in progress.
         status = format!("Flushing ({:.1} %)", f.percent);
@@ -648,6 +657,9 @@ impl Daemon {
                     None => false,
                 };
                 handle.set_mode(mode, flush).map_err(engine_err)?;
+                if let Some(c) = self.state.lock().caches.get_mut(&cache) {
+                    c.left_mode = (lazy(from) && !lazy(mode) && !flush).then_some(from);
+                }
                 self.save();
                 Ok(json!({}))
             }
@@ -895,6 +907,7 @@ impl Daemon {
                 device: device.to_string(),
                 key,
                 cores: BTreeMap::new(),
+                left_mode: None,
             },
         );
         self.save_locked(&st);
@@ -1023,6 +1036,7 @@ impl Daemon {
                 device: device.to_string(),
                 key,
                 cores,
+                left_mode: None,
             },
         );
         self.save_locked(st);
