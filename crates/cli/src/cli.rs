@@ -257,6 +257,9 @@ pub enum Command {
     /// List caches and their cores.
     #[command(short_flag = 'L', long_flag = "list-caches")]
     ListCaches {
+        /// Show a disk by its /dev/disk/by-id path instead of the short form (/dev/sdx).
+        #[arg(short = 'b', long = "by-id-path")]
+        by_id_path: bool,
         /// Output format.
         #[arg(
             short = 'o',
@@ -283,6 +286,9 @@ pub enum Command {
         /// Sections to show, comma-separated: all, conf, usage, req, blk, err [default: all].
         #[arg(short = 'f', long = "filter", value_delimiter = ',', value_enum)]
         filter: Vec<crate::format::StatsFilter>,
+        /// Show a disk by its /dev/disk/by-id path instead of the short form (/dev/sdx).
+        #[arg(short = 'b', long = "by-id-path")]
+        by_id_path: bool,
         /// Output format.
         #[arg(
             short = 'o',

@@ -110,6 +110,38 @@ pub fn list(caches: &[CacheInfo], format: OutputFormat) -> String {
     }
 }
 
+/// Where udev keeps the persistent names of disks.
+pub const BY_ID: &str = "/dev/disk/by-id";
+
+/// `-b`/`--by-id-path`: the `dir` (/dev/disk/by-id) name of the disk `device` is, if one names
+/// it; anything else (a file, `ram:`, an NBD URI, a disk without one) as given.
+pub fn by_id_path_in(dir: &std::path::Path, device: &str) -> String {
+    let Ok(target) = std::fs::canonicalize(device) else {
+        return device.to_string();
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return device.to_string();
+    };
+    let mut names: Vec<std::path::PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| std::fs::canonicalize(p).is_ok_and(|t| t == target))
+        .collect();
+    // The same choice every time: the shortest name, then the first in order.
+    names.sort_by_key(|p| (p.as_os_str().len(), p.clone()));
+    names
+        .first()
+        .map_or_else(|| device.to_string(), |p| p.display().to_string())
+}
+
+/// `-b`: the cache's and its cores' devices by their /dev/disk/by-id names.
+pub fn by_id_paths(c: &mut CacheInfo) {
+    let dir = std::path::Path::new(BY_ID);
+    c.device = by_id_path_in(dir, &c.device);
+    for core in &mut c.cores {
+        core.device = by_id_path_in(dir, &core.device);
+    }
+}
+
 /// The protocol carries parameter values as text (each group formats its own units); JSON for
 /// scripts gives every string that is a plain number as a number ("1024" -> 1024, "0.99" ->
 /// 0.99), and leaves words ("Pinned", "alru") and names ("cas1-1", "unclassified") as strings.
@@ -1373,6 +1405,28 @@ mod tests {
             ..report()
         };
         assert!(!stats(&core, OutputFormat::Csv).contains("Cleaner"));
+    }
+
+    #[test]
+    fn by_id_path_names_the_disk_by_its_link() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = dir.path().join("sdx");
+        std::fs::write(&disk, b"").unwrap();
+        let by_id = dir.path().join("by-id");
+        std::fs::create_dir(&by_id).unwrap();
+        std::os::unix::fs::symlink(&disk, by_id.join("wwn-0x5000c500a1b2c3d4")).unwrap();
+        std::os::unix::fs::symlink(&disk, by_id.join("ata-DISK_SERIAL_1")).unwrap();
+        let disk_s = disk.to_str().unwrap();
+        assert_eq!(
+            by_id_path_in(&by_id, disk_s),
+            by_id.join("ata-DISK_SERIAL_1").display().to_string()
+        );
+        let other = dir.path().join("other");
+        std::fs::write(&other, b"").unwrap();
+        let other_s = other.to_str().unwrap();
+        assert_eq!(by_id_path_in(&by_id, other_s), other_s);
+        assert_eq!(by_id_path_in(&by_id, "ram:16M"), "ram:16M");
+        assert_eq!(by_id_path_in(&dir.path().join("none"), disk_s), disk_s);
     }
 
     #[test]

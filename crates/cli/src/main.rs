@@ -200,8 +200,11 @@ fn run(cli: Cli) -> Result<()> {
         return Ok(());
     };
     match &cli.command {
-        Command::ListCaches { output } => {
-            let list: CacheList = call(&control, &req)?;
+        Command::ListCaches { output, by_id_path } => {
+            let mut list: CacheList = call(&control, &req)?;
+            if *by_id_path {
+                list.caches.iter_mut().for_each(format::by_id_paths);
+            }
             print!("{}", format::list(&list.caches, *output));
         }
         Command::Stats {
@@ -209,6 +212,7 @@ fn run(cli: Cli) -> Result<()> {
             io_class: Some(None),
             filter,
             output,
+            by_id_path,
             ..
         } => {
             // `-d` without a value: every IO class in force, one after the other.
@@ -216,7 +220,7 @@ fn run(cli: Cli) -> Result<()> {
                 call(&control, &Request::ListIoClasses { cache: *id })?;
             let mut reports = Vec::new();
             for class in &list.classes {
-                let r: StatsReport = call(
+                let mut r: StatsReport = call(
                     &control,
                     &Request::Stats {
                         cache: *id,
@@ -224,12 +228,26 @@ fn run(cli: Cli) -> Result<()> {
                         io_class: Some(class.id),
                     },
                 )?;
+                if *by_id_path {
+                    format::by_id_paths(&mut r.cache);
+                }
                 reports.push(r);
             }
             print!("{}", format::stats_many(&reports, filter, *output));
         }
-        Command::Stats { filter, output, .. } => {
-            let report: StatsReport = call(&control, &req)?;
+        Command::Stats {
+            filter,
+            output,
+            by_id_path,
+            ..
+        } => {
+            let mut report: StatsReport = call(&control, &req)?;
+            if *by_id_path {
+                format::by_id_paths(&mut report.cache);
+                if let Some(core) = &mut report.core {
+                    core.device = format::by_id_path_in(Path::new(format::BY_ID), &core.device);
+                }
+            }
             print!("{}", format::stats_many(&[report], filter, *output));
         }
         Command::GetParam { output, .. } => {

@@ -62,6 +62,8 @@ fn management_verbs_end_to_end() {
         assert!(table.contains(section), "{table}");
     }
     let csv = d.ok(&["--stats", "-i", "1", "-j", "1", "-o", "csv"]);
+    let by_id = d.ok(&["-P", "-i", "1", "-j", "1", "-o", "csv", "-b", "-f", "conf"]);
+    assert!(by_id.contains(core_s), "{by_id}");
     let rows: Vec<&str> = csv.lines().collect();
     assert_eq!(rows.len(), 2, "{csv}");
     assert_eq!(rows[0].split(',').count(), rows[1].split(',').count());
@@ -297,6 +299,8 @@ fn management_verbs_end_to_end() {
     d.ok(&["-T", "-i", "2"]);
     let v = d.ok(&["-V"]);
     assert!(v.contains("daemon 0.") || v.contains("daemon 1."), "{v}");
+    // -b: a file is shown as given (only disks have /dev/disk/by-id names).
+    assert_eq!(d.ok(&["-L", "-b"]), d.ok(&["-L"]));
     let v = d.ok(&["-V", "-o", "csv"]);
     assert!(v.starts_with("Name,Version\nhybridcache CLI,"), "{v}");
     assert!(v.contains("\nhybridcache daemon,"), "{v}");
