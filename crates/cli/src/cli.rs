@@ -254,6 +254,18 @@ pub enum Command {
         force: bool,
     },
 
+    /// Wipe a cache device's hybridcache metadata so it no longer loads (refused while a
+    /// cache or another program holds the device).
+    #[command(long_flag = "zero-metadata")]
+    ZeroMetadata {
+        /// The cache device.
+        #[arg(short = 'd', long = "device")]
+        device: String,
+        /// Zero it even though it holds no hybridcache metadata.
+        #[arg(short = 'f', long)]
+        force: bool,
+    },
+
     /// List caches and their cores.
     #[command(short_flag = 'L', long_flag = "list-caches")]
     ListCaches {
@@ -571,6 +583,10 @@ impl Command {
                 core: *core,
                 force: *force,
                 inactive_only: true,
+            },
+            Command::ZeroMetadata { device, force } => Request::ZeroMetadata {
+                device: device_from_here(device),
+                force: *force,
             },
             Command::ListCaches { .. } => Request::List,
             Command::Stats {

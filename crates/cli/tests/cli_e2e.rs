@@ -296,6 +296,17 @@ fn management_verbs_end_to_end() {
     let err = d.fails(&["-S", "-d", cache.to_str().unwrap(), "-i", "2"]);
     assert!(err.contains("holds cache 1"), "{err}");
     d.ok(&["-S", "-d", cache.to_str().unwrap(), "-i", "2", "--force"]);
+    // --zero-metadata: refused while the cache runs; afterwards a new cache needs no --force.
+    let err = d.fails(&["--zero-metadata", "-d", cache.to_str().unwrap()]);
+    assert!(err.contains("running cache 2"), "{err}");
+    d.ok(&["-T", "-i", "2"]);
+    d.ok(&["--zero-metadata", "-d", cache.to_str().unwrap()]);
+    let err = d.fails(&["--zero-metadata", "-d", cache.to_str().unwrap()]);
+    assert!(err.contains("holds no hybridcache metadata"), "{err}");
+    d.ok(&["--zero-metadata", "-d", cache.to_str().unwrap(), "-f"]);
+    let err = d.fails(&["-S", "-d", cache.to_str().unwrap(), "-i", "2", "--load"]);
+    assert!(!err.is_empty());
+    d.ok(&["-S", "-d", cache.to_str().unwrap(), "-i", "2"]);
     d.ok(&["-T", "-i", "2"]);
     let v = d.ok(&["-V"]);
     assert!(v.contains("daemon 0.") || v.contains("daemon 1."), "{v}");

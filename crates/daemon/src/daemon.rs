@@ -663,6 +663,7 @@ impl Daemon {
                 self.save();
                 Ok(json!({}))
             }
+            Request::ZeroMetadata { device, force } => self.zero_metadata(&device, force),
             Request::InterruptFlush { cache } => {
                 let handle = self.state.lock().cache(cache)?.cache.clone();
                 if !handle.interrupt_flush() {
@@ -1290,6 +1291,28 @@ impl Daemon {
             reattached: reattach.is_some(),
         })
         .map_err(|e| e.to_string())
+    }
+
+    /// `--zero-metadata`: under the state lock, so no cache can start on the device meanwhile.
+    fn zero_metadata(&self, device: &str, force: bool) -> Reply {
+        let st = self.state.lock();
+        if let Some((id, _)) = st.caches.iter().find(|(_, c)| c.device == device) {
+            return Err(format!(
+                "{device} is the device of running cache {id}; stop it first"
+            ));
+        }
+        // The exclusive claim refuses a device another cache, a mount or a program holds.
+        let volume = self.open_claimed(device, false)?;
+        let holds = hybridcache_engine::holds_metadata(&*volume).map_err(engine_err)?;
+        if !holds && !force {
+            return Err(format!(
+                "{device} holds no hybridcache metadata; use --force to zero its first 2 MiB anyway"
+            ));
+        }
+        hybridcache_engine::zero_metadata(&*volume).map_err(engine_err)?;
+        drop(st);
+        tracing::info!("{device}: hybridcache metadata zeroed");
+        Ok(json!({}))
     }
 
     fn remove_core(&self, cache_id: u16, core: u16, force: bool, inactive_only: bool) -> Reply {

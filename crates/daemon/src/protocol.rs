@@ -117,6 +117,14 @@ pub enum Request {
         name: String,
     },
     Version,
+    /// Wipe a cache device's hybridcache metadata (superblocks, commit records) so it no
+    /// longer loads; refused while a cache or any claim holds the device, and on a device
+    /// without hybridcache metadata unless `force`.
+    ZeroMetadata {
+        device: String,
+        #[serde(default)]
+        force: bool,
+    },
     /// Stop the daemon as SIGTERM would (flush every cache, remove the sockets). The reply
     /// ([`Stopped`]) comes once every cache is stopped.
     Shutdown,
