@@ -126,8 +126,8 @@ written() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["job
 
 # The caps keep the write-back runs to 128 + 256 MiB, 37% of the cache at most: with no
 # background cleaning yet, a write-back cache full of dirty data runs at the core's speed.
-say "core alone: cache in pass-through (hybridcache -Q -c pt -i 1), ${runtime} s per run"
-hc -Q -c pt -i 1
+say "core alone: cache in pass-through (hybridcache -Q -c pt -i 1 -f yes), ${runtime} s per run"
+hc -Q -c pt -i 1 -f yes
 run_fio core-randwrite-qd1 randwrite 1 0 128m
 run_fio core-randwrite-qd16 randwrite 16 512g 256m
 run_fio core-reread-qd1 randread 1 0 "$(written "$data/core-randwrite-qd1.json")"

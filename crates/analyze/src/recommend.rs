@@ -1686,7 +1686,13 @@ impl Recommendation {
                 c.mode.as_str(),
                 c.line_size_kib
             ),
-            format!("hybridcache -Q -c {} -i {id}", c.mode.as_str()),
+            // Leaving wb or wo for a mode that does not write back needs -f (as casadm):
+            // flush first, so the recommended mode holds no data it would not write.
+            if matches!(c.mode, CacheMode::Wb | CacheMode::Wo) {
+                format!("hybridcache -Q -c {} -i {id}", c.mode.as_str())
+            } else {
+                format!("hybridcache -Q -c {} -i {id} -f yes", c.mode.as_str())
+            },
             // A preset by its name, as the daemon reads it back; its tunables follow anyway.
             format!(
                 "hybridcache -X -n cleaning -i {id} -p {}",

@@ -364,7 +364,7 @@ fn tail_rule_sends_deep_writes_on_an_ssd_raid_through() {
     assert!(!r.config.lazy_flush);
     assert!(r
         .commands(1)
-        .contains(&"hybridcache -Q -c wt -i 1".to_string()));
+        .contains(&"hybridcache -Q -c wt -i 1 -f yes".to_string()));
 }
 
 #[test]

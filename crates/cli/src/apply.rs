@@ -33,7 +33,8 @@ pub fn requests(rec: &Recommendation, cache: u16) -> Vec<(String, Request)> {
         Request::SetCacheMode {
             cache,
             mode: c.mode.as_str().to_string(),
-            flush: false,
+            // As the emitted command (`-f yes`): leaving wb or wo, flush first.
+            flush: Some(true),
         },
     )];
     // Tunables before the policy, so the policy starts with its recommended values.

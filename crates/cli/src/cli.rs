@@ -254,9 +254,24 @@ pub enum Command {
         force: bool,
     },
 
+    /// Wipe a cache device's hybridcache metadata so it no longer loads (refused while a
+    /// cache or another program holds the device).
+    #[command(long_flag = "zero-metadata")]
+    ZeroMetadata {
+        /// The cache device.
+        #[arg(short = 'd', long = "device")]
+        device: String,
+        /// Zero it even though it holds no hybridcache metadata.
+        #[arg(short = 'f', long)]
+        force: bool,
+    },
+
     /// List caches and their cores.
     #[command(short_flag = 'L', long_flag = "list-caches")]
     ListCaches {
+        /// Show a disk by its /dev/disk/by-id path instead of the short form (/dev/sdx).
+        #[arg(short = 'b', long = "by-id-path")]
+        by_id_path: bool,
         /// Output format.
         #[arg(
             short = 'o',
@@ -276,9 +291,16 @@ pub enum Command {
         /// Core id (1..4095) [default: every core of the cache].
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: Option<u16>,
-        /// Statistics of one IO class (usage and requests of that class, across cores).
-        #[arg(short = 'd', long = "io-class-id", value_parser = clap::value_parser!(u8).range(0..=33))]
-        io_class: Option<u8>,
+        /// Statistics of one IO class (usage and requests of that class, across cores); `-d`
+        /// without a value: of every IO class.
+        #[arg(short = 'd', long = "io-class-id", num_args = 0..=1, value_parser = clap::value_parser!(u8).range(0..=33))]
+        io_class: Option<Option<u8>>,
+        /// Sections to show, comma-separated: all, conf, usage, req, blk, err [default: all].
+        #[arg(short = 'f', long = "filter", value_delimiter = ',', value_enum)]
+        filter: Vec<crate::format::StatsFilter>,
+        /// Show a disk by its /dev/disk/by-id path instead of the short form (/dev/sdx).
+        #[arg(short = 'b', long = "by-id-path")]
+        by_id_path: bool,
         /// Output format.
         #[arg(
             short = 'o',
@@ -309,7 +331,8 @@ pub enum Command {
         /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
         id: u16,
-        /// When leaving wb/wo: yes flushes dirty data first, no lets cleaning drain it.
+        /// When leaving wb/wo: yes flushes dirty data first, no lets cleaning drain it; required
+        /// when leaving wb or wo for wt, wa, wi or pt.
         #[arg(short = 'f', long = "flush-cache", value_parser = yes_no, value_name = "yes|no")]
         flush: Option<bool>,
     },
@@ -466,7 +489,16 @@ pub enum Command {
 
     /// Print the version of this program and of the running daemon.
     #[command(short_flag = 'V', long_flag = "version")]
-    Version,
+    Version {
+        /// Output format.
+        #[arg(
+            short = 'o',
+            long = "output-format",
+            value_enum,
+            default_value = "table"
+        )]
+        output: OutputFormat,
+    },
 
     /// Stop the daemon as SIGTERM does: every cache is flushed and stopped, the sockets removed.
     /// Waits for the outcome; fails if some dirty data could not be flushed.
@@ -499,7 +531,7 @@ impl Command {
     pub fn request(&self) -> Option<Request> {
         Some(match self {
             Command::Daemon { .. }
-            | Command::Version
+            | Command::Version { .. }
             | Command::StopDaemon
             | Command::Analyze(_)
             | Command::IoClass { .. }
@@ -557,13 +589,17 @@ impl Command {
                 force: *force,
                 inactive_only: true,
             },
+            Command::ZeroMetadata { device, force } => Request::ZeroMetadata {
+                device: device_from_here(device),
+                force: *force,
+            },
             Command::ListCaches { .. } => Request::List,
             Command::Stats {
                 id, core, io_class, ..
             } => Request::Stats {
                 cache: *id,
                 core: *core,
-                io_class: *io_class,
+                io_class: io_class.flatten(),
             },
             Command::ResetCounters { id, core } => Request::ResetCounters {
                 cache: *id,
@@ -572,7 +608,7 @@ impl Command {
             Command::SetCacheMode { mode, id, flush } => Request::SetCacheMode {
                 cache: *id,
                 mode: mode.to_string(),
-                flush: flush.unwrap_or(false),
+                flush: *flush,
             },
             Command::FlushCache { id, core } => Request::Flush {
                 cache: *id,
@@ -856,7 +892,7 @@ mod tests {
             Request::SetCacheMode {
                 cache: 1,
                 mode: "pt".into(),
-                flush: true
+                flush: Some(true)
             }
         );
         assert_eq!(

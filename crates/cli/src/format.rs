@@ -110,6 +110,38 @@ pub fn list(caches: &[CacheInfo], format: OutputFormat) -> String {
     }
 }
 
+/// Where udev keeps the persistent names of disks.
+pub const BY_ID: &str = "/dev/disk/by-id";
+
+/// `-b`/`--by-id-path`: the `dir` (/dev/disk/by-id) name of the disk `device` is, if one names
+/// it; anything else (a file, `ram:`, an NBD URI, a disk without one) as given.
+pub fn by_id_path_in(dir: &std::path::Path, device: &str) -> String {
+    let Ok(target) = std::fs::canonicalize(device) else {
+        return device.to_string();
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return device.to_string();
+    };
+    let mut names: Vec<std::path::PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| std::fs::canonicalize(p).is_ok_and(|t| t == target))
+        .collect();
+    // The same choice every time: the shortest name, then the first in order.
+    names.sort_by_key(|p| (p.as_os_str().len(), p.clone()));
+    names
+        .first()
+        .map_or_else(|| device.to_string(), |p| p.display().to_string())
+}
+
+/// `-b`: the cache's and its cores' devices by their /dev/disk/by-id names.
+pub fn by_id_paths(c: &mut CacheInfo) {
+    let dir = std::path::Path::new(BY_ID);
+    c.device = by_id_path_in(dir, &c.device);
+    for core in &mut c.cores {
+        core.device = by_id_path_in(dir, &core.device);
+    }
+}
+
 /// The protocol carries parameter values as text (each group formats its own units); JSON for
 /// scripts gives every string that is a plain number as a number ("1024" -> 1024, "0.99" ->
 /// 0.99), and leaves words ("Pinned", "alru") and names ("cas1-1", "unclassified") as strings.
@@ -385,7 +417,7 @@ fn sections(r: &StatsReport) -> Vec<Section> {
     let serviced = reads + writes;
     let all = serviced + s.pass_through_reads + s.pass_through_writes;
     let req = |key, name, n| row(key, name, n, pct(n, all), REQUESTS);
-    let requests = vec![
+    let mut requests = vec![
         req("read_hits", "Read hits", s.read_hits),
         req(
             "read_partial_misses",
@@ -460,6 +492,33 @@ fn sections(r: &StatsReport) -> Vec<Section> {
         "exported_total",
         "Total to/from exported object(s)",
     ));
+
+    // The cleaner's work (background cleaning and flushes), in casadm's row names (v26.09:
+    // "Cleaner" requests, "Cleaner core writes" blocks); cache statistics only.
+    if let Some(cl) = r.cleaning {
+        requests.push(row(
+            "cleaner",
+            "Cleaner",
+            cl.core_writes,
+            pct(cl.core_writes, all + cl.core_writes),
+            REQUESTS,
+        ));
+        let written = b4(cl.core_write_bytes);
+        blocks.push(row(
+            "cleaner_core_writes",
+            "Cleaner core writes",
+            written,
+            pct(written, b4(s.core_written_bytes)),
+            BLOCKS,
+        ));
+        blocks.push(Row {
+            key: "cleaned_lines",
+            name: "Cleaned lines",
+            count: cl.cleaned_lines,
+            percent: None,
+            unit: "Cache lines",
+        });
+    }
 
     let cache_err = s.cache_read_errors + s.cache_write_errors;
     let core_err = s.core_read_errors + s.core_write_errors;
@@ -587,14 +646,25 @@ const INFO_TEXT: &[&str] = &[
     "lazy_flush",
     "prefetch_policy",
     "dirty_for",
+    "seq_cutoff_policy",
 ];
 
-/// The key/value lines casadm prints above the tables.
+/// The key/value lines casadm prints above the tables, in casadm's names and order
+/// (statistics_model.c: cache_stats_conf, print_core_conf, print_stats_ioclass_conf); our own
+/// fields follow casadm's.
 fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
     let c = &r.cache;
     let line_kib = c.line_size_kib as u64;
     let cache_blocks = c.lines * line_kib / 4;
     let gib = |bytes: u64| format!("{:.2}", bytes as f64 / (1u64 << 30) as f64);
+    let dirty_for = |v: &mut Vec<(&'static str, &'static str, String)>, d: Option<u64>| {
+        v.push((
+            "dirty_for_s",
+            "Dirty for [s]",
+            d.map_or("0".into(), |d| d.to_string()),
+        ));
+        v.push(("dirty_for", "Dirty for", dirty_for_text(d.unwrap_or(0))));
+    };
     let mut v = vec![];
     if let Some(core) = &r.core {
         v.push(("core_id", "Core Id", core.id.to_string()));
@@ -612,7 +682,19 @@ fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
             (core.size / 4096).to_string(),
         ));
         v.push(("core_size_gib", "Core Size [GiB]", gib(core.size)));
+        dirty_for(&mut v, core.dirty_for_s);
         v.push(("status", "Status", core.status.clone()));
+        v.push((
+            "seq_cutoff_threshold_kib",
+            "Seq cutoff threshold [KiB]",
+            core.seq_cutoff_threshold_kib
+                .map_or("-".into(), |t| t.to_string()),
+        ));
+        v.push((
+            "seq_cutoff_policy",
+            "Seq cutoff policy",
+            core.seq_cutoff_policy.clone().unwrap_or_else(|| "-".into()),
+        ));
         v.push(("clients", "Clients", core.clients.to_string()));
         v.push(("cache_id", "Cache Id", c.id.to_string()));
     } else if let Some(k) = &r.io_class {
@@ -623,7 +705,12 @@ fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
             "Eviction priority",
             k.eviction_priority.clone(),
         ));
-        v.push(("allocation", "Allocation", k.allocation.clone()));
+        // casadm: the class's allocation as a whole percentage ("Max size", "50%").
+        let percent = k
+            .allocation
+            .parse::<f64>()
+            .map_or_else(|_| k.allocation.clone(), |a| format!("{:.0}%", a * 100.0));
+        v.push(("max_size", "Max size", percent));
         v.push(("cache_id", "Cache Id", c.id.to_string()));
     } else {
         v.push(("cache_id", "Cache Id", c.id.to_string()));
@@ -638,54 +725,175 @@ fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
             gib(c.lines * line_kib * 1024),
         ));
         v.push(("cache_device", "Cache Device", c.device.clone()));
+        // casadm shows a cache's own exported object only in standby, which we do not have.
+        v.push(("exported_object", "Exported Object", "-".into()));
         v.push(("core_devices", "Core Devices", c.cores.len().to_string()));
+        v.push((
+            "inactive_core_devices",
+            "Inactive Core Devices",
+            c.inactive_cores.to_string(),
+        ));
         v.push(("write_policy", "Write Policy", c.mode.clone()));
+        v.push(("cleaning_policy", "Cleaning Policy", c.cleaning.clone()));
+        v.push(("promotion_policy", "Promotion Policy", c.promotion.clone()));
+        v.push(("prefetch_policy", "Prefetch Policy", c.prefetch.clone()));
         v.push((
             "cache_line_size_kib",
             "Cache line size [KiB]",
             line_kib.to_string(),
         ));
-        v.push(("cleaning_policy", "Cleaning Policy", c.cleaning.clone()));
-        v.push(("promotion_policy", "Promotion Policy", c.promotion.clone()));
-        v.push(("lazy_flush", "Lazy Flush", c.lazy_flush.clone()));
-        v.push(("prefetch_policy", "Prefetch Policy", c.prefetch.clone()));
+        v.push((
+            "metadata_memory_footprint_mib",
+            "Metadata Memory Footprint [MiB]",
+            format!("{:.1}", c.metadata_bytes as f64 / (1u64 << 20) as f64),
+        ));
+        dirty_for(&mut v, c.dirty_for_s);
         v.push(("status", "Status", c.status.clone()));
-        v.push((
-            "dirty_for_s",
-            "Dirty for [s]",
-            c.dirty_for_s.map_or("0".into(), |d| d.to_string()),
-        ));
-        v.push((
-            "dirty_for",
-            "Dirty for",
-            c.dirty_for_s.map_or("clean".into(), duration_text),
-        ));
+        v.push(("lazy_flush", "Lazy Flush", c.lazy_flush.clone()));
         let clients: usize = c.cores.iter().map(|k| k.clients).sum();
         v.push(("clients", "Clients", clients.to_string()));
     }
     v
 }
 
-/// "1 h 5 min 3 s", as casadm prints "Dirty for".
-fn duration_text(secs: u64) -> String {
-    let (h, m, s) = (secs / 3600, secs / 60 % 60, secs % 60);
+/// casadm's "Dirty for": "1 [h] 5 [m] 3 [s]", with days, or "Cache clean".
+fn dirty_for_text(secs: u64) -> String {
+    if secs == 0 {
+        return "Cache clean".into();
+    }
+    let (d, h, m, s) = (
+        secs / 86_400,
+        secs % 86_400 / 3600,
+        secs % 3600 / 60,
+        secs % 60,
+    );
     let mut parts = Vec::new();
-    if h > 0 {
-        parts.push(format!("{h} h"));
-    }
-    if m > 0 {
-        parts.push(format!("{m} min"));
-    }
-    if s > 0 || parts.is_empty() {
-        parts.push(format!("{s} s"));
+    for (n, unit) in [(d, "d"), (h, "h"), (m, "m"), (s, "s")] {
+        if n > 0 {
+            parts.push(format!("{n} [{unit}]"));
+        }
     }
     parts.join(" ")
 }
 
-/// `stats` in the chosen format.
+/// `-P -f`: casadm's statistics sections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum StatsFilter {
+    /// Every section (ours too: lazy flush and prefetch, latency).
+    All,
+    /// The configuration lines (Cache Id, Cache Size, ...).
+    Conf,
+    /// Usage statistics.
+    Usage,
+    /// Request statistics.
+    Req,
+    /// Block statistics.
+    Blk,
+    /// Error statistics.
+    Err,
+}
+
+/// Whether `-f filter` shows the section `key` ("conf", "usage", "requests", "blocks",
+/// "errors", or one of ours, shown only with `all` or no filter).
+fn shown(filter: &[StatsFilter], key: &str) -> bool {
+    if filter.is_empty() || filter.contains(&StatsFilter::All) {
+        return true;
+    }
+    let want = match key {
+        "conf" => StatsFilter::Conf,
+        "usage" => StatsFilter::Usage,
+        "requests" => StatsFilter::Req,
+        "blocks" => StatsFilter::Blk,
+        "errors" => StatsFilter::Err,
+        _ => return false,
+    };
+    filter.contains(&want)
+}
+
+/// `-V`: the CLI's version and the daemon's (None: not reachable).
+pub fn version(cli: &str, daemon: Option<&str>, format: OutputFormat) -> String {
+    match format {
+        OutputFormat::Table => {
+            let mut out = format!("hybridcache CLI {cli}\n");
+            if let Some(d) = daemon {
+                let _ = writeln!(out, "hybridcache daemon {d}");
+            }
+            out
+        }
+        OutputFormat::Csv => {
+            let mut out = format!("Name,Version\nhybridcache CLI,{}\n", csv_cell(cli));
+            if let Some(d) = daemon {
+                let _ = writeln!(out, "hybridcache daemon,{}", csv_cell(d));
+            }
+            out
+        }
+        OutputFormat::Json => {
+            let v = json!({ "cli": cli, "daemon": daemon });
+            serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
+        }
+    }
+}
+
+/// `-P` of several reports (`-d` without a value: every IO class): tables one after the other,
+/// CSV one header and a value line per report, JSON an array (one report: the object alone).
+pub fn stats_many(reports: &[StatsReport], filter: &[StatsFilter], format: OutputFormat) -> String {
+    let each: Vec<String> = reports
+        .iter()
+        .map(|r| stats_with(r, filter, format))
+        .collect();
+    if each.len() == 1 {
+        return each.into_iter().next().unwrap_or_default();
+    }
+    match format {
+        OutputFormat::Table => each.join("\n"),
+        OutputFormat::Csv => {
+            let mut out = String::new();
+            for (i, csv) in each.iter().enumerate() {
+                let mut lines = csv.lines();
+                let head = lines.next().unwrap_or_default();
+                if i == 0 {
+                    out.push_str(head);
+                    out.push('\n');
+                }
+                for l in lines {
+                    out.push_str(l);
+                    out.push('\n');
+                }
+            }
+            out
+        }
+        OutputFormat::Json => {
+            let items: Vec<Value> = each
+                .iter()
+                .filter_map(|j| serde_json::from_str(j).ok())
+                .collect();
+            serde_json::to_string_pretty(&Value::Array(items)).unwrap_or_default() + "\n"
+        }
+    }
+}
+
+/// `stats` in the chosen format, every section.
+#[cfg(test)]
 pub fn stats(r: &StatsReport, format: OutputFormat) -> String {
-    let info = info(r);
-    let secs = sections(r);
+    stats_with(r, &[], format)
+}
+
+/// `stats` in the chosen format, the sections of `-f filter` only.
+pub fn stats_with(r: &StatsReport, filter: &[StatsFilter], format: OutputFormat) -> String {
+    let info = if shown(filter, "conf") {
+        info(r)
+    } else {
+        Vec::new()
+    };
+    let secs: Vec<Section> = sections(r)
+        .into_iter()
+        .filter(|s| shown(filter, s.key))
+        .collect();
+    let latency: &[crate::protocol::LatencyRow] = if shown(filter, "latency") {
+        &r.latency
+    } else {
+        &[]
+    };
     match format {
         OutputFormat::Table => {
             let mut out = String::new();
@@ -697,9 +905,9 @@ pub fn stats(r: &StatsReport, format: OutputFormat) -> String {
                 out.push('\n');
                 table(&mut out, s);
             }
-            if !r.latency.is_empty() {
+            if !latency.is_empty() {
                 out.push('\n');
-                latency_table(&mut out, &r.latency);
+                latency_table(&mut out, latency);
             }
             out
         }
@@ -720,7 +928,7 @@ pub fn stats(r: &StatsReport, format: OutputFormat) -> String {
                     }
                 }
             }
-            for l in &r.latency {
+            for l in latency {
                 names.push(csv_cell(&format!("{} [count]", l.name)));
                 values.push(l.count.to_string());
                 for (label, v) in latency_cells(l) {
@@ -734,7 +942,13 @@ pub fn stats(r: &StatsReport, format: OutputFormat) -> String {
             let mut top = Map::new();
             let mut inf = Map::new();
             for (key, _, v) in &info {
-                let mut val = Value::from(v.clone());
+                // "Max size" is a percentage: JSON gives the number (50 for "50%").
+                let v = if *key == "max_size" {
+                    v.trim_end_matches('%')
+                } else {
+                    v.as_str()
+                };
+                let mut val = Value::from(v);
                 if !INFO_TEXT.contains(key) {
                     numbers_as_numbers(&mut val);
                 }
@@ -755,9 +969,9 @@ pub fn stats(r: &StatsReport, format: OutputFormat) -> String {
                 }
                 top.insert(s.key.into(), Value::Object(m));
             }
-            if !r.latency.is_empty() {
+            if !latency.is_empty() {
                 let mut m = Map::new();
-                for l in &r.latency {
+                for l in latency {
                     let mut row = Map::new();
                     row.insert("count".into(), Value::from(l.count));
                     for (label, v) in latency_cells(l) {
@@ -921,9 +1135,14 @@ mod tests {
                     clients: 2,
                     frontend: "nbd".into(),
                     block_device: None,
+                    dirty_for_s: Some(3723),
+                    seq_cutoff_threshold_kib: Some(1024),
+                    seq_cutoff_policy: Some("full".into()),
                 }],
                 flush: None,
                 dirty_for_s: Some(3723),
+                inactive_cores: 0,
+                metadata_bytes: 3 << 20,
             },
             core: None,
             io_class: None,
@@ -960,7 +1179,11 @@ mod tests {
                     p9999_us: None,
                 },
             ],
-            cleaning: None,
+            cleaning: Some(crate::protocol::CleaningData {
+                cleaned_lines: 5,
+                core_writes: 2,
+                core_write_bytes: 20480,
+            }),
         }
     }
 
@@ -976,6 +1199,9 @@ mod tests {
             clients: 1,
             frontend: "ublk".into(),
             block_device: Some("/dev/ublkb3".into()),
+            dirty_for_s: None,
+            seq_cutoff_threshold_kib: None,
+            seq_cutoff_policy: None,
         });
         let caches = [cache];
         let table = list(&caches, OutputFormat::Table);
@@ -997,6 +1223,218 @@ mod tests {
         assert_eq!(core["frontend"], "ublk");
     }
 
+    /// casadm's `-P -o csv` configuration columns, in order (open-cas-linux
+    /// casadm/statistics_model.c, cache_stats_conf, print_core_conf and
+    /// print_stats_ioclass_conf, as statistics_view_csv.c names them).
+    const CASADM_CACHE_CONF: &[&str] = &[
+        "Cache Id",
+        "Cache Size [4KiB Blocks]",
+        "Cache Size [GiB]",
+        "Cache Device",
+        "Exported Object",
+        "Core Devices",
+        "Inactive Core Devices",
+        "Write Policy",
+        "Cleaning Policy",
+        "Promotion Policy",
+        "Prefetch Policy",
+        "Cache line size [KiB]",
+        "Metadata Memory Footprint [MiB]",
+        "Dirty for [s]",
+        "Dirty for",
+        "Status",
+    ];
+    const CASADM_CORE_CONF: &[&str] = &[
+        "Core Id",
+        "Core Device",
+        "Exported Object",
+        "Core Size [4KiB Blocks]",
+        "Core Size [GiB]",
+        "Dirty for [s]",
+        "Dirty for",
+        "Status",
+        "Seq cutoff threshold [KiB]",
+        "Seq cutoff policy",
+    ];
+    const CASADM_IO_CLASS_CONF: &[&str] = &[
+        "IO class ID",
+        "IO class name",
+        "Eviction priority",
+        "Max size",
+    ];
+    /// The first rows of casadm's usage, request, block and error tables.
+    const CASADM_FIRST_ROWS: &[&str] = &[
+        "Occupancy [4KiB Blocks]",
+        "Occupancy [%]",
+        "Free [4KiB Blocks]",
+        "Free [%]",
+        "Clean [4KiB Blocks]",
+        "Clean [%]",
+        "Dirty [4KiB Blocks]",
+        "Dirty [%]",
+        "Read hits [Requests]",
+        "Read hits [%]",
+    ];
+
+    fn csv_header(csv: &str) -> Vec<String> {
+        csv.lines()
+            .next()
+            .unwrap_or_default()
+            .split(',')
+            .map(str::to_string)
+            .collect()
+    }
+
+    #[test]
+    fn csv_header_starts_with_casadms_fields_in_casadms_order() {
+        let r = report();
+        let head = csv_header(&stats(&r, OutputFormat::Csv));
+        for (i, want) in CASADM_CACHE_CONF.iter().enumerate() {
+            assert_eq!(head[i], *want, "cache column {i}: {head:?}");
+        }
+        let usage = head
+            .iter()
+            .position(|h| h == "Occupancy [4KiB Blocks]")
+            .unwrap();
+        for (i, want) in CASADM_FIRST_ROWS.iter().enumerate() {
+            assert_eq!(head[usage + i], *want, "usage column {i}: {head:?}");
+        }
+        let values: Vec<String> = stats(&r, OutputFormat::Csv)
+            .lines()
+            .nth(1)
+            .unwrap()
+            .split(',')
+            .map(str::to_string)
+            .collect();
+        assert_eq!(values[12], "3.0", "{values:?}");
+        assert_eq!(values[13], "3723");
+        assert_eq!(values[14], "1 [h] 2 [m] 3 [s]");
+
+        let core = StatsReport {
+            core: Some(r.cache.cores[0].clone()),
+            ..report()
+        };
+        let head = csv_header(&stats(&core, OutputFormat::Csv));
+        for (i, want) in CASADM_CORE_CONF.iter().enumerate() {
+            assert_eq!(head[i], *want, "core column {i}: {head:?}");
+        }
+        let class = StatsReport {
+            io_class: Some(crate::protocol::IoClassInfo {
+                id: 1,
+                name: "metadata".into(),
+                eviction_priority: "100".into(),
+                allocation: "0.50".into(),
+            }),
+            ..report()
+        };
+        let csv = stats(&class, OutputFormat::Csv);
+        let head = csv_header(&csv);
+        for (i, want) in CASADM_IO_CLASS_CONF.iter().enumerate() {
+            assert_eq!(head[i], *want, "IO class column {i}: {head:?}");
+        }
+        assert!(
+            csv.lines()
+                .nth(1)
+                .unwrap()
+                .starts_with("1,metadata,100,50%,"),
+            "{csv}"
+        );
+        assert_eq!(dirty_for_text(0), "Cache clean");
+        assert_eq!(dirty_for_text(90_061), "1 [d] 1 [h] 1 [m] 1 [s]");
+    }
+
+    #[test]
+    fn filter_shows_the_chosen_sections_only() {
+        let r = report();
+        let csv = stats_with(
+            &r,
+            &[StatsFilter::Usage, StatsFilter::Err],
+            OutputFormat::Csv,
+        );
+        let head = csv_header(&csv);
+        assert_eq!(head[0], "Occupancy [4KiB Blocks]", "{csv}");
+        assert!(head.iter().any(|h| h == "Total errors [Requests]"), "{csv}");
+        assert!(!head
+            .iter()
+            .any(|h| h.starts_with("Cache Id") || h.starts_with("Read hits")));
+        assert!(!csv.contains("[us]"), "{csv}");
+        let t = stats_with(&r, &[StatsFilter::Conf], OutputFormat::Table);
+        assert!(t.contains("Cache Id") && !t.contains("Occupancy"), "{t}");
+        let all = stats_with(&r, &[StatsFilter::All], OutputFormat::Csv);
+        assert_eq!(all, stats(&r, OutputFormat::Csv));
+        let j: Value =
+            serde_json::from_str(&stats_with(&r, &[StatsFilter::Req], OutputFormat::Json)).unwrap();
+        assert!(
+            j.get("requests").is_some() && j.get("usage").is_none(),
+            "{j}"
+        );
+        // Several reports: one CSV header, a line each; a JSON array.
+        let two = [report(), report()];
+        let csv = stats_many(&two, &[], OutputFormat::Csv);
+        assert_eq!(csv.lines().count(), 3, "{csv}");
+        let j: Value = serde_json::from_str(&stats_many(&two, &[], OutputFormat::Json)).unwrap();
+        assert_eq!(j.as_array().map(Vec::len), Some(2));
+        assert_eq!(
+            version("1.0", Some("1.1"), OutputFormat::Csv),
+            "Name,Version\nhybridcache CLI,1.0\nhybridcache daemon,1.1\n"
+        );
+        let j: Value = serde_json::from_str(&version("1.0", None, OutputFormat::Json)).unwrap();
+        assert!(j["daemon"].is_null() && j["cli"] == "1.0");
+    }
+
+    #[test]
+    fn cleaner_statistics_in_every_format() {
+        let r = report();
+        let t = stats(&r, OutputFormat::Table);
+        assert!(t.contains("║ Cleaner core writes"), "{t}");
+        let csv = stats(&r, OutputFormat::Csv);
+        let head = csv_header(&csv);
+        let values: Vec<&str> = csv.lines().nth(1).unwrap().split(',').collect();
+        let at = |name: &str| {
+            let i = head
+                .iter()
+                .position(|h| h == name)
+                .unwrap_or_else(|| panic!("{name}: {csv}"));
+            values[i].to_string()
+        };
+        assert_eq!(at("Cleaner [Requests]"), "2");
+        assert_eq!(at("Cleaner core writes [4KiB Blocks]"), "5");
+        assert_eq!(at("Cleaned lines [Cache lines]"), "5");
+        let j: Value = serde_json::from_str(&stats(&r, OutputFormat::Json)).unwrap();
+        assert_eq!(j["requests"]["cleaner"]["count"], 2);
+        assert_eq!(j["blocks"]["cleaner_core_writes"]["count"], 5);
+        assert_eq!(j["blocks"]["cleaned_lines"]["count"], 5);
+        // Core statistics have none.
+        let core = StatsReport {
+            core: Some(r.cache.cores[0].clone()),
+            cleaning: None,
+            ..report()
+        };
+        assert!(!stats(&core, OutputFormat::Csv).contains("Cleaner"));
+    }
+
+    #[test]
+    fn by_id_path_names_the_disk_by_its_link() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = dir.path().join("sdx");
+        std::fs::write(&disk, b"").unwrap();
+        let by_id = dir.path().join("by-id");
+        std::fs::create_dir(&by_id).unwrap();
+        std::os::unix::fs::symlink(&disk, by_id.join("wwn-0x5000c500a1b2c3d4")).unwrap();
+        std::os::unix::fs::symlink(&disk, by_id.join("ata-DISK_SERIAL_1")).unwrap();
+        let disk_s = disk.to_str().unwrap();
+        assert_eq!(
+            by_id_path_in(&by_id, disk_s),
+            by_id.join("ata-DISK_SERIAL_1").display().to_string()
+        );
+        let other = dir.path().join("other");
+        std::fs::write(&other, b"").unwrap();
+        let other_s = other.to_str().unwrap();
+        assert_eq!(by_id_path_in(&by_id, other_s), other_s);
+        assert_eq!(by_id_path_in(&by_id, "ram:16M"), "ram:16M");
+        assert_eq!(by_id_path_in(&dir.path().join("none"), disk_s), disk_s);
+    }
+
     #[test]
     fn table_csv_json_agree() {
         let r = report();
@@ -1013,7 +1451,7 @@ mod tests {
         assert_eq!(j["requests"]["read_hits"]["percent"], 75.0);
         assert_eq!(j["blocks"]["core_reads"]["count"], 2);
         assert_eq!(j["info"]["dirty_for_s"], 3723);
-        assert!(t.contains("1 h 2 min 3 s"), "{t}");
+        assert!(t.contains("1 [h] 2 [m] 3 [s]"), "{t}");
         // Latency: numbers in JSON, "-" in the table where nothing completed.
         assert_eq!(j["latency"]["read"]["p99_us"], 95.0);
         assert_eq!(j["latency"]["read"]["p9999_us"], 95.0);
@@ -1132,7 +1570,7 @@ mod tests {
         let class_json = stats(&class, OutputFormat::Json);
         assert_numbers("-P -d", &class_json);
         let j: Value = serde_json::from_str(&class_json).unwrap();
-        assert_eq!(j["info"]["allocation"], 1.0);
+        assert_eq!(j["info"]["max_size"], 100);
         assert_eq!(j["info"]["eviction_priority"], 100);
         let j: Value = serde_json::from_str(&stats(&core, OutputFormat::Json)).unwrap();
         assert_eq!(j["info"]["core_size_gib"], 1.0);

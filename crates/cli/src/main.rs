@@ -145,12 +145,14 @@ fn run(cli: Cli) -> Result<()> {
         Command::Top(args) => return top::run(args, &control),
         Command::Gen(args) => return gen::run(args),
         Command::Trace(args) => return trace::run_cli(args, &control),
-        Command::Version => {
-            println!("hybridcache CLI {}", env!("CARGO_PKG_VERSION"));
+        Command::Version { output } => {
+            let cli = env!("CARGO_PKG_VERSION");
             // The CLI's own version is printed either way; an unreachable daemon is still an
             // error (exit 1), so `hybridcache -V` tells a script whether the daemon is up.
-            let v: VersionInfo = call(&control, &Request::Version)?;
-            println!("hybridcache daemon {}", v.version);
+            let daemon = call::<VersionInfo>(&control, &Request::Version);
+            let daemon_version = daemon.as_ref().ok().map(|v| v.version.as_str());
+            print!("{}", format::version(cli, daemon_version, *output));
+            daemon?;
             return Ok(());
         }
         Command::StopDaemon => {
@@ -200,13 +202,55 @@ fn run(cli: Cli) -> Result<()> {
         return Ok(());
     };
     match &cli.command {
-        Command::ListCaches { output } => {
-            let list: CacheList = call(&control, &req)?;
+        Command::ListCaches { output, by_id_path } => {
+            let mut list: CacheList = call(&control, &req)?;
+            if *by_id_path {
+                list.caches.iter_mut().for_each(format::by_id_paths);
+            }
             print!("{}", format::list(&list.caches, *output));
         }
-        Command::Stats { output, .. } => {
-            let report: StatsReport = call(&control, &req)?;
-            print!("{}", format::stats(&report, *output));
+        Command::Stats {
+            id,
+            io_class: Some(None),
+            filter,
+            output,
+            by_id_path,
+            ..
+        } => {
+            // `-d` without a value: every IO class in force, one after the other.
+            let list: protocol::IoClassList =
+                call(&control, &Request::ListIoClasses { cache: *id })?;
+            let mut reports = Vec::new();
+            for class in &list.classes {
+                let mut r: StatsReport = call(
+                    &control,
+                    &Request::Stats {
+                        cache: *id,
+                        core: None,
+                        io_class: Some(class.id),
+                    },
+                )?;
+                if *by_id_path {
+                    format::by_id_paths(&mut r.cache);
+                }
+                reports.push(r);
+            }
+            print!("{}", format::stats_many(&reports, filter, *output));
+        }
+        Command::Stats {
+            filter,
+            output,
+            by_id_path,
+            ..
+        } => {
+            let mut report: StatsReport = call(&control, &req)?;
+            if *by_id_path {
+                format::by_id_paths(&mut report.cache);
+                if let Some(core) = &mut report.core {
+                    core.device = format::by_id_path_in(Path::new(format::BY_ID), &core.device);
+                }
+            }
+            print!("{}", format::stats_many(&[report], filter, *output));
         }
         Command::GetParam { output, .. } => {
             let p: ParamValue = call(&control, &req)?;

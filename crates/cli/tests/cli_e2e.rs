@@ -62,6 +62,8 @@ fn management_verbs_end_to_end() {
         assert!(table.contains(section), "{table}");
     }
     let csv = d.ok(&["--stats", "-i", "1", "-j", "1", "-o", "csv"]);
+    let by_id = d.ok(&["-P", "-i", "1", "-j", "1", "-o", "csv", "-b", "-f", "conf"]);
+    assert!(by_id.contains(core_s), "{by_id}");
     let rows: Vec<&str> = csv.lines().collect();
     assert_eq!(rows.len(), 2, "{csv}");
     assert_eq!(rows[0].split(',').count(), rows[1].split(',').count());
@@ -75,10 +77,29 @@ fn management_verbs_end_to_end() {
             json["usage"]["dirty"]["count"].as_u64().unwrap() > 0,
             "{json}"
         );
-        // A core with dirty data is not removed without --force, and stays.
-        let err = d.fails(&["-R", "-i", "1", "-j", "1"]);
-        assert!(err.contains("dirty"), "{err}");
-        assert!(d.ok(&["-L"]).contains("cas1-1"));
+    }
+    // As casadm, -R without --force flushes a core's dirty data to it, then removes it.
+    {
+        let core3 = dir.path().join("core3.img");
+        sparse_file(&core3, 16 << 20);
+        d.ok(&["-A", "-i", "1", "-j", "7", "-d", core3.to_str().unwrap()]);
+        let mut c = hybridcache_nbd::Client::connect_unix(&d.nbd, "cas1-7").expect("connect");
+        c.write(&[0xcd; 65536], 4096, false).expect("write");
+        c.disconnect().unwrap();
+        let json: serde_json::Value =
+            serde_json::from_str(&d.ok(&["-P", "-i", "1", "-j", "7", "-o", "json"])).unwrap();
+        assert!(
+            json["usage"]["dirty"]["count"].as_u64().unwrap() > 0,
+            "{json}"
+        );
+        d.ok(&["-R", "-i", "1", "-j", "7"]);
+        assert!(!d.ok(&["-L"]).contains("cas1-7"));
+        let on_core = std::fs::read(&core3).unwrap();
+        assert!(
+            on_core[4096..4096 + 65536].iter().all(|b| *b == 0xcd),
+            "the dirty data did not reach the core"
+        );
+        assert!(on_core[..4096].iter().all(|b| *b == 0));
     }
 
     // Parameters.
@@ -275,9 +296,25 @@ fn management_verbs_end_to_end() {
     let err = d.fails(&["-S", "-d", cache.to_str().unwrap(), "-i", "2"]);
     assert!(err.contains("holds cache 1"), "{err}");
     d.ok(&["-S", "-d", cache.to_str().unwrap(), "-i", "2", "--force"]);
+    // --zero-metadata: refused while the cache runs; afterwards a new cache needs no --force.
+    let err = d.fails(&["--zero-metadata", "-d", cache.to_str().unwrap()]);
+    assert!(err.contains("running cache 2"), "{err}");
+    d.ok(&["-T", "-i", "2"]);
+    d.ok(&["--zero-metadata", "-d", cache.to_str().unwrap()]);
+    let err = d.fails(&["--zero-metadata", "-d", cache.to_str().unwrap()]);
+    assert!(err.contains("holds no hybridcache metadata"), "{err}");
+    d.ok(&["--zero-metadata", "-d", cache.to_str().unwrap(), "-f"]);
+    let err = d.fails(&["-S", "-d", cache.to_str().unwrap(), "-i", "2", "--load"]);
+    assert!(!err.is_empty());
+    d.ok(&["-S", "-d", cache.to_str().unwrap(), "-i", "2"]);
     d.ok(&["-T", "-i", "2"]);
     let v = d.ok(&["-V"]);
     assert!(v.contains("daemon 0.") || v.contains("daemon 1."), "{v}");
+    // -b: a file is shown as given (only disks have /dev/disk/by-id names).
+    assert_eq!(d.ok(&["-L", "-b"]), d.ok(&["-L"]));
+    let v = d.ok(&["-V", "-o", "csv"]);
+    assert!(v.starts_with("Name,Version\nhybridcache CLI,"), "{v}");
+    assert!(v.contains("\nhybridcache daemon,"), "{v}");
 }
 
 #[test]
@@ -346,7 +383,24 @@ fn config_file_applied_and_saved() {
     assert!(list.contains("cas3-2") && list.contains("wb"), "{list}");
     assert_eq!(d.ok(&["-G", "-n", "cache-line-size", "-i", "3"]), "8\n");
     d.ok(&["-A", "-i", "3", "-d", "ram:8M", "-j", "4"]);
-    d.ok(&["-Q", "-c", "wt", "-i", "3"]);
+    // Leaving wb needs -f yes|no, as casadm.
+    let err = d.fails(&["-Q", "-c", "wt", "-i", "3"]);
+    assert!(err.contains("--flush-cache (-f) yes or no"), "{err}");
+    assert!(d.ok(&["-L"]).contains("wb"));
+    // Dirty data left by `-f no` shows as wb->wt in -L until it has drained (here: flushed;
+    // cleaning nop keeps it until then).
+    d.ok(&["-X", "-n", "cleaning", "-i", "3", "-p", "nop"]);
+    {
+        let mut c = hybridcache_nbd::Client::connect_unix(&d.nbd, "cas3-2").expect("connect");
+        c.write(&[0x5a; 65536], 0, false).expect("write");
+        c.disconnect().unwrap();
+    }
+    d.ok(&["-Q", "-c", "wt", "-i", "3", "-f", "no"]);
+    let list = d.ok(&["-L"]);
+    assert!(list.contains("wb->wt"), "{list}");
+    d.ok(&["-F", "-i", "3"]);
+    let list = d.ok(&["-L"]);
+    assert!(list.contains("wt") && !list.contains("wb->wt"), "{list}");
     let saved = std::fs::read_to_string(&cfg).unwrap();
     assert!(
         saved.contains("id = 4") && saved.contains("ram:8M"),

@@ -218,7 +218,7 @@ fn ext4_on_nbdfuse_loop_device() {
 
     // The data must not depend on staying in the cache.
     d.ok(&["-F", "-i", "1"]);
-    d.ok(&["-Q", "-c", "wt", "-i", "1"]);
+    d.ok(&["-Q", "-c", "wt", "-i", "1", "-f", "yes"]);
 
     // restart_point: take the stack down, stop the daemon (SIGTERM stops every cache cleanly),
     // start a new one, load the cache from its device and bring the stack up again.

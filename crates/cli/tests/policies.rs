@@ -462,4 +462,16 @@ fn io_class_files_load_list_and_refuse() {
     assert!(stats.contains("metadata&done"), "{stats}");
     let err = d.fails(&["-P", "-i", "1", "-d", "7"]);
     assert!(err.contains("IO class 7 is not configured"), "{err}");
+    // `-d` without a value: every class, one CSV line each under one header.
+    let classes = d.ok(&["-C", "-L", "-i", "1", "-o", "csv"]).lines().count() - 1;
+    let all = d.ok(&["-P", "-i", "1", "-d", "-o", "csv"]);
+    assert_eq!(all.lines().count(), classes + 1, "{all}");
+    assert!(
+        all.starts_with("IO class ID,IO class name,Eviction priority,Max size,"),
+        "{all}"
+    );
+    assert!(all.contains("metadata&done"), "{all}");
+    let usage = d.ok(&["-P", "-i", "1", "-f", "usage,err", "-o", "csv"]);
+    assert!(usage.starts_with("Occupancy [4KiB Blocks],"), "{usage}");
+    assert!(!usage.contains("Read hits"), "{usage}");
 }

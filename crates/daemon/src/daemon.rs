@@ -237,6 +237,9 @@ struct CacheEntry {
     /// The configuration file's `ioclass_file` and `ioclass_ignore_unsupported`, kept so that
     /// saving the file keeps them (the classes themselves are in the superblock).
     ioclass: (Option<PathBuf>, Option<bool>),
+    /// The write-back mode a `-Q ... -f no` left while dirty data remained: `-L` shows
+    /// `wb->wt` until that data has drained.
+    left_mode: Option<CacheMode>,
 }
 
 #[derive(Default)]
@@ -406,6 +409,12 @@ fn cache_info(id: u16, c: &CacheEntry, frontends: &Frontends) -> CacheInfo {
         }
     });
     let mut mode = c.cache.mode().to_string();
+    if let Some(from) = c.left_mode {
+        // Dirty data left by a switch without flush drains: as casadm, "wb->wt".
+        if c.cache.dirty_for(None).is_some() {
+            mode = format!("{from}->{mode}");
+        }
+    }
     if let Some(f) = &flush {
         // As casadm: "Flushing" with how far, and the mode switch in progress.
         status = format!("Flushing ({:.1} %)", f.percent);
@@ -426,11 +435,20 @@ fn cache_info(id: u16, c: &CacheEntry, frontends: &Frontends) -> CacheInfo {
         promotion: c.cache.promotion().policy.to_string(),
         lazy_flush: hybridcache_engine::policy::on_off(c.cache.lazy_flush().enabled).into(),
         prefetch: c.cache.prefetch().policy.to_string(),
+        inactive_cores: c.cores.values().filter(|core| !core.active).count(),
+        metadata_bytes: c.cache.metadata_bytes(),
         cores: c
             .cores
             .iter()
             .map(|(core_id, core)| {
-                core_info(id, *core_id, core, sizes.get(core_id).copied(), frontends)
+                let mut info =
+                    core_info(id, *core_id, core, sizes.get(core_id).copied(), frontends);
+                info.dirty_for_s = c.cache.dirty_for(Some(*core_id)).map(|d| d.as_secs());
+                if let Ok(seq) = c.cache.seq_cutoff(*core_id) {
+                    info.seq_cutoff_threshold_kib = Some(seq.threshold_kib);
+                    info.seq_cutoff_policy = Some(seq.policy.to_string());
+                }
+                info
             })
             .collect(),
     }
@@ -454,6 +472,9 @@ fn core_info(
         block_device: frontend.and_then(|f| f.device(&name)),
         frontend: core.frontend.to_string(),
         export: name,
+        dirty_for_s: None,
+        seq_cutoff_threshold_kib: None,
+        seq_cutoff_policy: None,
     }
 }
 
@@ -501,6 +522,8 @@ fn waiting_info(w: &Waiting) -> CacheInfo {
         prefetch: String::new(),
         flush: None,
         dirty_for_s: None,
+        inactive_cores: w.cores.len(),
+        metadata_bytes: 0,
         cores: w
             .cores
             .iter()
@@ -513,6 +536,9 @@ fn waiting_info(w: &Waiting) -> CacheInfo {
                 clients: 0,
                 frontend: c.frontend.clone().unwrap_or_default(),
                 block_device: None,
+                dirty_for_s: None,
+                seq_cutoff_threshold_kib: None,
+                seq_cutoff_policy: None,
             })
             .collect(),
     }
@@ -623,10 +649,26 @@ impl Daemon {
             Request::SetCacheMode { cache, mode, flush } => {
                 let mode: CacheMode = mode.parse()?;
                 let handle = self.state.lock().cache(cache)?.cache.clone();
+                let lazy = |m: CacheMode| matches!(m, CacheMode::Wb | CacheMode::Wo);
+                let from = handle.mode();
+                let flush = match flush {
+                    Some(f) => f,
+                    // As casadm: leaving write-back or write-only, the operator chooses.
+                    None if lazy(from) && !lazy(mode) => {
+                        return Err(format!(
+                            "cache {cache} leaves {from} for {mode}: say whether to flush its dirty data first with --flush-cache (-f) yes or no"
+                        ))
+                    }
+                    None => false,
+                };
                 handle.set_mode(mode, flush).map_err(engine_err)?;
+                if let Some(c) = self.state.lock().caches.get_mut(&cache) {
+                    c.left_mode = (lazy(from) && !lazy(mode) && !flush).then_some(from);
+                }
                 self.save();
                 Ok(json!({}))
             }
+            Request::ZeroMetadata { device, force } => self.zero_metadata(&device, force),
             Request::InterruptFlush { cache } => {
                 let handle = self.state.lock().cache(cache)?.cache.clone();
                 if !handle.interrupt_flush() {
@@ -872,6 +914,7 @@ impl Daemon {
                 key,
                 cores: BTreeMap::new(),
                 ioclass: (None, None),
+                left_mode: None,
             },
         );
         self.save_locked(&st);
@@ -1001,6 +1044,7 @@ impl Daemon {
                 key,
                 cores,
                 ioclass: (None, None),
+                left_mode: None,
             },
         );
         self.save_locked(st);
@@ -1256,7 +1300,47 @@ impl Daemon {
         .map_err(|e| e.to_string())
     }
 
+    /// `--zero-metadata`: under the state lock, so no cache can start on the device meanwhile.
+    fn zero_metadata(&self, device: &str, force: bool) -> Reply {
+        let st = self.state.lock();
+        if let Some((id, _)) = st.caches.iter().find(|(_, c)| c.device == device) {
+            return Err(format!(
+                "{device} is the device of running cache {id}; stop it first"
+            ));
+        }
+        // The exclusive claim refuses a device another cache, a mount or a program holds.
+        let volume = self.open_claimed(device, false)?;
+        let holds = hybridcache_engine::holds_metadata(&*volume).map_err(engine_err)?;
+        if !holds && !force {
+            return Err(format!(
+                "{device} holds no hybridcache metadata; use --force to zero its first 2 MiB anyway"
+            ));
+        }
+        hybridcache_engine::zero_metadata(&*volume).map_err(engine_err)?;
+        drop(st);
+        tracing::info!("{device}: hybridcache metadata zeroed");
+        Ok(json!({}))
+    }
+
     fn remove_core(&self, cache_id: u16, core: u16, force: bool, inactive_only: bool) -> Reply {
+        if !force && !inactive_only {
+            // As casadm: without --force, an active core's dirty data goes to it first (outside
+            // the state lock: a flush takes as long as the data). With --force it is lost.
+            let active = {
+                let st = self.state.lock();
+                let c = st.cache(cache_id)?;
+                match c.cores.get(&core) {
+                    Some(e) if e.active && !e.pending => Some((c.cache.clone(), e.frontend)),
+                    _ => None,
+                }
+            };
+            if let Some((handle, kind)) = active {
+                self.refuse_if_clients(&[(export_name(cache_id, core), kind)])?;
+                handle.flush_core(core).map_err(|e| {
+                    format!("cache {cache_id}: flushing core {core}: {}", engine_err(e))
+                })?;
+            }
+        }
         let mut st = self.state.lock();
         let c = st.cache(cache_id)?;
         match c.cores.get(&core) {

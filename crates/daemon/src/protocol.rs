@@ -83,9 +83,11 @@ pub enum Request {
     SetCacheMode {
         cache: u16,
         mode: String,
-        /// Flush dirty data before leaving wb/wo.
+        /// Flush dirty data before leaving wb/wo (`-f yes|no`). Required, as casadm requires
+        /// it, when the switch leaves wb or wo for a mode that does not write back; otherwise
+        /// None means no.
         #[serde(default)]
-        flush: bool,
+        flush: Option<bool>,
     },
     Flush {
         cache: u16,
@@ -115,6 +117,14 @@ pub enum Request {
         name: String,
     },
     Version,
+    /// Wipe a cache device's hybridcache metadata (superblocks, commit records) so it no
+    /// longer loads; refused while a cache or any claim holds the device, and on a device
+    /// without hybridcache metadata unless `force`.
+    ZeroMetadata {
+        device: String,
+        #[serde(default)]
+        force: bool,
+    },
     /// Stop the daemon as SIGTERM would (flush every cache, remove the sockets). The reply
     /// ([`Stopped`]) comes once every cache is stopped.
     Shutdown,
@@ -240,6 +250,12 @@ pub struct CacheInfo {
     /// Seconds since the cache last went from clean to dirty; None while clean.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dirty_for_s: Option<u64>,
+    /// Cores whose device is missing (inactive or waiting for their device).
+    #[serde(default)]
+    pub inactive_cores: usize,
+    /// Bytes of RAM the cache's metadata takes (`-P`'s Metadata Memory Footprint).
+    #[serde(default)]
+    pub metadata_bytes: u64,
 }
 
 /// How far a running flush has got.
@@ -276,6 +292,15 @@ pub struct CoreInfo {
     /// The block device clients open (`/dev/ublkbN`), for front-ends that make one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub block_device: Option<String>,
+    /// Seconds since the core last went from clean to dirty; None while clean.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dirty_for_s: Option<u64>,
+    /// The core's sequential cutoff threshold in KiB and its policy (`always`, `full`,
+    /// `never`); None where the daemon does not know them (a cache not running).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq_cutoff_threshold_kib: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq_cutoff_policy: Option<String>,
 }
 
 /// Result of `stats`: what the statistics describe plus the raw counters.

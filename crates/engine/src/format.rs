@@ -394,6 +394,38 @@ pub(crate) fn decode_commit(bytes: &[u8], nonce: u64, meta_blocks: u64) -> Commi
     })
 }
 
+/// Whether `volume` holds hybridcache metadata: a config slot that starts with the magic.
+pub fn holds_metadata(volume: &dyn hybridcache_volume::Volume) -> crate::Result<bool> {
+    let mut buf = vec![0u8; BLOCK];
+    for slot in [0, CONFIG_SLOT_BYTES] {
+        if volume.size() < slot + BLOCK as u64 {
+            continue;
+        }
+        volume.read_at(&mut buf, slot)?;
+        if &buf[..MAGIC.len()] == MAGIC {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// `--zero-metadata`: zero both config slots (the superblocks and the commit records), so the
+/// volume no longer loads as a cache, and make it durable. The metadata blocks after them are
+/// left: without a superblock nothing reads them, and a new cache ties its blocks to its own
+/// uuid.
+pub fn zero_metadata(volume: &dyn hybridcache_volume::Volume) -> crate::Result<()> {
+    let len = META_OFFSET.min(volume.size());
+    let zeroes = vec![0u8; 64 << 10];
+    let mut at = 0;
+    while at < len {
+        let n = (len - at).min(zeroes.len() as u64) as usize;
+        volume.write_at(&zeroes[..n], at)?;
+        at += n as u64;
+    }
+    volume.flush()?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

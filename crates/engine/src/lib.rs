@@ -36,7 +36,7 @@ mod stats;
 pub use cache::{Cache, Core, CoreInfo, CoreStatus};
 pub use cleaner::{CleaningStats, WRITE_SIZE_BUCKETS};
 pub use cleaning::CleaningTick;
-pub use format::{CoreRecord, Superblock};
+pub use format::{holds_metadata, zero_metadata, CoreRecord, Superblock};
 pub use latency::{Histogram, LatencyKind, LatencyStats};
 pub use offload::Offload;
 pub use persist::set_load_threads;
