@@ -56,6 +56,18 @@ pub(crate) fn write_zeroes_chunked(core: &Core, offset: u64, len: u64) -> Result
 
 const ERRORS_PER_SECOND: u64 = 10;
 
+/// How a failed device request reads in the log, from the client path and from background work
+/// alike, so one grep finds both.
+pub(crate) fn device_failure(
+    op: &dyn std::fmt::Display,
+    device: &str,
+    offset: u64,
+    len: u64,
+    why: &dyn std::fmt::Display,
+) -> String {
+    format!("{op} failed on {device} at offset {offset} length {len}: {why}")
+}
+
 #[derive(Default)]
 pub(crate) struct ErrorLog {
     /// The second (since the epoch) the count is for, the count, and what was left out.
@@ -78,12 +90,8 @@ impl ErrorLog {
         }
         if self.count.fetch_add(1, Ordering::Relaxed) < ERRORS_PER_SECOND {
             tracing::error!(
-                "{export}: device error: {} failed on {} at offset {} length {}: {}",
-                v.op,
-                v.device,
-                v.offset,
-                v.len,
-                v.kind
+                "{export}: device error: {}",
+                device_failure(&v.op, &v.device, v.offset, v.len, &v.kind)
             );
         } else {
             self.suppressed.fetch_add(1, Ordering::Relaxed);

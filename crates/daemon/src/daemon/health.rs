@@ -95,8 +95,9 @@ impl StallWatch {
 /// "core 1: write failed on DEVICE at offset X length Y: WHY".
 pub(crate) fn fault_text(f: &DeviceFault) -> String {
     format!(
-        "core {}: {} failed on {} at offset {} length {}: {}",
-        f.core, f.op, f.device, f.offset, f.len, f.error
+        "core {}: {}",
+        f.core,
+        crate::export::device_failure(&f.op, &f.device, f.offset, f.len, &f.error)
     )
 }
 
