@@ -53,25 +53,33 @@ fn core_id(s: &str) -> Result<u16, String> {
     }
 }
 
-/// A device path as the daemon must see it: the daemon's working directory is not the
-/// operator's, so a relative path (bare or `file:`) is made absolute against ours. Other
-/// specs (`ram:`, `nbd://`, emulated devices) pass as typed.
-fn device_from_here(spec: &str) -> String {
-    let (prefix, path) = match spec.strip_prefix("file:") {
-        Some(p) => ("file:", p),
-        None => match spec.split_once(':') {
-            // `kind:...`; a path with a colon in it starts with `/` or `.`.
-            Some((kind, _)) if !kind.contains('/') && !kind.starts_with('.') => return spec.into(),
-            _ => ("", spec),
-        },
-    };
-    let p = std::path::Path::new(path);
-    if path.is_empty() || p.is_absolute() {
-        return spec.into();
+/// A path the daemon will open, made absolute against this process's working directory: the
+/// daemon's is not the operator's.
+pub(crate) fn from_here(path: &std::path::Path) -> std::io::Result<PathBuf> {
+    if path.is_absolute() {
+        return Ok(path.to_path_buf());
     }
-    match std::env::current_dir() {
-        Ok(here) => format!("{prefix}{}", here.join(p).display()),
-        Err(_) => spec.into(),
+    Ok(std::env::current_dir()?.join(path))
+}
+
+/// A device spec as the daemon must see it: a relative path (bare or `file:`) made absolute
+/// against ours. Other specs (`ram:`, `nbd://`, emulated devices, with a path inside or not)
+/// pass as typed.
+fn device_from_here(spec: &str) -> String {
+    // The daemon's own reading of a spec tells a path from a volume kind.
+    let Some(path) = hybridcache_daemon::claims::spec_path(spec) else {
+        return spec.into();
+    };
+    let prefix = if path == spec {
+        ""
+    } else if spec.strip_prefix("file:") == Some(path) {
+        "file:"
+    } else {
+        return spec.into();
+    };
+    match from_here(std::path::Path::new(path)) {
+        Ok(p) if !path.is_empty() => format!("{prefix}{}", p.display()),
+        _ => spec.into(),
     }
 }
 

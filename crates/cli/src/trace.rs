@@ -117,13 +117,8 @@ pub fn run_cli(args: &TraceArgs, control: &Path) -> Result<()> {
             max_size,
         } => {
             // The daemon opens the file, and its working directory is not ours.
-            let file = if output.is_absolute() {
-                output.clone()
-            } else {
-                std::env::current_dir()
-                    .context("cannot resolve the trace file's path")?
-                    .join(output)
-            };
+            let file =
+                crate::cli::from_here(output).context("cannot resolve the trace file's path")?;
             let req = Request::TraceStart {
                 cache: *id,
                 core: *core,
