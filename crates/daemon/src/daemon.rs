@@ -1225,19 +1225,15 @@ impl Daemon {
                     tracing::warn!("cache {cache_id}: core {j}: {why}; attached as forced");
                 }
                 c.cache
-                    .attach_core(j, volume)
+                    .attach_identified_core(j, volume, identity)
                     .map_err(|e| format!("cache {cache_id}: {}", engine_err(e)))?;
                 j
             }
-            None => c.cache.add_core(volume, core).map_err(engine_err)?,
+            None => c
+                .cache
+                .add_identified_core(volume, core, identity)
+                .map_err(engine_err)?,
         };
-        if let Err(e) = c.cache.set_core_identity(core_id, identity) {
-            // Not fatal: without it the core is known by path and size only, as before.
-            tracing::warn!(
-                "cache {cache_id}: core {core_id}: its device's identity could not be recorded: {}",
-                engine_err(e)
-            );
-        }
         let name = export_name(cache_id, core_id);
         let description = format!("core {core_id} ({device}) of cache {cache_id}");
         let exported = c.cache.core(core_id).map_err(engine_err).and_then(|core| {

@@ -1904,6 +1904,18 @@ impl Cache {
 
     /// Attach a core. `id` None picks the lowest free id starting at 1.
     pub fn add_core(&self, volume: VolumeRef, id: Option<CoreId>) -> Result<CoreId> {
+        self.add_identified_core(volume, id, None)
+    }
+
+    /// [`Cache::add_core`], recording what the device is ([`CoreRecord::identity`]) in the same
+    /// superblock write, so that a load or a re-attach can tell it from another device that
+    /// takes its path.
+    pub fn add_identified_core(
+        &self,
+        volume: VolumeRef,
+        id: Option<CoreId>,
+        identity: Option<String>,
+    ) -> Result<CoreId> {
         let size = volume.size();
         if size % SECTOR != 0 {
             return Err(EngineError::Invalid(format!(
@@ -1938,7 +1950,7 @@ impl Cache {
                 path: volume.name().to_string(),
                 size,
                 uuid: new_uuid(),
-                identity: None,
+                identity,
             };
             p.update_superblock(&*self.inner.volume, |sb| sb.cores.push(record))?;
         }
@@ -1997,23 +2009,6 @@ impl Cache {
         Ok(())
     }
 
-    /// Record what core `id`'s device is (see [`CoreRecord::identity`]), so that a load or a
-    /// re-attach can tell it from another device that takes its path. A cache without
-    /// persistence has nothing to record.
-    pub fn set_core_identity(&self, id: CoreId, identity: Option<String>) -> Result<()> {
-        let Some(p) = &self.inner.persist else {
-            return Ok(());
-        };
-        if !p.superblock().cores.iter().any(|c| c.id == id) {
-            return Err(EngineError::NoSuchCore(id));
-        }
-        p.update_superblock(&*self.inner.volume, |sb| {
-            if let Some(c) = sb.cores.iter_mut().find(|c| c.id == id) {
-                c.identity = identity;
-            }
-        })
-    }
-
     /// Core `id` as the superblock records it (persistent caches only).
     pub fn core_record(&self, id: CoreId) -> Option<CoreRecord> {
         let p = self.inner.persist.as_ref()?;
@@ -2023,6 +2018,18 @@ impl Cache {
     /// Bring back an inactive core (its device was missing at load). The device must have the
     /// size the cache recorded.
     pub fn attach_core(&self, id: CoreId, volume: VolumeRef) -> Result<()> {
+        self.attach_identified_core(id, volume, None)
+    }
+
+    /// [`Cache::attach_core`], recording the identity of the device it is attached to now (None:
+    /// not known) in the superblock write that records its path: a later load compares against
+    /// the device the operator chose, forced or not.
+    pub fn attach_identified_core(
+        &self,
+        id: CoreId,
+        volume: VolumeRef,
+        identity: Option<String>,
+    ) -> Result<()> {
         let mut inactive = self.inner.inactive.write();
         let Some(rec) = inactive.get(&id) else {
             return Err(if self.inner.cores.read().contains_key(&id) {
@@ -2049,6 +2056,7 @@ impl Cache {
             p.update_superblock(&*self.inner.volume, |sb| {
                 if let Some(c) = sb.cores.iter_mut().find(|c| c.id == id) {
                     c.path = path;
+                    c.identity = identity;
                 }
             })?;
         }
