@@ -352,7 +352,7 @@ impl DeviceProfile {
             cache: Self::generic_nvme(),
             cleaning_limit_mb_s: None,
             notes: vec![
-                "core random/sequential write figures: measured in the study (domain.md §10)".into(),
+                "core random/sequential write figures: measured in the study (docs/devices.md)".into(),
                 "core random read figures: estimated (only a 50/50 mixed run at iodepth 32 was measured)".into(),
                 "core sequential reads: not measured; the write figures stand in".into(),
                 "cache: a generic NVMe SSD (400k IOPS 4 KiB random, 2.5 GB/s sequential)".into(),

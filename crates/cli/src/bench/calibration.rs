@@ -294,7 +294,7 @@ pub fn run(a: &CalibrationArgs) -> Result<()> {
     }
     let mut cells = study_cells(a.random_only, a.quick);
     let mut text = String::from(
-        "# Calibration: emulated RAID 60 (raid:preset=study60) vs the study (domain.md §10)\n\n\
+        "# Calibration: emulated RAID 60 (raid:preset=study60) vs the study (docs/devices.md)\n\n\
          4 groups of 10 disks (8 data + 2 parity), 7200 rpm, 64 KiB strip; no cache; fio numjobs 1;\n\
          a 1 TiB region (the study does not say how much of the array fio touched: an assumption).\n\n",
     );

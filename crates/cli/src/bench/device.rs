@@ -648,7 +648,7 @@ fn table(
             };
             if let Some((what, r)) = target {
                 notes.push(format!(
-                    "{} {rw} qd{qd}: {what} {r:.2} {} (target 0.9, perf.md §4)",
+                    "{} {rw} qd{qd}: {what} {r:.2} {} (target 0.9, docs/performance.md §6)",
                     v.name,
                     if r >= 0.9 { "met" } else { "MISSED" }
                 ));

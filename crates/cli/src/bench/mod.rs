@@ -47,10 +47,10 @@ pub enum BenchCommand {
     Run(Box<RunArgs>),
     /// Print the emulated RAID 60's no-cache figures next to the study's (domain.md §10).
     Calibration(calibration::CalibrationArgs),
-    /// The engine alone against Open CAS's engine marks (perf.md §1; docs/performance.md).
+    /// The engine alone against Open CAS's engine marks (docs/performance.md §1).
     Engine(engine::EngineArgs),
     /// A cache hit against the cache device itself: fio raw, through hybridcache, through
-    /// nbdkit's file plugin (perf.md §4). WRITES to the device.
+    /// nbdkit's file plugin (docs/performance.md §6). WRITES to the device.
     Device(device::DeviceArgs),
     /// Grid-search cache configurations per workload shape and run the analyzer's
     /// recommendation from a trace of the same workload (docs/analyzer.md).
