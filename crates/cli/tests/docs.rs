@@ -707,11 +707,15 @@ fn run_sh(cmd: &str, world: &World) -> Result<Ran, String> {
 fn shape(s: &str) -> String {
     let mut out = String::new();
     let mut in_num = false;
-    for c in s.chars() {
+    let chars: Vec<char> = s.chars().collect();
+    for (i, &c) in chars.iter().enumerate() {
         if c.is_whitespace() {
             continue;
         }
-        if c.is_ascii_digit() {
+        // JSON tools write 0.0 as 0: a decimal point inside a number is part of it.
+        let decimal_point =
+            c == '.' && in_num && chars.get(i + 1).is_some_and(|n| n.is_ascii_digit());
+        if c.is_ascii_digit() || decimal_point {
             if !in_num {
                 out.push('N');
             }
@@ -940,6 +944,8 @@ fn output_is_compared_by_shape() {
         "type id disk status"
     ));
     assert!(!same_shape("cache 1 started", "cache 1 loaded"));
+    assert!(same_shape(r#"{"percent":12.5}"#, r#"{"percent":0}"#));
+    assert!(!same_shape("a ...", "b c"));
     assert!(same_shape(
         r#"{"ok":true,"result":{...}}"#,
         r#"{"ok":true,"result":{"a":1}}"#
