@@ -951,3 +951,85 @@ fn output_is_compared_by_shape() {
         r#"{"ok":true,"result":{"a":1}}"#
     ));
 }
+
+/// The test must be able to fail: a doc whose command fails, whose output is not the program's,
+/// or that shows an error where the program succeeds, is reported with its line, the command as
+/// written and as run, and stderr.
+#[test]
+fn a_doc_that_drifted_fails_with_its_lines() {
+    let md = "```\n\
+              $ hybridcache -S -d /dev/nvme0n1 -c wb\n\
+              cache 1 started\n\
+              $ hybridcache -S -d /dev/nvme0n1 -c wb\n\
+              $ hybridcache -L\n\
+              cache 1 started\n\
+              $ hybridcache -T -i 1\n\
+              hybridcache: cache 1 is busy\n\
+              $ hybridcache -T -i 1\n\
+              hybridcache: cache 1 does not exist\n\
+              ```\n";
+    let mut report = Report::default();
+    run_file("t.md", md, &mut report);
+    assert_eq!(report.ran, 5);
+    let f = &report.failures;
+    assert_eq!(f.len(), 3, "{f:#?}");
+    assert!(f[0].starts_with("t.md:4: exited non-zero"), "{}", f[0]);
+    assert!(
+        f[0].contains("as written: hybridcache -S -d /dev/nvme0n1 -c wb")
+            && f[0].contains("--control")
+            && f[0].contains("/dev/nvme0n1 -c wb")
+            && f[0].contains("stderr: hybridcache: "),
+        "{}",
+        f[0]
+    );
+    assert!(f[1].starts_with("t.md:5: output differs"), "{}", f[1]);
+    assert!(
+        f[2].starts_with("t.md:7: the doc shows this failing, but it succeeded"),
+        "{}",
+        f[2]
+    );
+}
+
+#[test]
+fn paths_and_uris_are_the_tests() {
+    let mut w = World::new();
+    let root = w.root().display().to_string();
+    let sub = |w: &mut World, s: &str| w.substitute(s, true).expect("substitutes");
+    assert_eq!(
+        sub(
+            &mut w,
+            "-d /dev/nvme0n1p1 --control=/run/hybridcache/control.sock"
+        ),
+        format!("-d {root}/dev/nvme0n1p1 --control={root}/control.sock")
+    );
+    let dev = w.root().join("dev/nvme0n1p1");
+    assert_eq!(
+        std::fs::metadata(&dev).map(|m| m.len()).ok(),
+        Some(DEVICE_BYTES)
+    );
+    assert_eq!(
+        sub(
+            &mut w,
+            "'nbd+unix:///cas1-1?socket=/run/hybridcache/nbd.sock' /dev/null"
+        ),
+        format!("'nbd+unix:///cas1-1?socket={root}/nbd.sock' /dev/null")
+    );
+    assert_eq!(
+        sub(&mut w, "nbdinfo nbd://127.0.0.1:10809/cas1-1"),
+        format!("nbdinfo nbd+unix:///cas1-1?socket={root}/nbd.sock")
+    );
+    assert_eq!(
+        sub(&mut w, "file:/tmp/hc/a.img $PWD/target/release"),
+        format!("file:{root}/tmp/hc/a.img $PWD/target/release")
+    );
+    w.last_toml = Some("[[cache]]\ndevice = \"/dev/sdq\"\n".into());
+    assert_eq!(
+        sub(&mut w, "--config /etc/hybridcache.toml"),
+        format!("--config {root}/etc/hybridcache.toml")
+    );
+    let toml = std::fs::read_to_string(w.root().join("etc/hybridcache.toml")).unwrap_or_default();
+    assert_eq!(toml, format!("[[cache]]\ndevice = \"{root}/dev/sdq\"\n"));
+    let csv = w.root().join("etc/hybridcache/ioclass-config.csv");
+    sub(&mut w, "/etc/hybridcache/ioclass-config.csv");
+    assert!(csv.exists(), "a copy of packaging/ioclass-config.csv");
+}
