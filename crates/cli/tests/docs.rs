@@ -19,7 +19,9 @@
 //!   not installed skips the line through `common::need` (which fails in CI). Every other line is
 //!   not run and is listed as such: building and installing (`cargo`, `make`), what needs root or
 //!   a kernel driver (`modprobe`, `mount`, `losetup`, `nbdfuse`, `nbd-client`, `systemctl`,
-//!   `qemu-system-*`), shell assignments (`export`, `dev=$(...)`), background jobs (`&`).
+//!   `qemu-system-*`), shell assignments (`export`, `dev=$(...)`), background jobs (`&`). A line
+//!   that the rule leaves out but that has a `hybridcache` command is an error: split the line,
+//!   or skip its block with the reason.
 //! - **The daemon.** Each file starts with a daemon of the test. A `hybridcache daemon ...` line
 //!   replaces it by one started with that line's options (`--control`/`--nbd-socket` are the
 //!   test's own); `hybridcache stop-daemon` stops it as for a user.
@@ -613,21 +615,31 @@ impl World {
 }
 
 /// Why a command line is not run, or None when it is.
-fn not_run_reason(written: &str, have_cache: &mut HashMap<String, bool>) -> Option<String> {
+#[derive(Debug, PartialEq)]
+enum NotRun {
+    /// By the rule: a program the test does not run, an assignment, a background job.
+    Rule(String),
+    /// A tool the line needs is not installed (and `common::need` allows skipping).
+    Missing(String),
+}
+
+fn not_run_reason(written: &str, have_cache: &mut HashMap<String, bool>) -> Option<NotRun> {
     let sp = split(written);
     if sp.segments.is_empty() {
-        return Some("no command".into());
+        return Some(NotRun::Rule("no command".into()));
     }
     let mut missing = Vec::new();
     for &(a, z) in &sp.segments {
         let Some(prog) = program(&written[a..z]) else {
-            return Some("a shell assignment".into());
+            return Some(NotRun::Rule("a shell assignment".into()));
         };
         if prog == "hybridcache" || BASE_TOOLS.contains(&prog) {
             continue;
         }
         if !TOOLS.contains(&prog) {
-            return Some(format!("`{prog}` is not one of the tools the test runs"));
+            return Some(NotRun::Rule(format!(
+                "`{prog}` is not one of the tools the test runs"
+            )));
         }
         let installed = *have_cache
             .entry(prog.to_string())
@@ -637,10 +649,13 @@ fn not_run_reason(written: &str, have_cache: &mut HashMap<String, bool>) -> Opti
         }
     }
     if sp.background {
-        return Some("a background job".into());
+        return Some(NotRun::Rule("a background job".into()));
     }
     if !missing.is_empty() && !need(&missing) {
-        return Some(format!("{} not installed", missing.join(", ")));
+        return Some(NotRun::Missing(format!(
+            "{} not installed",
+            missing.join(", ")
+        )));
     }
     None
 }
@@ -821,13 +836,29 @@ fn run_checked(
         }
         return;
     }
-    if let Some(reason) = not_run_reason(&cmd.written, have_cache) {
+    if let Some(why) = not_run_reason(&cmd.written, have_cache) {
+        let reason = match &why {
+            NotRun::Rule(r) | NotRun::Missing(r) => r.clone(),
+        };
+        let sp = split(&cmd.written);
+        let names_hybridcache = sp
+            .segments
+            .iter()
+            .any(|&(a, z)| program(&cmd.written[a..z]) == Some("hybridcache"));
         if is_setup {
             fail(format!("a setup command must run, but: {reason}"));
         } else {
             report
                 .not_run
                 .push(format!("{at}: {} ({reason})", cmd.written));
+        }
+        // A hybridcache command must not hide in a line the rule leaves out: that is how a doc
+        // drifts unseen. Such a line is split, or its block marked skip with the reason.
+        if names_hybridcache && matches!(why, NotRun::Rule(_)) {
+            fail(format!(
+                "a hybridcache command in a line that is not run ({reason}): split the line, \
+                 or mark the block `<!-- doc-test: skip (REASON) -->`"
+            ));
         }
         return;
     }
@@ -915,6 +946,10 @@ fn blocks_and_markers_are_parsed() {
 fn which_lines_run() {
     let mut c = HashMap::new();
     assert_eq!(not_run_reason("hybridcache -L   # list", &mut c), None);
+    assert!(matches!(
+        not_run_reason("make install", &mut c),
+        Some(NotRun::Rule(_))
+    ));
     assert_eq!(
         not_run_reason("mkdir -p /tmp/hc && truncate -s 1G /tmp/hc/a.img", &mut c),
         None
@@ -1032,4 +1067,18 @@ fn paths_and_uris_are_the_tests() {
     let csv = w.root().join("etc/hybridcache/ioclass-config.csv");
     sub(&mut w, "/etc/hybridcache/ioclass-config.csv");
     assert!(csv.exists(), "a copy of packaging/ioclass-config.csv");
+}
+
+#[test]
+fn a_hybridcache_command_cannot_hide_in_a_line_that_is_not_run() {
+    let mut report = Report::default();
+    run_file(
+        "t.md",
+        "```sh\nhybridcache -L && mount /dev/sdb /mnt\n```\n",
+        &mut report,
+    );
+    assert_eq!(report.failures.len(), 1, "{:#?}", report.failures);
+    assert!(
+        report.failures[0].starts_with("t.md:2: a hybridcache command in a line that is not run")
+    );
 }
