@@ -4,8 +4,9 @@ CARGO ?= cargo
 # man-db: the install test renders the man pages with `man -l`.
 # libclang-dev: libublk's bindgen (crates/ublk). xfsprogs ... bcache-tools: the signature tests make
 # each file system and volume signature with its own tool. prometheus: the metrics test. tmux: top.
+# jq, socat: the docs' examples, which the doc test (crates/cli/tests/docs.rs) runs.
 DEB_PACKAGES := man-db fio nbdkit libnbd-bin qemu-utils fuse3 python3-libnbd prometheus tmux libclang-dev \
-	xfsprogs btrfs-progs lvm2 fdisk bcache-tools
+	xfsprogs btrfs-progs lvm2 fdisk bcache-tools jq socat
 STAMP := target/.deps-installed
 
 .PHONY: all build deps ceph-deps test test-rust test-guest test-ceph ceph-demo ceph-ops lint fmt bench \
