@@ -145,7 +145,7 @@ pub enum Command {
         /// Also serve NBD over TCP: PORT (loopback) or ADDRESS:PORT.
         #[arg(long, value_name = "ADDR:PORT")]
         nbd_listen: Option<String>,
-        /// Requests in flight per NBD connection [default: 4].
+        /// Requests in flight per NBD connection [default: 16].
         #[arg(long, value_name = "N")]
         nbd_workers: Option<usize>,
         /// Serve Prometheus metrics at http://ADDR:PORT/metrics: PORT (loopback) or ADDRESS:PORT.

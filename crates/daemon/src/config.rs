@@ -5,7 +5,7 @@
 //! control = "/run/hybridcache/control.sock"
 //! nbd_socket = "/run/hybridcache/nbd.sock"
 //! nbd_listen = "127.0.0.1:10809"   # optional; TCP is off without it
-//! nbd_workers = 4                  # requests in flight per NBD connection
+//! nbd_workers = 16                 # requests in flight per NBD connection
 //! save_config = true               # write setup changes back to this file
 //! metrics_listen = "127.0.0.1:9563" # optional; Prometheus metrics at /metrics
 //! cleaning_stall_warn = 30         # seconds of due cleaning without progress before a WARN
