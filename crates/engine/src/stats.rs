@@ -23,10 +23,18 @@ impl Usage {
 /// Request counts by how the cache served them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RequestStats {
+    /// Every read served whole from the cache, deferred or not.
     pub read_hits: u64,
+    /// Read hits that waited for another request's line locks before they could be served
+    /// (Open CAS's "deferred": a hit whose cache line locks were not granted at once). A subset
+    /// of `read_hits`; a miss that waits stays a miss, as in Open CAS.
+    pub read_deferred: u64,
     pub read_partial_misses: u64,
     pub read_full_misses: u64,
+    /// Every write whose sectors all had a cache line, deferred or not.
     pub write_hits: u64,
+    /// Write hits that waited for another request's line locks (a subset of `write_hits`).
+    pub write_deferred: u64,
     pub write_partial_misses: u64,
     pub write_full_misses: u64,
     pub pass_through_reads: u64,
@@ -58,6 +66,8 @@ pub struct BlockStats {
     pub lazy_flush_bytes: u64,
     /// Bytes prefetch read from the core (part of `core_read_bytes`).
     pub prefetch_read_bytes: u64,
+    /// Bytes prefetch wrote to the cache (part of `cache_written_bytes`).
+    pub prefetch_written_bytes: u64,
 }
 
 /// Failed device operations.
@@ -174,8 +184,11 @@ pub(crate) enum Counter {
     PrefetchReadBytes,
     OffloadReads,
     OffloadWrites,
+    ReadDeferred,
+    WriteDeferred,
+    PrefetchWrittenBytes,
 }
-const COUNTERS: usize = Counter::OffloadWrites as usize + 1;
+const COUNTERS: usize = Counter::PrefetchWrittenBytes as usize + 1;
 
 #[repr(align(128))]
 struct Slot([AtomicU64; COUNTERS]);
@@ -220,9 +233,11 @@ impl Counters {
         (
             RequestStats {
                 read_hits: self.get(ReadHits),
+                read_deferred: self.get(ReadDeferred),
                 read_partial_misses: self.get(ReadPartialMisses),
                 read_full_misses: self.get(ReadFullMisses),
                 write_hits: self.get(WriteHits),
+                write_deferred: self.get(WriteDeferred),
                 write_partial_misses: self.get(WritePartialMisses),
                 write_full_misses: self.get(WriteFullMisses),
                 pass_through_reads: self.get(PassThroughReads),
@@ -242,6 +257,7 @@ impl Counters {
                 exported_written_bytes: self.get(ExportedWrittenBytes),
                 lazy_flush_bytes: self.get(LazyFlushBytes),
                 prefetch_read_bytes: self.get(PrefetchReadBytes),
+                prefetch_written_bytes: self.get(PrefetchWrittenBytes),
             },
             ErrorStats {
                 cache_read: self.get(CacheReadErrors),
@@ -272,9 +288,11 @@ impl RequestStats {
     }
     pub(crate) fn add(&mut self, o: &RequestStats) {
         self.read_hits += o.read_hits;
+        self.read_deferred += o.read_deferred;
         self.read_partial_misses += o.read_partial_misses;
         self.read_full_misses += o.read_full_misses;
         self.write_hits += o.write_hits;
+        self.write_deferred += o.write_deferred;
         self.write_partial_misses += o.write_partial_misses;
         self.write_full_misses += o.write_full_misses;
         self.pass_through_reads += o.pass_through_reads;
@@ -297,6 +315,7 @@ impl BlockStats {
         self.exported_written_bytes += o.exported_written_bytes;
         self.lazy_flush_bytes += o.lazy_flush_bytes;
         self.prefetch_read_bytes += o.prefetch_read_bytes;
+        self.prefetch_written_bytes += o.prefetch_written_bytes;
     }
 }
 
