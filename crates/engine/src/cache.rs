@@ -2814,6 +2814,30 @@ mod tests {
         assert_eq!((r.read_deferred, r.write_deferred), (0, 0));
     }
 
+    /// The cleaner's writes are counted on their core (requests and blocks) as internal work,
+    /// outside the client request totals; `-Z` resets them.
+    #[test]
+    fn cleaner_writes_are_counted_on_their_core() {
+        let (cache, core, id) = cache(CacheMode::Wb);
+        // Two neighbouring dirty lines and one apart: at least two core writes.
+        core.write(&[1u8; 8192], 0).unwrap();
+        core.write(&[2u8; 4096], 64 * KIB).unwrap();
+        cache.flush().unwrap();
+        let s = cache.core_stats(id).unwrap();
+        assert!(s.requests.cleaner_requests >= 2, "{s:?}");
+        assert_eq!(s.blocks.cleaner_core_written_bytes, 12 * KIB);
+        assert_eq!(s.blocks.cleaner_cache_read_bytes, 12 * KIB);
+        assert_eq!(s.requests.total(), 2, "cleaning is no client request");
+        assert_eq!(
+            cache.stats().requests.cleaner_requests,
+            s.requests.cleaner_requests
+        );
+        cache.reset_stats();
+        let s = cache.core_stats(id).unwrap();
+        assert_eq!(s.requests.cleaner_requests, 0);
+        assert_eq!(s.blocks.cleaner_core_written_bytes, 0);
+    }
+
     /// Read-ahead counts its request, the blocks it read from the core and those it wrote to
     /// the cache, none of them as a client request; `-Z` resets them.
     #[test]

@@ -51,6 +51,9 @@ pub struct RequestStats {
     pub offload_reads: u64,
     /// Write misses offload sent to the core (also counted as pass-through writes).
     pub offload_writes: u64,
+    /// Core writes of the cleaner (background cleaning, flushes, and a write-back write making
+    /// room): internal requests, not in the totals above.
+    pub cleaner_requests: u64,
 }
 
 /// Bytes moved, by device.
@@ -68,6 +71,10 @@ pub struct BlockStats {
     pub prefetch_read_bytes: u64,
     /// Bytes prefetch wrote to the cache (part of `cache_written_bytes`).
     pub prefetch_written_bytes: u64,
+    /// Bytes the cleaner read from the cache (part of `cache_read_bytes`) and wrote to the core
+    /// (part of `core_written_bytes`).
+    pub cleaner_cache_read_bytes: u64,
+    pub cleaner_core_written_bytes: u64,
 }
 
 /// Failed device operations.
@@ -187,8 +194,11 @@ pub(crate) enum Counter {
     ReadDeferred,
     WriteDeferred,
     PrefetchWrittenBytes,
+    CleanerRequests,
+    CleanerCacheReadBytes,
+    CleanerCoreWrittenBytes,
 }
-const COUNTERS: usize = Counter::PrefetchWrittenBytes as usize + 1;
+const COUNTERS: usize = Counter::CleanerCoreWrittenBytes as usize + 1;
 
 #[repr(align(128))]
 struct Slot([AtomicU64; COUNTERS]);
@@ -247,6 +257,7 @@ impl Counters {
                 prefetch_hits: self.get(PrefetchHits),
                 offload_reads: self.get(OffloadReads),
                 offload_writes: self.get(OffloadWrites),
+                cleaner_requests: self.get(CleanerRequests),
             },
             BlockStats {
                 core_read_bytes: self.get(CoreReadBytes),
@@ -258,6 +269,8 @@ impl Counters {
                 lazy_flush_bytes: self.get(LazyFlushBytes),
                 prefetch_read_bytes: self.get(PrefetchReadBytes),
                 prefetch_written_bytes: self.get(PrefetchWrittenBytes),
+                cleaner_cache_read_bytes: self.get(CleanerCacheReadBytes),
+                cleaner_core_written_bytes: self.get(CleanerCoreWrittenBytes),
             },
             ErrorStats {
                 cache_read: self.get(CacheReadErrors),
@@ -302,6 +315,7 @@ impl RequestStats {
         self.prefetch_hits += o.prefetch_hits;
         self.offload_reads += o.offload_reads;
         self.offload_writes += o.offload_writes;
+        self.cleaner_requests += o.cleaner_requests;
     }
 }
 
@@ -316,6 +330,8 @@ impl BlockStats {
         self.lazy_flush_bytes += o.lazy_flush_bytes;
         self.prefetch_read_bytes += o.prefetch_read_bytes;
         self.prefetch_written_bytes += o.prefetch_written_bytes;
+        self.cleaner_cache_read_bytes += o.cleaner_cache_read_bytes;
+        self.cleaner_core_written_bytes += o.cleaner_core_written_bytes;
     }
 }
 
