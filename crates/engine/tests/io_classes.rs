@@ -218,5 +218,8 @@ fn cleaner_writes_are_counted_on_their_lines_classes() {
     assert_eq!(s1.requests.cleaner_requests, 1, "{s1:?}");
     assert_eq!(s1.blocks.cleaner_core_written_bytes, 4096);
     cache.reset_stats();
-    assert_eq!(cache.io_class_stats(0).unwrap().requests.cleaner_requests, 0);
+    assert_eq!(
+        cache.io_class_stats(0).unwrap().requests.cleaner_requests,
+        0
+    );
 }
