@@ -387,21 +387,24 @@ fn sections(r: &StatsReport) -> Vec<Section> {
 
     let total = s.total_lines;
     let clean = s.occupancy_lines.saturating_sub(s.dirty_lines);
-    let usage = vec![
-        row(
-            "occupancy",
-            "Occupancy",
-            lines4(s.occupancy_lines),
-            pct(s.occupancy_lines, total),
-            BLOCKS,
-        ),
-        row(
+    let mut usage = vec![row(
+        "occupancy",
+        "Occupancy",
+        lines4(s.occupancy_lines),
+        pct(s.occupancy_lines, total),
+        BLOCKS,
+    )];
+    // casadm's IO class usage has no Free row: free lines belong to no class.
+    if r.io_class.is_none() {
+        usage.push(row(
             "free",
             "Free",
             lines4(s.free_lines),
             pct(s.free_lines, total),
             BLOCKS,
-        ),
+        ));
+    }
+    usage.extend([
         row("clean", "Clean", lines4(clean), pct(clean, total), BLOCKS),
         row(
             "dirty",
@@ -410,15 +413,25 @@ fn sections(r: &StatsReport) -> Vec<Section> {
             pct(s.dirty_lines, total),
             BLOCKS,
         ),
-    ];
+    ]);
 
+    // As Open CAS: a deferred hit is shown apart from the other hits (the engine counts it in
+    // both), so that hits, deferred and misses add up to the total; requests are % of the
+    // users' requests, the internal ones (read-ahead, cleaner) % of their own kind.
     let reads = s.read_hits + s.read_partial_misses + s.read_full_misses;
     let writes = s.write_hits + s.write_partial_misses + s.write_full_misses;
     let serviced = reads + writes;
-    let all = serviced + s.pass_through_reads + s.pass_through_writes;
-    let req = |key, name, n| row(key, name, n, pct(n, all), REQUESTS);
-    let mut requests = vec![
-        req("read_hits", "Read hits", s.read_hits),
+    let user = serviced + s.pass_through_reads + s.pass_through_writes;
+    let all = user + s.prefetch_requests + s.cleaner_requests;
+    let req = |key, name, n| row(key, name, n, pct(n, user), REQUESTS);
+    let own = |key, name, n| row(key, name, n, pct(n, n), REQUESTS);
+    let requests = vec![
+        req(
+            "read_hits",
+            "Read hits",
+            s.read_hits.saturating_sub(s.read_deferred),
+        ),
+        req("read_deferred", "Read deferred", s.read_deferred),
         req(
             "read_partial_misses",
             "Read partial misses",
@@ -426,7 +439,12 @@ fn sections(r: &StatsReport) -> Vec<Section> {
         ),
         req("read_full_misses", "Read full misses", s.read_full_misses),
         req("read_total", "Read total", reads),
-        req("write_hits", "Write hits", s.write_hits),
+        req(
+            "write_hits",
+            "Write hits",
+            s.write_hits.saturating_sub(s.write_deferred),
+        ),
+        req("write_deferred", "Write deferred", s.write_deferred),
         req(
             "write_partial_misses",
             "Write partial misses",
@@ -449,9 +467,20 @@ fn sections(r: &StatsReport) -> Vec<Section> {
             s.pass_through_writes,
         ),
         req("serviced_requests", "Serviced requests", serviced),
-        req("total_requests", "Total requests", all),
+        own(
+            "prefetch_readahead",
+            "Prefetch: readahead",
+            s.prefetch_requests,
+        ),
+        own("cleaner", "Cleaner", s.cleaner_requests),
+        own("user_requests", "User requests", user),
+        own("total_requests", "Total requests", all),
     ];
 
+    // casadm names the core and exported-object rows "(s)" for a cache (and its IO classes),
+    // without it for one core.
+    let one = r.core.is_some();
+    let pick = |core: &'static str, cache: &'static str| if one { core } else { cache };
     let trio = |rk, rn, r: u64, wk, wn, w: u64, tk, tn| {
         let (r, w) = (b4(r), b4(w));
         let t = r + w;
@@ -464,13 +493,13 @@ fn sections(r: &StatsReport) -> Vec<Section> {
     let mut blocks = Vec::new();
     blocks.extend(trio(
         "core_reads",
-        "Reads from core(s)",
+        pick("Reads from core", "Reads from core(s)"),
         s.core_read_bytes,
         "core_writes",
-        "Writes to core(s)",
+        pick("Writes to core", "Writes to core(s)"),
         s.core_written_bytes,
         "core_total",
-        "Total to/from core(s)",
+        pick("Total to/from core", "Total to/from core(s)"),
     ));
     blocks.extend(trio(
         "cache_reads",
@@ -484,33 +513,53 @@ fn sections(r: &StatsReport) -> Vec<Section> {
     ));
     blocks.extend(trio(
         "exported_reads",
-        "Reads from exported object(s)",
+        pick(
+            "Reads from exported object",
+            "Reads from exported object(s)",
+        ),
         s.exported_read_bytes,
         "exported_writes",
-        "Writes to exported object(s)",
+        pick("Writes to exported object", "Writes to exported object(s)"),
         s.exported_written_bytes,
         "exported_total",
-        "Total to/from exported object(s)",
+        pick(
+            "Total to/from exported object",
+            "Total to/from exported object(s)",
+        ),
     ));
-
-    // The cleaner's work (background cleaning and flushes), in casadm's row names (v26.09:
-    // "Cleaner" requests, "Cleaner core writes" blocks); cache statistics only.
-    if let Some(cl) = r.cleaning {
-        requests.push(row(
-            "cleaner",
-            "Cleaner",
-            cl.core_writes,
-            pct(cl.core_writes, all + cl.core_writes),
-            REQUESTS,
-        ));
-        let written = b4(cl.core_write_bytes);
-        blocks.push(row(
+    // Read-ahead's and the cleaner's blocks are part of the core and cache rows above; each is
+    // shown as a share of the device total it is part of.
+    let core_total = b4(s.core_read_bytes) + b4(s.core_written_bytes);
+    let cache_total = b4(s.cache_read_bytes) + b4(s.cache_written_bytes);
+    let part =
+        |key, name, bytes: u64, of: u64| row(key, name, b4(bytes), pct(b4(bytes), of), BLOCKS);
+    blocks.extend([
+        part(
+            "prefetch_core_reads_readahead",
+            "Prefetch core reads: readahead",
+            s.prefetch_read_bytes,
+            core_total,
+        ),
+        part(
+            "prefetch_cache_writes_readahead",
+            "Prefetch cache writes: readahead",
+            s.prefetch_written_bytes,
+            cache_total,
+        ),
+        part(
+            "cleaner_cache_reads",
+            "Cleaner cache reads",
+            s.cleaner_cache_read_bytes,
+            cache_total,
+        ),
+        part(
             "cleaner_core_writes",
             "Cleaner core writes",
-            written,
-            pct(written, b4(s.core_written_bytes)),
-            BLOCKS,
-        ));
+            s.cleaner_core_written_bytes,
+            core_total,
+        ),
+    ]);
+    if let Some(cl) = r.cleaning {
         blocks.push(Row {
             key: "cleaned_lines",
             name: "Cleaned lines",
@@ -546,8 +595,9 @@ fn sections(r: &StatsReport) -> Vec<Section> {
         err("total_errors", "Total errors", all_err),
     ];
 
-    // Lazy flush's writes are also counted as write misses above, prefetch's requests are not
-    // client requests: their own section, each as a share of what it is part of.
+    // Lazy flush's writes are also counted as write hits or misses above: their own section,
+    // each as a share of what it is part of (read-ahead's requests and blocks are casadm's rows
+    // above; its hits are ours).
     let (lazy_b, pre_b) = (b4(s.lazy_flush_bytes), b4(s.prefetch_read_bytes));
     // Hits are lines, prefetch's reads 4 KiB blocks: the share compares blocks.
     let line4 = (s.line_size as u64 / 4096).max(1);
@@ -581,20 +631,6 @@ fn sections(r: &StatsReport) -> Vec<Section> {
             REQUESTS,
         ),
         row(
-            "prefetch_requests",
-            "Prefetch requests",
-            s.prefetch_requests,
-            pct(s.prefetch_requests, all + s.prefetch_requests),
-            REQUESTS,
-        ),
-        row(
-            "prefetch_blocks",
-            "Blocks read from core by prefetch",
-            pre_b,
-            pct(pre_b, b4(s.core_read_bytes)),
-            BLOCKS,
-        ),
-        row(
             "prefetch_hits",
             "Prefetched lines hit",
             s.prefetch_hits,
@@ -603,7 +639,9 @@ fn sections(r: &StatsReport) -> Vec<Section> {
         ),
     ];
 
-    vec![
+    // casadm's sections in casadm's order, then ours. casadm shows no errors for an IO class:
+    // device errors belong to a device, not to a class (ours are not counted per class either).
+    let mut out = vec![
         Section {
             key: "usage",
             title: "Usage statistics",
@@ -619,17 +657,20 @@ fn sections(r: &StatsReport) -> Vec<Section> {
             title: "Block statistics",
             rows: blocks,
         },
-        Section {
-            key: "policies",
-            title: "Lazy flush and prefetch statistics",
-            rows: policies,
-        },
-        Section {
+    ];
+    if r.io_class.is_none() {
+        out.push(Section {
             key: "errors",
             title: "Error statistics",
             rows: errors,
-        },
-    ]
+        });
+    }
+    out.push(Section {
+        key: "policies",
+        title: "Lazy flush and prefetch statistics",
+        rows: policies,
+    });
+    out
 }
 
 /// Info keys whose values are text even when they look like numbers: names, paths and modes.
@@ -1062,6 +1103,21 @@ fn latency_table(out: &mut String, rows: &[crate::protocol::LatencyRow]) {
     out.push_str(&bar("╚", "╧", "╝"));
 }
 
+/// Rows that begin a group, after a thin line, as casadm's tables have them (its
+/// `print_val_perc_table_section` rows), and the first of our own rows after casadm's.
+const GROUP_STARTS: &[&str] = &[
+    "write_hits",
+    "pass_through_reads",
+    "prefetch_readahead",
+    "user_requests",
+    "cache_reads",
+    "exported_reads",
+    "prefetch_core_reads_readahead",
+    "cleaned_lines",
+    "core_read_errors",
+    "total_errors",
+];
+
 /// One casadm-style box table.
 fn table(out: &mut String, s: &Section) {
     let w0 = s
@@ -1074,35 +1130,35 @@ fn table(out: &mut String, s: &Section) {
     let counts: Vec<String> = s.rows.iter().map(|r| r.count.to_string()).collect();
     let w1 = counts.iter().map(String::len).chain([5]).max().unwrap_or(5);
     let w2 = 5;
-    let w3 = s
-        .rows
-        .iter()
-        .map(|r| r.unit.len())
-        .chain([5])
-        .max()
-        .unwrap_or(5);
-    let bar = |l: &str, m: &str, r: &str| {
+    // casadm brackets the units: "[Units]", "[Requests]".
+    let units: Vec<String> = s.rows.iter().map(|r| format!("[{}]", r.unit)).collect();
+    let w3 = units.iter().map(String::len).chain([7]).max().unwrap_or(7);
+    let line = |l: &str, h: &str, m: &str, r: &str| {
         format!(
             "{l}{}{m}{}{m}{}{m}{}{r}\n",
-            "═".repeat(w0 + 2),
-            "═".repeat(w1 + 2),
-            "═".repeat(w2 + 2),
-            "═".repeat(w3 + 2)
+            h.repeat(w0 + 2),
+            h.repeat(w1 + 2),
+            h.repeat(w2 + 2),
+            h.repeat(w3 + 2)
         )
     };
+    let bar = |l: &str, m: &str, r: &str| line(l, "═", m, r);
     out.push_str(&bar("╔", "╤", "╗"));
     let _ = writeln!(
         out,
         "║ {:<w0$} │ {:>w1$} │ {:>w2$} │ {:<w3$} ║",
-        s.title, "Count", "%", "Units"
+        s.title, "Count", "%", "[Units]"
     );
     out.push_str(&bar("╠", "╪", "╣"));
-    for (r, c) in s.rows.iter().zip(&counts) {
+    for (i, ((r, c), u)) in s.rows.iter().zip(&counts).zip(&units).enumerate() {
+        if i > 0 && GROUP_STARTS.contains(&r.key) {
+            out.push_str(&line("╟", "─", "┼", "╢"));
+        }
         let p = r.percent.map(|p| format!("{p:.1}")).unwrap_or_default();
         let _ = writeln!(
             out,
             "║ {:<w0$} │ {:>w1$} │ {:>w2$} │ {:<w3$} ║",
-            r.name, c, p, r.unit
+            r.name, c, p, u
         );
     }
     out.push_str(&bar("╚", "╧", "╝"));
@@ -1155,6 +1211,11 @@ mod tests {
                 read_hits: 3,
                 read_full_misses: 1,
                 core_read_bytes: 8192,
+                core_written_bytes: 20480,
+                cache_read_bytes: 20480,
+                cleaner_requests: 2,
+                cleaner_cache_read_bytes: 20480,
+                cleaner_core_written_bytes: 20480,
                 ..StatsData::default()
             },
             latency: vec![
@@ -1262,6 +1323,261 @@ mod tests {
         "Eviction priority",
         "Max size",
     ];
+    /// casadm's statistics tables and their rows, in order (open-cas-linux
+    /// casadm/statistics_model.c: print_usage_stats, print_ioclass_usage_stats, print_req_stats,
+    /// print_blk_stats, print_err_stats; cache_stats_counters, cache_stats_core_counters and
+    /// print_stats_ioclass choose the tables), with their units as the CSV names them.
+    const CASADM_USAGE: (&str, &str, &[&str]) = (
+        "Usage statistics",
+        "4KiB Blocks",
+        &["Occupancy", "Free", "Clean", "Dirty"],
+    );
+    const CASADM_IO_CLASS_USAGE: (&str, &str, &[&str]) = (
+        "Usage statistics",
+        "4KiB Blocks",
+        &["Occupancy", "Clean", "Dirty"],
+    );
+    const CASADM_REQUESTS: (&str, &str, &[&str]) = (
+        "Request statistics",
+        "Requests",
+        &[
+            "Read hits",
+            "Read deferred",
+            "Read partial misses",
+            "Read full misses",
+            "Read total",
+            "Write hits",
+            "Write deferred",
+            "Write partial misses",
+            "Write full misses",
+            "Write total",
+            "Pass-Through reads",
+            "Pass-Through writes",
+            "Serviced requests",
+            "Prefetch: readahead",
+            "Cleaner",
+            "User requests",
+            "Total requests",
+        ],
+    );
+    /// A cache's (and a cache's IO class's): "(s)" after core and exported object.
+    const CASADM_CACHE_BLOCKS: (&str, &str, &[&str]) = (
+        "Block statistics",
+        "4KiB Blocks",
+        &[
+            "Reads from core(s)",
+            "Writes to core(s)",
+            "Total to/from core(s)",
+            "Reads from cache",
+            "Writes to cache",
+            "Total to/from cache",
+            "Reads from exported object(s)",
+            "Writes to exported object(s)",
+            "Total to/from exported object(s)",
+            "Prefetch core reads: readahead",
+            "Prefetch cache writes: readahead",
+            "Cleaner cache reads",
+            "Cleaner core writes",
+        ],
+    );
+    const CASADM_CORE_BLOCKS: (&str, &str, &[&str]) = (
+        "Block statistics",
+        "4KiB Blocks",
+        &[
+            "Reads from core",
+            "Writes to core",
+            "Total to/from core",
+            "Reads from cache",
+            "Writes to cache",
+            "Total to/from cache",
+            "Reads from exported object",
+            "Writes to exported object",
+            "Total to/from exported object",
+            "Prefetch core reads: readahead",
+            "Prefetch cache writes: readahead",
+            "Cleaner cache reads",
+            "Cleaner core writes",
+        ],
+    );
+    const CASADM_ERRORS: (&str, &str, &[&str]) = (
+        "Error statistics",
+        "Requests",
+        &[
+            "Cache read errors",
+            "Cache write errors",
+            "Cache total errors",
+            "Core read errors",
+            "Core write errors",
+            "Core total errors",
+            "Total errors",
+        ],
+    );
+
+    /// A table's rows: name and unit cells.
+    type Rows = Vec<(String, String)>;
+
+    /// Each box table of a table output: its title and its rows' names and units, in order.
+    fn table_rows(t: &str) -> Vec<((String, String), Rows)> {
+        let mut out: Vec<((String, String), Rows)> = Vec::new();
+        let mut head = false;
+        for l in t.lines() {
+            let cells: Vec<String> = l
+                .trim_matches(['║', ' '])
+                .split('│')
+                .map(|c| c.trim().to_string())
+                .collect();
+            let name_unit = || (cells[0].clone(), cells[cells.len() - 1].clone());
+            if l.starts_with('╔') {
+                head = true;
+            } else if l.starts_with('║') && head {
+                out.push((name_unit(), Vec::new()));
+                head = false;
+            } else if l.starts_with('║') {
+                if let Some(last) = out.last_mut() {
+                    last.1.push(name_unit());
+                }
+            }
+        }
+        out
+    }
+
+    /// casadm's tables come first, in casadm's order, each with casadm's rows first in
+    /// casadm's order (ours may follow), in the table and in the CSV header.
+    fn assert_casadm_rows(r: &StatsReport, want: &[(&str, &str, &[&str])]) {
+        let t = stats(r, OutputFormat::Table);
+        let got = table_rows(&t);
+        for (i, (title, unit, rows)) in want.iter().enumerate() {
+            assert_eq!(
+                got[i].0,
+                (title.to_string(), "[Units]".into()),
+                "table {i}: {t}"
+            );
+            assert!(got[i].1.len() >= rows.len(), "{title}: {t}");
+            for (j, name) in rows.iter().enumerate() {
+                let want = (name.to_string(), format!("[{unit}]"));
+                assert_eq!(got[i].1[j], want, "{title}, row {j}: {t}");
+            }
+        }
+        let csv = stats(r, OutputFormat::Csv);
+        let head = csv_header(&csv);
+        let mut at = 0;
+        for (title, unit, rows) in want {
+            let first = format!("{} [{unit}]", rows[0]);
+            let start = head[at..]
+                .iter()
+                .position(|h| *h == first)
+                .unwrap_or_else(|| panic!("{title}: no {first} after column {at}: {head:?}"))
+                + at;
+            for (j, name) in rows.iter().enumerate() {
+                assert_eq!(head[start + 2 * j], format!("{name} [{unit}]"), "{head:?}");
+                assert_eq!(head[start + 2 * j + 1], format!("{name} [%]"), "{head:?}");
+            }
+            at = start + 2 * rows.len();
+        }
+    }
+
+    #[test]
+    fn statistics_rows_are_casadms_in_casadms_order() {
+        let cache = report();
+        assert_casadm_rows(
+            &cache,
+            &[
+                CASADM_USAGE,
+                CASADM_REQUESTS,
+                CASADM_CACHE_BLOCKS,
+                CASADM_ERRORS,
+            ],
+        );
+        let core = StatsReport {
+            core: Some(cache.cache.cores[0].clone()),
+            cleaning: None,
+            ..report()
+        };
+        assert_casadm_rows(
+            &core,
+            &[
+                CASADM_USAGE,
+                CASADM_REQUESTS,
+                CASADM_CORE_BLOCKS,
+                CASADM_ERRORS,
+            ],
+        );
+        let class = StatsReport {
+            io_class: Some(crate::protocol::IoClassInfo {
+                id: 1,
+                name: "metadata".into(),
+                eviction_priority: "100".into(),
+                allocation: "0.50".into(),
+            }),
+            latency: Vec::new(),
+            cleaning: None,
+            ..report()
+        };
+        assert_casadm_rows(
+            &class,
+            &[CASADM_IO_CLASS_USAGE, CASADM_REQUESTS, CASADM_CACHE_BLOCKS],
+        );
+        let t = stats(&class, OutputFormat::Table);
+        assert!(!t.contains("Error statistics"), "{t}");
+    }
+
+    /// Deferred hits are shown apart from the other hits, so that the rows add up to the
+    /// total, as in Open CAS; user requests are the clients', the total adds read-ahead and
+    /// the cleaner.
+    #[test]
+    fn deferred_readahead_and_user_requests() {
+        let mut r = report();
+        r.stats.read_hits = 5;
+        r.stats.read_deferred = 2;
+        r.stats.read_full_misses = 1;
+        r.stats.write_hits = 4;
+        r.stats.write_deferred = 1;
+        r.stats.pass_through_writes = 2;
+        r.stats.prefetch_requests = 3;
+        r.stats.prefetch_read_bytes = 3 * 65536;
+        r.stats.prefetch_written_bytes = 3 * 65536;
+        r.stats.core_read_bytes = 4 * 65536;
+        r.stats.cache_written_bytes = 3 * 65536;
+        let csv = stats(&r, OutputFormat::Csv);
+        let head = csv_header(&csv);
+        let values: Vec<&str> = csv.lines().nth(1).unwrap().split(',').collect();
+        let at = |name: &str| {
+            let i = head
+                .iter()
+                .position(|h| h == name)
+                .unwrap_or_else(|| panic!("{name}: {csv}"));
+            values[i].to_string()
+        };
+        assert_eq!(at("Read hits [Requests]"), "3");
+        assert_eq!(at("Read deferred [Requests]"), "2");
+        assert_eq!(at("Read total [Requests]"), "6");
+        assert_eq!(at("Write hits [Requests]"), "3");
+        assert_eq!(at("Write deferred [Requests]"), "1");
+        assert_eq!(at("Write total [Requests]"), "4");
+        assert_eq!(at("Serviced requests [Requests]"), "10");
+        assert_eq!(at("Prefetch: readahead [Requests]"), "3");
+        assert_eq!(at("Prefetch: readahead [%]"), "100.0");
+        assert_eq!(at("Cleaner [Requests]"), "2");
+        assert_eq!(at("User requests [Requests]"), "12");
+        assert_eq!(at("User requests [%]"), "100.0");
+        assert_eq!(at("Total requests [Requests]"), "17");
+        assert_eq!(
+            at("Read deferred [%]"),
+            format!("{:.1}", 2.0 * 100.0 / 12.0)
+        );
+        assert_eq!(at("Prefetch core reads: readahead [4KiB Blocks]"), "48");
+        assert_eq!(at("Prefetch cache writes: readahead [4KiB Blocks]"), "48");
+        let j: Value = serde_json::from_str(&stats(&r, OutputFormat::Json)).unwrap();
+        assert_eq!(j["requests"]["read_deferred"]["count"], 2);
+        assert_eq!(j["requests"]["write_deferred"]["count"], 1);
+        assert_eq!(j["requests"]["prefetch_readahead"]["count"], 3);
+        assert_eq!(j["requests"]["user_requests"]["count"], 12);
+        assert_eq!(j["requests"]["total_requests"]["count"], 17);
+        assert_eq!(j["blocks"]["prefetch_core_reads_readahead"]["count"], 48);
+        assert_eq!(j["blocks"]["prefetch_cache_writes_readahead"]["count"], 48);
+        assert_eq!(j["raw"]["read_deferred"], 2);
+    }
+
     /// The first rows of casadm's usage, request, block and error tables.
     const CASADM_FIRST_ROWS: &[&str] = &[
         "Occupancy [4KiB Blocks]",
@@ -1398,19 +1714,26 @@ mod tests {
             values[i].to_string()
         };
         assert_eq!(at("Cleaner [Requests]"), "2");
+        assert_eq!(at("Cleaner [%]"), "100.0");
+        assert_eq!(at("Cleaner cache reads [4KiB Blocks]"), "5");
         assert_eq!(at("Cleaner core writes [4KiB Blocks]"), "5");
+        assert_eq!(at("Cleaner core writes [%]"), "71.4");
         assert_eq!(at("Cleaned lines [Cache lines]"), "5");
         let j: Value = serde_json::from_str(&stats(&r, OutputFormat::Json)).unwrap();
         assert_eq!(j["requests"]["cleaner"]["count"], 2);
+        assert_eq!(j["blocks"]["cleaner_cache_reads"]["count"], 5);
         assert_eq!(j["blocks"]["cleaner_core_writes"]["count"], 5);
         assert_eq!(j["blocks"]["cleaned_lines"]["count"], 5);
-        // Core statistics have none.
+        // A core's statistics have casadm's cleaner rows (its own counts), not our cleaned
+        // lines, which are counted for the whole cache.
         let core = StatsReport {
             core: Some(r.cache.cores[0].clone()),
             cleaning: None,
             ..report()
         };
-        assert!(!stats(&core, OutputFormat::Csv).contains("Cleaner"));
+        let csv = stats(&core, OutputFormat::Csv);
+        assert!(csv.contains("Cleaner core writes [4KiB Blocks]"), "{csv}");
+        assert!(!csv.contains("Cleaned lines"), "{csv}");
     }
 
     #[test]

@@ -334,13 +334,10 @@ fn lazy_flush_and_prefetch_are_set_shown_and_kept() {
         table.contains("Writes sent to core by lazy flush"),
         "{table}"
     );
-    assert!(
-        table.contains("Blocks read from core by prefetch"),
-        "{table}"
-    );
+    assert!(table.contains("Prefetch core reads: readahead"), "{table}");
     let csv_out = d.ok(&["-P", "-i", "1", "-j", "1", "-o", "csv"]);
     assert!(
-        csv_out.contains("Prefetch requests [Requests]"),
+        csv_out.contains("Prefetch: readahead [Requests]"),
         "{csv_out}"
     );
 

@@ -391,6 +391,31 @@ impl Collector for Collected {
             "Bytes read-ahead read from the core (part of the core's read bytes)",
         )
         .bytes();
+        let mut prefetch_written = Family::counter(
+            "hybridcache_prefetch_written",
+            "Bytes read-ahead wrote to the cache (part of the cache's written bytes)",
+        )
+        .bytes();
+        let mut deferred = Family::counter(
+            "hybridcache_deferred_requests",
+            "Read and write hits that waited for another request's line locks, as -P's Read \
+             and Write deferred (also counted as result=\"hit\" in hybridcache_requests)",
+        );
+        let mut cleaner_requests = Family::counter(
+            "hybridcache_cleaner_requests",
+            "Core writes of the cleaner for this core (cleaning, flushes, making room), as -P's \
+             Cleaner; reset with the statistics",
+        );
+        let mut cleaner_read = Family::counter(
+            "hybridcache_cleaner_read",
+            "Bytes the cleaner read from the cache for this core, as -P's Cleaner cache reads",
+        )
+        .bytes();
+        let mut cleaner_written = Family::counter(
+            "hybridcache_cleaner_written",
+            "Bytes the cleaner wrote to this core, as -P's Cleaner core writes",
+        )
+        .bytes();
         let mut prefetch_hits = Family::counter(
             "hybridcache_prefetch_hit_lines",
             "Cache lines filled by read-ahead that a client read later hit (once per line)",
@@ -500,6 +525,18 @@ impl Collector for Collected {
                 prefetch_requests.push(l.clone(), s.requests.prefetch_requests as f64);
                 prefetch_bytes.push(l.clone(), s.blocks.prefetch_read_bytes as f64);
                 prefetch_hits.push(l.clone(), s.requests.prefetch_hits as f64);
+                prefetch_written.push(l.clone(), s.blocks.prefetch_written_bytes as f64);
+                for (direction, v) in [
+                    ("read", s.requests.read_deferred),
+                    ("write", s.requests.write_deferred),
+                ] {
+                    let mut dl = l.clone();
+                    dl.push(("direction".into(), direction.into()));
+                    deferred.push(dl, v as f64);
+                }
+                cleaner_requests.push(l.clone(), s.requests.cleaner_requests as f64);
+                cleaner_read.push(l.clone(), s.blocks.cleaner_cache_read_bytes as f64);
+                cleaner_written.push(l.clone(), s.blocks.cleaner_core_written_bytes as f64);
                 offload_reads.push(l.clone(), s.requests.offload_reads as f64);
                 offload_writes.push(l.clone(), s.requests.offload_writes as f64);
             }
@@ -590,6 +627,11 @@ impl Collector for Collected {
             &prefetch_requests,
             &prefetch_bytes,
             &prefetch_hits,
+            &prefetch_written,
+            &deferred,
+            &cleaner_requests,
+            &cleaner_read,
+            &cleaner_written,
             &offload_reads,
             &offload_writes,
             &cleaned,
@@ -737,6 +779,12 @@ mod tests {
             r#"hybridcache_prefetch_hit_lines_total{cache="3",core="1"}"#,
             r#"hybridcache_offload_reads_total{cache="3",core="1"}"#,
             r#"hybridcache_offload_writes_total{cache="3",core="1"}"#,
+            r#"hybridcache_prefetch_written_bytes_total{cache="3",core="1"}"#,
+            r#"hybridcache_deferred_requests_total{cache="3",core="1",direction="read"}"#,
+            r#"hybridcache_deferred_requests_total{cache="3",core="1",direction="write"}"#,
+            r#"hybridcache_cleaner_requests_total{cache="3",core="1"}"#,
+            r#"hybridcache_cleaner_read_bytes_total{cache="3",core="1"}"#,
+            r#"hybridcache_cleaner_written_bytes_total{cache="3",core="1"}"#,
         ] {
             assert_eq!(value(&text, series), 0.0, "{series}");
         }

@@ -434,6 +434,22 @@ pub struct StatsData {
     pub offload_reads: u64,
     #[serde(default)]
     pub offload_writes: u64,
+    /// Read and write hits that waited for another request's line locks (part of `read_hits`
+    /// and `write_hits`; casadm's "Read deferred" and "Write deferred").
+    #[serde(default)]
+    pub read_deferred: u64,
+    #[serde(default)]
+    pub write_deferred: u64,
+    /// Bytes read-ahead wrote to the cache (part of `cache_written_bytes`).
+    #[serde(default)]
+    pub prefetch_written_bytes: u64,
+    /// The cleaner's core writes, the bytes it read from the cache and wrote to the core.
+    #[serde(default)]
+    pub cleaner_requests: u64,
+    #[serde(default)]
+    pub cleaner_cache_read_bytes: u64,
+    #[serde(default)]
+    pub cleaner_core_written_bytes: u64,
     pub core_read_bytes: u64,
     pub core_written_bytes: u64,
     pub cache_read_bytes: u64,
@@ -469,6 +485,12 @@ impl From<hybridcache_engine::Stats> for StatsData {
             prefetch_hits: s.requests.prefetch_hits,
             offload_reads: s.requests.offload_reads,
             offload_writes: s.requests.offload_writes,
+            read_deferred: s.requests.read_deferred,
+            write_deferred: s.requests.write_deferred,
+            prefetch_written_bytes: s.blocks.prefetch_written_bytes,
+            cleaner_requests: s.requests.cleaner_requests,
+            cleaner_cache_read_bytes: s.blocks.cleaner_cache_read_bytes,
+            cleaner_core_written_bytes: s.blocks.cleaner_core_written_bytes,
             core_read_bytes: s.blocks.core_read_bytes,
             core_written_bytes: s.blocks.core_written_bytes,
             cache_read_bytes: s.blocks.cache_read_bytes,

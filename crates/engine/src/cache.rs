@@ -778,6 +778,7 @@ impl CacheInner {
         stripes.sort_unstable();
         stripes.dedup();
         let locks = lock(stripes);
+        let waited = locks.waited();
         self.lookup(&mut segs);
         bypass = bypass || self.promotion_declines(&segs);
         // Offload may serve a hit from the core only when no line it touches has a dirty
@@ -826,6 +827,11 @@ impl CacheInner {
             )
         };
         c.add(outcome, 1);
+        self.classes.count(class, outcome, 1);
+        if waited && matches!(outcome, Counter::ReadHits) {
+            c.add(Counter::ReadDeferred, 1);
+            self.classes.count(class, Counter::ReadDeferred, 1);
+        }
         if offloaded {
             c.add(Counter::OffloadReads, 1);
             self.classes.count(class, Counter::OffloadReads, 1);
@@ -834,7 +840,6 @@ impl CacheInner {
         c.add(Counter::PrefetchHits, prefetch_hits);
         self.classes
             .count(class, Counter::PrefetchHits, prefetch_hits);
-        self.classes.count(class, outcome, 1);
         self.classes
             .count(class, Counter::ExportedReadBytes, len as u64);
         Ok(Some(ReadPlan {
@@ -971,7 +976,8 @@ impl CacheInner {
         }
     }
 
-    fn count_write(&self, core: &CoreState, segs: &[Seg], class: Option<ReqClass>) {
+    /// `waited`: the write waited for another request's stripes (a hit is then also deferred).
+    fn count_write(&self, core: &CoreState, segs: &[Seg], class: Option<ReqClass>, waited: bool) {
         let total: u64 = segs.iter().map(|s| s.count as u64).sum();
         let valid: u64 = segs
             .iter()
@@ -986,6 +992,10 @@ impl CacheInner {
         );
         core.counters.add(outcome, 1);
         self.classes.count(class, outcome, 1);
+        if waited && matches!(outcome, Counter::WriteHits) {
+            core.counters.add(Counter::WriteDeferred, 1);
+            self.classes.count(class, Counter::WriteDeferred, 1);
+        }
     }
 
     fn count_pass_through_write(&self, core: &CoreState, class: Option<ReqClass>) {
@@ -1009,8 +1019,10 @@ impl CacheInner {
         let lazy = self.lazy_flush.load(Ordering::Relaxed);
         let mut room_deadline: Option<std::time::Instant> = None;
         let mut asked = false;
+        let mut waited = false;
         let (locks, short) = loop {
             let locks = self.lock_keys(segs.iter().map(|s| s.key));
+            waited |= locks.waited();
             self.lookup(&mut segs);
             // Promotion is asked once: a retry after making room must not count accesses again.
             if !asked {
@@ -1080,7 +1092,7 @@ impl CacheInner {
         if declined || offloaded {
             self.count_pass_through_write(core, class);
         } else {
-            self.count_write(core, &segs, class);
+            self.count_write(core, &segs, class, waited);
         }
         if offloaded {
             core.counters.add(Counter::OffloadWrites, 1);
@@ -1171,7 +1183,8 @@ impl CacheInner {
         class: Option<ReqClass>,
     ) -> Result<()> {
         let mut segs = self.segments(core.id, offset, buf.len() as u64);
-        let _locks = self.lock_keys(segs.iter().map(|s| s.key));
+        let locks = self.lock_keys(segs.iter().map(|s| s.key));
+        let waited = locks.waited();
         self.lookup(&mut segs);
         let declined = insert && self.promotion_declines(&segs);
         // As in write-back: offload takes write misses only (nothing mapped, nothing stale).
@@ -1183,7 +1196,7 @@ impl CacheInner {
         if declined || offloaded {
             self.count_pass_through_write(core, class);
         } else {
-            self.count_write(core, &segs, class);
+            self.count_write(core, &segs, class, waited);
         }
         if offloaded {
             core.counters.add(Counter::OffloadWrites, 1);
@@ -1227,12 +1240,12 @@ impl CacheInner {
         class: Option<ReqClass>,
     ) -> Result<()> {
         let mut segs = self.segments(core.id, offset, buf.len() as u64);
-        let _locks = self.lock_keys(segs.iter().map(|s| s.key));
+        let locks = self.lock_keys(segs.iter().map(|s| s.key));
         self.lookup(&mut segs);
         if mode == CacheMode::Pt {
             self.count_pass_through_write(core, class);
         } else {
-            self.count_write(core, &segs, class);
+            self.count_write(core, &segs, class, locks.waited());
         }
         let whole = [Run {
             dev_off: offset,
@@ -2726,5 +2739,131 @@ fn to_volume_error(
             len,
             ErrorKind::Invalid(other.to_string()),
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::PrefetchPolicy;
+    use hybridcache_volume::RamVolume;
+
+    const KIB: u64 = 1024;
+
+    fn cache(mode: CacheMode) -> (Cache, Core, CoreId) {
+        let line = LineSize::from_kib(4).unwrap();
+        let vol: VolumeRef = Arc::new(RamVolume::new("ram:cache", 256 * 4 * KIB).unwrap());
+        let config = CacheConfig {
+            id: 1,
+            line_size: line,
+            mode,
+        };
+        let cache = Cache::new(vol, config).unwrap();
+        let core_vol: VolumeRef = Arc::new(RamVolume::new("ram:core", 1 << 20).unwrap());
+        let id = cache.add_core(core_vol, None).unwrap();
+        let core = cache.core(id).unwrap();
+        (cache, core, id)
+    }
+
+    /// A hit that finds its line's stripe held by another request is served once the stripe is
+    /// free, and counted as a hit and as deferred; a hit that takes its stripe at once is not
+    /// deferred, and neither is a miss that waited (Open CAS counts a deferred hit only).
+    #[test]
+    fn a_hit_that_waits_for_a_stripe_is_deferred() {
+        let (cache, core, id) = cache(CacheMode::Wt);
+        core.write(&[1u8; 4096], 0).unwrap();
+        let stripe = cache.inner.table.stripe(Key::new(id, 0));
+        let miss_stripe = cache.inner.table.stripe(Key::new(id, 1));
+        let mut stripes = vec![stripe, miss_stripe];
+        stripes.sort_unstable();
+        stripes.dedup();
+        let held = cache.inner.locks.lock_sorted(stripes);
+        let waiters: Vec<_> = [(0, true), (0, false), (4096, true)]
+            .into_iter()
+            .map(|(off, read)| {
+                let core = core.clone();
+                std::thread::spawn(move || {
+                    if read {
+                        let mut buf = [0u8; 4096];
+                        core.read(&mut buf, off).unwrap();
+                    } else {
+                        core.write(&[2u8; 4096], off).unwrap();
+                    }
+                })
+            })
+            .collect();
+        // Long enough for the three requests to reach the held stripes.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        drop(held);
+        for w in waiters {
+            w.join().unwrap();
+        }
+        let mut buf = [0u8; 4096];
+        core.read(&mut buf, 0).unwrap();
+
+        let r = cache.core_stats(id).unwrap().requests;
+        assert_eq!((r.read_hits, r.read_deferred), (2, 1), "{r:?}");
+        assert_eq!(r.read_full_misses, 1, "{r:?}");
+        // The first write was a miss, the second a hit that waited.
+        assert_eq!((r.write_hits, r.write_deferred), (1, 1), "{r:?}");
+        assert_eq!(r.write_full_misses, 1, "{r:?}");
+        assert_eq!(cache.stats().requests.read_deferred, 1);
+
+        cache.reset_stats();
+        let r = cache.core_stats(id).unwrap().requests;
+        assert_eq!((r.read_deferred, r.write_deferred), (0, 0));
+    }
+
+    /// The cleaner's writes are counted on their core (requests and blocks) as internal work,
+    /// outside the client request totals; `-Z` resets them.
+    #[test]
+    fn cleaner_writes_are_counted_on_their_core() {
+        let (cache, core, id) = cache(CacheMode::Wb);
+        // Two neighbouring dirty lines and one apart: at least two core writes.
+        core.write(&[1u8; 8192], 0).unwrap();
+        core.write(&[2u8; 4096], 64 * KIB).unwrap();
+        cache.flush().unwrap();
+        let s = cache.core_stats(id).unwrap();
+        assert!(s.requests.cleaner_requests >= 2, "{s:?}");
+        assert_eq!(s.blocks.cleaner_core_written_bytes, 12 * KIB);
+        assert_eq!(s.blocks.cleaner_cache_read_bytes, 12 * KIB);
+        assert_eq!(s.requests.total(), 2, "cleaning is no client request");
+        assert_eq!(
+            cache.stats().requests.cleaner_requests,
+            s.requests.cleaner_requests
+        );
+        cache.reset_stats();
+        let s = cache.core_stats(id).unwrap();
+        assert_eq!(s.requests.cleaner_requests, 0);
+        assert_eq!(s.blocks.cleaner_core_written_bytes, 0);
+    }
+
+    /// Read-ahead counts its request, the blocks it read from the core and those it wrote to
+    /// the cache, none of them as a client request; `-Z` resets them.
+    #[test]
+    fn readahead_counts_its_requests_and_blocks() {
+        let (cache, core, id) = cache(CacheMode::Wt);
+        cache.stop_background_prefetch();
+        cache
+            .set_prefetch(Prefetch {
+                policy: PrefetchPolicy::Readahead,
+                threshold_kib: 8,
+                distance_kib: 64,
+                max_in_flight: 4,
+            })
+            .unwrap();
+        let mut buf = [0u8; 4096];
+        core.read(&mut buf, 0).unwrap();
+        core.read(&mut buf, 4096).unwrap();
+        assert_eq!(cache.run_prefetch(), 1);
+        let s = cache.core_stats(id).unwrap();
+        assert_eq!(s.requests.prefetch_requests, 1);
+        assert_eq!(s.blocks.prefetch_read_bytes, 64 * KIB);
+        assert_eq!(s.blocks.prefetch_written_bytes, 64 * KIB);
+        assert_eq!(s.requests.total(), 2, "read-ahead is no client request");
+        cache.reset_stats();
+        let s = cache.core_stats(id).unwrap();
+        assert_eq!(s.requests.prefetch_requests, 0);
+        assert_eq!(s.blocks.prefetch_written_bytes, 0);
     }
 }

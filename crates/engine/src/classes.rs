@@ -189,6 +189,14 @@ impl ClassState {
         }
     }
 
+    /// Count `n` on the class `line` belongs to (work that is not a client request, such as
+    /// cleaning, has no request class).
+    pub(crate) fn count_line(&self, line: u32, c: Counter, n: u64) {
+        if let Some(counters) = self.counters.get() {
+            counters[self.class_of(line) as usize].add(c, n);
+        }
+    }
+
     pub(crate) fn counters(&self, id: ClassId) -> Option<&Counters> {
         self.counters.get().and_then(|c| c.get(id as usize))
     }

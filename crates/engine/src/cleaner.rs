@@ -25,7 +25,7 @@ use crate::bits;
 use crate::cache::{push_run, CacheInner, CoreState, Run};
 use crate::meta::Key;
 use crate::policy::FLUSH_BUFFERS;
-use crate::stats::{BackgroundErrorLog, BackgroundErrors};
+use crate::stats::{BackgroundErrorLog, BackgroundErrors, Counter};
 use crate::{Result, SECTOR};
 
 /// Dirty data cleaned under one set of locks by a flush; bounds how long client requests to
@@ -282,6 +282,38 @@ impl CacheInner {
         }
     }
 
+    /// Count one cleaner write of `len` bytes (read from the cache, written to the core) on its
+    /// core, and on the IO classes of the lines in it: a request for each class it touched, the
+    /// bytes of each line's piece on that line's class.
+    fn count_cleaner_write(
+        &self,
+        core: &CoreState,
+        items: &[(Key, u32)],
+        group: &[Piece],
+        len: usize,
+    ) {
+        let c = &core.counters;
+        c.add(Counter::CleanerRequests, 1);
+        c.add(Counter::CleanerCacheReadBytes, len as u64);
+        c.add(Counter::CleanerCoreWrittenBytes, len as u64);
+        if !self.classes.active() {
+            return;
+        }
+        let mut seen: Vec<crate::ioclass::ClassId> = Vec::new();
+        for p in group {
+            let line = items[p.item].1;
+            let class = self.classes.class_of(line);
+            if !seen.contains(&class) {
+                seen.push(class);
+                self.classes.count_line(line, Counter::CleanerRequests, 1);
+            }
+            self.classes
+                .count_line(line, Counter::CleanerCacheReadBytes, p.len as u64);
+            self.classes
+                .count_line(line, Counter::CleanerCoreWrittenBytes, p.len as u64);
+        }
+    }
+
     /// Clean one unit of lines (sorted by core line) under their stripes: what is dirty in them
     /// now goes to the core, then they are marked clean. Returns how many lines were cleaned; a
     /// line whose write failed stays dirty (the first error is returned once the others are
@@ -337,7 +369,10 @@ impl CacheInner {
                 .and_then(|()| self.core_write(core, buf, &write));
             c.in_flight.fetch_sub(1, Relaxed);
             match result {
-                Ok(()) => c.record(len),
+                Ok(()) => {
+                    c.record(len);
+                    self.count_cleaner_write(core, &items, group, len);
+                }
                 Err(e) => {
                     for p in group {
                         failed[p.item] = true;

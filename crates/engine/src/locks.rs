@@ -21,14 +21,22 @@ impl StripedLocks {
     }
 
     /// Lock `stripes` (sorted ascending, no duplicates) and return a guard that unlocks them.
+    /// The guard tells whether some stripe was held by another request (the statistics call
+    /// such a hit "deferred"); trying first costs nothing more than `lock`'s own fast path.
     pub(crate) fn lock_sorted(&self, stripes: Vec<u32>) -> StripeGuard<'_> {
         debug_assert!(stripes.windows(2).all(|w| w[0] < w[1]));
+        let mut waited = false;
         for &s in &stripes {
-            self.locks[s as usize].lock();
+            let l = &self.locks[s as usize];
+            if !l.try_lock() {
+                waited = true;
+                l.lock();
+            }
         }
         StripeGuard {
             locks: self,
             held: stripes,
+            waited,
         }
     }
 
@@ -48,6 +56,7 @@ impl StripedLocks {
         Some(StripeGuard {
             locks: self,
             held: stripes.to_vec(),
+            waited: false,
         })
     }
 
@@ -57,6 +66,7 @@ impl StripedLocks {
             Some(StripeGuard {
                 locks: self,
                 held: vec![stripe],
+                waited: false,
             })
         } else {
             None
@@ -68,6 +78,14 @@ impl StripedLocks {
 pub(crate) struct StripeGuard<'a> {
     locks: &'a StripedLocks,
     held: Vec<u32>,
+    waited: bool,
+}
+
+impl StripeGuard<'_> {
+    /// Whether taking these stripes had to wait for another holder.
+    pub(crate) fn waited(&self) -> bool {
+        self.waited
+    }
 }
 
 impl Drop for StripeGuard<'_> {

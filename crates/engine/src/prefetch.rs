@@ -383,9 +383,13 @@ impl CacheInner {
         core.counters.add(Counter::PrefetchRequests, 1);
         self.classes.count(job.class, Counter::PrefetchRequests, 1);
         if ok {
+            let written: u64 = cache_runs.iter().map(|r| r.len as u64).sum();
             core.counters.add(Counter::PrefetchReadBytes, read);
+            core.counters.add(Counter::PrefetchWrittenBytes, written);
             self.classes
                 .count(job.class, Counter::PrefetchReadBytes, read);
+            self.classes
+                .count(job.class, Counter::PrefetchWrittenBytes, written);
         }
         for &(i, line, new, missing) in &plan {
             let s = &segs[i];

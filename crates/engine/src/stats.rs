@@ -23,10 +23,18 @@ impl Usage {
 /// Request counts by how the cache served them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RequestStats {
+    /// Every read served whole from the cache, deferred or not.
     pub read_hits: u64,
+    /// Read hits that waited for another request's line locks before they could be served
+    /// (Open CAS's "deferred": a hit whose cache line locks were not granted at once). A subset
+    /// of `read_hits`; a miss that waits stays a miss, as in Open CAS.
+    pub read_deferred: u64,
     pub read_partial_misses: u64,
     pub read_full_misses: u64,
+    /// Every write whose sectors all had a cache line, deferred or not.
     pub write_hits: u64,
+    /// Write hits that waited for another request's line locks (a subset of `write_hits`).
+    pub write_deferred: u64,
     pub write_partial_misses: u64,
     pub write_full_misses: u64,
     pub pass_through_reads: u64,
@@ -43,6 +51,9 @@ pub struct RequestStats {
     pub offload_reads: u64,
     /// Write misses offload sent to the core (also counted as pass-through writes).
     pub offload_writes: u64,
+    /// Core writes of the cleaner (background cleaning, flushes, and a write-back write making
+    /// room): internal requests, not in the totals above.
+    pub cleaner_requests: u64,
 }
 
 /// Bytes moved, by device.
@@ -58,6 +69,12 @@ pub struct BlockStats {
     pub lazy_flush_bytes: u64,
     /// Bytes prefetch read from the core (part of `core_read_bytes`).
     pub prefetch_read_bytes: u64,
+    /// Bytes prefetch wrote to the cache (part of `cache_written_bytes`).
+    pub prefetch_written_bytes: u64,
+    /// Bytes the cleaner read from the cache (part of `cache_read_bytes`) and wrote to the core
+    /// (part of `core_written_bytes`).
+    pub cleaner_cache_read_bytes: u64,
+    pub cleaner_core_written_bytes: u64,
 }
 
 /// Failed device operations.
@@ -174,8 +191,14 @@ pub(crate) enum Counter {
     PrefetchReadBytes,
     OffloadReads,
     OffloadWrites,
+    ReadDeferred,
+    WriteDeferred,
+    PrefetchWrittenBytes,
+    CleanerRequests,
+    CleanerCacheReadBytes,
+    CleanerCoreWrittenBytes,
 }
-const COUNTERS: usize = Counter::OffloadWrites as usize + 1;
+const COUNTERS: usize = Counter::CleanerCoreWrittenBytes as usize + 1;
 
 #[repr(align(128))]
 struct Slot([AtomicU64; COUNTERS]);
@@ -220,9 +243,11 @@ impl Counters {
         (
             RequestStats {
                 read_hits: self.get(ReadHits),
+                read_deferred: self.get(ReadDeferred),
                 read_partial_misses: self.get(ReadPartialMisses),
                 read_full_misses: self.get(ReadFullMisses),
                 write_hits: self.get(WriteHits),
+                write_deferred: self.get(WriteDeferred),
                 write_partial_misses: self.get(WritePartialMisses),
                 write_full_misses: self.get(WriteFullMisses),
                 pass_through_reads: self.get(PassThroughReads),
@@ -232,6 +257,7 @@ impl Counters {
                 prefetch_hits: self.get(PrefetchHits),
                 offload_reads: self.get(OffloadReads),
                 offload_writes: self.get(OffloadWrites),
+                cleaner_requests: self.get(CleanerRequests),
             },
             BlockStats {
                 core_read_bytes: self.get(CoreReadBytes),
@@ -242,6 +268,9 @@ impl Counters {
                 exported_written_bytes: self.get(ExportedWrittenBytes),
                 lazy_flush_bytes: self.get(LazyFlushBytes),
                 prefetch_read_bytes: self.get(PrefetchReadBytes),
+                prefetch_written_bytes: self.get(PrefetchWrittenBytes),
+                cleaner_cache_read_bytes: self.get(CleanerCacheReadBytes),
+                cleaner_core_written_bytes: self.get(CleanerCoreWrittenBytes),
             },
             ErrorStats {
                 cache_read: self.get(CacheReadErrors),
@@ -272,9 +301,11 @@ impl RequestStats {
     }
     pub(crate) fn add(&mut self, o: &RequestStats) {
         self.read_hits += o.read_hits;
+        self.read_deferred += o.read_deferred;
         self.read_partial_misses += o.read_partial_misses;
         self.read_full_misses += o.read_full_misses;
         self.write_hits += o.write_hits;
+        self.write_deferred += o.write_deferred;
         self.write_partial_misses += o.write_partial_misses;
         self.write_full_misses += o.write_full_misses;
         self.pass_through_reads += o.pass_through_reads;
@@ -284,6 +315,7 @@ impl RequestStats {
         self.prefetch_hits += o.prefetch_hits;
         self.offload_reads += o.offload_reads;
         self.offload_writes += o.offload_writes;
+        self.cleaner_requests += o.cleaner_requests;
     }
 }
 
@@ -297,6 +329,9 @@ impl BlockStats {
         self.exported_written_bytes += o.exported_written_bytes;
         self.lazy_flush_bytes += o.lazy_flush_bytes;
         self.prefetch_read_bytes += o.prefetch_read_bytes;
+        self.prefetch_written_bytes += o.prefetch_written_bytes;
+        self.cleaner_cache_read_bytes += o.cleaner_cache_read_bytes;
+        self.cleaner_core_written_bytes += o.cleaner_core_written_bytes;
     }
 }
 

@@ -193,3 +193,33 @@ fn class_33_is_counted_and_survives_stop_and_load() {
     assert!(loaded.io_class_stats(33).is_ok());
     loaded.stop(true).unwrap();
 }
+
+/// The cleaner's writes are counted on the class of the lines they clean: one request for each
+/// class a write touches, the blocks of each line on its own class; `-Z` resets them.
+#[test]
+fn cleaner_writes_are_counted_on_their_lines_classes() {
+    let (cache, _) = new_cache(4, 64, CacheMode::Wb);
+    let c = add_core(&cache, 1 << 20);
+    // Sector 16 and up (8 KiB): class 1.
+    cache
+        .load_io_classes(classes(&format!(
+            "{HEADER}0,unclassified,22,1\n1,lba:ge:16,1,1\n"
+        )))
+        .unwrap();
+    // Two neighbouring lines of class 0 (one cleaner write), one line of class 1 apart.
+    c.core.write(&stamped(8192, 1, 0), 0).unwrap();
+    c.core.write(&stamped(4096, 2, 256), 131072).unwrap();
+    cache.flush().unwrap();
+    let s0 = cache.io_class_stats(0).unwrap();
+    let s1 = cache.io_class_stats(1).unwrap();
+    assert_eq!(s0.requests.cleaner_requests, 1, "{s0:?}");
+    assert_eq!(s0.blocks.cleaner_core_written_bytes, 8192);
+    assert_eq!(s0.blocks.cleaner_cache_read_bytes, 8192);
+    assert_eq!(s1.requests.cleaner_requests, 1, "{s1:?}");
+    assert_eq!(s1.blocks.cleaner_core_written_bytes, 4096);
+    cache.reset_stats();
+    assert_eq!(
+        cache.io_class_stats(0).unwrap().requests.cleaner_requests,
+        0
+    );
+}
