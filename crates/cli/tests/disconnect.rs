@@ -1,0 +1,378 @@
+//! `--script --disconnect-cache` / `--script --connect-cache`: a cache device goes away and
+//! comes back (or is replaced) while NBD clients keep their connection to the exports.
+//!
+//! The clients are real NBD clients over the daemon's socket: the crate's own (one connection
+//! held across the whole test) and fio's nbd engine with crc32c verification.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::{file_cache, fio, need, sparse_file, workdir, Daemon, FileCache};
+use hybridcache_nbd::client::Client;
+
+const MIB: u64 = 1 << 20;
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| seed.wrapping_add((i / 512) as u8) ^ (i as u8))
+        .collect()
+}
+
+fn client(d: &Daemon) -> Client {
+    Client::connect_unix(&d.nbd, "cas1-1").expect("NBD connection to cas1-1")
+}
+
+fn read(c: &mut Client, offset: u64, len: usize) -> Vec<u8> {
+    let mut buf = vec![0u8; len];
+    c.read(&mut buf, offset).expect("read");
+    buf
+}
+
+fn file_bytes(path: &Path, offset: u64, len: usize) -> Vec<u8> {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(path).expect("open");
+    let mut buf = vec![0u8; len];
+    f.read_exact_at(&mut buf, offset).expect("read file");
+    buf
+}
+
+/// `-L`'s JSON entry of cache 1 (None when it is not listed).
+fn listed(d: &Daemon) -> Option<serde_json::Value> {
+    let v: serde_json::Value = serde_json::from_str(&d.ok(&["-L", "-o", "json"])).expect("JSON");
+    let caches = v
+        .as_array()
+        .cloned()
+        .or_else(|| v["caches"].as_array().cloned())
+        .unwrap_or_default();
+    caches.into_iter().find(|c| c["id"] == 1)
+}
+
+fn status(d: &Daemon) -> String {
+    listed(d).map_or("(not listed)".into(), |c| {
+        c["status"].as_str().unwrap_or_default().to_string()
+    })
+}
+
+fn dirty_lines(d: &Daemon) -> u64 {
+    d.stats_json(1, None)["usage"]["dirty"]["count"]
+        .as_u64()
+        .expect("dirty count")
+}
+
+#[test]
+fn a_request_made_while_disconnected_completes_after_connect_on_one_connection() {
+    let FileCache {
+        dir,
+        core,
+        spec,
+        daemon: d,
+        ..
+    } = file_cache(64 * MIB, 64 * MIB, &["-c", "wb"]);
+    let mut c = client(&d);
+    let a = pattern(1, 64 << 10);
+    c.write(&a, 0, false).expect("write before");
+
+    let out = d.ok(&["--script", "--disconnect-cache", "-i", "1"]);
+    assert!(out.contains("disconnected"), "{out}");
+    assert_eq!(status(&d), "Disconnected");
+    let entry = listed(&d).expect("listed");
+    assert_eq!(entry["cores"][0]["status"], "Frozen", "{entry}");
+    // The flush before the disconnect put the write-back data on the core.
+    assert_eq!(file_bytes(&core, 0, a.len()), a);
+
+    // Frozen: the request waits for the connect.
+    let b = pattern(2, 64 << 10);
+    let b2 = b.clone();
+    let writer = std::thread::spawn(move || {
+        c.write(&b2, 4 * MIB, false)
+            .expect("write while disconnected");
+        c
+    });
+    std::thread::sleep(Duration::from_millis(700));
+    assert!(
+        !writer.is_finished(),
+        "a request to a disconnected cache must wait, not fail or complete"
+    );
+    let out = d.ok(&["--script", "--connect-cache", "-d", &spec]);
+    assert!(out.contains("loaded from"), "{out}");
+    let mut c = writer.join().expect("writer");
+    assert_eq!(status(&d), "Running");
+    assert_eq!(read(&mut c, 0, a.len()), a);
+    assert_eq!(read(&mut c, 4 * MIB, b.len()), b);
+    c.flush().expect("flush");
+    drop(c);
+    // And it went through the cache: after a flush of the cache the core holds it.
+    d.ok(&["-F", "-i", "1"]);
+    assert_eq!(file_bytes(&core, 4 * MIB, b.len()), b);
+    drop(dir);
+}
+
+#[test]
+fn pass_through_serves_the_core_and_no_stale_line_after_connect() {
+    let FileCache {
+        dir: _dir,
+        core,
+        spec,
+        daemon: d,
+        ..
+    } = file_cache(64 * MIB, 64 * MIB, &["-c", "wt"]);
+    let mut c = client(&d);
+    let old = pattern(3, 128 << 10);
+    c.write(&old, MIB, false).expect("write");
+    // Read it so it is certainly cached.
+    assert_eq!(read(&mut c, MIB, old.len()), old);
+
+    d.ok(&[
+        "--script",
+        "--disconnect-cache",
+        "-i",
+        "1",
+        "--pass-through",
+    ]);
+    let entry = listed(&d).expect("listed");
+    assert_eq!(entry["status"], "Disconnected", "{entry}");
+    assert_eq!(entry["cores"][0]["status"], "Pass-through", "{entry}");
+    // Served while disconnected, straight from and to the core.
+    let new = pattern(4, 128 << 10);
+    c.write(&new, MIB, false).expect("write in pass-through");
+    assert_eq!(read(&mut c, MIB, new.len()), new);
+    c.flush().expect("flush in pass-through");
+    assert_eq!(file_bytes(&core, MIB, new.len()), new);
+
+    // The same device comes back purged: a new cache, which must not serve `old`.
+    let out = d.ok(&["--script", "--connect-cache", "-d", &spec]);
+    assert!(out.contains("a new cache started on"), "{out}");
+    assert_eq!(status(&d), "Running");
+    assert_eq!(read(&mut c, MIB, new.len()), new);
+    // And the cache works again: hits after a read.
+    assert_eq!(read(&mut c, MIB, new.len()), new);
+}
+
+#[test]
+fn a_cache_device_is_replaced_by_a_blank_one_under_live_exports() {
+    let FileCache {
+        dir,
+        core,
+        daemon: d,
+        ..
+    } = file_cache(64 * MIB, 64 * MIB, &["-c", "wb"]);
+    d.ok(&["-X", "-n", "cleaning", "-p", "nop", "-i", "1"]);
+    let mut c = client(&d);
+    let a = pattern(5, 256 << 10);
+    c.write(&a, 0, false).expect("write");
+    d.ok(&["--script", "--disconnect-cache", "-i", "1"]);
+    let fresh = dir.path().join("new-cache.img");
+    sparse_file(&fresh, 64 * MIB);
+    let out = d.ok(&[
+        "--script",
+        "--connect-cache",
+        "-d",
+        fresh.to_str().expect("UTF-8"),
+    ]);
+    assert!(out.contains("a new cache started on"), "{out}");
+    let entry = listed(&d).expect("listed");
+    assert!(
+        entry["device"]
+            .as_str()
+            .is_some_and(|s| s.ends_with("new-cache.img")),
+        "{entry}"
+    );
+    // Mode and parameters followed the cache to its new device.
+    assert_eq!(entry["mode"], "wb", "{entry}");
+    assert!(d.ok(&["-G", "-n", "cleaning", "-i", "1"]).contains("nop"));
+    assert_eq!(read(&mut c, 0, a.len()), a);
+    assert_eq!(file_bytes(&core, 0, a.len()), a);
+}
+
+#[test]
+fn no_flush_keeps_dirty_data_and_only_that_device_connects() {
+    let FileCache {
+        dir,
+        cache,
+        core,
+        spec,
+        daemon: d,
+    } = file_cache(64 * MIB, 64 * MIB, &["-c", "wb"]);
+    d.ok(&["-X", "-n", "cleaning", "-p", "nop", "-i", "1"]);
+    let mut c = client(&d);
+    let a = pattern(6, 64 << 10);
+    c.write(&a, 2 * MIB, false).expect("write");
+    c.flush().expect("flush");
+
+    d.ok(&["--script", "--disconnect-cache", "-i", "1", "--no-flush"]);
+    assert_eq!(status(&d), "Disconnected");
+    assert_ne!(
+        file_bytes(&core, 2 * MIB, a.len()),
+        a,
+        "--no-flush must leave the dirty data on the cache device"
+    );
+
+    // A blank device: refused while dirty data is recorded on the old one.
+    let blank = dir.path().join("blank.img");
+    sparse_file(&blank, 64 * MIB);
+    let err = d.fails(&[
+        "--script",
+        "--connect-cache",
+        "-d",
+        blank.to_str().expect("UTF-8"),
+    ]);
+    assert!(err.contains("dirty"), "{err}");
+    // A copy of the cache device (its metadata, another device): refused too.
+    let copy = dir.path().join("copy.img");
+    std::fs::copy(&cache, &copy).expect("copy the cache device");
+    let err = d.fails(&[
+        "--script",
+        "--connect-cache",
+        "-d",
+        copy.to_str().expect("UTF-8"),
+    ]);
+    assert!(err.contains("not the device"), "{err}");
+    assert_eq!(
+        status(&d),
+        "Disconnected",
+        "a refused connect changes nothing"
+    );
+
+    // The cache device itself: loaded, dirty data and all.
+    let out = d.ok(&["--script", "--connect-cache", "-d", &spec]);
+    assert!(out.contains("loaded from"), "{out}");
+    assert_eq!(read(&mut c, 2 * MIB, a.len()), a);
+    d.ok(&["-F", "-i", "1"]);
+    assert_eq!(file_bytes(&core, 2 * MIB, a.len()), a);
+}
+
+#[test]
+fn refusals_change_nothing() {
+    let FileCache {
+        dir: _dir,
+        spec,
+        daemon: d,
+        ..
+    } = file_cache(64 * MIB, 64 * MIB, &["-c", "wb"]);
+    d.ok(&["-X", "-n", "cleaning", "-p", "nop", "-i", "1"]);
+    let mut c = client(&d);
+    let a = pattern(7, 64 << 10);
+    c.write(&a, 0, false).expect("write");
+    let dirty = dirty_lines(&d);
+    assert!(dirty > 0);
+
+    let err = d.fails(&[
+        "--script",
+        "--disconnect-cache",
+        "-i",
+        "1",
+        "--pass-through",
+        "--no-flush",
+    ]);
+    assert!(
+        err.contains("--no-flush is not allowed with --pass-through"),
+        "{err}"
+    );
+    assert_eq!(status(&d), "Running");
+
+    let err = d.fails(&["--script", "--disconnect-cache", "-i", "7"]);
+    assert!(err.contains("cache 7 does not exist"), "{err}");
+
+    let err = d.fails(&["--script", "--connect-cache", "-d", &spec]);
+    assert!(err.contains("no cache is disconnected"), "{err}");
+
+    // Still served through the cache, dirty data in place.
+    assert_eq!(status(&d), "Running");
+    assert_eq!(read(&mut c, 0, a.len()), a);
+    assert_eq!(dirty_lines(&d), dirty, "the dirty data stays where it was");
+}
+
+#[test]
+fn a_volatile_cache_is_not_disconnected_with_no_flush() {
+    let dir = workdir();
+    let core = dir.path().join("core.img");
+    sparse_file(&core, 64 * MIB);
+    let d = Daemon::start(dir.path());
+    d.ok(&["-S", "-d", "ram:64M", "-c", "wb"]);
+    d.ok(&["-A", "-i", "1", "-d", core.to_str().expect("UTF-8")]);
+    let mut c = client(&d);
+    let a = pattern(8, 64 << 10);
+    c.write(&a, 0, false).expect("write");
+    let err = d.fails(&["--script", "--disconnect-cache", "-i", "1", "--no-flush"]);
+    assert!(err.contains("RAM"), "{err}");
+    assert_eq!(status(&d), "Running");
+    assert_eq!(read(&mut c, 0, a.len()), a);
+
+    // With a flush it goes, and a RAM device (new, as RAM always is) takes it back.
+    d.ok(&["--script", "--disconnect-cache", "-i", "1"]);
+    let out = d.ok(&["--script", "--connect-cache", "-d", "ram:32M"]);
+    assert!(out.contains("a new cache started on"), "{out}");
+    assert_eq!(read(&mut c, 0, a.len()), a);
+}
+
+#[test]
+fn a_disconnected_cache_is_stopped_with_t_and_refuses_r() {
+    let FileCache {
+        dir: _dir,
+        spec,
+        daemon: d,
+        ..
+    } = file_cache(64 * MIB, 64 * MIB, &["-c", "wt"]);
+    d.ok(&["--script", "--disconnect-cache", "-i", "1"]);
+    let err = d.fails(&["-R", "-i", "1", "-j", "1"]);
+    assert!(err.contains("disconnected"), "{err}");
+    let err = d.fails(&["-S", "-d", &spec, "--load"]);
+    assert!(err.contains("disconnected"), "{err}");
+    d.ok(&["-T", "-i", "1"]);
+    assert_eq!(status(&d), "(not listed)");
+    // Its exports are gone, and its device loads as a stopped cache's would.
+    assert!(Client::connect_unix(&d.nbd, "cas1-1").is_err());
+    d.ok(&["-S", "-d", &spec, "--load"]);
+    assert_eq!(status(&d), "Running");
+    client(&d);
+}
+
+#[test]
+fn fio_verifies_across_disconnect_and_connect() {
+    if !need(&["fio"]) {
+        return;
+    }
+    let FileCache {
+        dir,
+        spec,
+        daemon: d,
+        ..
+    } = file_cache(16 * MIB, 64 * MIB, &["-c", "wb"]);
+    let args: Vec<String> = vec![
+        "--ioengine=nbd".into(),
+        "--verify_state_save=0".into(),
+        format!("--uri={}", d.uri("cas1-1")),
+        "--name=across".into(),
+        "--rw=randwrite".into(),
+        "--bs=4k".into(),
+        "--iodepth=4".into(),
+        "--size=16m".into(),
+        // Slow enough that both switches land in the write phase.
+        "--rate_iops=800".into(),
+        "--verify=crc32c".into(),
+        "--verify_fatal=1".into(),
+        "--randrepeat=1".into(),
+    ];
+    let dir_path = dir.path().to_path_buf();
+    let job = std::thread::spawn(move || fio(&dir_path, "across", &args));
+    std::thread::sleep(Duration::from_millis(1000));
+    d.ok(&["--script", "--disconnect-cache", "-i", "1"]);
+    std::thread::sleep(Duration::from_millis(500));
+    d.ok(&["--script", "--connect-cache", "-d", &spec]);
+    std::thread::sleep(Duration::from_millis(500));
+    d.ok(&[
+        "--script",
+        "--disconnect-cache",
+        "-i",
+        "1",
+        "--pass-through",
+    ]);
+    std::thread::sleep(Duration::from_millis(500));
+    d.ok(&["--script", "--connect-cache", "-d", &spec]);
+    let report = job.join().expect("fio");
+    let written = report["jobs"][0]["write"]["io_bytes"].as_u64().unwrap_or(0);
+    assert_eq!(written, 16 * MIB, "{report}");
+    assert_eq!(status(&d), "Running");
+}
