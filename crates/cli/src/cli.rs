@@ -762,6 +762,62 @@ mod tests {
             .expect("a management command")
     }
 
+    #[test]
+    fn script_disconnect_and_connect_take_casadm_s_options() {
+        match req(&["--script", "--disconnect-cache", "--cache-id", "3"]) {
+            Request::DisconnectCache {
+                id: 3,
+                no_flush: false,
+                pass_through: false,
+            } => {}
+            other => panic!("{other:?}"),
+        }
+        match req(&[
+            "--script",
+            "--disconnect-cache",
+            "-i",
+            "3",
+            "--pass-through",
+        ]) {
+            Request::DisconnectCache {
+                pass_through: true,
+                no_flush: false,
+                ..
+            } => {}
+            other => panic!("{other:?}"),
+        }
+        match req(&["--script", "--disconnect-cache", "-i", "3", "--no-flush"]) {
+            Request::DisconnectCache { no_flush: true, .. } => {}
+            other => panic!("{other:?}"),
+        }
+        match req(&[
+            "--script",
+            "--connect-cache",
+            "--cache-device",
+            "/dev/nvme1n1",
+        ]) {
+            Request::ConnectCache { device, id: None } => assert_eq!(device, "/dev/nvme1n1"),
+            other => panic!("{other:?}"),
+        }
+        // A sub-command is required, one at a time, each with what it needs.
+        for bad in [
+            &["--script"][..],
+            &["--script", "--disconnect-cache"],
+            &["--script", "--connect-cache"],
+            &[
+                "--script",
+                "--connect-cache",
+                "--disconnect-cache",
+                "-i",
+                "1",
+            ],
+            &["--script", "--connect-cache", "-d", "x", "--no-flush"],
+            &["--script", "--disconnect-cache", "-i", "1", "-d", "x"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?} should be refused");
+        }
+    }
+
     /// Every option of every verb says what it is for in `-H` (casadm users read the help to
     /// find out which of its flags we take).
     #[test]

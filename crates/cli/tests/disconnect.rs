@@ -30,6 +30,15 @@ fn read(c: &mut Client, offset: u64, len: usize) -> Vec<u8> {
     buf
 }
 
+/// Compares data without printing megabytes of it.
+#[track_caller]
+fn same(got: &[u8], want: &[u8]) {
+    if let Some(i) = (0..want.len()).find(|i| got.get(*i) != want.get(*i)) {
+        panic!("data differs at byte {i} of {}", want.len());
+    }
+    assert_eq!(got.len(), want.len());
+}
+
 fn file_bytes(path: &Path, offset: u64, len: usize) -> Vec<u8> {
     use std::os::unix::fs::FileExt;
     let f = std::fs::File::open(path).expect("open");
@@ -80,7 +89,7 @@ fn a_request_made_while_disconnected_completes_after_connect_on_one_connection()
     let entry = listed(&d).expect("listed");
     assert_eq!(entry["cores"][0]["status"], "Frozen", "{entry}");
     // The flush before the disconnect put the write-back data on the core.
-    assert_eq!(file_bytes(&core, 0, a.len()), a);
+    same(&file_bytes(&core, 0, a.len()), &a);
 
     // Frozen: the request waits for the connect.
     let b = pattern(2, 64 << 10);
@@ -99,13 +108,13 @@ fn a_request_made_while_disconnected_completes_after_connect_on_one_connection()
     assert!(out.contains("loaded from"), "{out}");
     let mut c = writer.join().expect("writer");
     assert_eq!(status(&d), "Running");
-    assert_eq!(read(&mut c, 0, a.len()), a);
-    assert_eq!(read(&mut c, 4 * MIB, b.len()), b);
+    same(&read(&mut c, 0, a.len()), &a);
+    same(&read(&mut c, 4 * MIB, b.len()), &b);
     c.flush().expect("flush");
     drop(c);
     // And it went through the cache: after a flush of the cache the core holds it.
     d.ok(&["-F", "-i", "1"]);
-    assert_eq!(file_bytes(&core, 4 * MIB, b.len()), b);
+    same(&file_bytes(&core, 4 * MIB, b.len()), &b);
     drop(dir);
 }
 
@@ -122,7 +131,7 @@ fn pass_through_serves_the_core_and_no_stale_line_after_connect() {
     let old = pattern(3, 128 << 10);
     c.write(&old, MIB, false).expect("write");
     // Read it so it is certainly cached.
-    assert_eq!(read(&mut c, MIB, old.len()), old);
+    same(&read(&mut c, MIB, old.len()), &old);
 
     d.ok(&[
         "--script",
@@ -137,17 +146,17 @@ fn pass_through_serves_the_core_and_no_stale_line_after_connect() {
     // Served while disconnected, straight from and to the core.
     let new = pattern(4, 128 << 10);
     c.write(&new, MIB, false).expect("write in pass-through");
-    assert_eq!(read(&mut c, MIB, new.len()), new);
+    same(&read(&mut c, MIB, new.len()), &new);
     c.flush().expect("flush in pass-through");
-    assert_eq!(file_bytes(&core, MIB, new.len()), new);
+    same(&file_bytes(&core, MIB, new.len()), &new);
 
     // The same device comes back purged: a new cache, which must not serve `old`.
     let out = d.ok(&["--script", "--connect-cache", "-d", &spec]);
     assert!(out.contains("a new cache started on"), "{out}");
     assert_eq!(status(&d), "Running");
-    assert_eq!(read(&mut c, MIB, new.len()), new);
+    same(&read(&mut c, MIB, new.len()), &new);
     // And the cache works again: hits after a read.
-    assert_eq!(read(&mut c, MIB, new.len()), new);
+    same(&read(&mut c, MIB, new.len()), &new);
 }
 
 #[test]
@@ -182,8 +191,8 @@ fn a_cache_device_is_replaced_by_a_blank_one_under_live_exports() {
     // Mode and parameters followed the cache to its new device.
     assert_eq!(entry["mode"], "wb", "{entry}");
     assert!(d.ok(&["-G", "-n", "cleaning", "-i", "1"]).contains("nop"));
-    assert_eq!(read(&mut c, 0, a.len()), a);
-    assert_eq!(file_bytes(&core, 0, a.len()), a);
+    same(&read(&mut c, 0, a.len()), &a);
+    same(&file_bytes(&core, 0, a.len()), &a);
 }
 
 #[test]
@@ -203,9 +212,8 @@ fn no_flush_keeps_dirty_data_and_only_that_device_connects() {
 
     d.ok(&["--script", "--disconnect-cache", "-i", "1", "--no-flush"]);
     assert_eq!(status(&d), "Disconnected");
-    assert_ne!(
-        file_bytes(&core, 2 * MIB, a.len()),
-        a,
+    assert!(
+        file_bytes(&core, 2 * MIB, a.len()) != a,
         "--no-flush must leave the dirty data on the cache device"
     );
 
@@ -238,9 +246,9 @@ fn no_flush_keeps_dirty_data_and_only_that_device_connects() {
     // The cache device itself: loaded, dirty data and all.
     let out = d.ok(&["--script", "--connect-cache", "-d", &spec]);
     assert!(out.contains("loaded from"), "{out}");
-    assert_eq!(read(&mut c, 2 * MIB, a.len()), a);
+    same(&read(&mut c, 2 * MIB, a.len()), &a);
     d.ok(&["-F", "-i", "1"]);
-    assert_eq!(file_bytes(&core, 2 * MIB, a.len()), a);
+    same(&file_bytes(&core, 2 * MIB, a.len()), &a);
 }
 
 #[test]
@@ -280,7 +288,7 @@ fn refusals_change_nothing() {
 
     // Still served through the cache, dirty data in place.
     assert_eq!(status(&d), "Running");
-    assert_eq!(read(&mut c, 0, a.len()), a);
+    same(&read(&mut c, 0, a.len()), &a);
     assert_eq!(dirty_lines(&d), dirty, "the dirty data stays where it was");
 }
 
@@ -298,13 +306,13 @@ fn a_volatile_cache_is_not_disconnected_with_no_flush() {
     let err = d.fails(&["--script", "--disconnect-cache", "-i", "1", "--no-flush"]);
     assert!(err.contains("RAM"), "{err}");
     assert_eq!(status(&d), "Running");
-    assert_eq!(read(&mut c, 0, a.len()), a);
+    same(&read(&mut c, 0, a.len()), &a);
 
     // With a flush it goes, and a RAM device (new, as RAM always is) takes it back.
     d.ok(&["--script", "--disconnect-cache", "-i", "1"]);
     let out = d.ok(&["--script", "--connect-cache", "-d", "ram:32M"]);
     assert!(out.contains("a new cache started on"), "{out}");
-    assert_eq!(read(&mut c, 0, a.len()), a);
+    same(&read(&mut c, 0, a.len()), &a);
 }
 
 #[test]
@@ -375,4 +383,52 @@ fn fio_verifies_across_disconnect_and_connect() {
     let written = report["jobs"][0]["write"]["io_bytes"].as_u64().unwrap_or(0);
     assert_eq!(written, 16 * MIB, "{report}");
     assert_eq!(status(&d), "Running");
+}
+
+/// A daemon that stops and starts again during the gap (`--save-config`) brings the cache back
+/// from its saved configuration: with the dirty data a `--no-flush` left, or new on a device that
+/// `--pass-through` purged, never with stale lines.
+#[test]
+fn a_restart_during_the_gap_brings_the_cache_back_from_the_saved_configuration() {
+    for how in ["--no-flush", "--pass-through"] {
+        let dir = workdir();
+        let cache = dir.path().join("cache.img");
+        let core = dir.path().join("core.img");
+        sparse_file(&cache, 64 * MIB);
+        sparse_file(&core, 64 * MIB);
+        let cfg = dir.path().join("hybridcache.toml");
+        std::fs::write(&cfg, "").expect("config file");
+        let cfg_s = cfg.to_str().expect("UTF-8");
+        let args = ["--config", cfg_s, "--save-config"];
+        let mut d = Daemon::start_with(dir.path(), &args);
+        let spec = format!("file:{}", cache.display());
+        d.ok(&["-S", "-d", &spec, "-c", "wb"]);
+        d.ok(&["-A", "-i", "1", "-d", core.to_str().expect("UTF-8")]);
+        d.ok(&["-X", "-n", "cleaning", "-p", "nop", "-i", "1"]);
+        let mut c = client(&d);
+        let a = pattern(9, 64 << 10);
+        c.write(&a, 0, false).expect("write");
+        c.flush().expect("flush");
+        d.ok(&["--script", "--disconnect-cache", "-i", "1", how]);
+        let b = pattern(10, 64 << 10);
+        if how == "--pass-through" {
+            c.write(&b, 0, false).expect("write in pass-through");
+            c.flush().expect("flush in pass-through");
+        }
+        drop(c);
+        assert!(
+            d.stop(),
+            "{how}: the daemon stops cleanly: {}",
+            d.log_text()
+        );
+        let d = Daemon::start_with(dir.path(), &args);
+        assert_eq!(status(&d), "Running", "{how}: {}", d.log_text());
+        let mut c = client(&d);
+        if how == "--no-flush" {
+            assert!(dirty_lines(&d) > 0, "the dirty data was loaded");
+            same(&read(&mut c, 0, a.len()), &a);
+        } else {
+            same(&read(&mut c, 0, b.len()), &b);
+        }
+    }
 }

@@ -130,14 +130,14 @@ impl Target {
         if offset % SECTOR != 0 || len % SECTOR != 0 {
             return Err(EngineError::Unaligned { offset, len });
         }
-        if offset.checked_add(len).is_none_or_past(self.inner.size) {
-            return Err(EngineError::OutOfRange {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.inner.size => Ok(()),
+            _ => Err(EngineError::OutOfRange {
                 offset,
                 len,
                 size: self.inner.size,
-            });
+            }),
         }
-        Ok(())
     }
 
     pub fn read(&self, buf: &mut [u8], offset: u64) -> Result<(), EngineError> {
@@ -221,22 +221,11 @@ impl Target {
     }
 }
 
-trait PastEnd {
-    fn is_none_or_past(self, size: u64) -> bool;
-}
-
-// Option::is_none_or is newer than the MSRV.
-impl PastEnd for Option<u64> {
-    fn is_none_or_past(self, size: u64) -> bool {
-        self.map_or(true, |end| end > size)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use hybridcache_engine::{Cache, CacheConfig, CacheMode, LineSize};
-    use hybridcache_volume::{RamVolume, Volume};
+    use hybridcache_volume::RamVolume;
     use std::time::Duration;
 
     fn cache_and_core() -> (Cache, VolumeRef, Target) {
