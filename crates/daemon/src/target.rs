@@ -164,12 +164,9 @@ impl Target {
                     .collect(),
             })
         });
-        match out {
-            Ok(results) => results,
-            Err(e) => (0..n)
-                .map(|_| Err(EngineError::Invalid(e.to_string())))
-                .collect(),
-        }
+        // Only a route that is gone fails the batch as a whole: each request fails as it would
+        // alone.
+        out.unwrap_or_else(|_| (0..n).map(|_| Err(EngineError::Stopped)).collect())
     }
 
     pub fn write(&self, buf: &[u8], offset: u64) -> Result<(), EngineError> {
@@ -225,7 +222,7 @@ impl Target {
 mod tests {
     use super::*;
     use hybridcache_engine::{Cache, CacheConfig, CacheMode, LineSize};
-    use hybridcache_volume::RamVolume;
+    use hybridcache_volume::{RamVolume, Volume};
     use std::time::Duration;
 
     fn cache_and_core() -> (Cache, VolumeRef, Target) {
@@ -276,6 +273,65 @@ mod tests {
             target.read(&mut back, 4 << 20),
             Err(EngineError::OutOfRange { .. })
         ));
+    }
+
+    /// A core whose writes take a while: a request stays in flight long enough to switch
+    /// under it.
+    struct Slow(VolumeRef);
+
+    impl Volume for Slow {
+        fn name(&self) -> &str {
+            self.0.name()
+        }
+        fn size(&self) -> u64 {
+            self.0.size()
+        }
+        fn read_at(&self, buf: &mut [u8], offset: u64) -> hybridcache_volume::Result<()> {
+            self.0.read_at(buf, offset)
+        }
+        fn write_at(&self, buf: &[u8], offset: u64) -> hybridcache_volume::Result<()> {
+            std::thread::sleep(Duration::from_millis(300));
+            self.0.write_at(buf, offset)
+        }
+        fn flush(&self) -> hybridcache_volume::Result<()> {
+            self.0.flush()
+        }
+        fn discard(&self, offset: u64, len: u64) -> hybridcache_volume::Result<()> {
+            self.0.discard(offset, len)
+        }
+    }
+
+    #[test]
+    fn a_switch_waits_for_the_request_in_flight_and_holds_those_after_it() {
+        let (_cache, core_vol, target) = cache_and_core();
+        let slow: VolumeRef = Arc::new(Slow(core_vol.clone()));
+        target.switch(Route::PassThrough(slow));
+        let t = target.clone();
+        let first = std::thread::spawn(move || t.write(&[3u8; 4096], 0));
+        std::thread::sleep(Duration::from_millis(50));
+        let began = std::time::Instant::now();
+        let old = target.switch(Route::Frozen);
+        // The switch returned only once the slow write was done, and that write reached the
+        // core through the old route.
+        assert!(
+            first.is_finished(),
+            "the switch must wait for the write in flight"
+        );
+        assert!(began.elapsed() >= Duration::from_millis(150));
+        first.join().unwrap().unwrap();
+        drop(old);
+        let mut back = [0u8; 4096];
+        core_vol.read_at(&mut back, 0).unwrap();
+        assert_eq!(back, [3u8; 4096]);
+        // A request after the switch waits for the next route.
+        let t = target.clone();
+        let second = std::thread::spawn(move || t.write(&[4u8; 4096], 0));
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(!second.is_finished());
+        target.switch(Route::PassThrough(core_vol.clone()));
+        second.join().unwrap().unwrap();
+        core_vol.read_at(&mut back, 0).unwrap();
+        assert_eq!(back, [4u8; 4096]);
     }
 
     #[test]
