@@ -432,3 +432,27 @@ fn a_restart_during_the_gap_brings_the_cache_back_from_the_saved_configuration()
         }
     }
 }
+
+/// Requests held for a disconnected cache do not hold up the daemon's stop: they fail, and it
+/// stops.
+#[test]
+fn stopping_the_daemon_fails_the_requests_held_and_stops() {
+    let FileCache {
+        dir: _dir,
+        mut daemon,
+        ..
+    } = file_cache(64 * MIB, 64 * MIB, &["-c", "wt"]);
+    let mut c = client(&daemon);
+    daemon.ok(&["--script", "--disconnect-cache", "-i", "1"]);
+    let held = std::thread::spawn(move || c.write(&[1u8; 4096], 0, false));
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!held.is_finished());
+    let began = std::time::Instant::now();
+    daemon.stop();
+    assert!(
+        began.elapsed() < Duration::from_secs(10),
+        "the stop took {:?}",
+        began.elapsed()
+    );
+    assert!(held.join().expect("client thread").is_err());
+}

@@ -2336,6 +2336,9 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
     // Stop taking requests first: the management lock and the NBD connections, then flush.
     daemon.stopping.store(true, Ordering::SeqCst);
     cleanup_control();
+    // The NBD server's stop waits for its connections, so none may be left waiting for a
+    // disconnected cache.
+    daemon.release_held();
     server.shutdown();
     if let Some(m) = &metrics {
         m.shutdown();

@@ -713,6 +713,14 @@ impl Daemon {
         Ok(cache)
     }
 
+    /// Fail the requests held for disconnected caches (the daemon is stopping).
+    pub(super) fn release_held(&self) {
+        let st = self.state.lock();
+        for d in st.disconnected.values() {
+            d.take_down();
+        }
+    }
+
     /// `-T` on a disconnected cache: its kept exports go (their held requests fail); the
     /// cache is dropped from the setup. Dirty data kept on its device stays there for a later
     /// `start-cache --load`.
