@@ -456,3 +456,46 @@ fn stopping_the_daemon_fails_the_requests_held_and_stops() {
     );
     assert!(held.join().expect("client thread").is_err());
 }
+
+/// A core in RAM lives only as long as the cache holds it: disconnecting would drop its data, so
+/// it is refused; a cache with two cores on files goes and comes back with both.
+#[test]
+fn a_ram_core_is_refused_and_two_file_cores_both_come_back() {
+    let FileCache {
+        dir,
+        spec,
+        daemon: d,
+        ..
+    } = file_cache(64 * MIB, 64 * MIB, &["-c", "wb"]);
+    d.ok(&["-A", "-i", "1", "-d", "ram:16M", "-j", "2"]);
+    let mut c2 = Client::connect_unix(&d.nbd, "cas1-2").expect("cas1-2");
+    let a = pattern(11, 64 << 10);
+    c2.write(&a, 0, false).expect("write to the RAM core");
+    let err = d.fails(&["--script", "--disconnect-cache", "-i", "1"]);
+    assert!(err.contains("ram:16M"), "{err}");
+    assert_eq!(status(&d), "Running");
+    same(&read(&mut c2, 0, a.len()), &a);
+    drop(c2);
+    d.ok(&["-R", "-i", "1", "-j", "2"]);
+
+    let core2 = dir.path().join("core2.img");
+    sparse_file(&core2, 32 * MIB);
+    d.ok(&[
+        "-A",
+        "-i",
+        "1",
+        "-d",
+        core2.to_str().expect("UTF-8"),
+        "-j",
+        "2",
+    ]);
+    let mut c1 = client(&d);
+    let mut c2 = Client::connect_unix(&d.nbd, "cas1-2").expect("cas1-2");
+    let b = pattern(12, 64 << 10);
+    c1.write(&a, MIB, false).expect("write core 1");
+    c2.write(&b, MIB, false).expect("write core 2");
+    d.ok(&["--script", "--disconnect-cache", "-i", "1", "--no-flush"]);
+    d.ok(&["--script", "--connect-cache", "-d", &spec]);
+    same(&read(&mut c1, MIB, a.len()), &a);
+    same(&read(&mut c2, MIB, b.len()), &b);
+}

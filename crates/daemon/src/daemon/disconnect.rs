@@ -281,6 +281,18 @@ impl Daemon {
                 "cache {id} is incomplete (core {j} is inactive); as in Open CAS, an incomplete cache cannot be disconnected: attach or remove that core first"
             ));
         }
+        // The engine holds a RAM core's only copy: once it lets go, the data is gone, and
+        // opening the same spec again makes a new, empty one.
+        if let Some((j, c)) = entry
+            .cores
+            .iter()
+            .find(|(_, c)| c.device.starts_with("ram:") || c.device.starts_with("null:"))
+        {
+            return Err(format!(
+                "core {j} of cache {id} is on {}, whose data lives only while the cache holds it: the cache cannot be disconnected (nothing changed)",
+                c.device
+            ));
+        }
         if no_flush && !cache.persistent() {
             return Err(format!(
                 "cache {id} on {device} keeps its metadata in RAM only: its dirty data cannot outlive the disconnect, so --no-flush is refused; disconnect it without --no-flush"
