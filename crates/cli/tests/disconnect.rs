@@ -499,3 +499,25 @@ fn a_ram_core_is_refused_and_two_file_cores_both_come_back() {
     same(&read(&mut c1, MIB, a.len()), &a);
     same(&read(&mut c2, MIB, b.len()), &b);
 }
+
+/// `-T` on a disconnected cache is refused while a client holds its export, as for a running
+/// cache; with `-f` the held request fails and the export goes.
+#[test]
+fn stop_of_a_disconnected_cache_with_a_client_needs_force_and_fails_what_is_held() {
+    let FileCache {
+        dir: _dir,
+        daemon: d,
+        ..
+    } = file_cache(64 * MIB, 64 * MIB, &["-c", "wt"]);
+    let mut c = client(&d);
+    d.ok(&["--script", "--disconnect-cache", "-i", "1"]);
+    let err = d.fails(&["-T", "-i", "1"]);
+    assert!(err.contains("client"), "{err}");
+    assert_eq!(status(&d), "Disconnected");
+    let held = std::thread::spawn(move || c.write(&[2u8; 4096], 0, false));
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!held.is_finished());
+    d.ok(&["-T", "-i", "1", "-f"]);
+    assert!(held.join().expect("client thread").is_err());
+    assert_eq!(status(&d), "(not listed)");
+}
