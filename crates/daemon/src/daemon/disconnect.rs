@@ -444,9 +444,10 @@ impl Daemon {
         }
         if let Some(w) = want {
             if !st.disconnected.contains_key(&w) {
-                return Err(match st.caches.contains_key(&w) {
-                    true => format!("cache {w} is not disconnected"),
-                    false => format!("cache {w} does not exist"),
+                return Err(if st.caches.contains_key(&w) {
+                    format!("cache {w} is not disconnected")
+                } else {
+                    format!("cache {w} does not exist")
                 });
             }
         }
