@@ -274,6 +274,39 @@ pub enum Command {
         force: bool,
     },
 
+    /// casadm's hidden script commands: `--script --disconnect-cache -i ID [--no-flush]
+    /// [--pass-through]` stops a cache but keeps its exports (their requests wait, or go to the
+    /// cores with --pass-through); `--script --connect-cache -d DEV` brings it back.
+    #[command(long_flag = "script", hide = true)]
+    #[command(group(clap::ArgGroup::new("script_command").required(true).args(["disconnect_cache", "connect_cache"])))]
+    Script {
+        /// Stop the cache but keep its exported volumes.
+        #[arg(long, requires = "id")]
+        disconnect_cache: bool,
+        /// Bring a disconnected cache back under its kept exports.
+        #[arg(long, requires = "device")]
+        connect_cache: bool,
+        /// Cache id (1..16384): the cache to disconnect; with --connect-cache, the disconnected
+        /// cache a device without hybridcache metadata is to serve.
+        #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
+        id: Option<u16>,
+        /// The cache device to connect.
+        #[arg(
+            short = 'd',
+            long = "cache-device",
+            value_name = "DEV",
+            conflicts_with = "disconnect_cache"
+        )]
+        device: Option<String>,
+        /// Keep dirty data on the cache device instead of flushing it (the same device must be
+        /// connected again).
+        #[arg(long, conflicts_with = "connect_cache")]
+        no_flush: bool,
+        /// Serve the exports from the cores directly while disconnected (flushes first).
+        #[arg(long, conflicts_with = "connect_cache")]
+        pass_through: bool,
+    },
+
     /// List caches and their cores.
     #[command(short_flag = 'L', long_flag = "list-caches")]
     ListCaches {
@@ -601,6 +634,27 @@ impl Command {
                 device: device_from_here(device),
                 force: *force,
             },
+            Command::Script {
+                disconnect_cache: true,
+                id: Some(id),
+                no_flush,
+                pass_through,
+                ..
+            } => Request::DisconnectCache {
+                id: *id,
+                no_flush: *no_flush,
+                pass_through: *pass_through,
+            },
+            Command::Script {
+                device: Some(device),
+                id,
+                ..
+            } => Request::ConnectCache {
+                device: device_from_here(device),
+                id: *id,
+            },
+            // clap's group and `requires` leave no other shape.
+            Command::Script { .. } => return None,
             Command::ListCaches { .. } => Request::List,
             Command::Stats {
                 id, core, io_class, ..
@@ -706,6 +760,62 @@ mod tests {
             .command
             .request()
             .expect("a management command")
+    }
+
+    #[test]
+    fn script_disconnect_and_connect_take_casadm_s_options() {
+        match req(&["--script", "--disconnect-cache", "--cache-id", "3"]) {
+            Request::DisconnectCache {
+                id: 3,
+                no_flush: false,
+                pass_through: false,
+            } => {}
+            other => panic!("{other:?}"),
+        }
+        match req(&[
+            "--script",
+            "--disconnect-cache",
+            "-i",
+            "3",
+            "--pass-through",
+        ]) {
+            Request::DisconnectCache {
+                pass_through: true,
+                no_flush: false,
+                ..
+            } => {}
+            other => panic!("{other:?}"),
+        }
+        match req(&["--script", "--disconnect-cache", "-i", "3", "--no-flush"]) {
+            Request::DisconnectCache { no_flush: true, .. } => {}
+            other => panic!("{other:?}"),
+        }
+        match req(&[
+            "--script",
+            "--connect-cache",
+            "--cache-device",
+            "/dev/nvme1n1",
+        ]) {
+            Request::ConnectCache { device, id: None } => assert_eq!(device, "/dev/nvme1n1"),
+            other => panic!("{other:?}"),
+        }
+        // A sub-command is required, one at a time, each with what it needs.
+        for bad in [
+            &["--script"][..],
+            &["--script", "--disconnect-cache"],
+            &["--script", "--connect-cache"],
+            &[
+                "--script",
+                "--connect-cache",
+                "--disconnect-cache",
+                "-i",
+                "1",
+            ],
+            &["--script", "--connect-cache", "-d", "x", "--no-flush"],
+            &["--script", "--disconnect-cache", "-i", "1", "-d", "x"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?} should be refused");
+        }
     }
 
     /// Every option of every verb says what it is for in `-H` (casadm users read the help to

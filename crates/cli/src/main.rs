@@ -274,6 +274,37 @@ fn run(cli: Cli) -> Result<()> {
                 println!("cache {} started", v.id);
             }
         }
+        Command::Script {
+            disconnect_cache: true,
+            id: Some(id),
+            pass_through,
+            ..
+        } => {
+            let _: serde_json::Value = call(&control, &req)?;
+            println!(
+                "cache {id} disconnected; its exports stay, their requests {} until --script --connect-cache",
+                if *pass_through {
+                    "go to the cores"
+                } else {
+                    "wait"
+                }
+            );
+        }
+        Command::Script {
+            device: Some(device),
+            ..
+        } => {
+            let v: protocol::Connected = call(&control, &req)?;
+            println!(
+                "cache {} connected: {} {device}; its exports are served by it again",
+                v.id,
+                if v.loaded {
+                    "loaded from"
+                } else {
+                    "a new cache started on"
+                }
+            );
+        }
         Command::AddCore { .. } => {
             let v: protocol::CoreAdded = call(&control, &req)?;
             let verb = if v.reattached {

@@ -38,9 +38,12 @@ use crate::nbd_volume::is_nbd_uri;
 use crate::params;
 
 mod check;
+mod disconnect;
 mod health;
 mod watch;
 use crate::protocol::{self, CacheInfo, CoreInfo, Request, Response, StatsReport};
+use crate::target::Target;
+use disconnect::Disconnected;
 use hybridcache_volume::VolumeRef;
 
 pub const DEFAULT_CONTROL: &str = "/run/hybridcache/control.sock";
@@ -199,6 +202,9 @@ struct CoreEntry {
     pending: bool,
     /// The front-end serving (or, while inactive, to serve) its export.
     frontend: &'static str,
+    /// What its export's requests go to (None while inactive): kept so that a disconnect can
+    /// swap the cache out from under the export.
+    target: Option<Target>,
 }
 
 /// A cache of the configuration file that is not running: its device was missing at start (it
@@ -252,6 +258,8 @@ struct State {
     caches: BTreeMap<u16, CacheEntry>,
     /// Caches of the configuration file that are not running (yet).
     waiting: BTreeMap<u16, Waiting>,
+    /// Caches taken away by `--script --disconnect-cache`, their exports kept.
+    disconnected: BTreeMap<u16, Disconnected>,
 }
 
 struct Daemon {
@@ -295,7 +303,17 @@ impl State {
     fn cache(&self, id: u16) -> std::result::Result<&CacheEntry, String> {
         self.caches
             .get(&id)
-            .ok_or_else(|| format!("cache {id} does not exist"))
+            .ok_or_else(|| match self.disconnected.get(&id) {
+                Some(d) => disconnect::not_connected_text(id, d),
+                None => format!("cache {id} does not exist"),
+            })
+    }
+
+    /// Whether a cache id is taken: by a running, a waiting or a disconnected cache.
+    fn id_taken(&self, id: u16) -> bool {
+        self.caches.contains_key(&id)
+            || self.waiting.contains_key(&id)
+            || self.disconnected.contains_key(&id)
     }
 
     fn core(&self, cache: u16, core: u16) -> std::result::Result<&CoreEntry, String> {
@@ -324,6 +342,11 @@ impl State {
                 if core.key.as_ref().is_some_and(|k| k.conflicts(key)) {
                     return Some(format!("core {core_id} of cache {id}"));
                 }
+            }
+        }
+        for (id, d) in &self.disconnected {
+            if let Some(user) = d.user_of(*id, key) {
+                return Some(user);
             }
         }
         None
@@ -374,6 +397,11 @@ impl State {
                         .then(|| core.frontend.to_string()),
                 });
             }
+        }
+        for (id, d) in &self.disconnected {
+            let (cache, cores) = d.config(*id, default_frontend);
+            cfg.caches.push(cache);
+            cfg.cores.extend(cores);
         }
         // Caches that are not running stay in the file as they were.
         for w in self.waiting.values() {
@@ -601,6 +629,12 @@ impl Daemon {
                 force,
                 inactive_only,
             } => self.remove_core(cache, core, force, inactive_only),
+            Request::DisconnectCache {
+                id,
+                no_flush,
+                pass_through,
+            } => self.disconnect_cache(id, no_flush, pass_through),
+            Request::ConnectCache { device, id } => self.connect_cache(&device, id),
             Request::List => {
                 let st = self.state.lock();
                 let mut caches: Vec<CacheInfo> = st
@@ -608,6 +642,11 @@ impl Daemon {
                     .iter()
                     .map(|(id, c)| cache_info(*id, c, &self.frontends))
                     .collect();
+                caches.extend(
+                    st.disconnected
+                        .iter()
+                        .map(|(id, d)| d.info(*id, &self.frontends)),
+                );
                 caches.extend(st.waiting.values().map(waiting_info));
                 caches.sort_by_key(|c| c.id);
                 Ok(json!({ "caches": caches }))
@@ -854,6 +893,11 @@ impl Daemon {
             if st.caches.contains_key(&id) {
                 return Err(format!("cache {id} already exists"));
             }
+            if st.disconnected.contains_key(&id) {
+                return Err(format!(
+                    "cache {id} is disconnected, its exports kept; connect it with --script --connect-cache or stop it with -T -i {id}"
+                ));
+            }
             if let Some(w) = st.waiting.get(&id) {
                 return Err(format!(
                     "cache {id} of the configuration is not running ({}: {}); stop it with -T -i {id} to drop it first",
@@ -885,7 +929,7 @@ impl Daemon {
         let id = match id {
             Some(id) => id,
             None => (1..=MAX_CACHE_ID)
-                .find(|i| !st.caches.contains_key(i) && !st.waiting.contains_key(i))
+                .find(|i| !st.id_taken(*i))
                 .ok_or("every cache id is in use")?,
         };
         let key = st.check_free(device)?;
@@ -989,6 +1033,10 @@ impl Daemon {
             Some(format!(
                 "{device} holds cache {id}, but cache {id} already exists; stop it first"
             ))
+        } else if st.disconnected.contains_key(&id) {
+            Some(format!(
+                "{device} holds cache {id}, which is disconnected; bring it back with --script --connect-cache -d {device}"
+            ))
         } else {
             None
         };
@@ -1004,13 +1052,16 @@ impl Daemon {
             let active = info.status == CoreStatus::Active;
             let name = export_name(id, info.id);
             let frontend = self.frontend_at_load(&name, device);
+            let mut target = None;
             if active {
                 let description = format!("core {} ({}) of cache {id}", info.id, info.name);
                 let added = cache.core(info.id).map_err(engine_err).and_then(|core| {
+                    let t = Target::new(core);
+                    target = Some(t.clone());
                     frontend.start(ExportSpec {
                         name: name.clone(),
                         description,
-                        core,
+                        core: t,
                         line_size: line,
                         cache_device: device.to_string(),
                     })
@@ -1035,6 +1086,7 @@ impl Daemon {
                     active,
                     pending: false,
                     frontend: frontend.kind(),
+                    target,
                 },
             );
         }
@@ -1081,6 +1133,9 @@ impl Daemon {
             );
             return Ok(json!({}));
         }
+        if st.disconnected.contains_key(&id) {
+            return self.stop_disconnected(&mut st, id, force);
+        }
         let entry = st.cache(id)?;
         if !force {
             let names: Vec<(String, &'static str)> = entry
@@ -1108,17 +1163,26 @@ impl Daemon {
             .filter_map(|(c, e)| {
                 let name = export_name(id, *c);
                 let frontend = self.frontends.get(Some(e.frontend)).ok()?;
-                frontend
-                    .stop(&name)
-                    .then_some((*c, e.device.clone(), name, frontend))
+                frontend.stop(&name).then_some((
+                    *c,
+                    e.device.clone(),
+                    name,
+                    frontend,
+                    e.target.clone(),
+                ))
             })
             .collect();
         if !no_data_flush {
             // Flush first while the cache still serves: a failure here changes nothing.
             if let Err(e) = cache.flush() {
                 let line = cache.line_size().bytes();
-                for (core_id, core_device, name, frontend) in &removed {
-                    let back = cache.core(*core_id).map_err(engine_err).and_then(|core| {
+                for (core_id, core_device, name, frontend, target) in &removed {
+                    // The entry's own target goes back, so a later disconnect finds it.
+                    let target = match target {
+                        Some(t) => Ok(t.clone()),
+                        None => cache.core(*core_id).map(Target::new).map_err(engine_err),
+                    };
+                    let back = target.and_then(|core| {
                         frontend.start(ExportSpec {
                             name: name.clone(),
                             description: format!("core {core_id} ({core_device}) of cache {id}"),
@@ -1241,12 +1305,15 @@ impl Daemon {
         };
         let name = export_name(cache_id, core_id);
         let description = format!("core {core_id} ({device}) of cache {cache_id}");
+        let mut target = None;
         let exported = c.cache.core(core_id).map_err(engine_err).and_then(|core| {
+            let t = Target::new(core);
+            target = Some(t.clone());
             frontend
                 .start(ExportSpec {
                     name: name.clone(),
                     description,
-                    core,
+                    core: t,
                     line_size: line,
                     cache_device: c.device.clone(),
                 })
@@ -1271,6 +1338,7 @@ impl Daemon {
                     active: true,
                     pending: false,
                     frontend: frontend.kind(),
+                    target,
                 },
             );
         }
@@ -1777,6 +1845,7 @@ impl Daemon {
                                         .frontends
                                         .get(core.frontend.as_deref())
                                         .map_or("nbd", |f| f.kind()),
+                                    target: None,
                                 },
                             );
                         }
@@ -1809,6 +1878,12 @@ impl Daemon {
         self.stopping.store(true, Ordering::SeqCst);
         self.traces.stop_all(&self.registry);
         let mut st = self.state.lock();
+        // Requests held for a disconnected cache fail now rather than hold up the front-ends'
+        // stop (and a pass-through route lets go of its core).
+        for d in st.disconnected.values() {
+            d.take_down();
+        }
+        st.disconnected.clear();
         // Block devices go before their caches stop, so their last requests are served.
         for f in self.frontends.all() {
             f.stop_all();
@@ -2269,6 +2344,9 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
     // Stop taking requests first: the management lock and the NBD connections, then flush.
     daemon.stopping.store(true, Ordering::SeqCst);
     cleanup_control();
+    // The NBD server's stop waits for its connections, so none may be left waiting for a
+    // disconnected cache.
+    daemon.release_held();
     server.shutdown();
     if let Some(m) = &metrics {
         m.shutdown();

@@ -8,7 +8,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use hybridcache_engine::{Core, EngineError, MAX_REQUEST, SECTOR};
+use hybridcache_engine::{EngineError, MAX_REQUEST, SECTOR};
 use hybridcache_nbd::{
     BlockSizes, Capabilities, ErrorKind, Export, ExportError, ExportResult, ZeroFlags,
 };
@@ -16,14 +16,16 @@ use hybridcache_nbd::{
 /// Prefetch reads this much at a time, so a large `NBD_CMD_CACHE` does not need a large buffer.
 const PREFETCH_CHUNK: u64 = 1 << 20;
 
+use crate::target::Target;
+
 pub struct CoreExport {
-    core: Core,
+    core: Target,
     line_size: u32,
     errors: ErrorLog,
 }
 
 impl CoreExport {
-    pub fn new(core: Core, line_size: u32) -> CoreExport {
+    pub fn new(core: Target, line_size: u32) -> CoreExport {
         CoreExport {
             core,
             line_size,
@@ -44,7 +46,11 @@ impl CoreExport {
 
 /// Zeroes `len` bytes at `offset` in calls the engine accepts: it serves at most
 /// [`MAX_REQUEST`] per call, and a client may ask for far more. Every front-end zeroes this way.
-pub(crate) fn write_zeroes_chunked(core: &Core, offset: u64, len: u64) -> Result<(), EngineError> {
+pub(crate) fn write_zeroes_chunked(
+    core: &Target,
+    offset: u64,
+    len: u64,
+) -> Result<(), EngineError> {
     let mut done = 0;
     while done < len {
         let n = (len - done).min(MAX_REQUEST);

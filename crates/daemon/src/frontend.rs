@@ -7,10 +7,10 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use hybridcache_engine::Core;
 use hybridcache_nbd::ExportRegistry;
 
 use crate::export::CoreExport;
+use crate::target::Target;
 
 /// Everything a front-end needs to serve one core's exported volume.
 pub struct ExportSpec {
@@ -18,7 +18,9 @@ pub struct ExportSpec {
     pub name: String,
     /// For people (NBD's export description, log lines).
     pub description: String,
-    pub core: Core,
+    /// Where its requests go: the cache's core, swappable while the export stays
+    /// (`--script --disconnect-cache`).
+    pub core: Target,
     /// The cache line size in bytes: the preferred (physical) block size clients see.
     pub line_size: u32,
     /// The cache device as the daemon names it: a front-end that remembers exports across a

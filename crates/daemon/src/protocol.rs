@@ -56,6 +56,25 @@ pub enum Request {
         #[serde(default)]
         inactive_only: bool,
     },
+    /// `--script --disconnect-cache`: stop the cache but keep its cores' exports; their
+    /// requests wait for `ConnectCache` or, with `pass_through`, go to the cores directly.
+    DisconnectCache {
+        id: u16,
+        /// Keep dirty data on the cache device (the reconnect must then load that device).
+        #[serde(default)]
+        no_flush: bool,
+        #[serde(default)]
+        pass_through: bool,
+    },
+    /// `--script --connect-cache`: bring a disconnected cache back on `device` under its kept
+    /// exports. Result: [`Connected`].
+    ConnectCache {
+        device: String,
+        /// Which disconnected cache a device without hybridcache metadata serves (needed only
+        /// when several are disconnected).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        id: Option<u16>,
+    },
     List,
     Stats {
         cache: u16,
@@ -595,4 +614,13 @@ mod tests {
         let r = Response::err("a\nb");
         assert_eq!(r.error.as_deref(), Some("a b"));
     }
+}
+
+/// Result of [`Request::ConnectCache`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Connected {
+    pub id: u16,
+    /// True: the cache the device holds was loaded; false: a new cache was started on it with
+    /// the disconnected cache's settings and cores.
+    pub loaded: bool,
 }

@@ -25,13 +25,14 @@ use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use hybridcache_engine::{Core, EngineError};
+use hybridcache_engine::EngineError;
 use hybridcache_ublk::{BlockBackend, DeviceConfig, Started};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use crate::export::{write_zeroes_chunked, ErrorLog};
 use crate::frontend::{ExportSpec, Frontend, FrontendResult};
+use crate::target::Target;
 
 /// How long a new or recovered device may take to come up. Recovery waits for the dead
 /// server's descriptors to be released (libublk retries for up to 30 s).
@@ -40,12 +41,12 @@ const START_TIMEOUT: Duration = Duration::from_secs(45);
 /// A core as a ublk block backend: the engine's calls, with device errors logged as the NBD
 /// export logs them.
 pub struct CoreBackend {
-    core: Core,
+    core: Target,
     errors: ErrorLog,
 }
 
 impl CoreBackend {
-    pub fn new(core: Core) -> CoreBackend {
+    pub fn new(core: Target) -> CoreBackend {
         CoreBackend {
             core,
             errors: ErrorLog::default(),
@@ -450,7 +451,7 @@ mod tests {
             },
         ));
         let id = cache.add_core(faulty, None).unwrap();
-        let b = CoreBackend::new(cache.core(id).unwrap());
+        let b = CoreBackend::new(cache.core(id).unwrap().into());
         let mut buf = vec![0u8; 4096];
         let e = b.read_at(&mut buf, 1 << 20).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
@@ -488,7 +489,7 @@ mod tests {
         .unwrap();
         let id = cache.add_core(core_vol, None).unwrap();
         cache.flush().unwrap();
-        let backend = CoreBackend::new(cache.core(id).unwrap());
+        let backend = CoreBackend::new(cache.core(id).unwrap().into());
         let data = vec![0x5a; 8192];
         backend.write_at(&data, 1 << 20, false).unwrap();
         // "kill -9": nothing more reaches the devices from this cache; its files stay as they

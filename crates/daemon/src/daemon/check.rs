@@ -79,7 +79,7 @@ pub(super) fn check_config(cfg: &ConfigFile, st: &State) -> Result<(), String> {
         if !cache_ids.insert(c.id) {
             problems.push(format!("{who}: named twice"));
         }
-        if st.caches.contains_key(&c.id) || st.waiting.contains_key(&c.id) {
+        if st.id_taken(c.id) {
             problems.push(format!("{who}: already exists"));
         }
         let mode = match c.mode.as_deref().unwrap_or("wt").parse::<CacheMode>() {
