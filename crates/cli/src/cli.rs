@@ -19,7 +19,8 @@ use crate::protocol::Request;
     disable_version_flag = true,
     disable_help_subcommand = true,
     subcommand_required = true,
-    arg_required_else_help = true
+    arg_required_else_help = true,
+    after_help = "For the options of one command, put -H after it: hybridcache -S -H, hybridcache --set-param -H, hybridcache trace start -H."
 )]
 pub struct Cli {
     /// Control socket of the daemon.
@@ -81,6 +82,26 @@ fn device_from_here(spec: &str) -> String {
         Ok(p) if !path.is_empty() => format!("{prefix}{}", p.display()),
         _ => spec.into(),
     }
+}
+
+/// `-d` of `-P`: an IO class id as casadm numbers them.
+fn io_class_id(s: &str) -> Result<u8, String> {
+    match s.parse::<u8>() {
+        Ok(n @ 0..=33) => Ok(n),
+        _ => Err(format!("'{s}' is not an IO class id (0..=33)")),
+    }
+}
+
+/// `-n` of `-X` and `-G`: the daemon's parameter groups, so a typo is caught here with the
+/// name probably meant, and `-H` lists them.
+fn param_group() -> impl clap::builder::TypedValueParser<Value = String> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+    PossibleValuesParser::new(
+        crate::params::GROUPS
+            .iter()
+            .map(|g| PossibleValue::new(g.name).help(g.help)),
+    )
+    .map(String::from)
 }
 
 fn mode(s: &str) -> Result<CacheMode, String> {
@@ -301,7 +322,7 @@ pub enum Command {
         core: Option<u16>,
         /// Statistics of one IO class (usage and requests of that class, across cores); `-d`
         /// without a value: of every IO class.
-        #[arg(short = 'd', long = "io-class-id", num_args = 0..=1, value_parser = clap::value_parser!(u8).range(0..=33))]
+        #[arg(short = 'd', long = "io-class-id", num_args = 0..=1, value_parser = io_class_id)]
         io_class: Option<Option<u8>>,
         /// Sections to show, comma-separated: all, conf, usage, req, blk, err [default: all].
         #[arg(short = 'f', long = "filter", value_delimiter = ',', value_enum)]
@@ -375,7 +396,7 @@ pub enum Command {
     #[command(short_flag = 'X', long_flag = "set-param")]
     SetParam {
         /// Parameter group (see above).
-        #[arg(short = 'n', long = "name")]
+        #[arg(short = 'n', long = "name", value_parser = param_group(), value_name = "GROUP")]
         name: String,
         /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
@@ -437,7 +458,7 @@ pub enum Command {
     #[command(short_flag = 'G', long_flag = "get-param")]
     GetParam {
         /// Parameter group: those of set-param, and cache-line-size.
-        #[arg(short = 'n', long = "name")]
+        #[arg(short = 'n', long = "name", value_parser = param_group(), value_name = "GROUP")]
         name: String,
         /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
@@ -457,15 +478,14 @@ pub enum Command {
 
     /// IO classes: load Open CAS's CSV class file (`-C -C -i ID -f FILE`) or list the classes
     /// in force (`-C -L -i ID`). See docs/io-classes.md.
-    #[command(short_flag = 'C', long_flag = "io-class")]
+    #[command(
+        short_flag = 'C',
+        long_flag = "io-class",
+        group(clap::ArgGroup::new("action").args(["load", "list"]).required(true))
+    )]
     IoClass {
         /// Load a class file (replaces the classes in force; a refused file changes nothing).
-        #[arg(
-            short = 'C',
-            long = "load-config",
-            conflicts_with = "list",
-            required_unless_present = "list"
-        )]
+        #[arg(short = 'C', long = "load-config")]
         load: bool,
         /// List the classes in force.
         #[arg(short = 'L', long = "list")]

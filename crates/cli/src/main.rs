@@ -3,7 +3,8 @@
 //! CLI talks to over the control socket.
 //!
 //! Exit codes: 0 on success, 1 when the daemon refuses or fails a command (or cannot be
-//! reached), 2 for a bad command line. Errors are one line on stderr. `analyze` needs no daemon
+//! reached), 2 for a bad command line. Errors are one line on stderr (a bad command line's ends
+//! with where the verb's help is, see usage.rs). `analyze` needs no daemon
 //! and also exits 2 for an unreadable trace or a bad profile (see analyze.rs).
 
 mod analyze;
@@ -18,6 +19,7 @@ mod report_charts;
 mod serve;
 mod top;
 mod trace;
+mod usage;
 
 // The daemon and its control protocol live in crates/daemon; the CLI is one of its clients.
 use hybridcache_daemon::{daemon, devices, export, params, protocol};
@@ -35,37 +37,10 @@ use cli::{Cli, Command};
 use protocol::{CacheList, ParamValue, Request, Response, StatsReport, VersionInfo};
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let cli = match Cli::try_parse_from(&args) {
         Ok(cli) => cli,
-        Err(e) => {
-            use clap::error::ErrorKind;
-            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion)
-                || e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
-            {
-                let _ = e.print();
-                return if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
-                    ExitCode::from(2)
-                } else {
-                    ExitCode::SUCCESS
-                };
-            }
-            // clap's own report spans several lines (usage, tips); keep its first line.
-            let text = e.to_string();
-            let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
-            let mut first = lines
-                .next()
-                .unwrap_or("invalid arguments")
-                .trim_start_matches("error: ")
-                .to_string();
-            // "the following required arguments were not provided:" names them on the next line.
-            if first.ends_with(':') {
-                if let Some(next) = lines.next() {
-                    first = format!("{first} {next}");
-                }
-            }
-            eprintln!("hybridcache: {first} (see 'hybridcache -H')");
-            return ExitCode::from(2);
-        }
+        Err(e) => return usage_error(e, &args),
     };
     if let Command::Analyze(args) = &cli.command {
         return match analyze::run(args, &control_path(&cli)) {
@@ -93,6 +68,43 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+/// Help asked for, or a bad command line: exit 0 after help, 2 otherwise (with a line saying
+/// what is wrong and where the verb's help is).
+fn usage_error(e: clap::Error, args: &[std::ffi::OsString]) -> ExitCode {
+    use clap::error::ErrorKind;
+    use clap::CommandFactory;
+    match e.kind() {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            let _ = e.print();
+            return ExitCode::from(2);
+        }
+        _ => {}
+    }
+    let root = Cli::command();
+    let verbs = usage::typed_verbs(&root, args);
+    if usage::asks_for_help(args, &verbs) {
+        // As casadm: -H after the verb shows its help even when the rest of the line is wrong.
+        let just_help = args
+            .iter()
+            .take(1)
+            .cloned()
+            .chain(verbs.iter().map(Into::into))
+            .chain(std::iter::once("-H".into()));
+        if let Err(help) = Cli::try_parse_from(just_help) {
+            if help.kind() == ErrorKind::DisplayHelp {
+                let _ = help.print();
+                return ExitCode::SUCCESS;
+            }
+        }
+    }
+    eprintln!("hybridcache: {}", usage::message(&e, &root, &verbs));
+    ExitCode::from(2)
 }
 
 fn control_path(cli: &Cli) -> PathBuf {
