@@ -12,6 +12,7 @@ mod apply;
 mod bench;
 mod chart;
 mod cli;
+mod control;
 mod flush;
 mod format;
 mod gen;
@@ -24,8 +25,6 @@ mod usage;
 // The daemon and its control protocol live in crates/daemon; the CLI is one of its clients.
 use hybridcache_daemon::{daemon, devices, export, params, protocol};
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -312,25 +311,16 @@ fn run(cli: Cli) -> Result<()> {
 
 /// Send one request to the daemon and decode the result.
 fn call<T: DeserializeOwned>(control: &Path, req: &Request) -> Result<T> {
-    let mut stream = UnixStream::connect(control).map_err(|e| {
-        anyhow!(
-            "cannot reach the daemon at {}: {e} (is 'hybridcache daemon' running? use --control or HYBRIDCACHE_CONTROL)",
-            control.display()
-        )
-    })?;
     let mut line = serde_json::to_string(req).context("encoding the request")?;
     line.push('\n');
-    stream
-        .write_all(line.as_bytes())
-        .context("sending the request")?;
-    let mut reply = String::new();
-    BufReader::new(&stream)
-        .read_line(&mut reply)
-        .context("reading the reply")?;
-    if reply.is_empty() {
-        return Err(anyhow!("the daemon closed the connection without a reply"));
-    }
-    let resp: Response = serde_json::from_str(&reply).context("decoding the reply")?;
+    let reply = control::exchange(control, &line)?;
+    let resp: Response = serde_json::from_str(&reply).map_err(|_| {
+        anyhow!(
+            "{} is not a hybridcache control socket: its reply is not the daemon's (the control socket is {} by default)",
+            control.display(),
+            daemon::DEFAULT_CONTROL
+        )
+    })?;
     if !resp.ok {
         return Err(anyhow!(
             "{}",

@@ -4,9 +4,12 @@
 
 mod common;
 
+use std::io::Write;
+use std::os::unix::net::UnixListener;
 use std::process::{Command, Output};
+use std::time::{Duration, Instant};
 
-use common::{file_cache, BIN};
+use common::{file_cache, workdir, BIN};
 
 /// The CLI with no daemon behind it: these fail before any request is sent.
 fn run(args: &[&str]) -> Output {
@@ -189,6 +192,74 @@ fn missing_arguments_are_all_named() {
         "{err}"
     );
     assert!(err.ends_with("(see 'hybridcache -A -H')"), "{err}");
+}
+
+/// `--control` at the daemon's NBD socket: said so, exit 1, one line.
+#[test]
+fn the_nbd_socket_is_not_the_control_socket() {
+    let fc = file_cache(16 << 20, 64 << 20, &[]);
+    let d = &fc.daemon;
+    let before = d.ok(&["-L"]);
+    for args in [&["-L"][..], &["-P", "-i", "1"], &["-T", "-i", "1"]] {
+        let out = Command::new(BIN)
+            .args(args)
+            .arg("--control")
+            .arg(&d.nbd)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(
+            err.contains(&format!(
+                "{} is an NBD socket, not the control socket (the control socket is /run/hybridcache/control.sock by default",
+                d.nbd.display()
+            )),
+            "{err}"
+        );
+    }
+    assert_eq!(d.ok(&["-L"]), before);
+}
+
+/// A socket that accepts and says nothing, or answers something that is not ours.
+#[test]
+fn a_socket_that_is_not_ours_is_named_so_without_a_hang() {
+    let dir = workdir();
+    let silent = dir.path().join("silent.sock");
+    // Bound and listening, never accepting: connections wait in the backlog forever.
+    let _silent = UnixListener::bind(&silent).unwrap();
+    let chatty = dir.path().join("chatty.sock");
+    let listener = UnixListener::bind(&chatty).unwrap();
+    std::thread::spawn(move || {
+        for s in listener.incoming() {
+            let Ok(mut s) = s else { return };
+            let _ = s.write_all(b"220 welcome to some other service\r\n");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    });
+    for (sock, want) in [
+        (&silent, "answered nothing"),
+        (&chatty, "not a hybridcache control socket"),
+    ] {
+        let t = Instant::now();
+        let out = Command::new(BIN)
+            .args(["-L", "--control"])
+            .arg(sock)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "took {:?}",
+            t.elapsed()
+        );
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(err.contains(&sock.display().to_string()), "{err}");
+        assert!(err.contains(want), "{err}");
+        assert!(err.contains("not a hybridcache control socket"), "{err}");
+        assert!(!err.contains("decoding"), "{err}");
+    }
 }
 
 /// Errors of every kind leave the setup as it was.
