@@ -222,13 +222,14 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Stats {
             id,
+            core,
             io_class: Some(None),
             filter,
             output,
             by_id_path,
-            ..
         } => {
-            // `-d` without a value: every IO class in force, one after the other.
+            // `-d` without a value: every IO class in force, one after the other, each asked
+            // as `-d CLASS` would be (with -j too, so the daemon answers as it does there).
             let list: protocol::IoClassList =
                 call(&control, &Request::ListIoClasses { cache: *id })?;
             let mut reports = Vec::new();
@@ -237,7 +238,7 @@ fn run(cli: Cli) -> Result<()> {
                     &control,
                     &Request::Stats {
                         cache: *id,
-                        core: None,
+                        core: *core,
                         io_class: Some(class.id),
                     },
                 )?;
