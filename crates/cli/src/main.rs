@@ -329,5 +329,48 @@ fn call<T: DeserializeOwned>(control: &Path, req: &Request) -> Result<T> {
         ));
     }
     let value = resp.result.unwrap_or(serde_json::Value::Null);
-    serde_json::from_value(value).context("decoding the reply")
+    // A reply of another shape comes from a daemon of another version, not from bad input.
+    serde_json::from_value(value).map_err(|e| {
+        anyhow!(
+            "the daemon's reply is not what this CLI expects ({e}); is the daemon another version? (see 'hybridcache -V')"
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixListener;
+
+    /// A server answering every connection with `reply`.
+    fn answering(reply: &'static [u8]) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("c.sock");
+        let l = UnixListener::bind(&sock).unwrap();
+        std::thread::spawn(move || {
+            for s in l.incoming() {
+                let Ok(mut s) = s else { return };
+                let mut b = [0u8; 256];
+                let _ = s.read(&mut b);
+                let _ = s.write_all(reply);
+            }
+        });
+        (dir, sock)
+    }
+
+    #[test]
+    fn replies_that_are_not_the_daemon_s_are_said_in_words() {
+        let (_d, sock) = answering(b"{\"ok\":true,\"result\":{\"list\":3}}\n");
+        let e = call::<CacheList>(&sock, &Request::List).unwrap_err();
+        let e = format!("{e:#}");
+        assert!(e.contains("is the daemon another version?"), "{e}");
+        let (_d, sock) = answering(b"{\"hello\":\"world\"}\n");
+        let e = call::<CacheList>(&sock, &Request::List).unwrap_err();
+        let e = format!("{e:#}");
+        assert!(
+            e.contains("is not a hybridcache control socket: its reply is not the daemon's"),
+            "{e}"
+        );
+    }
 }
