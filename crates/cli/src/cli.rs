@@ -19,7 +19,8 @@ use crate::protocol::Request;
     disable_version_flag = true,
     disable_help_subcommand = true,
     subcommand_required = true,
-    arg_required_else_help = true
+    arg_required_else_help = true,
+    after_help = "For the options of one command, put -H after it: hybridcache -S -H, hybridcache --set-param -H, hybridcache trace start -H."
 )]
 pub struct Cli {
     /// Control socket of the daemon.
@@ -83,6 +84,26 @@ fn device_from_here(spec: &str) -> String {
     }
 }
 
+/// `-d` of `-P`: an IO class id as casadm numbers them.
+fn io_class_id(s: &str) -> Result<u8, String> {
+    match s.parse::<u8>() {
+        Ok(n @ 0..=33) => Ok(n),
+        _ => Err(format!("'{s}' is not an IO class id (0..=33)")),
+    }
+}
+
+/// `-n` of `-X` and `-G`: the daemon's parameter groups, so a typo is caught here with the
+/// name probably meant, and `-H` lists them.
+fn param_group() -> impl clap::builder::TypedValueParser<Value = String> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+    PossibleValuesParser::new(
+        crate::params::GROUPS
+            .iter()
+            .map(|g| PossibleValue::new(g.name).help(g.help)),
+    )
+    .map(String::from)
+}
+
 fn mode(s: &str) -> Result<CacheMode, String> {
     s.parse()
 }
@@ -106,23 +127,35 @@ fn yes_no(s: &str) -> Result<bool, String> {
 #[derive(Debug, Clone, clap::Args)]
 pub struct NbdLimitArgs {
     /// NBD connections in all [default: 256].
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = whole::<usize>)]
     pub nbd_max_connections: Option<usize>,
     /// NBD connections per client: a TCP address, or a Unix-socket user [default: 64].
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = whole::<usize>)]
     pub nbd_max_connections_per_client: Option<usize>,
     /// NBD connections per export [default: 192].
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = whole::<usize>)]
     pub nbd_max_connections_per_export: Option<usize>,
     /// Seconds a client may take to finish the NBD handshake [default: 10].
-    #[arg(long, value_name = "SECONDS")]
+    #[arg(long, value_name = "SECONDS", value_parser = whole::<u64>)]
     pub nbd_handshake_timeout: Option<u64>,
     /// Seconds a client may stall mid-request or leave a reply unread; 0 = never [default: 60].
-    #[arg(long, value_name = "SECONDS")]
+    #[arg(long, value_name = "SECONDS", value_parser = whole::<u64>)]
     pub nbd_stall_timeout: Option<u64>,
     /// Memory the NBD server may hold for connections and requests, e.g. 512M [default: 512M].
     #[arg(long, value_name = "SIZE", value_parser = size_arg)]
     pub nbd_memory_limit: Option<u64>,
+}
+
+/// A count or a number of seconds, refused in words rather than Rust's ("invalid digit found in
+/// string", "number too large to fit in target type").
+pub(crate) fn whole<T: std::str::FromStr>(s: &str) -> Result<T, String> {
+    s.parse().map_err(|_| {
+        if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) {
+            format!("{s} is too large")
+        } else {
+            format!("'{s}' is not a whole number")
+        }
+    })
 }
 
 fn size_arg(s: &str) -> Result<u64, String> {
@@ -146,14 +179,14 @@ pub enum Command {
         #[arg(long, value_name = "ADDR:PORT")]
         nbd_listen: Option<String>,
         /// Requests in flight per NBD connection [default: 16].
-        #[arg(long, value_name = "N")]
+        #[arg(long, value_name = "N", value_parser = whole::<usize>)]
         nbd_workers: Option<usize>,
         /// Serve Prometheus metrics at http://ADDR:PORT/metrics: PORT (loopback) or ADDRESS:PORT.
         #[arg(long, value_name = "ADDR:PORT")]
         metrics_listen: Option<String>,
         /// Log a WARN when cleaning is due but has cleaned nothing for this long (a failing or
         /// blocked core) [default: 30].
-        #[arg(long, value_name = "SECONDS")]
+        #[arg(long, value_name = "SECONDS", value_parser = whole::<u64>)]
         cleaning_stall_warn: Option<u64>,
         /// Write every setup change back to the --config file.
         #[arg(long)]
@@ -164,7 +197,7 @@ pub enum Command {
         #[arg(long, value_name = "nbd|ublk", value_parser = ["nbd", "ublk"])]
         frontend: Option<String>,
         /// Queues of each /dev/ublkbN, each with its own thread and ring [default: one per CPU].
-        #[arg(long, value_name = "N")]
+        #[arg(long, value_name = "N", value_parser = whole::<u16>)]
         ublk_queues: Option<u16>,
         /// Directory for state that outlives the daemon but not a reboot (which ublk device
         /// serves which export) [default: the control socket's directory].
@@ -334,7 +367,7 @@ pub enum Command {
         core: Option<u16>,
         /// Statistics of one IO class (usage and requests of that class, across cores); `-d`
         /// without a value: of every IO class.
-        #[arg(short = 'd', long = "io-class-id", num_args = 0..=1, value_parser = clap::value_parser!(u8).range(0..=33))]
+        #[arg(short = 'd', long = "io-class-id", num_args = 0..=1, value_parser = io_class_id)]
         io_class: Option<Option<u8>>,
         /// Sections to show, comma-separated: all, conf, usage, req, blk, err [default: all].
         #[arg(short = 'f', long = "filter", value_delimiter = ',', value_enum)]
@@ -408,7 +441,7 @@ pub enum Command {
     #[command(short_flag = 'X', long_flag = "set-param")]
     SetParam {
         /// Parameter group (see above).
-        #[arg(short = 'n', long = "name")]
+        #[arg(short = 'n', long = "name", value_parser = param_group(), value_name = "GROUP")]
         name: String,
         /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
@@ -470,7 +503,7 @@ pub enum Command {
     #[command(short_flag = 'G', long_flag = "get-param")]
     GetParam {
         /// Parameter group: those of set-param, and cache-line-size.
-        #[arg(short = 'n', long = "name")]
+        #[arg(short = 'n', long = "name", value_parser = param_group(), value_name = "GROUP")]
         name: String,
         /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
@@ -490,15 +523,14 @@ pub enum Command {
 
     /// IO classes: load Open CAS's CSV class file (`-C -C -i ID -f FILE`) or list the classes
     /// in force (`-C -L -i ID`). See docs/io-classes.md.
-    #[command(short_flag = 'C', long_flag = "io-class")]
+    #[command(
+        short_flag = 'C',
+        long_flag = "io-class",
+        group(clap::ArgGroup::new("action").args(["load", "list"]).required(true))
+    )]
     IoClass {
         /// Load a class file (replaces the classes in force; a refused file changes nothing).
-        #[arg(
-            short = 'C',
-            long = "load-config",
-            conflicts_with = "list",
-            required_unless_present = "list"
-        )]
+        #[arg(short = 'C', long = "load-config")]
         load: bool,
         /// List the classes in force.
         #[arg(short = 'L', long = "list")]
@@ -841,6 +873,41 @@ mod tests {
         assert!(blank.is_empty(), "options without help: {blank:#?}");
     }
 
+    /// `-H` after any verb, in each of its forms (name, `--long`, casadm's `-X`), and after a
+    /// verb's own verb, shows that verb's help: what every usage error points at.
+    #[test]
+    fn every_verb_has_its_help_in_every_form() {
+        use clap::CommandFactory;
+        fn walk(cmd: &clap::Command, typed: &[String], checked: &mut usize) {
+            for sub in cmd.get_subcommands().filter(|s| !s.is_hide_set()) {
+                let mut forms = vec![sub.get_name().to_string()];
+                forms.extend(sub.get_long_flag().map(|l| format!("--{l}")));
+                forms.extend(sub.get_short_flag().map(|c| format!("-{c}")));
+                for form in forms {
+                    let mut args: Vec<String> = typed.to_vec();
+                    args.push(form);
+                    for help in ["-H", "--help"] {
+                        let argv = std::iter::once("hybridcache")
+                            .chain(args.iter().map(String::as_str))
+                            .chain([help]);
+                        let e = Cli::try_parse_from(argv).unwrap_err();
+                        assert_eq!(e.kind(), ErrorKind::DisplayHelp, "{args:?} {help}: {e}");
+                        assert!(
+                            e.to_string()
+                                .contains(&format!("Usage: hybridcache {}", typed.join(" "))),
+                            "{args:?}: {e}"
+                        );
+                        *checked += 1;
+                    }
+                    walk(sub, &args, checked);
+                }
+            }
+        }
+        let mut checked = 0;
+        walk(&Cli::command(), &[], &mut checked);
+        assert!(checked > 60, "{checked}");
+    }
+
     #[test]
     fn relative_device_paths_are_resolved_against_the_cli_s_directory() {
         let here = std::env::current_dir().unwrap();
@@ -1106,6 +1173,9 @@ mod tests {
         assert!(msg(&["-A", "-i", "1", "-d", "x", "-j", "4096"]).contains("not a core id"));
         assert!(msg(&["-Q", "-c", "wt", "-i", "1", "-f", "maybe"]).contains("expected yes or no"));
         assert!(msg(&["-P", "-i", "1", "-o", "xml"]).contains("xml"));
+        assert!(msg(&["daemon", "--nbd-workers", "four"]).contains("'four' is not a whole number"));
+        assert!(msg(&["daemon", "--ublk-queues", "70000"]).contains("70000 is too large"));
+        assert!(msg(&["daemon", "--nbd-stall-timeout=-1"]).contains("'-1' is not a whole number"));
         assert_eq!(
             parse(&["-S"]).unwrap_err().kind(),
             ErrorKind::MissingRequiredArgument

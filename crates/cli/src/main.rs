@@ -3,7 +3,8 @@
 //! CLI talks to over the control socket.
 //!
 //! Exit codes: 0 on success, 1 when the daemon refuses or fails a command (or cannot be
-//! reached), 2 for a bad command line. Errors are one line on stderr. `analyze` needs no daemon
+//! reached), 2 for a bad command line. Errors are one line on stderr (a bad command line's ends
+//! with where the verb's help is, see usage.rs). `analyze` needs no daemon
 //! and also exits 2 for an unreadable trace or a bad profile (see analyze.rs).
 
 mod analyze;
@@ -11,6 +12,7 @@ mod apply;
 mod bench;
 mod chart;
 mod cli;
+mod control;
 mod flush;
 mod format;
 mod gen;
@@ -18,12 +20,11 @@ mod report_charts;
 mod serve;
 mod top;
 mod trace;
+mod usage;
 
 // The daemon and its control protocol live in crates/daemon; the CLI is one of its clients.
 use hybridcache_daemon::{daemon, devices, export, params, protocol};
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -35,37 +36,10 @@ use cli::{Cli, Command};
 use protocol::{CacheList, ParamValue, Request, Response, StatsReport, VersionInfo};
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let cli = match Cli::try_parse_from(&args) {
         Ok(cli) => cli,
-        Err(e) => {
-            use clap::error::ErrorKind;
-            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion)
-                || e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
-            {
-                let _ = e.print();
-                return if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
-                    ExitCode::from(2)
-                } else {
-                    ExitCode::SUCCESS
-                };
-            }
-            // clap's own report spans several lines (usage, tips); keep its first line.
-            let text = e.to_string();
-            let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
-            let mut first = lines
-                .next()
-                .unwrap_or("invalid arguments")
-                .trim_start_matches("error: ")
-                .to_string();
-            // "the following required arguments were not provided:" names them on the next line.
-            if first.ends_with(':') {
-                if let Some(next) = lines.next() {
-                    first = format!("{first} {next}");
-                }
-            }
-            eprintln!("hybridcache: {first} (see 'hybridcache -H')");
-            return ExitCode::from(2);
-        }
+        Err(e) => return usage_error(e, &args),
     };
     if let Command::Analyze(args) = &cli.command {
         return match analyze::run(args, &control_path(&cli)) {
@@ -93,6 +67,43 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+/// Help asked for, or a bad command line: exit 0 after help, 2 otherwise (with a line saying
+/// what is wrong and where the verb's help is).
+fn usage_error(e: clap::Error, args: &[std::ffi::OsString]) -> ExitCode {
+    use clap::error::ErrorKind;
+    use clap::CommandFactory;
+    match e.kind() {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            let _ = e.print();
+            return ExitCode::from(2);
+        }
+        _ => {}
+    }
+    let root = Cli::command();
+    let verbs = usage::typed_verbs(&root, args);
+    if usage::asks_for_help(args, &verbs) {
+        // As casadm: -H after the verb shows its help even when the rest of the line is wrong.
+        let just_help = args
+            .iter()
+            .take(1)
+            .cloned()
+            .chain(verbs.iter().map(Into::into))
+            .chain(std::iter::once("-H".into()));
+        if let Err(help) = Cli::try_parse_from(just_help) {
+            if help.kind() == ErrorKind::DisplayHelp {
+                let _ = help.print();
+                return ExitCode::SUCCESS;
+            }
+        }
+    }
+    eprintln!("hybridcache: {}", usage::message(&e, &root, &verbs));
+    ExitCode::from(2)
 }
 
 fn control_path(cli: &Cli) -> PathBuf {
@@ -211,13 +222,14 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Stats {
             id,
+            core,
             io_class: Some(None),
             filter,
             output,
             by_id_path,
-            ..
         } => {
-            // `-d` without a value: every IO class in force, one after the other.
+            // `-d` without a value: every IO class in force, one after the other, each asked
+            // as `-d CLASS` would be (with -j too, so the daemon answers as it does there).
             let list: protocol::IoClassList =
                 call(&control, &Request::ListIoClasses { cache: *id })?;
             let mut reports = Vec::new();
@@ -226,7 +238,7 @@ fn run(cli: Cli) -> Result<()> {
                     &control,
                     &Request::Stats {
                         cache: *id,
-                        core: None,
+                        core: *core,
                         io_class: Some(class.id),
                     },
                 )?;
@@ -331,25 +343,16 @@ fn run(cli: Cli) -> Result<()> {
 
 /// Send one request to the daemon and decode the result.
 fn call<T: DeserializeOwned>(control: &Path, req: &Request) -> Result<T> {
-    let mut stream = UnixStream::connect(control).map_err(|e| {
-        anyhow!(
-            "cannot reach the daemon at {}: {e} (is 'hybridcache daemon' running? use --control or HYBRIDCACHE_CONTROL)",
-            control.display()
-        )
-    })?;
     let mut line = serde_json::to_string(req).context("encoding the request")?;
     line.push('\n');
-    stream
-        .write_all(line.as_bytes())
-        .context("sending the request")?;
-    let mut reply = String::new();
-    BufReader::new(&stream)
-        .read_line(&mut reply)
-        .context("reading the reply")?;
-    if reply.is_empty() {
-        return Err(anyhow!("the daemon closed the connection without a reply"));
-    }
-    let resp: Response = serde_json::from_str(&reply).context("decoding the reply")?;
+    let reply = control::exchange(control, &line)?;
+    let resp: Response = serde_json::from_str(&reply).map_err(|_| {
+        anyhow!(
+            "{} is not a hybridcache control socket: its reply is not the daemon's (the control socket is {} by default)",
+            control.display(),
+            daemon::DEFAULT_CONTROL
+        )
+    })?;
     if !resp.ok {
         return Err(anyhow!(
             "{}",
@@ -357,5 +360,48 @@ fn call<T: DeserializeOwned>(control: &Path, req: &Request) -> Result<T> {
         ));
     }
     let value = resp.result.unwrap_or(serde_json::Value::Null);
-    serde_json::from_value(value).context("decoding the reply")
+    // A reply of another shape comes from a daemon of another version, not from bad input.
+    serde_json::from_value(value).map_err(|e| {
+        anyhow!(
+            "the daemon's reply is not what this CLI expects ({e}); is the daemon another version? (see 'hybridcache -V')"
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixListener;
+
+    /// A server answering every connection with `reply`.
+    fn answering(reply: &'static [u8]) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("c.sock");
+        let l = UnixListener::bind(&sock).unwrap();
+        std::thread::spawn(move || {
+            for s in l.incoming() {
+                let Ok(mut s) = s else { return };
+                let mut b = [0u8; 256];
+                let _ = s.read(&mut b);
+                let _ = s.write_all(reply);
+            }
+        });
+        (dir, sock)
+    }
+
+    #[test]
+    fn replies_that_are_not_the_daemon_s_are_said_in_words() {
+        let (_d, sock) = answering(b"{\"ok\":true,\"result\":{\"list\":3}}\n");
+        let e = call::<CacheList>(&sock, &Request::List).unwrap_err();
+        let e = format!("{e:#}");
+        assert!(e.contains("is the daemon another version?"), "{e}");
+        let (_d, sock) = answering(b"{\"hello\":\"world\"}\n");
+        let e = call::<CacheList>(&sock, &Request::List).unwrap_err();
+        let e = format!("{e:#}");
+        assert!(
+            e.contains("is not a hybridcache control socket: its reply is not the daemon's"),
+            "{e}"
+        );
+    }
 }

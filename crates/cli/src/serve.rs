@@ -41,7 +41,7 @@ pub struct ServeArgs {
     pub name: String,
     /// Requests executed in parallel per NBD connection: the queue depth a slow core can see
     /// through one connection.
-    #[arg(long, default_value_t = 32, value_name = "N")]
+    #[arg(long, default_value_t = 32, value_name = "N", value_parser = crate::cli::whole::<usize>)]
     pub workers: usize,
 }
 

@@ -107,8 +107,14 @@ fn management_verbs_end_to_end() {
     assert_eq!(d.ok(&["-G", "-n", "cache-line-size", "-i", "1"]), "4\n");
     let err = d.fails(&["-X", "-n", "cache-line-size", "-i", "1", "-v", "8"]);
     assert!(err.contains("read-only"), "{err}");
-    let err = d.fails(&["-G", "-n", "nope", "-i", "1"]);
-    assert!(err.contains("unknown parameter 'nope'"), "{err}");
+    // An unknown group is a bad command line, refused before the daemon is asked.
+    let out = d.cli(&["-G", "-n", "nope", "-i", "1"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("invalid value 'nope' for '--name <GROUP>'"),
+        "{err}"
+    );
 
     // Flush, then the mode switch and the data survive.
     d.ok(&["-F", "-i", "1"]);
