@@ -49,8 +49,8 @@ use crate::stats::{
     thread_slot, BackgroundErrorLog, BackgroundErrors, Counter, Counters, Stats, Usage, SLOTS,
 };
 use crate::{
-    CacheConfig, CacheMode, CoreId, EngineError, LineSize, Result, MAX_CORES, MAX_CORE_ID, MAX_REQUEST,
-    SECTOR,
+    CacheConfig, CacheMode, CoreId, EngineError, LineSize, Result, MAX_CORES, MAX_CORE_ID,
+    MAX_REQUEST, SECTOR,
 };
 
 /// A cache: one cache volume serving one or more cores. Cheap to clone (a shared handle).

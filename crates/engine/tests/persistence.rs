@@ -406,7 +406,10 @@ fn core_id_0_keeps_its_dirty_data_across_a_load_and_is_flushed_and_removed() {
     ));
     cache.flush_core(0).unwrap();
     assert_eq!(decode(&contents(&*core0)[512..1024], 1), Some(9));
-    assert!(contents(&*core1).iter().all(|&b| b == 0), "core 1 untouched");
+    assert!(
+        contents(&*core1).iter().all(|&b| b == 0),
+        "core 1 untouched"
+    );
     cache.remove_core(0, false).unwrap();
     let ids: Vec<u16> = cache.cores().iter().map(|c| c.id).collect();
     assert_eq!(ids, [1]);

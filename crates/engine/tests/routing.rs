@@ -734,14 +734,22 @@ fn request_errors() {
 #[test]
 fn core_ids_start_at_1_and_0_is_asked_for() {
     let (cache, _cv) = new_cache(4, 8, CacheMode::Wt);
-    let auto = cache.add_core(as_ref(&ram("ram:a", 1 << 20)), None).unwrap();
+    let auto = cache
+        .add_core(as_ref(&ram("ram:a", 1 << 20)), None)
+        .unwrap();
     assert_eq!(auto, 1);
-    let zero = cache.add_core(as_ref(&ram("ram:z", 1 << 20)), Some(0)).unwrap();
+    let zero = cache
+        .add_core(as_ref(&ram("ram:z", 1 << 20)), Some(0))
+        .unwrap();
     assert_eq!(zero, 0);
-    let next = cache.add_core(as_ref(&ram("ram:b", 1 << 20)), None).unwrap();
+    let next = cache
+        .add_core(as_ref(&ram("ram:b", 1 << 20)), None)
+        .unwrap();
     assert_eq!(next, 2);
     cache.remove_core(1, false).unwrap();
-    let again = cache.add_core(as_ref(&ram("ram:c", 1 << 20)), None).unwrap();
+    let again = cache
+        .add_core(as_ref(&ram("ram:c", 1 << 20)), None)
+        .unwrap();
     assert_eq!(again, 1);
     let ids: Vec<u16> = cache.cores().iter().map(|c| c.id).collect();
     assert_eq!(ids, [0, 1, 2]);
