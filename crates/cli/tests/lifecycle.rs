@@ -826,6 +826,44 @@ fn a_core_that_is_not_lazy_holds_readiness_until_it_appears() {
     assert_eq!(saved.daemon.device_timeout, Some(30), "{saved:?}");
 }
 
+/// Run a daemon on `cfg` (with --save-config) that must give up by itself and exit with 1;
+/// returns how long it ran and its stderr. One that does not give up is killed after 30 s
+/// rather than left to hang the test.
+fn daemon_that_gives_up(p: &Path, cfg: &Path) -> (Duration, String) {
+    let started = Instant::now();
+    let err_file = p.join("daemon.err");
+    let mut child = Command::new(BIN)
+        .arg("daemon")
+        .arg("--control")
+        .arg(p.join("control.sock"))
+        .arg("--nbd-socket")
+        .arg(p.join("nbd.sock"))
+        .arg("--config")
+        .arg(cfg)
+        .arg("--save-config")
+        .env_remove("HYBRIDCACHE_CONTROL")
+        .stdin(Stdio::null())
+        .stderr(std::fs::File::create(&err_file).expect("stderr file"))
+        .spawn()
+        .expect("run the daemon");
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break Some(status);
+        }
+        if started.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let took = started.elapsed();
+    let err = std::fs::read_to_string(&err_file).unwrap_or_default();
+    let status = status.unwrap_or_else(|| panic!("still running after 30 s: {err}"));
+    assert_eq!(status.code(), Some(1), "{err}");
+    (took, err)
+}
+
 /// A device that is not lazy and never appears fails the start after `device_timeout`, naming
 /// the device, before anything is written to any device or to the file.
 #[test]
@@ -852,38 +890,7 @@ fn a_device_that_is_not_lazy_and_never_appears_fails_the_start_and_changes_nothi
         hash(&core1),
         std::fs::read(&cfg).expect("read"),
     );
-    let started = Instant::now();
-    let err_file = p.join("daemon.err");
-    let mut child = Command::new(BIN)
-        .arg("daemon")
-        .arg("--control")
-        .arg(p.join("control.sock"))
-        .arg("--nbd-socket")
-        .arg(p.join("nbd.sock"))
-        .arg("--config")
-        .arg(&cfg)
-        .arg("--save-config")
-        .env_remove("HYBRIDCACHE_CONTROL")
-        .stdin(Stdio::null())
-        .stderr(std::fs::File::create(&err_file).expect("stderr file"))
-        .spawn()
-        .expect("run the daemon");
-    // A daemon that does not give up is killed rather than left to hang the test.
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("wait") {
-            break Some(status);
-        }
-        if started.elapsed() > Duration::from_secs(30) {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let took = started.elapsed();
-    let err = std::fs::read_to_string(&err_file).unwrap_or_default();
-    let status = status.unwrap_or_else(|| panic!("still running after 30 s: {err}"));
-    assert_eq!(status.code(), Some(1), "{err}");
+    let (took, err) = daemon_that_gives_up(p, &cfg);
     assert!(
         took >= Duration::from_secs(2),
         "gave up after {took:?}: {err}"
@@ -941,4 +948,53 @@ fn lazy_devices_do_not_hold_readiness() {
     );
     let (s2, _) = statuses(&d, 2).expect("cache 2 listed");
     assert_eq!(s2, "Waiting for device");
+}
+
+/// A core that is not lazy whose device is present but cannot be attached (another size than
+/// recorded) holds readiness until `device_timeout`; then the daemon stops as SIGTERM would,
+/// naming the core, and the cache keeps the core's dirty data for the next start.
+#[test]
+fn a_core_that_is_not_lazy_and_cannot_be_attached_stops_the_daemon_after_the_timeout() {
+    let dir = workdir();
+    let p = dir.path();
+    let data = pattern(9, 1 << 20);
+    let (spec, core) = stopped_with_dirty_data(p, &data, 0);
+    let away = p.join("core.away");
+    std::fs::rename(&core, &away).expect("move the core away");
+    sparse_file(&core, 32 << 20);
+    let cfg = p.join("hybridcache.toml");
+    let text = |timeout: u64, lazy: &str| {
+        format!(
+            "[daemon]\ndevice_timeout = {timeout}\n\n[[cache]]\nid = 1\ndevice = \"{spec}\"\n\n[[core]]\ncache = 1\nid = 1\ndevice = \"{}\"\n{lazy}",
+            core.display()
+        )
+    };
+    write_file(&cfg, &text(3, "lazy_startup = false\n"));
+    let (took, err) = daemon_that_gives_up(p, &cfg);
+    assert!(
+        took >= Duration::from_secs(3),
+        "gave up after {took:?}: {err}"
+    );
+    assert!(
+        err.contains(&core.display().to_string()) && err.contains("not attached"),
+        "{err}"
+    );
+    assert!(
+        err.contains("stopped cache 1") || err.contains("stopping"),
+        "{err}"
+    );
+
+    // The right core back: its dirty data was kept on the cache device.
+    std::fs::rename(&away, &core).expect("move the core back");
+    write_file(&cfg, &text(3, "lazy_startup = false\n"));
+    let d = Daemon::start_with(p, &["--config", cfg.to_str().expect("UTF-8")]);
+    let mut c = Client::connect_unix(&d.nbd, "cas1-1").expect("cas1-1 is served");
+    let mut back = vec![0u8; data.len()];
+    c.read(&mut back, 0).expect("read");
+    assert_eq!(back, data);
+    c.disconnect().expect("disconnect");
+    assert!(
+        d.stats_json(1, None)["usage"]["dirty"]["count"].as_u64() > Some(0),
+        "the dirty data is still dirty"
+    );
 }
