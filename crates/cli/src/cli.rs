@@ -49,8 +49,8 @@ pub(crate) fn cache_id(s: &str) -> Result<u16, String> {
 
 fn core_id(s: &str) -> Result<u16, String> {
     match s.parse::<u32>() {
-        Ok(n @ 1..=4095) => Ok(n as u16),
-        _ => Err(format!("'{s}' is not a core id (1..=4095)")),
+        Ok(n @ 0..=4095) => Ok(n as u16),
+        _ => Err(format!("'{s}' is not a core id (0..=4095)")),
     }
 }
 
@@ -253,7 +253,7 @@ pub enum Command {
         /// Core device: a path, file:PATH, ram:SIZE, null:SIZE or an NBD URI.
         #[arg(short = 'd', long = "core-device", value_name = "DEV")]
         device: String,
-        /// Core id (1..4095) [default: the lowest free].
+        /// Core id (0..4095) [default: the lowest free from 1].
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: Option<u16>,
         /// Take a core device even though it is mounted (without an exclusive claim), or attach
@@ -272,7 +272,7 @@ pub enum Command {
         /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
         id: u16,
-        /// Core id (1..4095).
+        /// Core id (0..4095).
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: u16,
         /// Remove even with dirty data (which is lost) or with NBD clients connected.
@@ -287,7 +287,7 @@ pub enum Command {
         /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
         id: u16,
-        /// Core id (1..4095).
+        /// Core id (0..4095).
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: u16,
         /// Remove it even though the cache holds dirty data of it (that data is lost).
@@ -362,7 +362,7 @@ pub enum Command {
         /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
         id: u16,
-        /// Core id (1..4095) [default: every core of the cache].
+        /// Core id (0..4095) [default: every core of the cache].
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: Option<u16>,
         /// Statistics of one IO class (usage and requests of that class, across cores); `-d`
@@ -391,7 +391,7 @@ pub enum Command {
         /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
         id: u16,
-        /// Core id (1..4095) [default: every core of the cache].
+        /// Core id (0..4095) [default: every core of the cache].
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: Option<u16>,
     },
@@ -417,7 +417,7 @@ pub enum Command {
         /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
         id: u16,
-        /// Core id (1..4095).
+        /// Core id (0..4095).
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: u16,
     },
@@ -428,7 +428,7 @@ pub enum Command {
         /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
         id: u16,
-        /// Core id (1..4095) [default: every core of the cache].
+        /// Core id (0..4095) [default: every core of the cache].
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: Option<u16>,
     },
@@ -508,7 +508,7 @@ pub enum Command {
         /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
         id: u16,
-        /// Core id (1..4095) [default: every core of the cache].
+        /// Core id (0..4095) [default: every core of the cache].
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: Option<u16>,
         /// Output format.

@@ -543,3 +543,109 @@ fn management_changes_are_logged_with_who_asked_and_what_changed() {
     assert!(lines.iter().all(|l| l.contains(" uid ")), "{log}");
     assert!(!lines.iter().any(|l| l.contains("\"list\"")), "{log}");
 }
+
+/// Core ids start at 0 as casadm's (OCF_CORE_ID_MIN): `-j 0` adds, serves, shows, reports and
+/// removes core 0 like any other, and the configuration file takes `id = 0`.
+#[test]
+fn core_id_0_end_to_end() {
+    let dir = workdir();
+    let cache = dir.path().join("cache.img");
+    let core0 = dir.path().join("core0.img");
+    let core1 = dir.path().join("core1.img");
+    sparse_file(&cache, 64 << 20);
+    sparse_file(&core0, 16 << 20);
+    sparse_file(&core1, 16 << 20);
+    let d = Daemon::start(dir.path());
+    let cache_spec = format!("file:{}", cache.display());
+    d.ok(&["-S", "-d", &cache_spec, "-c", "wb"]);
+    d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "nop"]);
+    d.ok(&["-A", "-i", "1", "-j", "0", "-d", core0.to_str().unwrap()]);
+    // Without -j the lowest free id from 1, as casadm: 0 is taken only when asked for.
+    d.ok(&["-A", "-i", "1", "-d", core1.to_str().unwrap()]);
+    let list = d.ok(&["-L"]);
+    assert!(list.contains("cas1-0") && list.contains("cas1-1"), "{list}");
+    let v: serde_json::Value = serde_json::from_str(&d.ok(&["-L", "-o", "json"])).unwrap();
+    let ids: Vec<u64> = v["caches"][0]["cores"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ids, [0, 1], "{v}");
+
+    let data: Vec<u8> = (0..1 << 20).map(|i: u32| (i * 7 + 3) as u8).collect();
+    {
+        let mut c = hybridcache_nbd::Client::connect_unix(&d.nbd, "cas1-0").expect("cas1-0");
+        c.write(&data, 1 << 20, false).expect("write");
+        let mut back = vec![0u8; data.len()];
+        c.read(&mut back, 1 << 20).expect("read");
+        assert_eq!(back, data);
+        c.disconnect().unwrap();
+    }
+    let stats = d.stats_json(1, Some(0));
+    let text = stats.to_string();
+    assert!(
+        text.contains("cas1-0") || text.contains(core0.to_str().unwrap()),
+        "{text}"
+    );
+    let core_stats = d.ok(&["-P", "-i", "1", "-j", "0"]);
+    assert!(
+        core_stats.contains("Core Id") && core_stats.contains(" 0"),
+        "{core_stats}"
+    );
+    // Core 0's statistics are its own, not the cache's: core 1 has nothing dirty.
+    let dirty = |j: &str| {
+        let v: serde_json::Value =
+            serde_json::from_str(&d.ok(&["-P", "-i", "1", "-j", j, "-o", "json"])).unwrap();
+        v["usage"]["dirty"]["count"].as_u64().unwrap_or(0)
+    };
+    assert!(dirty("0") > 0);
+    assert_eq!(dirty("1"), 0);
+
+    // -R flushes core 0 to its device, then removes it.
+    d.ok(&["-R", "-i", "1", "-j", "0"]);
+    let on_disk = std::fs::read(&core0).unwrap();
+    assert_eq!(&on_disk[1 << 20..2 << 20], &data[..]);
+    let list = d.ok(&["-L"]);
+    assert!(
+        !list.contains("cas1-0") && list.contains("cas1-1"),
+        "{list}"
+    );
+    let err = d.fails(&["-P", "-i", "1", "-j", "0"]);
+    assert!(err.contains("core 0"), "{err}");
+
+    // The range ends at 4095.
+    let out = d.cli(&["-A", "-i", "1", "-j", "4096", "-d", "ram:8M"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("0..=4095"), "{err}");
+    drop(d);
+
+    // id = 0 in the configuration file, kept by saving it.
+    let cfg = dir.path().join("hybridcache.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[[cache]]\nid = 2\ndevice = \"ram:16M\"\n\n[[core]]\ncache = 2\nid = 0\ndevice = \"{}\"\n",
+            core0.display()
+        ),
+    )
+    .unwrap();
+    let d = Daemon::start_with(
+        dir.path(),
+        &["--config", cfg.to_str().unwrap(), "--save-config"],
+    );
+    let list = d.ok(&["-L"]);
+    assert!(list.contains("cas2-0"), "{list}");
+    {
+        let mut c = hybridcache_nbd::Client::connect_unix(&d.nbd, "cas2-0").expect("cas2-0");
+        let mut back = vec![0u8; data.len()];
+        c.read(&mut back, 1 << 20).expect("read");
+        assert_eq!(back, data);
+        c.disconnect().unwrap();
+    }
+    d.ok(&["-A", "-i", "2", "-d", "ram:8M"]);
+    let saved = hybridcache_daemon::config::ConfigFile::load(&cfg).unwrap();
+    let ids: Vec<u16> = saved.cores.iter().map(|c| c.id).collect();
+    assert_eq!(ids, [0, 1], "{saved:?}");
+}

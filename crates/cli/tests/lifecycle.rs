@@ -753,3 +753,248 @@ fn the_file_s_parameters_win_over_the_superblock_s() {
         "the file wins"
     );
 }
+
+/// opencas.conf's `lazy_startup = false`: the daemon is ready (READY=1 to systemd, the "ready"
+/// line) only once the core's late device has appeared and the core serves, and the saved file
+/// keeps the key.
+#[test]
+fn a_core_that_is_not_lazy_holds_readiness_until_it_appears() {
+    use std::os::unix::net::UnixDatagram;
+    use std::sync::{Arc, Mutex};
+    let dir = workdir();
+    let p = dir.path();
+    let cache = p.join("cache.img");
+    sparse_file(&cache, 64 << 20);
+    let late_dir = p.join("late");
+    let core = late_dir.join("core.img");
+    let cfg = p.join("hybridcache.toml");
+    write_file(
+        &cfg,
+        &format!(
+            "[daemon]\ndevice_timeout = 30\n\n[[cache]]\nid = 1\ndevice = \"{}\"\nmode = \"wb\"\n\n[[core]]\ncache = 1\nid = 1\ndevice = \"{}\"\nlazy_startup = false\n",
+            cache.display(),
+            core.display()
+        ),
+    );
+    let notify = p.join("notify.sock");
+    let listener = UnixDatagram::bind(&notify).expect("bind the notify socket");
+    listener.set_nonblocking(true).expect("nonblocking");
+    let created: Arc<Mutex<Option<Instant>>> = Arc::default();
+    let creator = {
+        let created = created.clone();
+        let (late_dir, core) = (late_dir.clone(), core.clone());
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(1500));
+            std::fs::create_dir(&late_dir).expect("mkdir");
+            sparse_file(&core, 32 << 20);
+            *created.lock().expect("lock") = Some(Instant::now());
+        })
+    };
+    let d = Daemon::start_with_env(
+        p,
+        &["--config", cfg.to_str().expect("UTF-8"), "--save-config"],
+        &[("NOTIFY_SOCKET", notify.to_str().expect("UTF-8"))],
+    );
+    let ready_seen = Instant::now();
+    let appeared = *created.lock().expect("lock");
+    let appeared =
+        appeared.unwrap_or_else(|| panic!("ready before the core appeared: {}", d.log_text()));
+    assert!(appeared <= ready_seen);
+    creator.join().expect("creator");
+    let mut buf = [0u8; 64];
+    let n = listener.recv(&mut buf).expect("READY=1 was sent");
+    assert_eq!(&buf[..n], b"READY=1");
+    let (status, cores) = statuses(&d, 1).expect("cache 1 listed");
+    assert_eq!(
+        (status.as_str(), cores),
+        ("Running", vec!["Active".to_string()])
+    );
+    let data = pattern(3, 1 << 20);
+    let mut c = Client::connect_unix(&d.nbd, "cas1-1").expect("cas1-1 is served");
+    c.write(&data, 0, false).expect("write");
+    let mut back = vec![0u8; data.len()];
+    c.read(&mut back, 0).expect("read");
+    assert_eq!(back, data);
+    c.disconnect().expect("disconnect");
+    let log = d.log_text();
+    assert!(
+        log.contains(&core.display().to_string()) && log.contains("lazy_startup"),
+        "{log}"
+    );
+    let saved = ConfigFile::load(&cfg).expect("the saved file");
+    assert_eq!(saved.cores[0].lazy_startup, Some(false), "{saved:?}");
+    assert_eq!(saved.daemon.device_timeout, Some(30), "{saved:?}");
+}
+
+/// Run a daemon on `cfg` (with --save-config) that must give up by itself and exit with 1;
+/// returns how long it ran and its stderr. One that does not give up is killed after 30 s
+/// rather than left to hang the test.
+fn daemon_that_gives_up(p: &Path, cfg: &Path) -> (Duration, String) {
+    let started = Instant::now();
+    let err_file = p.join("daemon.err");
+    let mut child = Command::new(BIN)
+        .arg("daemon")
+        .arg("--control")
+        .arg(p.join("control.sock"))
+        .arg("--nbd-socket")
+        .arg(p.join("nbd.sock"))
+        .arg("--config")
+        .arg(cfg)
+        .arg("--save-config")
+        .env_remove("HYBRIDCACHE_CONTROL")
+        .stdin(Stdio::null())
+        .stderr(std::fs::File::create(&err_file).expect("stderr file"))
+        .spawn()
+        .expect("run the daemon");
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break Some(status);
+        }
+        if started.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let took = started.elapsed();
+    let err = std::fs::read_to_string(&err_file).unwrap_or_default();
+    let status = status.unwrap_or_else(|| panic!("still running after 30 s: {err}"));
+    assert_eq!(status.code(), Some(1), "{err}");
+    (took, err)
+}
+
+/// A device that is not lazy and never appears fails the start after `device_timeout`, naming
+/// the device, before anything is written to any device or to the file.
+#[test]
+fn a_device_that_is_not_lazy_and_never_appears_fails_the_start_and_changes_nothing() {
+    let dir = workdir();
+    let p = dir.path();
+    let cache1 = p.join("cache1.img");
+    let core1 = p.join("core1.img");
+    std::fs::write(&cache1, pattern(1, 16 << 20)).expect("fill");
+    std::fs::write(&core1, pattern(2, 16 << 20)).expect("fill");
+    let never = p.join("never").join("cache2.img");
+    let cfg = p.join("hybridcache.toml");
+    write_file(
+        &cfg,
+        &format!(
+            "[daemon]\ndevice_timeout = 2\n\n[[cache]]\nid = 1\ndevice = \"{}\"\n\n[[cache]]\nid = 2\ndevice = \"{}\"\nlazy_startup = false\n\n[[core]]\ncache = 1\nid = 1\ndevice = \"{}\"\n",
+            cache1.display(),
+            never.display(),
+            core1.display()
+        ),
+    );
+    let before = (
+        hash(&cache1),
+        hash(&core1),
+        std::fs::read(&cfg).expect("read"),
+    );
+    let (took, err) = daemon_that_gives_up(p, &cfg);
+    assert!(
+        took >= Duration::from_secs(2),
+        "gave up after {took:?}: {err}"
+    );
+    assert!(took < Duration::from_secs(15), "took {took:?}: {err}");
+    assert!(
+        err.contains(&never.display().to_string()) && err.contains("cache 2"),
+        "{err}"
+    );
+    assert_eq!(
+        (
+            hash(&cache1),
+            hash(&core1),
+            std::fs::read(&cfg).expect("read")
+        ),
+        before,
+        "a device or the file changed: {err}"
+    );
+    assert!(
+        !p.join("control.sock").exists(),
+        "control socket left behind"
+    );
+}
+
+/// Lazy devices (the default, or `lazy_startup = true`) are not waited for: the daemon is ready
+/// at once and they wait in the background.
+#[test]
+fn lazy_devices_do_not_hold_readiness() {
+    let dir = workdir();
+    let p = dir.path();
+    let cache1 = p.join("cache1.img");
+    sparse_file(&cache1, 64 << 20);
+    let cfg = p.join("hybridcache.toml");
+    write_file(
+        &cfg,
+        &format!(
+            "[daemon]\ndevice_timeout = 60\n\n[[cache]]\nid = 1\ndevice = \"{}\"\n\n[[cache]]\nid = 2\ndevice = \"{}\"\nlazy_startup = true\n\n[[core]]\ncache = 1\nid = 1\ndevice = \"{}\"\n\n[[core]]\ncache = 2\nid = 1\ndevice = \"{}\"\nlazy_startup = true\n",
+            cache1.display(),
+            p.join("no-cache2.img").display(),
+            p.join("no-core1.img").display(),
+            p.join("no-core2.img").display()
+        ),
+    );
+    let started = Instant::now();
+    let d = Daemon::start_with(p, &["--config", cfg.to_str().expect("UTF-8")]);
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{}",
+        d.log_text()
+    );
+    let (s1, cores1) = statuses(&d, 1).expect("cache 1 listed");
+    assert_eq!(
+        (s1.as_str(), cores1),
+        ("Incomplete", vec!["Waiting for device".to_string()])
+    );
+    let (s2, _) = statuses(&d, 2).expect("cache 2 listed");
+    assert_eq!(s2, "Waiting for device");
+}
+
+/// A core that is not lazy whose device is present but cannot be attached (another size than
+/// recorded) holds readiness until `device_timeout`; then the daemon stops as SIGTERM would,
+/// naming the core, and the cache keeps the core's dirty data for the next start.
+#[test]
+fn a_core_that_is_not_lazy_and_cannot_be_attached_stops_the_daemon_after_the_timeout() {
+    let dir = workdir();
+    let p = dir.path();
+    let data = pattern(9, 1 << 20);
+    let (spec, core) = stopped_with_dirty_data(p, &data, 0);
+    let away = p.join("core.away");
+    std::fs::rename(&core, &away).expect("move the core away");
+    sparse_file(&core, 32 << 20);
+    let cfg = p.join("hybridcache.toml");
+    let text = |timeout: u64, lazy: &str| {
+        format!(
+            "[daemon]\ndevice_timeout = {timeout}\n\n[[cache]]\nid = 1\ndevice = \"{spec}\"\n\n[[core]]\ncache = 1\nid = 1\ndevice = \"{}\"\n{lazy}",
+            core.display()
+        )
+    };
+    write_file(&cfg, &text(3, "lazy_startup = false\n"));
+    let (took, err) = daemon_that_gives_up(p, &cfg);
+    assert!(
+        took >= Duration::from_secs(3),
+        "gave up after {took:?}: {err}"
+    );
+    assert!(
+        err.contains(&core.display().to_string()) && err.contains("not attached"),
+        "{err}"
+    );
+    assert!(
+        err.contains("stopped cache 1") || err.contains("stopping"),
+        "{err}"
+    );
+
+    // The right core back: its dirty data was kept on the cache device.
+    std::fs::rename(&away, &core).expect("move the core back");
+    write_file(&cfg, &text(3, "lazy_startup = false\n"));
+    let d = Daemon::start_with(p, &["--config", cfg.to_str().expect("UTF-8")]);
+    let mut c = Client::connect_unix(&d.nbd, "cas1-1").expect("cas1-1 is served");
+    let mut back = vec![0u8; data.len()];
+    c.read(&mut back, 0).expect("read");
+    assert_eq!(back, data);
+    c.disconnect().expect("disconnect");
+    assert!(
+        d.stats_json(1, None)["usage"]["dirty"]["count"].as_u64() > Some(0),
+        "the dirty data is still dirty"
+    );
+}

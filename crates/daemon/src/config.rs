@@ -17,6 +17,7 @@
 //! nbd_memory_limit = "512M"
 //! frontend = "nbd"                 # or "ublk": cores without a front-end of their own
 //! state_dir = "/run/hybridcache"   # which ublk device serves which export; default: control's dir
+//! device_timeout = 90              # seconds to wait at start for devices that are not lazy
 //!
 //! [[cache]]
 //! id = 1
@@ -25,6 +26,7 @@
 //! mode = "wb"
 //! ioclass_file = "/etc/hybridcache/ioclass-config.csv" # optional; Open CAS IO class file
 //! ioclass_ignore_unsupported = false # load its file-system rules as never true
+//! lazy_startup = false             # readiness waits for this device (default true: it does not)
 //! [cache.params]                   # policy fields, "GROUP.FIELD" = "VALUE" (docs/policies.md)
 //!
 //! [[core]]
@@ -99,6 +101,10 @@ pub struct DaemonSection {
     /// serves which export); default: the control socket's directory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub state_dir: Option<PathBuf>,
+    /// Seconds the daemon waits at start for the devices marked `lazy_startup = false` before
+    /// it gives up and exits (default 90, systemd's device timeout).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_timeout: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -121,6 +127,11 @@ pub struct CacheSection {
     /// Load `ioclass_file` with file-system rules never true (`--ignore-unsupported`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ioclass_ignore_unsupported: Option<bool>,
+    /// opencas.conf's `lazy_startup`: false makes the daemon's readiness wait for the device
+    /// and the cache running on it; absent or true: not waited for (the device is waited for
+    /// in the background).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lazy_startup: Option<bool>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -132,6 +143,9 @@ pub struct CoreSection {
     /// "nbd" or "ublk"; absent: the daemon's default front-end.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub frontend: Option<String>,
+    /// As [`CacheSection::lazy_startup`], for the core (and so its cache's device too).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lazy_startup: Option<bool>,
 }
 
 impl ConfigFile {

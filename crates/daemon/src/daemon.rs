@@ -40,6 +40,7 @@ use crate::params;
 mod check;
 mod disconnect;
 mod health;
+mod startup;
 mod watch;
 use crate::protocol::{self, CacheInfo, CoreInfo, Request, Response, StatsReport};
 use crate::target::Target;
@@ -205,6 +206,8 @@ struct CoreEntry {
     /// What its export's requests go to (None while inactive): kept so that a disconnect can
     /// swap the cache out from under the export.
     target: Option<Target>,
+    /// The configuration file's `lazy_startup`, kept so that saving the file keeps it.
+    lazy_startup: Option<bool>,
 }
 
 /// A cache of the configuration file that is not running: its device was missing at start (it
@@ -248,6 +251,8 @@ struct CacheEntry {
     /// The configuration file's `ioclass_file` and `ioclass_ignore_unsupported`, kept so that
     /// saving the file keeps them (the classes themselves are in the superblock).
     ioclass: (Option<PathBuf>, Option<bool>),
+    /// The configuration file's `lazy_startup`, kept so that saving the file keeps it.
+    lazy_startup: Option<bool>,
     /// The write-back mode a `-Q ... -f no` left while dirty data remained: `-L` shows
     /// `wb->wt` until that data has drained.
     left_mode: Option<CacheMode>,
@@ -387,6 +392,7 @@ impl State {
                 params,
                 ioclass_file: c.ioclass.0.clone(),
                 ioclass_ignore_unsupported: c.ioclass.1,
+                lazy_startup: c.lazy_startup,
             });
             for (core_id, core) in &c.cores {
                 cfg.cores.push(CoreSection {
@@ -395,6 +401,7 @@ impl State {
                     device: core.device.clone(),
                     frontend: (core.frontend != "nbd" || default_frontend != "nbd")
                         .then(|| core.frontend.to_string()),
+                    lazy_startup: core.lazy_startup,
                 });
             }
         }
@@ -963,6 +970,7 @@ impl Daemon {
                 key,
                 cores: BTreeMap::new(),
                 ioclass: (None, None),
+                lazy_startup: None,
                 left_mode: None,
             },
         );
@@ -1087,6 +1095,7 @@ impl Daemon {
                     pending: false,
                     frontend: frontend.kind(),
                     target,
+                    lazy_startup: None,
                 },
             );
         }
@@ -1101,6 +1110,7 @@ impl Daemon {
                 key,
                 cores,
                 ioclass: (None, None),
+                lazy_startup: None,
                 left_mode: None,
             },
         );
@@ -1330,6 +1340,8 @@ impl Daemon {
             tracing::warn!("cache {cache_id}: core {core_id} attached but {e}");
         }
         if let Some(c) = st.caches.get_mut(&cache_id) {
+            // An inactive core attached again keeps what the file said of it.
+            let lazy_startup = c.cores.get(&core_id).and_then(|e| e.lazy_startup);
             c.cores.insert(
                 core_id,
                 CoreEntry {
@@ -1339,6 +1351,7 @@ impl Daemon {
                     pending: false,
                     frontend: frontend.kind(),
                     target,
+                    lazy_startup,
                 },
             );
         }
@@ -1673,20 +1686,7 @@ impl Daemon {
     /// does a cache that fails to start. The file is saved once, at the end, and keeps every
     /// entry that is not running exactly as it was.
     fn apply(&self, cfg: &ConfigFile) -> Result<()> {
-        {
-            let st = self.state.lock();
-            check::check_config(cfg, &st)
-                .map_err(|e| anyhow!("configuration refused, nothing was changed: {e}"))?;
-        }
-        for core in &cfg.cores {
-            if let Err(e) = self.frontends.get(core.frontend.as_deref()) {
-                bail!(
-                    "configuration refused, nothing was changed: core {} of cache {}: {e}",
-                    core.id,
-                    core.cache
-                );
-            }
-        }
+        self.check_file(cfg)?;
         self.preferred.lock().extend(
             cfg.cores
                 .iter()
@@ -1731,6 +1731,48 @@ impl Daemon {
         Ok(())
     }
 
+    /// The checks of [`Daemon::apply`], which change nothing.
+    fn check_file(&self, cfg: &ConfigFile) -> Result<()> {
+        {
+            let st = self.state.lock();
+            check::check_config(cfg, &st)
+                .map_err(|e| anyhow!("configuration refused, nothing was changed: {e}"))?;
+        }
+        for core in &cfg.cores {
+            if let Err(e) = self.frontends.get(core.frontend.as_deref()) {
+                bail!(
+                    "configuration refused, nothing was changed: core {} of cache {}: {e}",
+                    core.id,
+                    core.cache
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Wait for the devices the file marks `lazy_startup = false` to be present (startup.rs,
+    /// step 1), before anything is applied. A file that would be refused is refused first,
+    /// rather than after the wait; it is checked again when applied, with the devices that
+    /// appeared meanwhile.
+    fn wait_for_devices(
+        &self,
+        cfg: &ConfigFile,
+        needed: &[startup::Needed],
+        deadline: Instant,
+        timeout: Duration,
+        signals: &libc::sigset_t,
+    ) -> Result<Option<i32>> {
+        if !needed.iter().any(|n| is_missing(&n.device)) {
+            return Ok(None);
+        }
+        self.check_file(cfg).context("applying the configuration")?;
+        match startup::wait_present(needed, deadline, timeout, signals) {
+            startup::Wait::Done => Ok(None),
+            startup::Wait::Signal(sig) => Ok(Some(sig)),
+            startup::Wait::Failed(e) => bail!("{e}"),
+        }
+    }
+
     /// Start one cache of the configuration, then set its parameters and add its cores. Only
     /// the start itself can fail; parameters were checked with the file, and a core whose
     /// device is missing or unusable stays inactive (it is attached when its device appears).
@@ -1766,6 +1808,7 @@ impl Daemon {
         }
         if let Some(entry) = self.state.lock().caches.get_mut(&c.id) {
             entry.ioclass = (c.ioclass_file.clone(), c.ioclass_ignore_unsupported);
+            entry.lazy_startup = c.lazy_startup;
         }
         match crate::config::load_ioclass_file(c) {
             None => {}
@@ -1846,10 +1889,19 @@ impl Daemon {
                                         .get(core.frontend.as_deref())
                                         .map_or("nbd", |f| f.kind()),
                                     target: None,
+                                    lazy_startup: core.lazy_startup,
                                 },
                             );
                         }
                     }
+                }
+            }
+        }
+        let mut st = self.state.lock();
+        if let Some(entry) = st.caches.get_mut(&c.id) {
+            for core in cores {
+                if let Some(e) = entry.cores.get_mut(&core.id) {
+                    e.lazy_startup = core.lazy_startup;
                 }
             }
         }
@@ -2297,14 +2349,40 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
             return Err(e);
         }
     };
-    if let Err(e) = daemon.apply(&file_cfg) {
-        daemon.shutdown();
-        server.shutdown();
-        if let Some(m) = &metrics {
-            m.shutdown();
+    let device_timeout = Duration::from_secs(
+        d.device_timeout
+            .unwrap_or(startup::DEFAULT_DEVICE_TIMEOUT_S),
+    );
+    let deadline = Instant::now() + device_timeout;
+    let needed = startup::needed(&file_cfg);
+    let applied =
+        match daemon.wait_for_devices(&file_cfg, &needed, deadline, device_timeout, &signals) {
+            Ok(None) => daemon
+                .apply(&file_cfg)
+                .map(|()| None)
+                .context("applying the configuration"),
+            other => other,
+        };
+    match applied {
+        Ok(None) => {}
+        stopped_or_failed => {
+            daemon.shutdown();
+            server.shutdown();
+            if let Some(m) = &metrics {
+                m.shutdown();
+            }
+            cleanup_control();
+            return match stopped_or_failed {
+                Ok(sig) => {
+                    tracing::info!(
+                        "signal {}: stopped while waiting for devices; nothing was started",
+                        sig.unwrap_or(0)
+                    );
+                    Ok(())
+                }
+                Err(e) => Err(e),
+            };
         }
-        cleanup_control();
-        return Err(e.context("applying the configuration"));
     }
     watch::spawn(daemon.clone()).context("cannot start the device watcher")?;
 
@@ -2323,24 +2401,39 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
             })
             .context("cannot start the control thread")?;
     }
-    tracing::info!(
-        "daemon {} ready: control {}, NBD {}{}",
-        env!("CARGO_PKG_VERSION"),
-        control.display(),
-        nbd_socket.display(),
-        tcp.map(|a| format!(" and tcp {a}")).unwrap_or_default()
-    );
-    // Under systemd's Type=notify the unit (and what is ordered after it) waits for this: the
-    // control socket listens and the configuration is applied. A failed send is logged, not
-    // fatal: systemd then times the start out, which says more than exiting here would.
-    match crate::notify::notify("READY=1") {
-        Ok(true) => tracing::info!("told systemd the daemon is ready"),
-        Ok(false) => {}
-        Err(e) => tracing::warn!("cannot notify systemd (NOTIFY_SOCKET): {e}"),
+    // The control socket answers while devices that are not lazy are waited for, so `-L`
+    // shows what is missing; readiness waits (startup.rs, step 2).
+    let mut failed = None;
+    let sig = match daemon.wait_running(&needed, deadline, device_timeout, &signals) {
+        startup::Wait::Done => {
+            tracing::info!(
+                "daemon {} ready: control {}, NBD {}{}",
+                env!("CARGO_PKG_VERSION"),
+                control.display(),
+                nbd_socket.display(),
+                tcp.map(|a| format!(" and tcp {a}")).unwrap_or_default()
+            );
+            // Under systemd's Type=notify the unit (and what is ordered after it) waits for
+            // this: the control socket listens, the configuration is applied and what is not
+            // lazy runs. A failed send is logged, not fatal: systemd then times the start out,
+            // which says more than exiting here would.
+            match crate::notify::notify("READY=1") {
+                Ok(true) => tracing::info!("told systemd the daemon is ready"),
+                Ok(false) => {}
+                Err(e) => tracing::warn!("cannot notify systemd (NOTIFY_SOCKET): {e}"),
+            }
+            wait_for_signal(&signals)
+        }
+        startup::Wait::Signal(sig) => sig,
+        startup::Wait::Failed(e) => {
+            tracing::error!("{e}; stopping");
+            failed = Some(e);
+            0
+        }
+    };
+    if sig != 0 {
+        tracing::info!("signal {sig}: shutting down");
     }
-
-    let sig = wait_for_signal(&signals);
-    tracing::info!("signal {sig}: shutting down");
     // Stop taking requests first: the management lock and the NBD connections, then flush.
     daemon.stopping.store(true, Ordering::SeqCst);
     cleanup_control();
@@ -2359,6 +2452,9 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
     while daemon.shutdown_waiters.load(Ordering::SeqCst) > 0 && std::time::Instant::now() < deadline
     {
         std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    if let Some(e) = failed {
+        bail!("{e}");
     }
     if !clean {
         bail!("some dirty data could not be flushed at shutdown");

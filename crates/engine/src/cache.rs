@@ -49,7 +49,8 @@ use crate::stats::{
     thread_slot, BackgroundErrorLog, BackgroundErrors, Counter, Counters, Stats, Usage, SLOTS,
 };
 use crate::{
-    CacheConfig, CacheMode, CoreId, EngineError, LineSize, Result, MAX_CORES, MAX_REQUEST, SECTOR,
+    CacheConfig, CacheMode, CoreId, EngineError, LineSize, Result, MAX_CORES, MAX_CORE_ID,
+    MAX_REQUEST, SECTOR,
 };
 
 /// A cache: one cache volume serving one or more cores. Cheap to clone (a shared handle).
@@ -1452,7 +1453,7 @@ impl CacheInner {
             lists: Lists::new(lines, shards),
             locks: StripedLocks::new(stripes),
             cores: RwLock::new(BTreeMap::new()),
-            gauges: (0..=MAX_CORES).map(|_| CoreGauges::default()).collect(),
+            gauges: (0..MAX_CORES).map(|_| CoreGauges::default()).collect(),
             free_lines: AtomicU64::new(lines as u64),
             persist,
             inactive: RwLock::new(BTreeMap::new()),
@@ -1463,7 +1464,7 @@ impl CacheInner {
             prefetch_thread: Mutex::new(None),
             cleaner_signal: Arc::new(CleanerSignal::default()),
             lazy_flush: AtomicBool::new(LazyFlush::default().enabled),
-            offload: OffloadState::new(MAX_CORES as usize + 1),
+            offload: OffloadState::new(MAX_CORES as usize),
             pacer: Pacer::default(),
             cleaning_counters: CleaningCounters::default(),
             prefetch_errors: BackgroundErrorLog::default(),
@@ -1699,7 +1700,7 @@ impl Cache {
         }
         let mut ids = std::collections::BTreeSet::new();
         for c in &sb.cores {
-            if c.id == 0 || c.id as u32 > MAX_CORES || !ids.insert(c.id) || c.size % SECTOR != 0 {
+            if c.id as u32 > MAX_CORE_ID || !ids.insert(c.id) || c.size % SECTOR != 0 {
                 return Err(EngineError::Corrupt(format!(
                     "superblock: core record {c:?} is impossible"
                 )));
@@ -1947,12 +1948,13 @@ impl Cache {
         let inactive = self.inner.inactive.read();
         let taken = |i: &CoreId| cores.contains_key(i) || inactive.contains_key(i);
         let id = match id {
-            Some(id) if id == 0 || id as u32 > MAX_CORES => {
-                return Err(EngineError::BadCoreId(id as u32))
-            }
+            Some(id) if id as u32 > MAX_CORE_ID => return Err(EngineError::BadCoreId(id as u32)),
             Some(id) if taken(&id) => return Err(EngineError::DuplicateCore(id)),
             Some(id) => id,
-            None => (1..=MAX_CORES as CoreId)
+            // As casadm's find_free_core_id: the lowest free id from 1, and 0 only when every
+            // other is taken, so that ids given without -j match Open CAS's.
+            None => (1..=MAX_CORE_ID as CoreId)
+                .chain([0])
                 .find(|i| !taken(i))
                 .ok_or(EngineError::TooManyCores)?,
         };
@@ -2538,7 +2540,7 @@ impl CacheInner {
             self.free_lines.load(Ordering::Relaxed),
             "free line count"
         );
-        let mut occupancy = vec![(0u64, 0u64); MAX_CORES as usize + 1];
+        let mut occupancy = vec![(0u64, 0u64); MAX_CORES as usize];
         let chained = self.table.chained();
         assert_eq!(
             chained.len() as u64,

@@ -58,8 +58,10 @@ use hybridcache_volume::VolumeError;
 pub const SECTOR: u64 = 512;
 /// The largest request the engine serves in one piece (NBD's usual maximum).
 pub const MAX_REQUEST: u64 = 32 << 20;
-/// The largest number of cores one cache can serve.
-pub const MAX_CORES: u32 = 4095;
+/// The highest core id (`OCF_CORE_ID_MAX`); ids start at 0 (`OCF_CORE_ID_MIN`), as casadm's.
+pub const MAX_CORE_ID: u32 = 4095;
+/// The largest number of cores one cache can serve: one per id, 0 included.
+pub const MAX_CORES: u32 = MAX_CORE_ID + 1;
 
 /// How the cache treats reads and writes (domain.md §3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -209,7 +211,7 @@ pub enum EngineError {
     NoSuchCore(CoreId),
     #[error("core id {0} is already in use in this cache")]
     DuplicateCore(CoreId),
-    #[error("core id {0} is out of range (1..={MAX_CORES})")]
+    #[error("core id {0} is out of range (0..={MAX_CORE_ID})")]
     BadCoreId(u32),
     #[error("this cache already serves {MAX_CORES} cores")]
     TooManyCores,

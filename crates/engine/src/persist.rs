@@ -746,7 +746,7 @@ impl Decode<'_> {
             seqs: vec![0; count],
             committed_digest: 0,
             suspects: Vec::new(),
-            gauges: vec![(0, 0); crate::MAX_CORES as usize + 1],
+            gauges: vec![(0, 0); crate::MAX_CORES as usize],
         };
         let mut buf = vec![0u8; (CHUNK_BLOCKS.min(count as u64) * 2) as usize * BLOCK];
         let mut entries = Vec::with_capacity(epb as usize);
@@ -936,7 +936,7 @@ impl Link<'_> {
         const BATCH: u32 = 64;
         let table = self.table;
         let epb = self.p.geometry.entries_per_block as u64;
-        let mut dropped = vec![(0u64, 0u64); crate::MAX_CORES as usize + 1];
+        let mut dropped = vec![(0u64, 0u64); crate::MAX_CORES as usize];
         let (lo, hi) = (buckets.start, buckets.end);
         let mut lines = [0u32; BATCH as usize + 1];
         let mut keys = [None; BATCH as usize + 1];
@@ -1068,7 +1068,7 @@ pub(crate) fn restore(
     // Sequence of the copy each block was read from: settles a core line mapped by two lines
     // (the newer mapping wins; the older is a leftover of a line dropped since).
     let mut block_seq = Vec::with_capacity(geometry.meta_blocks as usize);
-    let mut gauges = vec![(0u64, 0u64); crate::MAX_CORES as usize + 1];
+    let mut gauges = vec![(0u64, 0u64); crate::MAX_CORES as usize];
     // Parts are in block order, so the first error is the one a single pass would meet first.
     for part in parts {
         let part = part?;

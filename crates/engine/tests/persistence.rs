@@ -369,3 +369,53 @@ fn a_core_removal_that_cannot_be_recorded_leaves_the_core_attached() {
     assert!(cache.cores().is_empty());
     cache.check_invariants();
 }
+
+/// casadm allows core ids from 0 (OCF_CORE_ID_MIN): core 0 is an ordinary core, also across a
+/// load with dirty data, next to another core (nothing takes 0 to mean "no core").
+#[test]
+fn core_id_0_keeps_its_dirty_data_across_a_load_and_is_flushed_and_removed() {
+    let cache_vol = ram("cache", CACHE_BYTES);
+    let core0 = ram("core0", CORE_BYTES);
+    let core1 = ram("core1", CORE_BYTES);
+    let cache = Cache::create(cache_vol.clone(), config(CacheMode::Wb), false).unwrap();
+    cache.add_core(core0.clone(), Some(0)).unwrap();
+    cache.add_core(core1.clone(), Some(1)).unwrap();
+    write_stamp(&cache, 0, 0, 64, 9);
+    write_stamp(&cache, 1, 0, 16, 4);
+    assert_eq!(cache.core_stats(0).unwrap().usage.dirty_lines, 8);
+    cache.stop(false).unwrap();
+    assert!(contents(&*core0).iter().all(|&b| b == 0));
+
+    let cache = Cache::load(cache_vol.clone(), &mut |rec| match rec.id {
+        0 => Some(core0.clone() as VolumeRef),
+        1 => Some(core1.clone() as VolumeRef),
+        _ => None,
+    })
+    .unwrap();
+    let ids: Vec<u16> = cache.cores().iter().map(|c| c.id).collect();
+    assert_eq!(ids, [0, 1]);
+    assert_eq!(cache.core_stats(0).unwrap().usage.dirty_lines, 8);
+    assert_eq!(cache.core_stats(1).unwrap().usage.dirty_lines, 2);
+    assert!(stamps(&cache, 0, 0, 64).iter().all(|s| *s == Some(9)));
+    cache.check_invariants();
+
+    // Dirty data keeps core 0 from going until it is flushed to core 0's device.
+    assert!(matches!(
+        cache.remove_core(0, false),
+        Err(EngineError::CoreDirty { id: 0, .. })
+    ));
+    cache.flush_core(0).unwrap();
+    assert_eq!(decode(&contents(&*core0)[512..1024], 1), Some(9));
+    assert!(
+        contents(&*core1).iter().all(|&b| b == 0),
+        "core 1 untouched"
+    );
+    cache.remove_core(0, false).unwrap();
+    let ids: Vec<u16> = cache.cores().iter().map(|c| c.id).collect();
+    assert_eq!(ids, [1]);
+    cache.check_invariants();
+    cache.stop(false).unwrap();
+    let cache = reload(&cache_vol, Some(core1.clone())).unwrap();
+    let ids: Vec<u16> = cache.cores().iter().map(|c| c.id).collect();
+    assert_eq!(ids, [1], "the removal of core 0 was recorded");
+}

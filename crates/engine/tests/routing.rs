@@ -729,6 +729,37 @@ fn request_errors() {
     cache.check_invariants();
 }
 
+/// As casadm (find_free_core_id): without an id a core gets the lowest free one from 1; 0 is
+/// given only when every other id is taken, and can always be asked for.
+#[test]
+fn core_ids_start_at_1_and_0_is_asked_for() {
+    let (cache, _cv) = new_cache(4, 8, CacheMode::Wt);
+    let auto = cache
+        .add_core(as_ref(&ram("ram:a", 1 << 20)), None)
+        .unwrap();
+    assert_eq!(auto, 1);
+    let zero = cache
+        .add_core(as_ref(&ram("ram:z", 1 << 20)), Some(0))
+        .unwrap();
+    assert_eq!(zero, 0);
+    let next = cache
+        .add_core(as_ref(&ram("ram:b", 1 << 20)), None)
+        .unwrap();
+    assert_eq!(next, 2);
+    cache.remove_core(1, false).unwrap();
+    let again = cache
+        .add_core(as_ref(&ram("ram:c", 1 << 20)), None)
+        .unwrap();
+    assert_eq!(again, 1);
+    let ids: Vec<u16> = cache.cores().iter().map(|c| c.id).collect();
+    assert_eq!(ids, [0, 1, 2]);
+    expect_err(
+        "duplicate id 0",
+        cache.add_core(as_ref(&ram("ram:x", 1 << 20)), Some(0)),
+        |e| matches!(e, EngineError::DuplicateCore(0)),
+    );
+}
+
 #[test]
 fn core_management_errors() {
     let (cache, _cv) = new_cache(4, 8, CacheMode::Wb);
@@ -744,11 +775,6 @@ fn core_management_errors() {
         "duplicate id",
         cache.add_core(as_ref(&ram("ram:x", 1 << 20)), Some(id)),
         |e| matches!(e, EngineError::DuplicateCore(d) if *d == id),
-    );
-    expect_err(
-        "id 0",
-        cache.add_core(as_ref(&ram("ram:x", 1 << 20)), Some(0)),
-        |e| matches!(e, EngineError::BadCoreId(0)),
     );
     expect_err(
         "id 4096",

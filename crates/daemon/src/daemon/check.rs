@@ -11,7 +11,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use hybridcache_engine::{Cache, CacheConfig, CacheMode, EngineError, LineSize, MAX_CORES};
+use hybridcache_engine::{Cache, CacheConfig, CacheMode, EngineError, LineSize, MAX_CORE_ID};
 use hybridcache_volume::open_volume;
 
 use super::{engine_err, State, MAX_CACHE_ID};
@@ -115,8 +115,8 @@ pub(super) fn check_config(cfg: &ConfigFile, st: &State) -> Result<(), String> {
         if !cache_ids.contains(&core.cache) {
             problems.push(format!("{who}: the file has no cache {}", core.cache));
         }
-        if core.id == 0 || core.id as u32 > MAX_CORES {
-            problems.push(format!("{who}: id out of range (1..={MAX_CORES})"));
+        if core.id as u32 > MAX_CORE_ID {
+            problems.push(format!("{who}: id out of range (0..={MAX_CORE_ID})"));
         }
         if !core_ids.insert((core.cache, core.id)) {
             problems.push(format!("{who}: named twice"));
@@ -220,6 +220,14 @@ mod tests {
     }
 
     #[test]
+    fn core_ids_run_from_0_to_4095() {
+        let text = "[[cache]]\nid = 1\ndevice = \"ram:8M\"\n\n\
+                    [[core]]\ncache = 1\nid = 0\ndevice = \"ram:1M\"\n\n\
+                    [[core]]\ncache = 1\nid = 4095\ndevice = \"ram:1M\"\n";
+        assert_eq!(check_config(&parse(text), &State::default()), Ok(()));
+    }
+
+    #[test]
     fn every_problem_is_named() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("a.img");
@@ -231,7 +239,7 @@ mod tests {
              [[cache]]\nid = 1\ndevice = \"ram:8M\"\nline_size = 3\n\n\
              [[cache]]\nid = 2\ndevice = \"ram:8M\"\n[cache.params]\n\"promotion-nhit.threshold\" = \"1\"\n\n\
              [[core]]\ncache = 9\nid = 1\ndevice = \"file:{}\"\n\n\
-             [[core]]\ncache = 2\nid = 0\ndevice = \"/no/such/dev\"\n\n\
+             [[core]]\ncache = 2\nid = 4096\ndevice = \"/no/such/dev\"\n\n\
              [[core]]\ncache = 2\nid = 5\ndevice = \"/no/such/dev\"\n",
             file.display(),
             link.display()
@@ -245,8 +253,8 @@ mod tests {
             "core 1 of cache 9: the file has no cache 9",
             "core 1 of cache 9: device file:",
             "is the same device as that of cache 1",
-            "core 0 of cache 2: id out of range",
-            "core 5 of cache 2: device /no/such/dev is the same device as that of core 0 of cache 2",
+            "core 4096 of cache 2: id out of range (0..=4095)",
+            "core 5 of cache 2: device /no/such/dev is the same device as that of core 4096 of cache 2",
         ] {
             assert!(e.contains(want), "missing '{want}' in: {e}");
         }

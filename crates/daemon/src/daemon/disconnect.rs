@@ -61,6 +61,8 @@ pub(super) struct Disconnected {
     settings: Vec<(&'static str, Option<u16>, BTreeMap<String, String>)>,
     io_classes: hybridcache_engine::ioclass::IoClasses,
     ioclass: (Option<std::path::PathBuf>, Option<bool>),
+    /// The configuration file's `lazy_startup` for the cache (its cores keep theirs).
+    lazy_startup: Option<bool>,
     cores: BTreeMap<u16, CoreEntry>,
     records: BTreeMap<u16, CoreRecord>,
 }
@@ -178,6 +180,7 @@ impl Disconnected {
             params: values,
             ioclass_file: self.ioclass.0.clone(),
             ioclass_ignore_unsupported: self.ioclass.1,
+            lazy_startup: self.lazy_startup,
         };
         let cores = self
             .cores
@@ -188,6 +191,7 @@ impl Disconnected {
                 device: c.device.clone(),
                 frontend: (c.frontend != "nbd" || default_frontend != "nbd")
                     .then(|| c.frontend.to_string()),
+                lazy_startup: c.lazy_startup,
             })
             .collect();
         (cache, cores)
@@ -367,6 +371,7 @@ impl Daemon {
             key,
             cores,
             ioclass,
+            lazy_startup,
             ..
         } = entry;
         // The engine lets go of the cache and core devices once its last handle is gone.
@@ -383,6 +388,7 @@ impl Daemon {
             settings,
             io_classes,
             ioclass,
+            lazy_startup,
             cores,
             records,
         };
@@ -577,7 +583,12 @@ impl Daemon {
             }
         }
         let loaded = held.is_some();
-        let Disconnected { cores, ioclass, .. } = d;
+        let Disconnected {
+            cores,
+            ioclass,
+            lazy_startup,
+            ..
+        } = d;
         for (j, c) in &cores {
             self.kinds.set(&export_name(id, *j), device, c.frontend);
         }
@@ -589,6 +600,7 @@ impl Daemon {
                 key,
                 cores,
                 ioclass,
+                lazy_startup,
                 left_mode: None,
             },
         );
