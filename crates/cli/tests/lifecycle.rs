@@ -998,3 +998,75 @@ fn a_core_that_is_not_lazy_and_cannot_be_attached_stops_the_daemon_after_the_tim
         "the dirty data is still dirty"
     );
 }
+
+/// A command sent while the daemon waits for a device that is not lazy waits with it, however
+/// long that takes, and is then answered; it is not taken for a socket that is not ours (the CLI
+/// gives a silent socket 6 s before it says so, so the device here comes after 7 s).
+#[test]
+fn a_command_sent_while_the_daemon_waits_for_a_device_is_answered_after_it() {
+    let dir = workdir();
+    let p = dir.path();
+    let cache = p.join("cache.img");
+    sparse_file(&cache, 64 << 20);
+    let late_dir = p.join("late");
+    let core = late_dir.join("core.img");
+    let cfg = p.join("hybridcache.toml");
+    write_file(
+        &cfg,
+        &format!(
+            "[daemon]\ndevice_timeout = 60\n\n[[cache]]\nid = 1\ndevice = \"{}\"\nmode = \"wb\"\n\n[[core]]\ncache = 1\nid = 1\ndevice = \"{}\"\nlazy_startup = false\n",
+            cache.display(),
+            core.display()
+        ),
+    );
+    let control = p.join("control.sock");
+    let mut child = Command::new(BIN)
+        .arg("daemon")
+        .arg("--control")
+        .arg(&control)
+        .arg("--nbd-socket")
+        .arg(p.join("nbd.sock"))
+        .arg("--config")
+        .arg(&cfg)
+        .env_remove("HYBRIDCACHE_CONTROL")
+        .stdin(Stdio::null())
+        .stderr(std::fs::File::create(p.join("daemon.err")).expect("stderr file"))
+        .spawn()
+        .expect("run the daemon");
+    let started = Instant::now();
+    while !control.exists() && started.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let creator = {
+        let (late_dir, core) = (late_dir.clone(), core.clone());
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(7));
+            std::fs::create_dir(&late_dir).expect("mkdir");
+            sparse_file(&core, 32 << 20);
+        })
+    };
+    let asked = Instant::now();
+    let out = Command::new(BIN)
+        .arg("--control")
+        .arg(&control)
+        .arg("-L")
+        .env_remove("HYBRIDCACHE_CONTROL")
+        .output()
+        .expect("run -L");
+    let took = asked.elapsed();
+    creator.join().expect("creator");
+    let _ = Command::new("kill").arg(child.id().to_string()).status();
+    let _ = child.wait();
+    let err = std::fs::read_to_string(p.join("daemon.err")).unwrap_or_default();
+    assert!(
+        out.status.success(),
+        "-L failed after {took:?}: {}\ndaemon: {err}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(took >= Duration::from_secs(6), "answered before the device came: {took:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("cache") && text.contains(&core.display().to_string()),
+        "{text}"
+    );
+}

@@ -293,6 +293,12 @@ struct Daemon {
     shutdown_waiters: AtomicUsize,
     /// Due cleaning without progress for this long is logged as a stall (health.rs).
     stall_warn: Duration,
+    /// Set once the configuration file is applied. The control socket accepts connections from
+    /// the start so that a client can tell a starting daemon from a socket that is not ours
+    /// (`version` is answered at once); every other request waits here, as it waited in the
+    /// listen backlog before, while devices that are not lazy are waited for and caches load.
+    started: Mutex<bool>,
+    started_cv: Condvar,
 }
 
 type Reply = std::result::Result<Value, String>;
@@ -595,6 +601,19 @@ fn export_name(cache: u16, core: u16) -> String {
 }
 
 impl Daemon {
+    /// Hold a control request until the configuration file is applied (see `started`).
+    fn wait_started(&self) {
+        let mut started = self.started.lock();
+        while !*started {
+            self.started_cv.wait(&mut started);
+        }
+    }
+
+    fn set_started(&self) {
+        *self.started.lock() = true;
+        self.started_cv.notify_all();
+    }
+
     fn handle(&self, req: Request) -> Reply {
         if self.stopping.load(Ordering::SeqCst) {
             return Err("the daemon is shutting down".into());
@@ -2154,6 +2173,9 @@ fn serve_control_client(daemon: &Daemon, stream: UnixStream) {
         let mut stop_request = false;
         let response = match serde_json::from_str::<Request>(&line) {
             Ok(req) => {
+                if req != Request::Version {
+                    daemon.wait_started();
+                }
                 stop_request = req == Request::Shutdown;
                 let audit = changes_something(&req).then(|| (req.clone(), settings(daemon, &req)));
                 let result = daemon.handle(req);
@@ -2326,6 +2348,8 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
         shutdown_done: Condvar::new(),
         shutdown_waiters: AtomicUsize::new(0),
         stall_warn,
+        started: Mutex::new(false),
+        started_cv: Condvar::new(),
     });
     // The metrics endpoint comes up before the configuration is applied (a refused address
     // must not leave devices touched), and shows the caches as they start.
@@ -2354,6 +2378,21 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
             .unwrap_or(startup::DEFAULT_DEVICE_TIMEOUT_S),
     );
     let deadline = Instant::now() + device_timeout;
+    {
+        let daemon = daemon.clone();
+        std::thread::Builder::new()
+            .name("control-accept".into())
+            .spawn(move || {
+                for stream in listener.incoming() {
+                    let Ok(stream) = stream else { continue };
+                    let daemon = daemon.clone();
+                    let _ = std::thread::Builder::new()
+                        .name("control".into())
+                        .spawn(move || serve_control_client(&daemon, stream));
+                }
+            })
+            .context("cannot start the control thread")?;
+    }
     let needed = startup::needed(&file_cfg);
     let applied =
         match daemon.wait_for_devices(&file_cfg, &needed, deadline, device_timeout, &signals) {
@@ -2384,23 +2423,9 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
             };
         }
     }
+    daemon.set_started();
     watch::spawn(daemon.clone()).context("cannot start the device watcher")?;
 
-    {
-        let daemon = daemon.clone();
-        std::thread::Builder::new()
-            .name("control-accept".into())
-            .spawn(move || {
-                for stream in listener.incoming() {
-                    let Ok(stream) = stream else { continue };
-                    let daemon = daemon.clone();
-                    let _ = std::thread::Builder::new()
-                        .name("control".into())
-                        .spawn(move || serve_control_client(&daemon, stream));
-                }
-            })
-            .context("cannot start the control thread")?;
-    }
     // The control socket answers while devices that are not lazy are waited for, so `-L`
     // shows what is missing; readiness waits (startup.rs, step 2).
     let mut failed = None;
