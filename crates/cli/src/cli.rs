@@ -340,6 +340,33 @@ pub enum Command {
         pass_through: bool,
     },
 
+    /// Detach the cache device of a running cache (casadm's --detach-cache): dirty data is
+    /// flushed, the cache's contents dropped, and its cores are served directly (pass-through)
+    /// under their kept exports until a cache device is attached with --attach-cache.
+    #[command(long_flag = "detach-cache")]
+    DetachCache {
+        /// The cache to detach (1..16384).
+        #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
+        id: u16,
+    },
+
+    /// Attach a cache device to a detached (or disconnected) cache (casadm's --attach-cache):
+    /// the cache starts on it with the settings, IO classes and cores it had, and serves its
+    /// kept exports again.
+    #[command(long_flag = "attach-cache")]
+    AttachCache {
+        /// The detached cache (1..16384).
+        #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
+        id: u16,
+        /// The cache device to attach.
+        #[arg(short = 'd', long = "cache-device", value_name = "DEV")]
+        device: String,
+        /// Attach even though the device holds a file system, a partition table or another
+        /// cache's metadata (it is formatted).
+        #[arg(short = 'f', long)]
+        force: bool,
+    },
+
     /// List caches and their cores.
     #[command(short_flag = 'L', long_flag = "list-caches")]
     ListCaches {
@@ -676,6 +703,18 @@ impl Command {
                 id: *id,
                 no_flush: *no_flush,
                 pass_through: *pass_through,
+                detach: false,
+            },
+            Command::DetachCache { id } => Request::DisconnectCache {
+                id: *id,
+                no_flush: false,
+                pass_through: true,
+                detach: true,
+            },
+            Command::AttachCache { id, device, force } => Request::ConnectCache {
+                device: device_from_here(device),
+                id: Some(*id),
+                force: *force,
             },
             Command::Script {
                 device: Some(device),
@@ -684,6 +723,7 @@ impl Command {
             } => Request::ConnectCache {
                 device: device_from_here(device),
                 id: *id,
+                force: false,
             },
             // clap's group and `requires` leave no other shape.
             Command::Script { .. } => return None,

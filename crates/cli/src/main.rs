@@ -317,6 +317,24 @@ fn run(cli: Cli) -> Result<()> {
                 }
             );
         }
+        Command::DetachCache { id } => {
+            let _: serde_json::Value = call(&control, &req)?;
+            println!(
+                "cache {id} detached; its cores are served directly until a cache device is attached with --attach-cache -i {id} -d DEVICE"
+            );
+        }
+        Command::AttachCache { device, .. } => {
+            let v: protocol::Connected = call(&control, &req)?;
+            println!(
+                "cache {} attached: {} {device}",
+                v.id,
+                if v.loaded {
+                    "loaded from"
+                } else {
+                    "a new cache started on"
+                }
+            );
+        }
         Command::AddCore { .. } => {
             let v: protocol::CoreAdded = call(&control, &req)?;
             let verb = if v.reattached {

@@ -521,3 +521,80 @@ fn stop_of_a_disconnected_cache_with_a_client_needs_force_and_fails_what_is_held
     assert!(held.join().expect("client thread").is_err());
     assert_eq!(status(&d), "(not listed)");
 }
+
+/// casadm's `--detach-cache` / `--attach-cache`: the cache device goes (dirty data flushed first,
+/// the cores served directly and listed `Detached`), a new one is attached under the same
+/// connection; a device holding a file system is refused without `-f` and nothing changes.
+#[test]
+fn detach_and_attach_cache_as_casadm() {
+    let FileCache {
+        dir,
+        cache,
+        core,
+        daemon: d,
+        ..
+    } = file_cache(64 * MIB, 64 * MIB, &["-c", "wb"]);
+    d.ok(&["-X", "-n", "cleaning", "-p", "nop", "-i", "1"]);
+    let mut c = client(&d);
+    let a = pattern(9, 256 << 10);
+    c.write(&a, MIB, false).expect("write");
+    assert!(dirty_lines(&d) > 0);
+
+    let out = d.ok(&["--detach-cache", "-i", "1"]);
+    assert!(out.contains("detached"), "{out}");
+    assert_eq!(status(&d), "Detached");
+    // Flushed before the device went: the core has the data, and serves it directly.
+    same(&file_bytes(&core, MIB, a.len()), &a);
+    same(&read(&mut c, MIB, a.len()), &a);
+    let b = pattern(10, 64 << 10);
+    c.write(&b, 0, false).expect("write while detached");
+    same(&file_bytes(&core, 0, b.len()), &b);
+    // The old device no longer loads as this cache: its contents were dropped.
+    let err = d.fails(&["-S", "-d", cache.to_str().expect("UTF-8"), "--load"]);
+    assert!(!err.is_empty());
+
+    // A device with a file system: refused without -f, untouched.
+    let fs = dir.path().join("fs.img");
+    sparse_file(&fs, 64 * MIB);
+    if need(&["mkfs.ext4"]) {
+        let made = std::process::Command::new("mkfs.ext4")
+            .args(["-q", "-F"])
+            .arg(&fs)
+            .status()
+            .expect("mkfs.ext4");
+        assert!(made.success());
+        let before = std::fs::read(&fs).expect("read");
+        let err = d.fails(&[
+            "--attach-cache",
+            "-i",
+            "1",
+            "-d",
+            fs.to_str().expect("UTF-8"),
+        ]);
+        assert!(err.contains("ext4"), "{err}");
+        assert_eq!(
+            std::fs::read(&fs).expect("read"),
+            before,
+            "changed by a refusal"
+        );
+        assert_eq!(status(&d), "Detached");
+    }
+    let out = d.ok(&[
+        "--attach-cache",
+        "-i",
+        "1",
+        "-d",
+        fs.to_str().expect("UTF-8"),
+        "-f",
+    ]);
+    assert!(
+        out.contains("cache 1 attached: a new cache started on"),
+        "{out}"
+    );
+    assert_eq!(status(&d), "Running");
+    let entry = listed(&d).expect("listed");
+    assert_eq!(entry["mode"], "wb", "{entry}");
+    same(&read(&mut c, 0, b.len()), &b);
+    same(&read(&mut c, MIB, a.len()), &a);
+    c.disconnect().expect("disconnect");
+}

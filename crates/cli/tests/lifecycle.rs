@@ -1063,7 +1063,10 @@ fn a_command_sent_while_the_daemon_waits_for_a_device_is_answered_after_it() {
         "-L failed after {took:?}: {}\ndaemon: {err}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(took >= Duration::from_secs(6), "answered before the device came: {took:?}");
+    assert!(
+        took >= Duration::from_secs(6),
+        "answered before the device came: {took:?}"
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         text.contains("cache") && text.contains(&core.display().to_string()),

@@ -659,8 +659,9 @@ impl Daemon {
                 id,
                 no_flush,
                 pass_through,
-            } => self.disconnect_cache(id, no_flush, pass_through),
-            Request::ConnectCache { device, id } => self.connect_cache(&device, id),
+                detach,
+            } => self.disconnect_cache(id, no_flush, pass_through || detach, detach),
+            Request::ConnectCache { device, id, force } => self.connect_cache(&device, id, force),
             Request::List => {
                 let st = self.state.lock();
                 let mut caches: Vec<CacheInfo> = st

@@ -65,6 +65,9 @@ pub enum Request {
         no_flush: bool,
         #[serde(default)]
         pass_through: bool,
+        /// casadm's `--detach-cache` (pass-through, listed as `Detached`).
+        #[serde(default)]
+        detach: bool,
     },
     /// `--script --connect-cache`: bring a disconnected cache back on `device` under its kept
     /// exports. Result: [`Connected`].
@@ -74,6 +77,11 @@ pub enum Request {
         /// when several are disconnected).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         id: Option<u16>,
+        /// `--attach-cache -f`: format the device even though it holds a file system, a
+        /// partition table or another cache's metadata (never the metadata of a disconnected
+        /// cache on its own device: that is loaded).
+        #[serde(default)]
+        force: bool,
     },
     List,
     Stats {

@@ -43,6 +43,8 @@ const RELEASE_WAIT: Duration = Duration::from_secs(3);
 /// cache" (casadm itself lists no cache once it is disconnected; here its exports stay, so it
 /// stays listed).
 pub(super) const DISCONNECTED: &str = "Disconnected";
+/// casadm's word for a cache whose device was detached with `--detach-cache`.
+pub(super) const DETACHED: &str = "Detached";
 
 /// A cache whose engine is stopped while its cores' exports stay.
 pub(super) struct Disconnected {
@@ -55,6 +57,8 @@ pub(super) struct Disconnected {
     dirty_lines: u64,
     /// The exports go to the cores directly (else their requests wait).
     pass_through: bool,
+    /// Made by `--detach-cache` (casadm's verb; always pass-through): listed as `Detached`.
+    detached: bool,
     mode: CacheMode,
     line_size: LineSize,
     /// Parameter groups (name, core, field values) to give a new cache on another device.
@@ -128,7 +132,12 @@ impl Disconnected {
         CacheInfo {
             id,
             device: self.device.clone(),
-            status: DISCONNECTED.into(),
+            status: if self.detached {
+                DETACHED
+            } else {
+                DISCONNECTED
+            }
+            .into(),
             mode: if self.pass_through {
                 "pt".into()
             } else {
@@ -259,7 +268,13 @@ impl Daemon {
         Ok(())
     }
 
-    pub(super) fn disconnect_cache(&self, id: u16, no_flush: bool, pass_through: bool) -> Reply {
+    pub(super) fn disconnect_cache(
+        &self,
+        id: u16,
+        no_flush: bool,
+        pass_through: bool,
+        detach: bool,
+    ) -> Reply {
         if no_flush && pass_through {
             // casadm's refusal, word for word where it applies.
             return Err("pass-through mode requires a cache flush and purge to avoid stale data on reconnect: --no-flush is not allowed with --pass-through".into());
@@ -383,6 +398,7 @@ impl Daemon {
             key,
             dirty_lines,
             pass_through: false,
+            detached: detach,
             mode,
             line_size,
             settings,
@@ -440,7 +456,7 @@ impl Daemon {
         }
     }
 
-    pub(super) fn connect_cache(&self, device: &str, want: Option<u16>) -> Reply {
+    pub(super) fn connect_cache(&self, device: &str, want: Option<u16>, force: bool) -> Reply {
         let mut st = self.state.lock();
         if self.stopping.load(std::sync::atomic::Ordering::SeqCst) {
             return Err("the daemon is shutting down".into());
@@ -494,6 +510,21 @@ impl Daemon {
                 Err(e) => return Err(format!("{device}: {}", engine_err(e))),
             }
         };
+        // `--attach-cache -f` formats over metadata that is not a disconnected cache's own
+        // (another cache's, a copy), as `-S --force` would; a disconnected cache's own device is
+        // always loaded, so its data is never formatted away.
+        let held = match held {
+            Some(sb)
+                if force
+                    && !st
+                        .disconnected
+                        .get(&sb.cache_id)
+                        .is_some_and(|d| d.same_device(device)) =>
+            {
+                None
+            }
+            held => held,
+        };
         let id = match &held {
             Some(sb) => {
                 let id = sb.cache_id;
@@ -544,8 +575,10 @@ impl Daemon {
                         d.dirty_lines, d.device
                     ));
                 }
-                if !volatile {
-                    check_signatures(device, &*volume, Start::Create { force: false })?;
+                // Forced (`--attach-cache -f`), a signature is overwritten as by `-S --force`;
+                // the claim above still refuses a mounted or busy device.
+                if !volatile && !force {
+                    check_signatures(device, &*volume, Start::Create { force })?;
                 }
                 id
             }
@@ -561,7 +594,7 @@ impl Daemon {
         let built = if held.is_some() {
             self.load_disconnected(id, &d, device, volume)
         } else {
-            self.start_disconnected(id, &d, device, volume, volatile)
+            self.start_disconnected(id, &d, device, volume, volatile, force)
         };
         let cache = match built {
             Ok(cache) => cache,
@@ -678,6 +711,7 @@ impl Daemon {
         device: &str,
         volume: VolumeRef,
         volatile: bool,
+        force: bool,
     ) -> std::result::Result<Cache, String> {
         // The cores first: a core that cannot be opened leaves the new device untouched.
         let mut cores = Vec::new();
@@ -702,7 +736,7 @@ impl Daemon {
         let cache = if volatile {
             Cache::new(volume, config)
         } else {
-            Cache::create(volume, config, false)
+            Cache::create(volume, config, force)
         }
         .map_err(|e| format!("{device}: {}", engine_err(e)))?;
         for (j, v, identity) in cores {
