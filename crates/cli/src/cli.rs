@@ -841,6 +841,7 @@ mod tests {
                 id: 3,
                 no_flush: false,
                 pass_through: false,
+                detach: false,
             } => {}
             other => panic!("{other:?}"),
         }
@@ -868,9 +869,33 @@ mod tests {
             "--cache-device",
             "/dev/nvme1n1",
         ]) {
-            Request::ConnectCache { device, id: None } => assert_eq!(device, "/dev/nvme1n1"),
+            Request::ConnectCache {
+                device,
+                id: None,
+                force: false,
+            } => assert_eq!(device, "/dev/nvme1n1"),
             other => panic!("{other:?}"),
         }
+        // casadm's --detach-cache / --attach-cache: the pass-through disconnect and the connect.
+        match req(&["--detach-cache", "-i", "4"]) {
+            Request::DisconnectCache {
+                id: 4,
+                no_flush: false,
+                pass_through: true,
+                detach: true,
+            } => {}
+            other => panic!("{other:?}"),
+        }
+        match req(&["--attach-cache", "-i", "4", "-d", "/dev/nvme1n1", "-f"]) {
+            Request::ConnectCache {
+                device,
+                id: Some(4),
+                force: true,
+            } => assert_eq!(device, "/dev/nvme1n1"),
+            other => panic!("{other:?}"),
+        }
+        assert!(parse(&["--attach-cache", "-i", "4"]).is_err());
+        assert!(parse(&["--detach-cache"]).is_err());
         // A sub-command is required, one at a time, each with what it needs.
         for bad in [
             &["--script"][..],
