@@ -815,7 +815,8 @@ mod tests {
                                 encode_option_reply(&mut out, h.option, REP_ACK, &[]);
                             }
                             OPT_GO => {
-                                let info = encode_info_export(1 << 20, FLAG_HAS_FLAGS | FLAG_SEND_FLUSH);
+                                let info =
+                                    encode_info_export(1 << 20, FLAG_HAS_FLAGS | FLAG_SEND_FLUSH);
                                 encode_option_reply(&mut out, h.option, REP_INFO, &info);
                                 encode_option_reply(&mut out, h.option, REP_ACK, &[]);
                                 s.write_all(&out)?;
