@@ -167,6 +167,11 @@ impl Daemon {
         }
     }
 
+    /// The daemon's process id, while it runs (for /proc/PID/status).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
