@@ -4,9 +4,13 @@ CARGO ?= cargo
 # man-db: the install test renders the man pages with `man -l`.
 # libclang-dev: libublk's bindgen (crates/ublk). xfsprogs ... bcache-tools: the signature tests make
 # each file system and volume signature with its own tool. prometheus: the metrics test. tmux: top.
-# jq, socat: the docs' examples, which the doc test (crates/cli/tests/docs.rs) runs.
+# jq, socat: the docs' examples, which the doc test (crates/cli/tests/docs.rs) runs. libnbd-bin
+# (nbdinfo, nbdcopy, nbdfuse), fuse3 (fusermount3), e2fsprogs (mkfs.ext4, e2fsck) and mount
+# (losetup, mount): ext4 on an export (crates/cli/tests/ext4_fuse.rs). Every tool a test needs is
+# here: `make test` runs the tests with HC_REQUIRE_TOOLS=1, so a missing one fails the test
+# (common::need) instead of skipping it.
 DEB_PACKAGES := man-db fio nbdkit libnbd-bin qemu-utils fuse3 python3-libnbd prometheus tmux libclang-dev \
-	xfsprogs btrfs-progs lvm2 fdisk bcache-tools jq socat
+	xfsprogs btrfs-progs lvm2 fdisk bcache-tools jq socat e2fsprogs mount
 STAMP := target/.deps-installed
 
 .PHONY: all build deps ceph-deps test test-rust test-guest test-ceph ceph-demo ceph-ops lint fmt bench \
@@ -34,9 +38,10 @@ lint:
 
 # Every test: unit, model-based, concurrency, crash, and real-client tests. Benches are built
 # (so they keep compiling) but not run: speed is measured by `make bench`, never by tests.
+# HC_REQUIRE_TOOLS=1: deps has installed every tool, so no test may skip for want of one.
 test: deps lint
 	$(CARGO) build --workspace --all-targets
-	$(CARGO) test --workspace
+	HC_REQUIRE_TOOLS=1 $(CARGO) test --workspace
 	$(MAKE) test-guest
 	$(MAKE) test-ceph
 

@@ -10,7 +10,7 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{have, workdir, BIN};
+use common::{need, workdir, BIN};
 use serde_json::Value;
 
 fn bench(args: &[&str]) -> Output {
@@ -72,8 +72,7 @@ fn is_png(path: &Path) -> bool {
 
 #[test]
 fn tiny_matrix_end_to_end_then_resume() {
-    if !have("fio") {
-        eprintln!("skipped: fio is not installed (make deps)");
+    if !need(&["fio"]) {
         return;
     }
     let dir = workdir();
@@ -180,8 +179,7 @@ fn tiny_matrix_end_to_end_then_resume() {
 
 #[test]
 fn ctrl_c_stops_cleanly_and_keeps_what_was_measured() {
-    if !have("fio") {
-        eprintln!("skipped: fio is not installed (make deps)");
+    if !need(&["fio"]) {
         return;
     }
     let dir = workdir();
@@ -265,8 +263,7 @@ fn after(cell: &Value, counter: &str) -> u64 {
 /// nhit with trigger 0 inserts nothing seen once (those requests pass through).
 #[test]
 fn matrix_policy_keys_reach_the_daemon() {
-    if !have("fio") {
-        eprintln!("skipped: fio is not installed (make deps)");
+    if !need(&["fio"]) {
         return;
     }
     // 4x the cache's size: it fills with dirty data, and with lazy flush off (it is on by
@@ -302,8 +299,7 @@ fn matrix_policy_keys_reach_the_daemon() {
 /// charts IOPS over time.
 #[test]
 fn burst_writes_twice_the_cache_and_charts_iops_over_time() {
-    if !have("fio") {
-        eprintln!("skipped: fio is not installed (make deps)");
+    if !need(&["fio"]) {
         return;
     }
     let dir = workdir();

@@ -6,7 +6,7 @@ mod common;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
-use common::{file_cache, have, sparse_file, workdir, BIN};
+use common::{file_cache, need, sparse_file, workdir, BIN};
 
 fn bench_device(args: &[&str]) -> Output {
     Command::new(BIN)
@@ -70,8 +70,7 @@ fn bad_arguments_are_usage_errors() {
 
 #[test]
 fn refuses_a_device_with_a_file_system() {
-    if !have("mkfs.ext4") {
-        eprintln!("skipped: mkfs.ext4 is not installed");
+    if !need(&["mkfs.ext4"]) {
         return;
     }
     let dir = workdir();
@@ -122,8 +121,7 @@ fn refuses_a_device_in_use_and_a_cache_without_force() {
 
 #[test]
 fn short_run_prints_the_table_and_leaves_no_cache() {
-    if !have("fio") || !have("nbdkit") {
-        eprintln!("skipped: fio or nbdkit is not installed (make deps)");
+    if !need(&["fio", "nbdkit"]) {
         return;
     }
     let dir = workdir();

@@ -11,12 +11,11 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-use common::{have, workdir, BIN};
+use common::{need, workdir, BIN};
 
 #[test]
 fn study_raid_through_nbd_stays_within_twice_the_study() {
-    if !have("fio") {
-        eprintln!("skipped: fio is not installed (make deps)");
+    if !need(&["fio"]) {
         return;
     }
     let dir = workdir();

@@ -480,8 +480,7 @@ fn sigterm_flushes_dirty_data_and_removes_sockets() {
 
 #[test]
 fn remote_nbd_export_as_core() {
-    if !common::have("nbdkit") {
-        eprintln!("skipped: nbdkit is not installed (make deps)");
+    if !common::need(&["nbdkit"]) {
         return;
     }
     let dir = workdir();

@@ -4,7 +4,8 @@
 //! stopping the daemon and loading the cache in a new one (`restart_point`).
 //!
 //! Skipped, with the reason printed, where nbdfuse, loop devices or mounting are not available
-//! (containers without privileges).
+//! (containers without privileges); a failure instead in CI or with HC_REQUIRE_TOOLS=1
+//! (`common::need`, `common::skip`).
 
 mod common;
 
@@ -13,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{file_cache, have, Daemon, FileCache};
+use common::{file_cache, need, skip, Daemon, FileCache};
 
 fn sh(cmd: &str, args: &[&str]) -> Result<String, String> {
     let out = Command::new(cmd)
@@ -156,7 +157,7 @@ fn attach(stack: &mut Stack, d: &Daemon, dir: &Path, export: &str) -> Option<Str
                     use std::io::Read;
                     let _ = e.read_to_string(&mut err);
                 }
-                eprintln!("skipped: nbdfuse exited ({status}): {err}");
+                skip(&format!("nbdfuse exited ({status}): {err}"));
                 stack.fuse = None;
                 return None;
             }
@@ -171,7 +172,7 @@ fn attach(stack: &mut Stack, d: &Daemon, dir: &Path, export: &str) -> Option<Str
             Some(l)
         }
         Err(e) => {
-            eprintln!("skipped: loop devices are not permitted here: {e}");
+            skip(&format!("loop devices are not permitted here: {e}"));
             None
         }
     }
@@ -179,18 +180,16 @@ fn attach(stack: &mut Stack, d: &Daemon, dir: &Path, export: &str) -> Option<Str
 
 #[test]
 fn ext4_on_nbdfuse_loop_device() {
-    for tool in [
+    if !need(&[
         "nbdfuse",
         "fusermount3",
         "losetup",
         "mkfs.ext4",
         "e2fsck",
         "mount",
-    ] {
-        if !have(tool) {
-            eprintln!("skipped: {tool} is not installed (make deps)");
-            return;
-        }
+        "umount",
+    ]) {
+        return;
     }
     let FileCache {
         dir,
@@ -208,7 +207,7 @@ fn ext4_on_nbdfuse_loop_device() {
     sh("mkfs.ext4", &["-q", "-F", &loopdev]).expect("mkfs.ext4");
     let mnt_s = mnt.to_str().unwrap();
     if let Err(e) = sh("mount", &[&loopdev, mnt_s]) {
-        eprintln!("skipped: mounting is not permitted here: {e}");
+        skip(&format!("mounting is not permitted here: {e}"));
         return;
     }
     stack.mounted = Some(mnt.clone());

@@ -7,11 +7,10 @@
 
 mod common;
 
-use common::{file_cache, fio, have, FileCache};
+use common::{file_cache, fio, need, FileCache};
 
 fn run_mode(mode: &str) {
-    if !have("fio") {
-        eprintln!("skipped: fio is not installed (make deps)");
+    if !need(&["fio"]) {
         return;
     }
     let FileCache {

@@ -22,8 +22,7 @@ fn flushing_percent(d: &Daemon) -> Option<f64> {
 
 #[test]
 fn flush_shows_progress_and_can_be_interrupted() {
-    if !have("fio") {
-        eprintln!("SKIPPED: fio is needed (make deps installs it)");
+    if !need(&["fio"]) {
         return;
     }
     let dir = workdir();

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{have, nbdkit, workdir, Daemon};
+use common::{nbdkit, need, workdir, Daemon};
 
 fn wait_for(d: &Daemon, what: &str, found: impl Fn(&str) -> bool) -> String {
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -22,8 +22,7 @@ fn wait_for(d: &Daemon, what: &str, found: impl Fn(&str) -> bool) -> String {
 
 #[test]
 fn background_cleaning_errors_and_a_stall_are_logged() {
-    if !have("nbdkit") {
-        eprintln!("skipped: nbdkit is not installed (make deps)");
+    if !need(&["nbdkit"]) {
         return;
     }
     let dir = workdir();

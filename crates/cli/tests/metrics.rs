@@ -151,8 +151,7 @@ impl Drop for Prometheus {
 
 #[test]
 fn prometheus_scrapes_the_metrics_endpoint() {
-    if !have("prometheus") || !have("fio") {
-        eprintln!("SKIPPED: the prometheus and fio packages are needed (make deps installs them)");
+    if !need(&["prometheus", "fio"]) {
         return;
     }
     let dir = workdir();

@@ -4,13 +4,12 @@
 
 mod common;
 
-use common::{fio, have, sparse_file, workdir, Daemon};
+use common::{fio, need, sparse_file, workdir, Daemon};
 use hybridcache_nbd::Client;
 
 #[test]
 fn fio_four_connections_disjoint_regions() {
-    if !have("fio") {
-        eprintln!("skipped: fio is not installed (make deps)");
+    if !need(&["fio"]) {
         return;
     }
     let dir = workdir();

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{file_cache, fio, have, sparse_file, workdir, Daemon, FileCache};
+use common::{file_cache, fio, need, sparse_file, workdir, Daemon, FileCache};
 use hybridcache_nbd::Client;
 
 /// Deterministic bytes for one test region.
@@ -182,7 +182,7 @@ fn missing_core_is_inactive_until_attached() {
 
     // The inactive core's export is not served; the other one is, with its data.
     assert!(Client::connect_unix(&d.nbd, "cas1-1").is_err());
-    if have("nbdinfo") {
+    if need(&["nbdinfo"]) {
         let info = |export: &str| {
             Command::new("nbdinfo")
                 .arg(d.uri(export))
@@ -364,8 +364,7 @@ fn crash_job(uri: &str, mode: &str) -> Vec<String> {
 
 /// fio writes with end_fsync, the daemon is killed, a new one loads the cache and fio verifies.
 fn kill_after_fsync(mode: &str) {
-    if !have("fio") {
-        eprintln!("skipped: fio is not installed (make deps)");
+    if !need(&["fio"]) {
         return;
     }
     let FileCache {
@@ -416,8 +415,7 @@ fn kill9_after_fsync_wo() {
 /// Killed while fio writes: the cache loads and every byte reads (old or new content).
 #[test]
 fn kill9_mid_write_loads_and_reads() {
-    if !have("fio") {
-        eprintln!("skipped: fio is not installed (make deps)");
+    if !need(&["fio"]) {
         return;
     }
     let FileCache {

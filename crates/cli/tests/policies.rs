@@ -351,8 +351,7 @@ fn lazy_flush_and_prefetch_are_set_shown_and_kept() {
 
 #[test]
 fn background_cleaning_drains_what_nop_keeps() {
-    if !have("fio") {
-        eprintln!("skipped: fio is not installed (make deps)");
+    if !need(&["fio"]) {
         return;
     }
     let FileCache { dir, daemon: d, .. } = file_cache(64 << 20, 256 << 20, &["-c", "wb"]);

@@ -5,12 +5,11 @@ mod common;
 use std::io::Write;
 use std::process::Command;
 
-use common::{have, sparse_file, workdir, Daemon};
+use common::{need, sparse_file, workdir, Daemon};
 
 #[test]
 fn qemu_img_convert_and_compare() {
-    if !have("qemu-img") {
-        eprintln!("skipped: qemu-img is not installed (make deps)");
+    if !need(&["qemu-img"]) {
         return;
     }
     let dir = workdir();

@@ -6,13 +6,12 @@ mod common;
 
 use std::process::{Command, Stdio};
 
-use common::{have, workdir, BIN};
+use common::{need, workdir, BIN};
 use serde_json::Value;
 
 #[test]
 fn short_search_traces_analyses_and_runs_the_recommendation() {
-    if !have("fio") {
-        eprintln!("skipped: fio is not installed (make deps)");
+    if !need(&["fio"]) {
         return;
     }
     let dir = workdir();

@@ -49,8 +49,7 @@ impl Drop for Session {
 
 #[test]
 fn top_shows_the_caches_and_moves_while_fio_runs() {
-    if !have("tmux") || !have("fio") {
-        eprintln!("SKIPPED: tmux and fio are needed (make deps installs them)");
+    if !need(&["tmux", "fio"]) {
         return;
     }
     let dir = workdir();

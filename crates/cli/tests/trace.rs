@@ -8,7 +8,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{fio, have, workdir, Daemon, BIN};
+use common::{fio, need, workdir, Daemon, BIN};
 use hybridcache_analyze::{parse_trace, Format, JobSignature, Signature, Trace};
 
 /// A daemon with a RAM cache and a 1 GiB RAM core (exported as cas1-1), and enough NBD workers
@@ -98,8 +98,7 @@ fn within_one(got: u32, want: u32, what: &str) {
 
 #[test]
 fn fio_shapes_come_back_from_the_analyzer() {
-    if !have("fio") {
-        eprintln!("skipped: fio is not installed (make deps)");
+    if !need(&["fio"]) {
         return;
     }
     let (dir, d) = setup();

@@ -789,6 +789,88 @@ mod tests {
         vol.flush().unwrap();
     }
 
+    /// A server that answers every request with EIO and an empty message, as nbdkit's error
+    /// filter does: in structured error chunks when the client asks for them, else in simple
+    /// replies, which have no message at all.
+    fn serve_silent_errors(sock: &std::path::Path, structured: bool) {
+        use hybridcache_nbd::proto::*;
+        use std::io::{Read, Write};
+        let listener = std::os::unix::net::UnixListener::bind(sock).unwrap();
+        std::thread::spawn(move || {
+            for s in listener.incoming() {
+                let Ok(mut s) = s else { return };
+                std::thread::spawn(move || -> std::io::Result<()> {
+                    s.write_all(&encode_greeting(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES))?;
+                    s.read_exact(&mut [0u8; 4])?;
+                    let mut reply_structured = false;
+                    loop {
+                        let mut h = [0u8; OPTION_HEADER_LEN];
+                        s.read_exact(&mut h)?;
+                        let h = parse_option_header(&h).unwrap();
+                        s.read_exact(&mut vec![0u8; h.len as usize])?;
+                        let mut out = Vec::new();
+                        match h.option {
+                            OPT_STRUCTURED_REPLY if structured => {
+                                reply_structured = true;
+                                encode_option_reply(&mut out, h.option, REP_ACK, &[]);
+                            }
+                            OPT_GO => {
+                                let info =
+                                    encode_info_export(1 << 20, FLAG_HAS_FLAGS | FLAG_SEND_FLUSH);
+                                encode_option_reply(&mut out, h.option, REP_INFO, &info);
+                                encode_option_reply(&mut out, h.option, REP_ACK, &[]);
+                                s.write_all(&out)?;
+                                break;
+                            }
+                            _ => encode_option_reply(&mut out, h.option, REP_ERR_UNSUP, &[]),
+                        }
+                        s.write_all(&out)?;
+                    }
+                    loop {
+                        let mut r = [0u8; REQUEST_LEN];
+                        s.read_exact(&mut r)?;
+                        let r = parse_request(&r).unwrap();
+                        match r.typ {
+                            CMD_DISC => return Ok(()),
+                            CMD_WRITE => s.read_exact(&mut vec![0u8; r.length as usize])?,
+                            _ => {}
+                        }
+                        let mut out = Vec::new();
+                        if reply_structured {
+                            encode_structured_error(&mut out, r.handle, EIO, "");
+                        } else {
+                            out.resize(SIMPLE_REPLY_LEN, 0);
+                            encode_simple_reply(&mut out, EIO, r.handle);
+                        }
+                        s.write_all(&out)?;
+                    }
+                });
+            }
+        });
+    }
+
+    /// A remote core whose server says nothing about its errors: the error line says what
+    /// happened (the errno and its meaning) and has no dangling ": " where a message would be.
+    #[test]
+    fn an_error_without_a_message_reads_whole() {
+        for structured in [true, false] {
+            let dir = tempfile::tempdir().unwrap();
+            let sock = dir.path().join("e.sock");
+            serve_silent_errors(&sock, structured);
+            let vol = NbdVolume::open(&format!("nbd+unix:///e?socket={}", sock.display())).unwrap();
+            let mut buf = vec![0u8; 4096];
+            let read = vol.read_at(&mut buf, 0).unwrap_err().to_string();
+            let write = vol.write_at(&buf, 0).unwrap_err().to_string();
+            let flush = vol.flush().unwrap_err().to_string();
+            for e in [read, write, flush] {
+                assert!(e.contains("server error 5 (I/O error)"), "{e}");
+                assert!(e.contains("no message"), "{e}");
+                assert!(!e.trim_end().ends_with(':'), "structured {structured}: {e}");
+                assert!(!e.contains(": :") && !e.contains(":  "), "{e}");
+            }
+        }
+    }
+
     #[test]
     fn parses_uris() {
         assert_eq!(

@@ -21,18 +21,28 @@ pub enum ClientError {
     Io(#[from] io::Error),
     #[error("protocol error: {0}")]
     Protocol(String),
-    #[error("server refused option {option}: reply {reply:#x}: {message}")]
+    #[error("server refused option {option}: reply {reply:#x}{}", said(.message))]
     OptionRefused {
         option: u32,
         reply: u32,
         message: String,
     },
-    #[error("server error {errno} ({kind}): {message}")]
+    #[error("server error {errno} ({kind}){}", said(.message))]
     Server {
         errno: u32,
         kind: ErrorKind,
         message: String,
     },
+}
+
+/// What the server said about an error, after what the error is: many servers (nbdkit, and
+/// every simple reply) send none, and a bare ": " would look like a message lost on the way.
+fn said(message: &str) -> String {
+    if message.is_empty() {
+        ", no message from the server".to_string()
+    } else {
+        format!(": {message}")
+    }
 }
 
 impl ClientError {
@@ -541,5 +551,34 @@ fn server_error(errno: u32, message: String) -> ClientError {
         errno,
         kind: ErrorKind::from_nbd_errno(errno),
         message,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_without_a_message_say_so() {
+        let e = server_error(EIO, String::new()).to_string();
+        assert_eq!(e, "server error 5 (I/O error), no message from the server");
+        let e = server_error(EIO, "disk on fire".into()).to_string();
+        assert_eq!(e, "server error 5 (I/O error): disk on fire");
+        let refused = |message: &str| {
+            ClientError::OptionRefused {
+                option: OPT_GO,
+                reply: REP_ERR_UNKNOWN,
+                message: message.into(),
+            }
+            .to_string()
+        };
+        assert_eq!(
+            refused(""),
+            "server refused option 7: reply 0x80000006, no message from the server"
+        );
+        assert_eq!(
+            refused("no such export"),
+            "server refused option 7: reply 0x80000006: no such export"
+        );
     }
 }

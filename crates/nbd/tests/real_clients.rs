@@ -1,6 +1,6 @@
 //! Interoperability with real NBD clients (libnbd's nbdinfo/nbdsh, qemu-img,
-//! fio's nbd engine). Each test is skipped, with a message, when its tool
-//! is not installed.
+//! fio's nbd engine). Each test needs its tool (`common::need`): skipped with a
+//! message where it is not installed, a failure in CI or with HC_REQUIRE_TOOLS=1.
 
 mod common;
 
@@ -12,14 +12,6 @@ use hybridcache_nbd::{Client, Export};
 use rand::RngCore;
 
 const MIB: usize = 1 << 20;
-
-fn have(tool: &str) -> bool {
-    let found = Command::new(tool).arg("--version").output().is_ok();
-    if !found {
-        eprintln!("SKIPPED: `{tool}` is not installed");
-    }
-    found
-}
 
 fn uri(t: &TestServer, name: &str) -> String {
     format!("nbd+unix:///{name}?socket={}", t.sock.display())
@@ -50,7 +42,7 @@ fn json_number(json: &str, key: &str) -> Option<u64> {
 
 #[test]
 fn nbdinfo_reports_size_and_block_sizes() {
-    if !have("nbdinfo") {
+    if !need(&["nbdinfo"]) {
         return;
     }
     let t = start(&[("disk", MemExport::new(64 * MIB).arc() as Arc<dyn Export>)]);
@@ -82,7 +74,7 @@ fn nbdinfo_reports_size_and_block_sizes() {
 
 #[test]
 fn nbdinfo_lists_exports() {
-    if !have("nbdinfo") {
+    if !need(&["nbdinfo"]) {
         return;
     }
     let t = start(&[
@@ -105,7 +97,7 @@ fn nbdinfo_lists_exports() {
 
 #[test]
 fn qemu_img_convert_and_compare() {
-    if !have("qemu-img") {
+    if !need(&["qemu-img"]) {
         return;
     }
     let size = 24 * MIB;
@@ -141,7 +133,7 @@ fn qemu_img_convert_and_compare() {
 
 #[test]
 fn fio_randwrite_with_verify() {
-    if !have("fio") {
+    if !need(&["fio"]) {
         return;
     }
     let t = start(&[("disk", MemExport::new(32 * MIB).arc() as Arc<dyn Export>)]);
@@ -184,7 +176,7 @@ fn python_with_nbd() -> Option<&'static str> {
             .is_ok_and(|o| o.status.success())
     });
     if found.is_none() {
-        eprintln!("SKIPPED: no python3 with the libnbd bindings (python3-libnbd)");
+        skip("no python3 with the libnbd bindings (python3-libnbd, make deps)");
     }
     found
 }

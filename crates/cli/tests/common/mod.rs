@@ -20,44 +20,11 @@ pub fn workdir() -> tempfile::TempDir {
         .expect("create a work directory")
 }
 
-/// Whether an external program is installed. Tests that cannot run without one go through
-/// [`need`] or [`skip`] instead, so that CI never passes a test that did not run.
-pub fn have(tool: &str) -> bool {
-    Command::new("sh")
-        .arg("-c")
-        .arg(format!("command -v {tool}"))
-        .stdout(Stdio::null())
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false)
-}
-
-/// Whether every test must run in full: in CI (`CI` set, as `.ci/run` is run) or with
-/// `HC_REQUIRE_TOOLS=1`. A developer's machine without fio or loop devices may skip; CI may
-/// not, or a broken environment would look like a green run.
-pub fn tools_required() -> bool {
-    std::env::var_os("CI").is_some() || std::env::var("HC_REQUIRE_TOOLS").is_ok_and(|v| v == "1")
-}
-
-/// A test cannot go on here (`reason`): fails where [`tools_required`], else says so on stderr
-/// and lets the caller return.
-pub fn skip(reason: &str) {
-    assert!(
-        !tools_required(),
-        "cannot skip in CI or with HC_REQUIRE_TOOLS=1: {reason}"
-    );
-    eprintln!("skipped: {reason}");
-}
-
-/// Whether all of `tools` are installed; if not, [`skip`]s naming the missing ones.
-pub fn need(tools: &[&str]) -> bool {
-    let missing: Vec<&str> = tools.iter().copied().filter(|t| !have(t)).collect();
-    if missing.is_empty() {
-        return true;
-    }
-    skip(&format!("{} not installed (make deps)", missing.join(", ")));
-    false
-}
+/// The workspace's one skip rule (crates/testtools): a test that needs a missing tool or
+/// privilege calls `need`/`skip`, which fail in CI or with HC_REQUIRE_TOOLS=1 instead of
+/// letting the test pass without running.
+#[allow(unused_imports)] // Each test binary uses a different subset.
+pub use hybridcache_testtools::{have, need, skip, tools_required};
 
 /// A child process killed (and reaped) when dropped.
 pub struct Kill(pub Child);
@@ -198,6 +165,11 @@ impl Daemon {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// The daemon's process id, while it runs (for /proc/PID/status).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     pub fn log_text(&self) -> String {

@@ -309,19 +309,7 @@ pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
         .collect()
 }
 
-/// Whether every test must run in full: in CI (`CI` set, as `.ci/run` is run) or with
-/// `HC_REQUIRE_TOOLS=1`. A developer's machine without fio may skip; CI may not, or a missing
-/// tool would look like a green run.
-pub fn tools_required() -> bool {
-    std::env::var_os("CI").is_some() || std::env::var("HC_REQUIRE_TOOLS").is_ok_and(|v| v == "1")
-}
-
-/// A test (or a part of one) cannot run here (`reason`): fails where [`tools_required`], else
-/// says so on stderr and lets the caller return.
-pub fn skip(reason: &str) {
-    assert!(
-        !tools_required(),
-        "cannot skip in CI or with HC_REQUIRE_TOOLS=1: {reason}"
-    );
-    eprintln!("SKIPPED: {reason}");
-}
+/// The workspace's one skip rule (crates/testtools): fails in CI or with HC_REQUIRE_TOOLS=1
+/// instead of letting a test pass without running.
+#[allow(unused_imports)] // Each test binary uses a different subset.
+pub use hybridcache_testtools::{have, need, skip, tools_required};
