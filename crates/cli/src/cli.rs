@@ -392,8 +392,8 @@ pub enum Command {
         /// Core id (0..4095) [default: every core of the cache].
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: Option<u16>,
-        /// Statistics of one IO class (usage and requests of that class, across cores); `-d`
-        /// without a value: of every IO class.
+        /// Statistics of one IO class (usage and requests of that class, across cores; with
+        /// -j, that core's share); `-d` without a value: of every IO class.
         #[arg(short = 'd', long = "io-class-id", num_args = 0..=1, value_parser = io_class_id)]
         io_class: Option<Option<u8>>,
         /// Sections to show, comma-separated: all, conf, usage, req, blk, err [default: all].

@@ -415,6 +415,35 @@ fn sections(r: &StatsReport) -> Vec<Section> {
         ),
     ]);
 
+    // casadm's "Inactive usage statistics" (ocf_cache.c): the inactive cores' lines as a
+    // share of the cache, their clean and dirty lines as a share of every core's lines.
+    let inactive = r.inactive.map(|i| {
+        let clean = i.occupancy_lines.saturating_sub(i.dirty_lines);
+        vec![
+            row(
+                "inactive_occupancy",
+                "Inactive Occupancy",
+                lines4(i.occupancy_lines),
+                pct(i.occupancy_lines, total),
+                BLOCKS,
+            ),
+            row(
+                "inactive_clean",
+                "Inactive Clean",
+                lines4(clean),
+                pct(clean, s.occupancy_lines),
+                BLOCKS,
+            ),
+            row(
+                "inactive_dirty",
+                "Inactive Dirty",
+                lines4(i.dirty_lines),
+                pct(i.dirty_lines, s.occupancy_lines),
+                BLOCKS,
+            ),
+        ]
+    });
+
     // As Open CAS: a deferred hit is shown apart from the other hits (the engine counts it in
     // both), so that hits, deferred and misses add up to the total; requests are % of the
     // users' requests, the internal ones (read-ahead, cleaner) % of their own kind.
@@ -641,12 +670,19 @@ fn sections(r: &StatsReport) -> Vec<Section> {
 
     // casadm's sections in casadm's order, then ours. casadm shows no errors for an IO class:
     // device errors belong to a device, not to a class (ours are not counted per class either).
-    let mut out = vec![
-        Section {
-            key: "usage",
-            title: "Usage statistics",
-            rows: usage,
-        },
+    let mut out = vec![Section {
+        key: "usage",
+        title: "Usage statistics",
+        rows: usage,
+    }];
+    if let Some(rows) = inactive {
+        out.push(Section {
+            key: "inactive_usage",
+            title: "Inactive usage statistics",
+            rows,
+        });
+    }
+    out.extend([
         Section {
             key: "requests",
             title: "Request statistics",
@@ -657,7 +693,7 @@ fn sections(r: &StatsReport) -> Vec<Section> {
             title: "Block statistics",
             rows: blocks,
         },
-    ];
+    ]);
     if r.io_class.is_none() {
         out.push(Section {
             key: "errors",
@@ -707,7 +743,26 @@ fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
         v.push(("dirty_for", "Dirty for", dirty_for_text(d.unwrap_or(0))));
     };
     let mut v = vec![];
-    if let Some(core) = &r.core {
+    if let Some(k) = &r.io_class {
+        v.push(("io_class_id", "IO class ID", k.id.to_string()));
+        v.push(("io_class_name", "IO class name", k.name.clone()));
+        v.push((
+            "eviction_priority",
+            "Eviction priority",
+            k.eviction_priority.clone(),
+        ));
+        // casadm: the class's allocation as a whole percentage ("Max size", "50%").
+        let percent = k
+            .allocation
+            .parse::<f64>()
+            .map_or_else(|_| k.allocation.clone(), |a| format!("{:.0}%", a * 100.0));
+        v.push(("max_size", "Max size", percent));
+        v.push(("cache_id", "Cache Id", c.id.to_string()));
+        // One core's share of the class (`-j CORE -d`): which core, after casadm's rows.
+        if let Some(core) = &r.core {
+            v.push(("core_id", "Core Id", core.id.to_string()));
+        }
+    } else if let Some(core) = &r.core {
         v.push(("core_id", "Core Id", core.id.to_string()));
         v.push(("core_device", "Core Device", core.device.clone()));
         v.push((
@@ -737,21 +792,6 @@ fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
             core.seq_cutoff_policy.clone().unwrap_or_else(|| "-".into()),
         ));
         v.push(("clients", "Clients", core.clients.to_string()));
-        v.push(("cache_id", "Cache Id", c.id.to_string()));
-    } else if let Some(k) = &r.io_class {
-        v.push(("io_class_id", "IO class ID", k.id.to_string()));
-        v.push(("io_class_name", "IO class name", k.name.clone()));
-        v.push((
-            "eviction_priority",
-            "Eviction priority",
-            k.eviction_priority.clone(),
-        ));
-        // casadm: the class's allocation as a whole percentage ("Max size", "50%").
-        let percent = k
-            .allocation
-            .parse::<f64>()
-            .map_or_else(|_| k.allocation.clone(), |a| format!("{:.0}%", a * 100.0));
-        v.push(("max_size", "Max size", percent));
         v.push(("cache_id", "Cache Id", c.id.to_string()));
     } else {
         v.push(("cache_id", "Cache Id", c.id.to_string()));
@@ -842,7 +882,8 @@ fn shown(filter: &[StatsFilter], key: &str) -> bool {
     }
     let want = match key {
         "conf" => StatsFilter::Conf,
-        "usage" => StatsFilter::Usage,
+        // casadm prints the inactive usage with -f usage.
+        "usage" | "inactive_usage" => StatsFilter::Usage,
         "requests" => StatsFilter::Req,
         "blocks" => StatsFilter::Blk,
         "errors" => StatsFilter::Err,
@@ -1202,6 +1243,7 @@ mod tests {
             },
             core: None,
             io_class: None,
+            inactive: None,
             stats: StatsData {
                 line_size: 4096,
                 total_lines: 4096,
@@ -1474,6 +1516,94 @@ mod tests {
             }
             at = start + 2 * rows.len();
         }
+    }
+
+    const CASADM_INACTIVE_USAGE: (&str, &str, &[&str]) = (
+        "Inactive usage statistics",
+        "4KiB Blocks",
+        &["Inactive Occupancy", "Inactive Clean", "Inactive Dirty"],
+    );
+
+    /// `-P -j CORE -d CLASS`: the class' rows with casadm's core names for the blocks
+    /// (statistics_model.c, print_stats_ioclass with cache_stats false), the class' info and
+    /// which core.
+    #[test]
+    fn a_cores_class_statistics_are_casadms_class_rows() {
+        let cache = report();
+        let r = StatsReport {
+            core: Some(cache.cache.cores[0].clone()),
+            io_class: Some(crate::protocol::IoClassInfo {
+                id: 1,
+                name: "metadata".into(),
+                eviction_priority: "100".into(),
+                allocation: "0.50".into(),
+            }),
+            latency: Vec::new(),
+            cleaning: None,
+            ..report()
+        };
+        assert_casadm_rows(
+            &r,
+            &[CASADM_IO_CLASS_USAGE, CASADM_REQUESTS, CASADM_CORE_BLOCKS],
+        );
+        let t = stats(&r, OutputFormat::Table);
+        assert!(!t.contains("Error statistics"), "{t}");
+        let csv = stats(&r, OutputFormat::Csv);
+        let head = csv_header(&csv);
+        for (i, want) in CASADM_IO_CLASS_CONF.iter().enumerate() {
+            assert_eq!(head[i], *want, "IO class column {i}: {head:?}");
+        }
+        assert_eq!(head[4..6], ["Cache Id", "Core Id"], "{head:?}");
+        assert!(
+            csv.lines()
+                .nth(1)
+                .unwrap()
+                .starts_with("1,metadata,100,50%,1,1,"),
+            "{csv}"
+        );
+        let j: Value = serde_json::from_str(&stats(&r, OutputFormat::Json)).unwrap();
+        assert_eq!(j["info"]["core_id"], 1);
+        assert_eq!(j["info"]["io_class_id"], 1);
+        assert_eq!(j["usage"]["occupancy"]["count"], 1024);
+    }
+
+    /// A cache with inactive cores: casadm's "Inactive usage statistics" right after the usage
+    /// (shown with -f usage), occupancy as a share of the cache, clean and dirty of the lines
+    /// in use.
+    #[test]
+    fn inactive_usage_follows_the_usage() {
+        let r = StatsReport {
+            inactive: Some(crate::protocol::InactiveUsage {
+                occupancy_lines: 256,
+                dirty_lines: 64,
+            }),
+            ..report()
+        };
+        assert_casadm_rows(
+            &r,
+            &[
+                CASADM_USAGE,
+                CASADM_INACTIVE_USAGE,
+                CASADM_REQUESTS,
+                CASADM_CACHE_BLOCKS,
+                CASADM_ERRORS,
+            ],
+        );
+        let j: Value = serde_json::from_str(&stats(&r, OutputFormat::Json)).unwrap();
+        let i = &j["inactive_usage"];
+        assert_eq!(i["inactive_occupancy"]["count"], 256);
+        assert_eq!(i["inactive_occupancy"]["percent"], 6.3);
+        assert_eq!(i["inactive_clean"]["count"], 192);
+        assert_eq!(i["inactive_clean"]["percent"], 18.8);
+        assert_eq!(i["inactive_dirty"]["count"], 64);
+        assert_eq!(i["inactive_dirty"]["percent"], 6.3);
+        let t = stats_with(&r, &[StatsFilter::Usage], OutputFormat::Table);
+        assert!(t.contains("Inactive usage statistics"), "{t}");
+        let t = stats_with(&r, &[StatsFilter::Req], OutputFormat::Table);
+        assert!(!t.contains("Inactive"), "{t}");
+        // Without inactive cores, no such table.
+        let t = stats(&report(), OutputFormat::Table);
+        assert!(!t.contains("Inactive usage"), "{t}");
     }
 
     #[test]

@@ -262,16 +262,21 @@ fn a_socket_that_is_not_ours_is_named_so_without_a_hang() {
     }
 }
 
-/// `-P -d` without a class with `-j`: as `-P -d CLASS -j CORE` (the engine counts IO classes
-/// across cores only), not every class of the whole cache as if -j were not there.
+/// `-P -d` without a class with `-j`: as `-P -d CLASS -j CORE` for each class (that core's
+/// share), not every class of the whole cache as if -j were not there; a core that does not
+/// exist is refused alike.
 #[test]
 fn stats_of_every_io_class_with_a_core_do_as_one_class_with_a_core() {
     let fc = file_cache(16 << 20, 64 << 20, &[]);
     let d = &fc.daemon;
-    let one = d.fails(&["-P", "-i", "1", "-d", "0", "-j", "1"]);
-    assert!(one.contains("drop -j"), "{one}");
-    let every = d.fails(&["-P", "-i", "1", "-d", "-j", "1"]);
+    let one = d.fails(&["-P", "-i", "1", "-d", "0", "-j", "2"]);
+    assert!(one.contains("core 2 does not exist"), "{one}");
+    let every = d.fails(&["-P", "-i", "1", "-d", "-j", "2"]);
     assert_eq!(every, one);
+    let one = d.ok(&["-P", "-i", "1", "-d", "0", "-j", "1", "-o", "csv"]);
+    let every = d.ok(&["-P", "-i", "1", "-d", "-j", "1", "-o", "csv"]);
+    assert_eq!(every, one, "the default table has class 0 only");
+    assert!(one.contains("Core Id"), "{one}");
     // Without -j, unchanged: every class.
     let all = d.ok(&["-P", "-i", "1", "-d", "-o", "csv"]);
     assert!(all.lines().count() >= 2, "{all}");

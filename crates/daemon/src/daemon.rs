@@ -1561,30 +1561,40 @@ impl Daemon {
         let st = self.state.lock();
         let c = st.cache(cache_id)?;
         let info = cache_info(cache_id, c, &self.frontends);
+        let core_info = |core: u16| {
+            info.cores
+                .iter()
+                .find(|i| i.id == core)
+                .cloned()
+                .ok_or_else(|| format!("core {core} does not exist in cache {cache_id}"))
+        };
         if let Some(id) = io_class {
-            if core.is_some() {
-                return Err("IO class statistics cover every core; drop -j".into());
-            }
-            let stats = c.cache.io_class_stats(id).map_err(engine_err)?;
+            let (core_info, stats) = match core {
+                Some(core) => {
+                    let ci = core_info(core)?;
+                    st.active_core(cache_id, core)?;
+                    (
+                        Some(ci),
+                        c.cache.core_io_class_stats(core, id).map_err(engine_err)?,
+                    )
+                }
+                None => (None, c.cache.io_class_stats(id).map_err(engine_err)?),
+            };
             let class = c.cache.io_classes().get(id).map(io_class_info);
             return serde_json::to_value(StatsReport {
                 cache: info,
-                core: None,
+                core: core_info,
                 io_class: class,
                 stats: stats.into(),
                 latency: Vec::new(),
                 cleaning: None,
+                inactive: None,
             })
             .map_err(|e| e.to_string());
         }
         let (core_info, stats, latency) = match core {
             Some(core) => {
-                let ci = info
-                    .cores
-                    .iter()
-                    .find(|i| i.id == core)
-                    .cloned()
-                    .ok_or_else(|| format!("core {core} does not exist in cache {cache_id}"))?;
+                let ci = core_info(core)?;
                 st.active_core(cache_id, core)?;
                 (
                     Some(ci),
@@ -1608,6 +1618,14 @@ impl Daemon {
                     core_write_bytes: c.core_write_bytes,
                 }
             }),
+            inactive: core
+                .is_none()
+                .then(|| c.cache.inactive_usage())
+                .flatten()
+                .map(|u| protocol::InactiveUsage {
+                    occupancy_lines: u.occupancy_lines,
+                    dirty_lines: u.dirty_lines,
+                }),
         })
         .map_err(|e| e.to_string())
     }

@@ -88,7 +88,8 @@ pub enum Request {
         cache: u16,
         #[serde(default)]
         core: Option<u16>,
-        /// Statistics of one IO class instead of the cache or a core.
+        /// Statistics of one IO class instead of the cache or a core: with `core`, that core's
+        /// share of the class.
         #[serde(default)]
         io_class: Option<u8>,
     },
@@ -346,6 +347,17 @@ pub struct StatsReport {
     /// What cleaning and flushes have written (cache statistics only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cleaning: Option<CleaningData>,
+    /// Lines of the cache's inactive cores (cache statistics only, while it has some):
+    /// casadm's "Inactive usage statistics".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inactive: Option<InactiveUsage>,
+}
+
+/// Lines held by cores whose device was missing at load, in cache lines.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InactiveUsage {
+    pub occupancy_lines: u64,
+    pub dirty_lines: u64,
 }
 
 /// Counters of the cache's cleaning (background cleaning and flushes together).

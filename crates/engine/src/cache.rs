@@ -27,7 +27,7 @@ use hybridcache_volume::{Volume, VolumeError, VolumeRef};
 use parking_lot::{Mutex, RwLock};
 
 use crate::bits::{self, Mask};
-use crate::classes::{ClassState, ReqClass};
+use crate::classes::{ClassState, CoreClassCounters, CoreClassGauges, ReqClass};
 use crate::cleaner::{CleaningCounters, CleaningStats, Pacer};
 use crate::cleaning::{CleanerSignal, CleanerState, CleanerThread, CleaningTick, ACP_CHUNK_BYTES};
 use crate::format::{ConfigSlot, CoreRecord, Geometry, Superblock};
@@ -147,6 +147,8 @@ pub(crate) struct CoreGauges {
     /// The core's device failed a write or a flush, and no flush has succeeded since: commits
     /// record its lines dirty (persist.rs) and background cleaning passes it by.
     pub(crate) failing: AtomicBool,
+    /// The core's lines by IO class (`-P -j CORE -d`).
+    pub(crate) classes: CoreClassGauges,
 }
 
 impl CoreGauges {
@@ -214,6 +216,8 @@ pub(crate) struct CoreState {
     pub(crate) unflushed: AtomicBool,
     pub(crate) read_streams: ReadStreams,
     pub(crate) latency: Latency,
+    /// The core's requests and blocks by IO class (`-P -j CORE -d`).
+    pub(crate) classes: CoreClassCounters,
 }
 
 /// Held by a request for its duration; see [`CoreState::enter`].
@@ -447,7 +451,7 @@ impl CacheInner {
         let from = Self::list_of(old_dirty);
         let gauges = &self.gauges[key.core() as usize];
         if valid == 0 {
-            self.classes.unmapped(line, old_dirty != 0);
+            self.classes.unmapped(&gauges.classes, line, old_dirty != 0);
             self.table.unmap(line, key);
             // The device may still map this line to `key` as dirty: it waits in limbo until a
             // commit records it free (asked after the unmap; see `Persist::durably_dirty`).
@@ -491,12 +495,12 @@ impl CacheInner {
             (false, true) => {
                 gauges.dirty_up();
                 self.chunk_dirty(key, true);
-                self.classes.dirtied(line, true);
+                self.classes.dirtied(&gauges.classes, line, true);
             }
             (true, false) => {
                 gauges.dirty_down();
                 self.chunk_dirty(key, false);
-                self.classes.dirtied(line, false);
+                self.classes.dirtied(&gauges.classes, line, false);
             }
             _ => {}
         }
@@ -513,8 +517,12 @@ impl CacheInner {
     ) {
         self.table.map(line, key, valid, dirty);
         self.prefetch.clear_mark(line);
-        self.classes
-            .mapped(line, class.map_or(0, |c| c.id), dirty != 0);
+        self.classes.mapped(
+            &self.gauges[key.core() as usize].classes,
+            line,
+            class.map_or(0, |c| c.id),
+            dirty != 0,
+        );
         if let Some(p) = &self.persist {
             p.touch(line);
         }
@@ -639,7 +647,8 @@ impl CacheInner {
             }
             self.lists.remove(&mut s, ListKind::Clean, line);
             drop(s);
-            self.classes.unmapped(line, false);
+            self.classes
+                .unmapped(&self.gauges[key.core() as usize].classes, line, false);
             self.table.unmap(line, key);
             if let Some(p) = &self.persist {
                 p.touch(line);
@@ -828,21 +837,23 @@ impl CacheInner {
             )
         };
         c.add(outcome, 1);
-        self.classes.count(class, outcome, 1);
+        self.classes.count(&core.classes, class, outcome, 1);
         if waited && matches!(outcome, Counter::ReadHits) {
             c.add(Counter::ReadDeferred, 1);
-            self.classes.count(class, Counter::ReadDeferred, 1);
+            self.classes
+                .count(&core.classes, class, Counter::ReadDeferred, 1);
         }
         if offloaded {
             c.add(Counter::OffloadReads, 1);
-            self.classes.count(class, Counter::OffloadReads, 1);
+            self.classes
+                .count(&core.classes, class, Counter::OffloadReads, 1);
         }
         c.add(Counter::ExportedReadBytes, len as u64);
         c.add(Counter::PrefetchHits, prefetch_hits);
         self.classes
-            .count(class, Counter::PrefetchHits, prefetch_hits);
+            .count(&core.classes, class, Counter::PrefetchHits, prefetch_hits);
         self.classes
-            .count(class, Counter::ExportedReadBytes, len as u64);
+            .count(&core.classes, class, Counter::ExportedReadBytes, len as u64);
         Ok(Some(ReadPlan {
             _entered: entered,
             locks,
@@ -959,8 +970,12 @@ impl CacheInner {
         let class = self
             .classes
             .classify(core.id, offset, buf.len() as u64, true);
-        self.classes
-            .count(class, Counter::ExportedWrittenBytes, buf.len() as u64);
+        self.classes.count(
+            &core.classes,
+            class,
+            Counter::ExportedWrittenBytes,
+            buf.len() as u64,
+        );
         // A write sequential cutoff turns away goes to the core; the cache drops its copy of
         // those sectors, dirty or not (the core now has newer data). wa inserts nothing anyway
         // and keeps its mapped copies up to date instead.
@@ -992,16 +1007,18 @@ impl CacheInner {
             Counter::WriteFullMisses,
         );
         core.counters.add(outcome, 1);
-        self.classes.count(class, outcome, 1);
+        self.classes.count(&core.classes, class, outcome, 1);
         if waited && matches!(outcome, Counter::WriteHits) {
             core.counters.add(Counter::WriteDeferred, 1);
-            self.classes.count(class, Counter::WriteDeferred, 1);
+            self.classes
+                .count(&core.classes, class, Counter::WriteDeferred, 1);
         }
     }
 
     fn count_pass_through_write(&self, core: &CoreState, class: Option<ReqClass>) {
         core.counters.add(Counter::PassThroughWrites, 1);
-        self.classes.count(class, Counter::PassThroughWrites, 1);
+        self.classes
+            .count(&core.classes, class, Counter::PassThroughWrites, 1);
     }
 
     fn write_back(
@@ -1097,7 +1114,8 @@ impl CacheInner {
         }
         if offloaded {
             core.counters.add(Counter::OffloadWrites, 1);
-            self.classes.count(class, Counter::OffloadWrites, 1);
+            self.classes
+                .count(&core.classes, class, Counter::OffloadWrites, 1);
         }
         // Lines were taken in ascending order and are handed out by pop(): reversed, so that
         // neighbouring segments get neighbouring lines and their copies (and later their
@@ -1128,8 +1146,10 @@ impl CacheInner {
             let bytes: u64 = core_runs.iter().map(|r| r.len as u64).sum();
             core.counters.add(Counter::LazyFlushWrites, 1);
             core.counters.add(Counter::LazyFlushBytes, bytes);
-            self.classes.count(class, Counter::LazyFlushWrites, 1);
-            self.classes.count(class, Counter::LazyFlushBytes, bytes);
+            self.classes
+                .count(&core.classes, class, Counter::LazyFlushWrites, 1);
+            self.classes
+                .count(&core.classes, class, Counter::LazyFlushBytes, bytes);
             self.cleaner_signal.want_room();
         }
         self.core_write(core, buf, &core_runs)?;
@@ -1201,7 +1221,8 @@ impl CacheInner {
         }
         if offloaded {
             core.counters.add(Counter::OffloadWrites, 1);
-            self.classes.count(class, Counter::OffloadWrites, 1);
+            self.classes
+                .count(&core.classes, class, Counter::OffloadWrites, 1);
         }
         let whole = [Run {
             dev_off: offset,
@@ -1493,6 +1514,7 @@ impl CacheInner {
             unflushed: AtomicBool::new(false),
             read_streams: ReadStreams::default(),
             latency: Latency::new(),
+            classes: CoreClassCounters::default(),
         })
     }
 
@@ -1775,7 +1797,9 @@ impl Cache {
             let table = IoClasses::parse(csv, &opts).map_err(|e| {
                 EngineError::Corrupt(format!("superblock: unreadable IO class table: {e}"))
             })?;
-            inner.classes.install(table, &inner.table);
+            inner
+                .classes
+                .install(table, &inner.table, |id| &inner.gauges[id as usize].classes);
         }
         *inner.cleaning.write() = policies.cleaning;
         inner
@@ -2342,7 +2366,12 @@ impl Cache {
             .classes
             .active()
             .then(|| self.inner.classes.table());
-        self.inner.classes.install(classes, &self.inner.table);
+        let gauges = &self.inner.gauges;
+        self.inner
+            .classes
+            .install(classes, &self.inner.table, |id| {
+                &gauges[id as usize].classes
+            });
         if let Err(e) = self.inner.save_policies() {
             self.inner.classes.restore(old);
             return Err(e);
@@ -2352,6 +2381,7 @@ impl Cache {
 
     /// Statistics of one IO class: its lines (occupancy, dirty) and the requests classified
     /// into it, across cores. Device byte counts are per core only; a class has exported bytes.
+    /// The counters are the sum over the attached cores (like the cache's own counters).
     pub fn io_class_stats(&self, id: ClassId) -> Result<Stats> {
         let table = self.inner.classes.table();
         if table.get(id).is_none() {
@@ -2360,7 +2390,19 @@ impl Cache {
             )));
         }
         let c = &self.inner.classes;
-        let (requests, blocks, errors) = c.counters(id).map(|k| k.snapshot()).unwrap_or_default();
+        let (mut requests, mut blocks, mut errors): (
+            crate::RequestStats,
+            crate::BlockStats,
+            crate::ErrorStats,
+        ) = Default::default();
+        for core in self.inner.cores.read().values() {
+            if let Some(k) = core.classes.counters(id) {
+                let (r, b, e) = k.snapshot();
+                requests.add(&r);
+                blocks.add(&b);
+                errors.add(&e);
+            }
+        }
         Ok(Stats {
             usage: Usage {
                 line_size: self.inner.line_bytes as u32,
@@ -2373,6 +2415,59 @@ impl Cache {
             blocks,
             errors,
         })
+    }
+
+    /// One core's share of an IO class' statistics (`casadm -P -j CORE -d CLASS`): the class'
+    /// lines mapped to the core and the core's requests classified into it. Over the attached
+    /// cores these add up to [`Cache::io_class_stats`] (lines of inactive cores are in the
+    /// cache-wide gauges only).
+    pub fn core_io_class_stats(&self, core: CoreId, id: ClassId) -> Result<Stats> {
+        let state = self.inner.core_by_id(core)?;
+        if self.inner.classes.table().get(id).is_none() {
+            return Err(EngineError::Invalid(format!(
+                "IO class {id} is not configured"
+            )));
+        }
+        let (occupancy, dirty) = self.inner.gauges[core as usize].classes.lines(id);
+        let (requests, blocks, errors) = state
+            .classes
+            .counters(id)
+            .map(|k| k.snapshot())
+            .unwrap_or_default();
+        Ok(Stats {
+            usage: Usage {
+                line_size: self.inner.line_bytes as u32,
+                total_lines: self.inner.lines as u64,
+                occupancy_lines: occupancy,
+                free_lines: self.inner.free_lines.load(Ordering::Relaxed),
+                dirty_lines: dirty,
+            },
+            requests,
+            blocks,
+            errors,
+        })
+    }
+
+    /// Lines of the inactive cores (recorded, device missing at load): casadm's "Inactive
+    /// usage statistics". `occupancy_lines` and `dirty_lines` are theirs; None while every
+    /// recorded core is attached.
+    pub fn inactive_usage(&self) -> Option<Usage> {
+        let inactive = self.inner.inactive.read();
+        if inactive.is_empty() {
+            return None;
+        }
+        let mut usage = Usage {
+            line_size: self.inner.line_bytes as u32,
+            total_lines: self.inner.lines as u64,
+            free_lines: self.inner.free_lines.load(Ordering::Relaxed),
+            ..Usage::default()
+        };
+        for id in inactive.keys() {
+            let g = &self.inner.gauges[*id as usize];
+            usage.occupancy_lines += g.occupancy.load(Ordering::Relaxed);
+            usage.dirty_lines += g.dirty.load(Ordering::Relaxed);
+        }
+        Some(usage)
     }
 
     /// What cleaning (background, eviction and flushes) has written since the cache started.
@@ -2424,6 +2519,7 @@ impl Cache {
         let core = self.inner.core_by_id(id)?;
         core.counters.reset();
         core.latency.reset();
+        core.classes.reset();
         Ok(())
     }
 
@@ -2445,8 +2541,8 @@ impl Cache {
         for core in self.inner.cores.read().values() {
             core.counters.reset();
             core.latency.reset();
+            core.classes.reset();
         }
-        self.inner.classes.reset();
     }
 
     /// Bytes of RAM the per-line metadata takes, over the whole cache.

@@ -305,12 +305,21 @@ impl CacheInner {
             let class = self.classes.class_of(line);
             if !seen.contains(&class) {
                 seen.push(class);
-                self.classes.count_line(line, Counter::CleanerRequests, 1);
+                self.classes
+                    .count_line(&core.classes, line, Counter::CleanerRequests, 1);
             }
-            self.classes
-                .count_line(line, Counter::CleanerCacheReadBytes, p.len as u64);
-            self.classes
-                .count_line(line, Counter::CleanerCoreWrittenBytes, p.len as u64);
+            self.classes.count_line(
+                &core.classes,
+                line,
+                Counter::CleanerCacheReadBytes,
+                p.len as u64,
+            );
+            self.classes.count_line(
+                &core.classes,
+                line,
+                Counter::CleanerCoreWrittenBytes,
+                p.len as u64,
+            );
         }
     }
 

@@ -381,15 +381,20 @@ impl CacheInner {
         }
         let ok = result.is_ok();
         core.counters.add(Counter::PrefetchRequests, 1);
-        self.classes.count(job.class, Counter::PrefetchRequests, 1);
+        self.classes
+            .count(&core.classes, job.class, Counter::PrefetchRequests, 1);
         if ok {
             let written: u64 = cache_runs.iter().map(|r| r.len as u64).sum();
             core.counters.add(Counter::PrefetchReadBytes, read);
             core.counters.add(Counter::PrefetchWrittenBytes, written);
             self.classes
-                .count(job.class, Counter::PrefetchReadBytes, read);
-            self.classes
-                .count(job.class, Counter::PrefetchWrittenBytes, written);
+                .count(&core.classes, job.class, Counter::PrefetchReadBytes, read);
+            self.classes.count(
+                &core.classes,
+                job.class,
+                Counter::PrefetchWrittenBytes,
+                written,
+            );
         }
         for &(i, line, new, missing) in &plan {
             let s = &segs[i];

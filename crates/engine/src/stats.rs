@@ -216,6 +216,12 @@ impl Counters {
         }
     }
 
+    /// RAM of the counters (their slots).
+    #[cfg(test)]
+    pub(crate) fn bytes(&self) -> usize {
+        std::mem::size_of_val(&*self.slots)
+    }
+
     #[inline]
     pub(crate) fn add(&self, c: Counter, n: u64) {
         if n != 0 {

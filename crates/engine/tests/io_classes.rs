@@ -223,3 +223,189 @@ fn cleaner_writes_are_counted_on_their_lines_classes() {
         0
     );
 }
+
+/// The sum of every attached core's share of a class, to compare with the cache-wide figures.
+fn sum_over_cores(cache: &Cache, cores: &[u16], class: u8) -> hybridcache_engine::Stats {
+    let mut sum = cache.core_io_class_stats(cores[0], class).unwrap();
+    for &id in &cores[1..] {
+        let s = cache.core_io_class_stats(id, class).unwrap();
+        sum.usage.occupancy_lines += s.usage.occupancy_lines;
+        sum.usage.dirty_lines += s.usage.dirty_lines;
+        let (r, b, e) = (&mut sum.requests, &mut sum.blocks, &mut sum.errors);
+        r.read_hits += s.requests.read_hits;
+        r.read_full_misses += s.requests.read_full_misses;
+        r.read_partial_misses += s.requests.read_partial_misses;
+        r.write_hits += s.requests.write_hits;
+        r.write_full_misses += s.requests.write_full_misses;
+        r.write_partial_misses += s.requests.write_partial_misses;
+        r.pass_through_reads += s.requests.pass_through_reads;
+        r.pass_through_writes += s.requests.pass_through_writes;
+        r.cleaner_requests += s.requests.cleaner_requests;
+        b.exported_read_bytes += s.blocks.exported_read_bytes;
+        b.exported_written_bytes += s.blocks.exported_written_bytes;
+        b.cleaner_cache_read_bytes += s.blocks.cleaner_cache_read_bytes;
+        b.cleaner_core_written_bytes += s.blocks.cleaner_core_written_bytes;
+        e.core_read += s.errors.core_read;
+    }
+    sum
+}
+
+fn assert_sum_is_cache_wide(cache: &Cache, cores: &[u16], class: u8) {
+    assert_eq!(
+        sum_over_cores(cache, cores, class),
+        cache.io_class_stats(class).unwrap(),
+        "class {class}: the cache-wide figures are not the sum over cores"
+    );
+}
+
+/// `-P -j CORE -d CLASS`: each core's lines and requests of a class, which add up to the
+/// cache-wide class figures; `-Z -j` resets one core's share only.
+#[test]
+fn class_statistics_per_core_add_up_to_the_cache_wide() {
+    let (cache, _) = new_cache(4, 64, CacheMode::Wb);
+    let a = add_core(&cache, 1 << 20);
+    let b = add_core(&cache, 1 << 20);
+    let (ia, ib) = (a.id, b.id);
+    // Requests over 4 KiB: class 1.
+    cache
+        .load_io_classes(classes(&format!(
+            "{HEADER}0,unclassified,22,1\n1,request_size:gt:4096,1,1\n"
+        )))
+        .unwrap();
+    a.core.write(&stamped(4096, 1, 0), 0).unwrap();
+    a.core.write(&stamped(8192, 2, 64), 32768).unwrap();
+    b.core.write(&stamped(8192, 3, 0), 0).unwrap();
+    b.core.write(&stamped(8192, 4, 64), 32768).unwrap();
+    let mut buf = vec![0; 4096];
+    b.core.read(&mut buf, 65536).unwrap();
+
+    let lines = |core, class| {
+        let s = cache.core_io_class_stats(core, class).unwrap();
+        (s.usage.occupancy_lines, s.usage.dirty_lines)
+    };
+    assert_eq!(lines(ia, 0), (1, 1));
+    assert_eq!(lines(ia, 1), (2, 2));
+    assert_eq!(lines(ib, 0), (1, 0));
+    assert_eq!(lines(ib, 1), (4, 4));
+    let req = |core, class| cache.core_io_class_stats(core, class).unwrap().requests;
+    assert_eq!(req(ia, 0).write_full_misses, 1);
+    assert_eq!(req(ia, 1).write_full_misses, 1);
+    assert_eq!(req(ib, 0).write_full_misses, 0);
+    assert_eq!(req(ib, 0).read_full_misses, 1);
+    assert_eq!(req(ib, 1).write_full_misses, 2);
+    let blocks = cache.core_io_class_stats(ib, 1).unwrap().blocks;
+    assert_eq!(blocks.exported_written_bytes, 16384);
+    for class in [0, 1] {
+        assert_sum_is_cache_wide(&cache, &[ia, ib], class);
+    }
+    assert!(
+        cache.core_io_class_stats(ia, 2).is_err(),
+        "class 2 is not configured"
+    );
+    assert!(cache.core_io_class_stats(99, 0).is_err(), "no core 99");
+
+    // A read hit on core a, then cleaning: dirty lines leave every core's gauges.
+    a.core.read(&mut buf, 0).unwrap();
+    assert_eq!(req(ia, 0).read_hits, 1);
+    cache.flush().unwrap();
+    assert_eq!(lines(ia, 1), (2, 0));
+    assert_eq!(lines(ib, 1), (4, 0));
+    assert_eq!(req(ib, 1).cleaner_requests, 2);
+    for class in [0, 1] {
+        assert_sum_is_cache_wide(&cache, &[ia, ib], class);
+    }
+
+    // -Z -j a: a's counters only; its lines are state, not statistics.
+    cache.reset_core_stats(ia).unwrap();
+    assert_eq!(req(ia, 0), Default::default());
+    assert_eq!(req(ia, 1), Default::default());
+    assert_eq!(lines(ia, 1), (2, 0));
+    assert_eq!(req(ib, 1).write_full_misses, 2);
+    for class in [0, 1] {
+        assert_sum_is_cache_wide(&cache, &[ia, ib], class);
+    }
+    // -Z: every core's.
+    cache.reset_stats();
+    assert_eq!(req(ib, 1), Default::default());
+    assert_eq!(
+        cache.io_class_stats(1).unwrap().requests,
+        Default::default()
+    );
+    cache.check_invariants();
+}
+
+/// Which class a line was in is not saved, so a load counts every line in class 0: in the
+/// cache-wide gauges and in each core's, an inactive core's included ("Inactive usage").
+#[test]
+fn per_core_class_gauges_are_rebuilt_at_load_and_inactive_lines_counted() {
+    let vol = ram("ram:cache", 64 << 20);
+    let core_a = ram("ram:core-a", 16 << 20);
+    let core_b = ram("ram:core-b", 16 << 20);
+    let config = CacheConfig {
+        id: 5,
+        line_size: LineSize::from_kib(4).unwrap(),
+        mode: CacheMode::Wb,
+    };
+    let cache = Cache::create(as_ref(&vol), config, false).unwrap();
+    cache.add_core(as_ref(&core_a), Some(1)).unwrap();
+    cache.add_core(as_ref(&core_b), Some(2)).unwrap();
+    let (a, b) = (cache.core(1).unwrap(), cache.core(2).unwrap());
+    cache
+        .load_io_classes(classes(&format!(
+            "{HEADER}0,unclassified,22,1\n1,request_size:gt:4096,1,1\n"
+        )))
+        .unwrap();
+    a.write(&stamped(8192, 1, 0), 0).unwrap();
+    a.write(&stamped(4096, 2, 64), 32768).unwrap();
+    b.write(&stamped(12288, 3, 0), 0).unwrap();
+    let mut buf = vec![0; 4096];
+    b.read(&mut buf, 65536).unwrap();
+    assert!(cache.inactive_usage().is_none(), "every core is attached");
+    // Dirty data stays in the cache for the load.
+    cache.stop(false).unwrap();
+    drop((a, b, cache));
+
+    let loaded = Cache::load(as_ref(&vol), &mut |r| match r.id {
+        1 => Some(as_ref(&core_a)),
+        2 => Some(as_ref(&core_b)),
+        _ => None,
+    })
+    .unwrap();
+    let lines = |cache: &Cache, core, class| {
+        let s = cache.core_io_class_stats(core, class).unwrap();
+        (s.usage.occupancy_lines, s.usage.dirty_lines)
+    };
+    assert_eq!(lines(&loaded, 1, 0), (3, 3));
+    assert_eq!(lines(&loaded, 2, 0), (4, 3));
+    assert_eq!(lines(&loaded, 1, 1), (0, 0));
+    assert_eq!(lines(&loaded, 2, 1), (0, 0));
+    for class in [0, 1] {
+        assert_sum_is_cache_wide(&loaded, &[1, 2], class);
+    }
+    // New requests count from here, per core.
+    loaded
+        .core(2)
+        .unwrap()
+        .write(&stamped(8192, 4, 256), 131072)
+        .unwrap();
+    assert_eq!(lines(&loaded, 2, 1), (2, 2));
+    assert_sum_is_cache_wide(&loaded, &[1, 2], 1);
+    loaded.stop(false).unwrap();
+    drop(loaded);
+
+    // Core 2's device is missing: its lines are the inactive usage, and stay in class 0's
+    // cache-wide gauges.
+    let partial = Cache::load(as_ref(&vol), &mut |r| (r.id == 1).then(|| as_ref(&core_a))).unwrap();
+    let inactive = partial.inactive_usage().expect("core 2 is inactive");
+    assert_eq!((inactive.occupancy_lines, inactive.dirty_lines), (6, 5));
+    assert_eq!(inactive.total_lines, partial.stats().usage.total_lines);
+    assert_eq!(inactive.clean_lines(), 1);
+    assert!(
+        partial.core_io_class_stats(2, 0).is_err(),
+        "core 2 is inactive"
+    );
+    let all = partial.io_class_stats(0).unwrap().usage;
+    assert_eq!((all.occupancy_lines, all.dirty_lines), (3 + 6, 3 + 5));
+    assert_eq!(lines(&partial, 1, 0), (3, 3));
+    partial.stop(false).unwrap();
+}
