@@ -125,15 +125,43 @@ pub struct EmulatedVolume {
     name: String,
     description: String,
     size: u64,
-    model: Mutex<Array>,
-    /// Signalled when a request settles others waiting in a merge window (a filled stripe).
+    model: Mutex<Model>,
+    /// Signalled when requests were settled (their completion decided: a filled stripe, a
+    /// step done) or the driver left: waiting threads then poll their requests again.
     woken: Condvar,
+    /// Where the driver waits: signalled as `woken` is, and when a new request may have
+    /// brought the model's next event forward.
+    drive: Condvar,
     clock: ClockRef,
     backing: VolumeRef,
     keeps_data: bool,
     /// `HYBRIDCACHE_EMUL_TRACE=PATH`: every request as the model sees it, for diagnosing the
     /// model through a transport (see [`Trace`]).
     trace: Option<Trace>,
+}
+
+/// The model and who drives it on the real clock.
+struct Model {
+    array: Array,
+    /// A thread waits with a timeout for the model's next event to make its decisions; the
+    /// others wait until requests are settled. Without one driver, every waiting thread woke at
+    /// every event of the array (each disk's dispatch, each window) to find its own request
+    /// still pending: with 32 requests waiting that kept a small machine's CPUs busy and
+    /// delayed the replies and the next requests by milliseconds.
+    driver: bool,
+}
+
+impl std::ops::Deref for Model {
+    type Target = Array;
+    fn deref(&self) -> &Array {
+        &self.array
+    }
+}
+
+impl std::ops::DerefMut for Model {
+    fn deref_mut(&mut self) -> &mut Array {
+        &mut self.array
+    }
 }
 
 /// A request log of an emulated device, one line per request: `start_ns kind offset len
@@ -145,8 +173,8 @@ struct Trace {
 }
 
 /// How long before a model event a waiting request stops waiting for other requests and waits
-/// for the clock alone.
-const WAKE_MARGIN: u64 = 100_000;
+/// for the clock alone (which spins this last stretch).
+const WAKE_MARGIN: u64 = super::clock::SPIN_BELOW;
 
 /// The environment variable that turns on an emulated device's [`Trace`].
 pub const TRACE_ENV: &str = "HYBRIDCACHE_EMUL_TRACE";
@@ -204,8 +232,12 @@ impl EmulatedVolume {
             name,
             description,
             size,
-            model: Mutex::new(config.model()),
+            model: Mutex::new(Model {
+                array: config.model(),
+                driver: false,
+            }),
             woken: Condvar::new(),
+            drive: Condvar::new(),
             clock,
             backing,
             keeps_data,
@@ -236,21 +268,31 @@ impl EmulatedVolume {
         let start = self.clock.now();
         let op = {
             let mut m = self.model.lock();
+            let settled = m.settled();
             let op = m.start(start, kind, offset, len);
-            if m.take_woken() {
+            if m.take_woken() | (m.settled() != settled) {
                 self.woken.notify_all();
             }
+            self.drive.notify_one();
             op
         };
         let r = f();
+        let mut driving = false;
         loop {
             let mut m = self.model.lock();
+            let settled = m.settled();
             let p = m.poll(self.clock.now(), op);
-            if m.take_woken() {
+            if m.take_woken() | (m.settled() != settled) {
                 self.woken.notify_all();
+                self.drive.notify_one();
             }
             match p {
                 Poll::Done(t) => {
+                    if driving {
+                        // Someone else must drive the model now.
+                        m.driver = false;
+                        self.woken.notify_all();
+                    }
                     drop(m);
                     if let Some(trace) = &self.trace {
                         trace.request(start, kind, offset, len, t);
@@ -262,13 +304,20 @@ impl EmulatedVolume {
                     drop(m);
                     self.clock.sleep_until(t);
                 }
+                Poll::Pending(_) if m.driver && !driving => {
+                    // The driver makes the decisions due; wait until requests are settled.
+                    self.woken.wait(&mut m);
+                }
                 Poll::Pending(t) => {
+                    m.driver = true;
+                    driving = true;
                     // Wait on the condition until shortly before `t`, then on the clock, which
-                    // spins the last stretch (a timed wait overshoots by tens of microseconds).
+                    // spins the last stretch (a timed wait overshoots).
                     let now = self.clock.now();
                     if t > now + WAKE_MARGIN {
+                        super::clock::precise_timers();
                         let d = std::time::Duration::from_nanos(t - now - WAKE_MARGIN);
-                        let _ = self.woken.wait_for(&mut m, d);
+                        let _ = self.drive.wait_for(&mut m, d);
                     } else {
                         drop(m);
                         self.clock.sleep_until(t);
