@@ -465,6 +465,39 @@ mod tests {
     }
 
     #[test]
+    fn waiting_threads_do_not_all_wake_at_every_event() {
+        // 32 threads of random 4 KiB writes on the study's array, in real time: each request
+        // waits tens of milliseconds through many events of the 40 disks (dispatches, windows).
+        // One thread drives those events; the others poll their own request only when requests
+        // settle, so polls stay about one per waiter per settled request (22 here) instead of
+        // one per waiter per event as well (57 before).
+        let cfg = EmulConfig::Raid(RaidConfig::study_raid60(1 << 40));
+        let v = Arc::new(EmulatedVolume::new("raid", &cfg, Backing::NoData).unwrap());
+        let per_thread = 4u64;
+        let threads: Vec<_> = (0..32u64)
+            .map(|t| {
+                let v = v.clone();
+                std::thread::spawn(move || {
+                    let mut x = t.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+                    for _ in 0..per_thread {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        v.write_at(&[0; 4096], (x % (v.size() / 4096)) * 4096)
+                            .unwrap();
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let polls = v.model.lock().polls();
+        let per_request = polls as f64 / (32 * per_thread) as f64;
+        assert!(per_request < 40.0, "{per_request:.1} polls per request");
+    }
+
+    #[test]
     fn real_threads_share_one_disk() {
         // Four threads, one 15000 rpm disk, random 4 KiB reads: each takes milliseconds, and the
         // actuator serialises them, so 4 x 3 requests take at least 12 service times' worth.

@@ -368,6 +368,8 @@ pub struct Array {
     woken: bool,
     /// Requests whose completion time became known, so far: see [`Array::settled`].
     settled: u64,
+    /// Polls so far: see [`Array::polls`].
+    polls: u64,
     ops: HashMap<u64, OpState>,
     next_op: u64,
     now: Nanos,
@@ -443,6 +445,7 @@ impl Array {
             merge_expired: 0,
             woken: false,
             settled: 0,
+            polls: 0,
             ops: HashMap::new(),
             next_op: 0,
             now: 0,
@@ -480,6 +483,11 @@ impl Array {
         self.settled
     }
 
+    /// How many times requests were polled so far (what waiting for them costs).
+    pub fn polls(&self) -> u64 {
+        self.polls
+    }
+
     /// Begin a request at `now`; returns its handle for [`poll`](Self::poll).
     pub fn start(&mut self, now: Nanos, kind: IoKind, offset: u64, len: u64) -> u64 {
         self.advance(now);
@@ -512,6 +520,7 @@ impl Array {
 
     /// Move to `now` and say whether request `op` is done. A done request is forgotten.
     pub fn poll(&mut self, now: Nanos, op: u64) -> Poll {
+        self.polls += 1;
         self.advance(now);
         match self.ops.get(&op).and_then(|o| o.done_at) {
             Some(t) => {
