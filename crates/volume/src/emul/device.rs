@@ -166,7 +166,8 @@ impl std::ops::DerefMut for Model {
 
 /// A request log of an emulated device, one line per request: `start_ns kind offset len
 /// done_ns` (times on the device's clock, kind `R` or `W`), then on every flush and at the end a
-/// `# merges full N expired M` line (the array's merge windows so far). Written through a
+/// `# merges full N expired M polls P` line (the array's merge windows so far, and how often
+/// waiting threads polled it). Written through a
 /// buffer, so it perturbs timing by little; enabled only by the environment variable.
 struct Trace {
     out: Mutex<std::io::BufWriter<std::fs::File>>,
@@ -194,10 +195,15 @@ impl Trace {
         let _ = writeln!(self.out.lock(), "{start} {k} {offset} {len} {done}");
     }
 
-    fn merges(&self, (full, expired): (u64, u64)) {
+    fn merges(&self, m: &Array) {
         use std::io::Write as _;
+        let (full, expired) = m.merge_counts();
         let mut out = self.out.lock();
-        let _ = writeln!(out, "# merges full {full} expired {expired}");
+        let _ = writeln!(
+            out,
+            "# merges full {full} expired {expired} polls {}",
+            m.polls()
+        );
         let _ = out.flush();
     }
 }
@@ -205,7 +211,7 @@ impl Trace {
 impl Drop for EmulatedVolume {
     fn drop(&mut self) {
         if let Some(t) = &self.trace {
-            t.merges(self.model.lock().merge_counts());
+            t.merges(&self.model.lock());
         }
     }
 }
@@ -357,7 +363,7 @@ impl Volume for EmulatedVolume {
     }
     fn flush(&self) -> Result<()> {
         if let Some(t) = &self.trace {
-            t.merges(self.model.lock().merge_counts());
+            t.merges(&self.model.lock());
         }
         self.backing.flush()
     }
