@@ -363,11 +363,8 @@ pub struct Array {
     /// Merge groups written as one full stripe, and those whose window expired.
     merged_full: u64,
     merge_expired: u64,
-    /// A merged stripe completed requests other than the one that started it (they learn it
-    /// only by polling again): see [`Array::take_woken`].
-    woken: bool,
-    /// Requests whose completion time became known, so far: see [`Array::settled`].
-    settled: u64,
+    /// Requests whose completion time became known since [`Array::take_settled`] last ran.
+    settled: Vec<u64>,
     /// Polls so far: see [`Array::polls`].
     polls: u64,
     ops: HashMap<u64, OpState>,
@@ -443,8 +440,7 @@ impl Array {
             peak_writes: (0, 0),
             merged_full: 0,
             merge_expired: 0,
-            woken: false,
-            settled: 0,
+            settled: Vec::new(),
             polls: 0,
             ops: HashMap::new(),
             next_op: 0,
@@ -470,17 +466,11 @@ impl Array {
         (self.merged_full, self.merge_expired)
     }
 
-    /// Whether requests waiting in a merge window were settled since the last call (a stripe
-    /// they were in was filled): whoever waits for them should poll again now rather than at
-    /// the window's end.
-    pub fn take_woken(&mut self) -> bool {
-        std::mem::take(&mut self.woken)
-    }
-
-    /// How many requests have had their completion time decided so far: when it changes,
-    /// threads waiting for requests should poll them again.
-    pub fn settled(&self) -> u64 {
-        self.settled
+    /// The requests whose completion time was decided since the last call (a merged stripe
+    /// settles requests other than the one whose call made it): whoever waits for them should
+    /// poll them now.
+    pub fn take_settled(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.settled)
     }
 
     /// How many times requests were polled so far (what waiting for them costs).
@@ -790,7 +780,6 @@ impl Array {
             return;
         };
         self.merged_full += 1;
-        self.woken |= m.members.len() > 1;
         let (group, row) = key;
         let base = group * self.geo.disks;
         let ios: Vec<SubIo> = (0..self.geo.disks)
@@ -1022,7 +1011,7 @@ impl Array {
             });
             if let Some(t) = all {
                 o.done_at = Some(t + self.ctrl);
-                self.settled += 1;
+                self.settled.push(op);
             }
         }
     }
