@@ -1055,16 +1055,15 @@ impl CacheInner {
                 break (locks, false);
             }
             if lazy {
-                // A volatile cache whose background cleaning is under way: the lines it cleans
-                // are reusable at once, so wait a little for one rather than send a random
-                // write to a core that cleaning keeps busy (issue 20). Nothing has changed yet,
-                // so the locks can go meanwhile. With no cleaning under way the write goes to
-                // the core at once, as before, and asks for room.
+                // Background cleaning is under way: the lines it cleans become reusable at once
+                // on a volatile cache, and at the next commit on a persistent one, which
+                // cleaning makes ahead of need while writes want room (`commit_ahead`). So wait
+                // a little for one rather than send a random write to a core that cleaning
+                // keeps busy (issue 20). Nothing has changed yet, so the locks can go
+                // meanwhile. With no cleaning under way the write goes to the core at once, as
+                // before, and asks for room.
                 let sig = &self.cleaner_signal;
-                if self.persist.is_none()
-                    && sig.running.load(Ordering::Relaxed)
-                    && sig.active.load(Ordering::Relaxed) > 0
-                {
+                if sig.running.load(Ordering::Relaxed) && sig.active.load(Ordering::Relaxed) > 0 {
                     let deadline =
                         *room_deadline.get_or_insert_with(|| std::time::Instant::now() + ROOM_WAIT);
                     if std::time::Instant::now() < deadline {

@@ -18,8 +18,8 @@
 //! merged into large writes, `flush-max-buffers` in flight. A persistent cache then commits, so
 //! the cleaned lines become reusable.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -40,6 +40,13 @@ const TICK: Duration = Duration::from_millis(100);
 const ROOM_BATCH: usize = 128;
 /// Age marks kept per shard (see `Lists::place_fence`).
 const FENCES: usize = 40;
+/// A commit ahead of need (persistent cache) waits for at least this many cleaned lines: each
+/// commit flushes the cores, which costs a real disk array far more than one line's write.
+pub(crate) const AHEAD_LINES: u64 = 64;
+/// ... and for this long since the previous commit began, so that commits cannot flood the
+/// cores with flushes. Well under `ROOM_WAIT` (cache.rs), so that a write waiting for a line
+/// sees one or more commits before it gives up.
+pub(crate) const AHEAD_INTERVAL_MS: u64 = 25;
 
 /// What one tick did; for tests and logs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -88,13 +95,38 @@ pub(crate) struct CleanerSignal {
     pub(crate) running: AtomicBool,
     /// Background cleaning batches under way: lines are about to become clean.
     pub(crate) active: AtomicUsize,
-    /// Bumped each time cleaning makes lines reusable at once (a volatile cache), so that writes
-    /// waiting for a line try again.
+    /// Bumped each time lines become reusable (cleaned on a volatile cache, committed clean on a
+    /// persistent one), so that writes waiting for a line try again.
     room_gen: Mutex<u64>,
     room_cv: Condvar,
+    /// Persistent cache: lines cleaned since the last commit began. They are durably dirty
+    /// (not reusable) until a commit records them clean.
+    pub(crate) uncommitted: AtomicU64,
+    /// A commit ahead of need is under way (one at a time; the other workers keep cleaning).
+    committing: AtomicBool,
+    /// When the last commit (of any kind) began, in ms on the signal's clock; 0 for never.
+    last_commit_ms: AtomicU64,
+    /// When the signal was made: the clock of `last_commit_ms`.
+    epoch: OnceLock<Instant>,
 }
 
 impl CleanerSignal {
+    fn now_ms(&self) -> u64 {
+        self.epoch.get_or_init(Instant::now).elapsed().as_millis() as u64 + 1
+    }
+
+    /// A commit begins: the lines cleaned so far are in its snapshot. Returns how many, to give
+    /// back with [`CleanerSignal::commit_failed`] should it fail.
+    pub(crate) fn commit_begins(&self) -> u64 {
+        self.last_commit_ms.store(self.now_ms(), Ordering::Relaxed);
+        self.uncommitted.swap(0, Ordering::Relaxed)
+    }
+
+    /// The commit that began with `taken` cleaned lines failed: they still wait for one.
+    pub(crate) fn commit_failed(&self, taken: u64) {
+        self.uncommitted.fetch_add(taken, Ordering::Relaxed);
+    }
+
     /// Cleaning just made lines reusable: wake the writes waiting for one.
     pub(crate) fn room_made(&self) {
         *self.room_gen.lock() += 1;
@@ -489,6 +521,44 @@ impl CacheInner {
             }
         }
         out
+    }
+
+    /// Called by background cleaning's workers between units (no stripe held): on a persistent
+    /// cache, commit now if lines cleaned since the last commit wait to be reusable, writes want
+    /// room (or free lines are short), and the last commit is not too recent. Cleaned lines are
+    /// durably dirty until a commit records them clean; without this they would wait for the
+    /// end of the batch (seconds in front of a disk array, alru-very-aggressive's 8192 lines)
+    /// while every write that finds no line goes to the core (issue 20). The commit flushes the
+    /// cores: that price is paid here, by cleaning, never by a client request.
+    pub(crate) fn commit_ahead(&self) {
+        if self.persist.is_none() {
+            return;
+        }
+        let sig = &self.cleaner_signal;
+        if sig.uncommitted.load(Ordering::Relaxed) < AHEAD_LINES {
+            return;
+        }
+        let low_water = (self.lines as u64 / 64).max(1);
+        if !sig.room_wanted.load(Ordering::Relaxed)
+            && self.free_lines.load(Ordering::Relaxed) >= low_water
+        {
+            return;
+        }
+        let last = sig.last_commit_ms.load(Ordering::Relaxed);
+        if last != 0 && sig.now_ms() < last + AHEAD_INTERVAL_MS {
+            return;
+        }
+        if sig.committing.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        // A failure (the cache volume's) is counted by the device; the batch's own commit at its
+        // end tries again and reports it.
+        if self.commit().is_ok() {
+            self.cleaning_counters
+                .ahead_commits
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        sig.committing.store(false, Ordering::SeqCst);
     }
 
     fn clean_and_commit(&self, lines: Vec<u32>, depth: usize) -> Result<u64> {
