@@ -11,10 +11,16 @@
 //! A write-back write that finds no line to take (every line dirty, or locked by others) drops its
 //! locks without having changed anything, cleans the oldest dirty lines, and tries again; after a
 //! few rounds it writes the remaining segments straight to the core, which is always correct.
-//! With lazy flush on it does that at once and asks the cleaner thread for room instead; on a
-//! volatile cache while background cleaning is under way it first waits up to `ROOM_WAIT` for a
-//! line cleaning frees (those are reusable at once), so that a full cache in front of a slow core
-//! does not send random writes to a core busy with sorted cleaning.
+//! With lazy flush on it does that at once and asks the cleaner thread for room instead; while
+//! background cleaning is under way it first waits up to `ROOM_WAIT` for a line cleaning frees,
+//! so that a full cache in front of a slow core does not send random writes to a core busy with
+//! sorted cleaning. On a volatile cache a cleaned line is reusable at once. On a persistent one it
+//! stays durably dirty (not reusable: a crash would map the core line to new data) until a
+//! commit records it clean; so background cleaning commits part way through a batch, between
+//! its core writes, once it has cleaned `AHEAD_LINES` since the last commit, writes want room (or
+//! free lines are short) and the last commit began `AHEAD_INTERVAL_MS` ago (cleaning.rs,
+//! `commit_ahead`). The commit flushes the cores: cleaning pays for it, never a client write,
+//! which waits only for the commit's wake-up.
 //!
 //! A read that continues a sequential stream may queue read-ahead (prefetch.rs) after it has
 //! released its locks; the prefetch worker fills only invalid sectors, under the same locks.
@@ -88,8 +94,9 @@ pub struct CoreInfo {
 /// How many times a write-back write gives up its locks to make room before it writes the rest
 /// straight to the core.
 const MAKE_ROOM_ROUNDS: usize = 8;
-/// With lazy flush on a volatile cache, how long a write that finds no line waits for one that
-/// background cleaning frees, before it goes to the core.
+/// With lazy flush on, how long a write that finds no line waits for one that background
+/// cleaning frees (and, on a persistent cache, a commit makes reusable), before it goes to the
+/// core.
 const ROOM_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
 
 pub(crate) struct CacheInner {
@@ -1019,6 +1026,8 @@ impl CacheInner {
         let mut offloaded = false;
         let lazy = self.lazy_flush.load(Ordering::Relaxed);
         let mut room_deadline: Option<std::time::Instant> = None;
+        // Counted among the writes waiting for a line (see `queued` below) while set.
+        let mut waiter = None;
         let mut asked = false;
         let mut waited = false;
         let (locks, short) = loop {
@@ -1042,7 +1051,19 @@ impl CacheInner {
             } else {
                 segs.iter().filter(|s| !s.mapped()).count()
             };
-            while spare.len() < needed {
+            let sig = &self.cleaner_signal;
+            let can_wait = lazy
+                && sig.running.load(Ordering::Relaxed)
+                && sig.active.load(Ordering::Relaxed) > 0;
+            // Writes already waiting for a line go first: one that has not waited takes none
+            // while others wait, and joins them. Otherwise the lines a commit frees go to the
+            // writes that happen to come back first (those that just got one), and a waiting
+            // write can lose every round until it times out and goes to the core.
+            let queued = can_wait
+                && waiter.is_none()
+                && spare.len() < needed
+                && sig.waiters.load(Ordering::SeqCst) > 0;
+            while !queued && spare.len() < needed {
                 match self.alloc_line(class) {
                     Some(line) => spare.push(line),
                     None => break,
@@ -1052,6 +1073,10 @@ impl CacheInner {
             // would not make room for it, so what it cannot place goes to the core.
             let capped = class.is_some_and(|c| self.classes.full(c));
             if spare.len() >= needed || round == MAKE_ROOM_ROUNDS || capped {
+                if waiter.take().is_some() && needed > 0 {
+                    // Lines may be left: let the next waiting write look.
+                    sig.room_made();
+                }
                 break (locks, false);
             }
             if lazy {
@@ -1062,18 +1087,21 @@ impl CacheInner {
                 // keeps busy (issue 20). Nothing has changed yet, so the locks can go
                 // meanwhile. With no cleaning under way the write goes to the core at once, as
                 // before, and asks for room.
-                let sig = &self.cleaner_signal;
-                if sig.running.load(Ordering::Relaxed) && sig.active.load(Ordering::Relaxed) > 0 {
+                if can_wait {
                     let deadline =
                         *room_deadline.get_or_insert_with(|| std::time::Instant::now() + ROOM_WAIT);
                     if std::time::Instant::now() < deadline {
                         let seen = sig.room_generation();
                         drop(locks);
+                        if waiter.is_none() {
+                            waiter = Some(sig.join_waiters());
+                        }
                         sig.want_room();
                         sig.wait_room(seen, deadline);
                         continue;
                     }
                 }
+                drop(waiter.take());
                 // Lazy flush: what has no line goes to the core now (those core lines are not
                 // mapped, so no cached copy can go stale), and background cleaning makes room
                 // for the writes to come.

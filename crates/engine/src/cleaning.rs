@@ -16,7 +16,9 @@
 //!
 //! Either way the chosen lines go through `clean_lines` (cleaner.rs): sorted by core address,
 //! merged into large writes, `flush-max-buffers` in flight. A persistent cache then commits, so
-//! the cleaned lines become reusable.
+//! the cleaned lines become reusable; while writes want room it also commits part way through a
+//! batch (`commit_ahead`, at most every `AHEAD_INTERVAL_MS` and after `AHEAD_LINES` cleaned
+//! lines), so that they do not wait for the end of a batch of thousands of lines.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
@@ -42,11 +44,13 @@ const ROOM_BATCH: usize = 128;
 const FENCES: usize = 40;
 /// A commit ahead of need (persistent cache) waits for at least this many cleaned lines: each
 /// commit flushes the cores, which costs a real disk array far more than one line's write.
-pub(crate) const AHEAD_LINES: u64 = 64;
+pub(crate) const AHEAD_LINES: u64 = 32;
 /// ... and for this long since the previous commit began, so that commits cannot flood the
 /// cores with flushes. Well under `ROOM_WAIT` (cache.rs), so that a write waiting for a line
 /// sees one or more commits before it gives up.
-pub(crate) const AHEAD_INTERVAL_MS: u64 = 25;
+pub(crate) const AHEAD_INTERVAL_MS: u64 = 15;
+/// ... or, with fewer lines than `AHEAD_LINES` cleaned, this long: half of `ROOM_WAIT`.
+pub(crate) const AHEAD_STALE_MS: u64 = 50;
 
 /// What one tick did; for tests and logs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -99,6 +103,9 @@ pub(crate) struct CleanerSignal {
     /// persistent one), so that writes waiting for a line try again.
     room_gen: Mutex<u64>,
     room_cv: Condvar,
+    /// Writes waiting for a line (`ROOM_WAIT`, cache.rs): while there are some, a write that
+    /// has not waited takes no line but joins them.
+    pub(crate) waiters: AtomicUsize,
     /// Persistent cache: lines cleaned since the last commit began. They are durably dirty
     /// (not reusable) until a commit records them clean.
     pub(crate) uncommitted: AtomicU64,
@@ -110,7 +117,21 @@ pub(crate) struct CleanerSignal {
     epoch: OnceLock<Instant>,
 }
 
+/// One write counted in `CleanerSignal::waiters`, until dropped.
+pub(crate) struct RoomWaiter<'a>(&'a CleanerSignal);
+
+impl Drop for RoomWaiter<'_> {
+    fn drop(&mut self) {
+        self.0.waiters.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 impl CleanerSignal {
+    pub(crate) fn join_waiters(&self) -> RoomWaiter<'_> {
+        self.waiters.fetch_add(1, Ordering::SeqCst);
+        RoomWaiter(self)
+    }
+
     fn now_ms(&self) -> u64 {
         self.epoch.get_or_init(Instant::now).elapsed().as_millis() as u64 + 1
     }
@@ -535,7 +556,8 @@ impl CacheInner {
             return;
         }
         let sig = &self.cleaner_signal;
-        if sig.uncommitted.load(Ordering::Relaxed) < AHEAD_LINES {
+        let waiting = sig.uncommitted.load(Ordering::Relaxed);
+        if waiting == 0 {
             return;
         }
         let low_water = (self.lines as u64 / 64).max(1);
@@ -545,7 +567,13 @@ impl CacheInner {
             return;
         }
         let last = sig.last_commit_ms.load(Ordering::Relaxed);
-        if last != 0 && sig.now_ms() < last + AHEAD_INTERVAL_MS {
+        let since = sig.now_ms().saturating_sub(last);
+        // Fewer lines than `AHEAD_LINES` go too once they have waited `AHEAD_STALE_MS`: at the
+        // end of a batch its last, slow core writes trickle in, and the writes waiting for a
+        // line would otherwise time out and go to the core.
+        if last != 0
+            && (since < AHEAD_INTERVAL_MS || (waiting < AHEAD_LINES && since < AHEAD_STALE_MS))
+        {
             return;
         }
         if sig.committing.swap(true, Ordering::SeqCst) {
