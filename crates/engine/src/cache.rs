@@ -1059,7 +1059,10 @@ impl CacheInner {
             // while others wait, and joins them. Otherwise the lines a commit frees go to the
             // writes that happen to come back first (those that just got one), and a waiting
             // write can lose every round until it times out and goes to the core.
+            // A class at its allocation takes its own lines, which waiting writes of other
+            // classes could not take: it does not queue.
             let queued = can_wait
+                && !class.is_some_and(|c| self.classes.full(c))
                 && waiter.is_none()
                 && spare.len() < needed
                 && sig.waiters.load(Ordering::SeqCst) > 0;
