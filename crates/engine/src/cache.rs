@@ -20,7 +20,10 @@
 //! its core writes, once it has cleaned `AHEAD_LINES` since the last commit, writes want room (or
 //! free lines are short) and the last commit began `AHEAD_INTERVAL_MS` ago (cleaning.rs,
 //! `commit_ahead`). The commit flushes the cores: cleaning pays for it, never a client write,
-//! which waits only for the commit's wake-up.
+//! which waits only for the commit's wake-up. Writes that wait go first: while some wait, a
+//! write that has not waited takes no line but joins them (`CleanerSignal::waiters`), else the
+//! lines a commit frees go to whichever writes come back first and a waiting one can lose every
+//! round until it times out.
 //!
 //! A read that continues a sequential stream may queue read-ahead (prefetch.rs) after it has
 //! released its locks; the prefetch worker fills only invalid sectors, under the same locks.
