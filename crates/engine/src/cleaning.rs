@@ -568,9 +568,9 @@ impl CacheInner {
         }
         let last = sig.last_commit_ms.load(Ordering::Relaxed);
         let since = sig.now_ms().saturating_sub(last);
-        // Fewer lines than `AHEAD_LINES` go too once they have waited `AHEAD_STALE_MS`: at the
-        // end of a batch its last, slow core writes trickle in, and the writes waiting for a
-        // line would otherwise time out and go to the core.
+        // Fewer lines than `AHEAD_LINES` go too once they have waited `AHEAD_STALE_MS`, so that
+        // cleaned lines never wait long for their commit while writes want room (at the end of
+        // a batch its last, slow core writes trickle in).
         if last != 0
             && (since < AHEAD_INTERVAL_MS || (waiting < AHEAD_LINES && since < AHEAD_STALE_MS))
         {

@@ -204,8 +204,8 @@ fn no_write_stalls_for_a_second_in_steady_state() {
 /// records it clean. Background cleaning commits part way through its batches while writes want
 /// room, and a write that finds no line waits (up to `ROOM_WAIT`) for one, as on a volatile
 /// cache; so in steady state few writes go to the core. Before (commit only at the end of a
-/// batch, no wait on a persistent cache) 23-25% of the writes of this run went to the core, the
-/// cleaned lines of a whole 8192-line batch waiting seconds for its commit; after, 2-4%.
+/// batch, no wait on a persistent cache) 22-23% of the writes of this run went to the core, the
+/// cleaned lines of a whole 8192-line batch waiting seconds for its commit; after, 1-3%.
 #[test]
 fn persistent_cache_writes_wait_for_committed_room_not_the_core() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
