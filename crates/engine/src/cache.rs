@@ -2849,6 +2849,163 @@ mod tests {
         assert_eq!((r.read_deferred, r.write_deferred), (0, 0));
     }
 
+    /// A persistent write-back cache full of dirty lines, each of a core line apart from the
+    /// others (one core write each when cleaned), with the background cleaner stopped.
+    fn full_persistent_cache() -> (Cache, Core, CoreId) {
+        let vol: VolumeRef = Arc::new(RamVolume::new("ram:cache", 8 << 20).unwrap());
+        let config = CacheConfig {
+            id: 1,
+            line_size: LineSize::from_kib(4).unwrap(),
+            mode: CacheMode::Wb,
+        };
+        let cache = Cache::create(vol, config, true).unwrap();
+        cache.stop_background_cleaner();
+        let core_vol: VolumeRef = Arc::new(RamVolume::new("ram:core", 64 << 20).unwrap());
+        let id = cache.add_core(core_vol, None).unwrap();
+        let core = cache.core(id).unwrap();
+        for i in 0..cache.line_count() {
+            core.write(&[1u8; 4096], i * 8 * KIB).unwrap();
+        }
+        assert_eq!(cache.stats().usage.dirty_lines, cache.line_count());
+        // Recorded dirty on the device: from now on a cleaned line needs a commit to be reused.
+        cache.inner.commit().unwrap();
+        (cache, core, id)
+    }
+
+    fn lazy_writes(cache: &Cache) -> u64 {
+        cache.stats().requests.lazy_flush_writes
+    }
+
+    /// Background cleaning on a persistent cache commits part way through a batch while writes
+    /// want room, so the lines it cleaned become reusable before the batch ends; cleaning that
+    /// does not commit ahead leaves them durably dirty and a write that finds no line goes to
+    /// the core.
+    #[test]
+    fn background_cleaning_commits_ahead_so_cleaned_lines_are_reusable() {
+        let (cache, core, _) = full_persistent_cache();
+        let inner = &cache.inner;
+        let all: Vec<u32> = (0..inner.lines).collect();
+        let far = inner.lines as u64 * 8 * KIB;
+
+        // Not background cleaning (as a flush's): no commit ahead, nothing reusable yet.
+        inner.cleaner_signal.want_room();
+        let half: Vec<u32> = all[..all.len() / 2].to_vec();
+        inner.clean_lines(half, 1, false).unwrap();
+        assert_eq!(cache.cleaning_stats().ahead_commits, 0);
+        let before = lazy_writes(&cache);
+        core.write(&[2u8; 4096], far).unwrap();
+        assert_eq!(
+            lazy_writes(&cache),
+            before + 1,
+            "a cleaned, uncommitted line was reused"
+        );
+        inner.commit().unwrap();
+
+        // Background cleaning, writes wanting room: commits between its core writes.
+        // The half cleaned above is reusable now: fill it with dirty lines again.
+        for i in 0..(inner.lines as u64) {
+            core.write(&[3u8; 4096], far + (i + 1) * 8 * KIB).unwrap();
+        }
+        inner.commit().unwrap();
+        inner.cleaner_signal.want_room();
+        let dirty: Vec<u32> = (0..inner.lines)
+            .filter(|&l| inner.table.dirty(l) != 0)
+            .collect();
+        assert!(dirty.len() as u64 > crate::cleaning::AHEAD_LINES * 2);
+        // Past the interval since the commit above.
+        std::thread::sleep(std::time::Duration::from_millis(
+            crate::cleaning::AHEAD_INTERVAL_MS + 5,
+        ));
+        inner.clean_lines(dirty, 1, true).unwrap();
+        let before = lazy_writes(&cache);
+        core.write(&[4u8; 4096], 2 * far + 8 * KIB).unwrap();
+        assert_eq!(
+            lazy_writes(&cache),
+            before,
+            "no cleaned line was committed ahead"
+        );
+        assert!(cache.cleaning_stats().ahead_commits >= 1);
+        cache.check_invariants();
+    }
+
+    /// While writes wait for a line, a write that has not waited does not take one ahead of
+    /// them: it joins the wait (and takes a line when woken, or at its deadline).
+    #[test]
+    fn a_write_queues_behind_writes_waiting_for_a_line() {
+        use std::time::{Duration, Instant};
+        let (cache, core, _) = cache(CacheMode::Wb);
+        cache.stop_background_cleaner();
+        let sig = cache.inner.cleaner_signal.clone();
+        // As if background cleaning were under way.
+        sig.running.store(true, Ordering::SeqCst);
+        sig.active.fetch_add(1, Ordering::SeqCst);
+        let t = Instant::now();
+        core.write(&[1u8; 4096], 0).unwrap();
+        assert!(t.elapsed() < ROOM_WAIT / 2, "nobody waits: no queue");
+
+        let waiting = sig.join_waiters();
+        let waker = {
+            let sig = sig.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(30));
+                sig.room_made();
+            })
+        };
+        let t = Instant::now();
+        core.write(&[2u8; 4096], 4096).unwrap();
+        let took = t.elapsed();
+        waker.join().unwrap();
+        assert!(took >= Duration::from_millis(25), "did not queue: {took:?}");
+        assert!(took < ROOM_WAIT, "not woken: {took:?}");
+        // It took a free line when woken: cached, not sent to the core.
+        assert_eq!(cache.stats().requests.lazy_flush_writes, 0);
+        assert_eq!(cache.stats().usage.dirty_lines, 2);
+        drop(waiting);
+        sig.active.fetch_sub(1, Ordering::SeqCst);
+        sig.running.store(false, Ordering::SeqCst);
+    }
+
+    /// Commits ahead of need are bounded: not before `AHEAD_INTERVAL_MS` since the last commit
+    /// began, not with fewer than `AHEAD_LINES` lines waiting unless `AHEAD_STALE_MS` have
+    /// passed, never with no line waiting, and not while free lines are plenty and no write
+    /// wants room.
+    #[test]
+    fn commits_ahead_of_need_are_bounded() {
+        use crate::cleaning::{AHEAD_INTERVAL_MS, AHEAD_LINES, AHEAD_STALE_MS};
+        use std::time::Duration;
+        let (cache, _core, _) = full_persistent_cache();
+        let inner = &cache.inner;
+        let sig = &inner.cleaner_signal;
+        let ahead = || cache.cleaning_stats().ahead_commits;
+        inner.commit().unwrap();
+        sig.want_room();
+        sig.uncommitted.store(AHEAD_LINES, Ordering::Relaxed);
+        inner.commit_ahead();
+        assert_eq!(ahead(), 0, "within the interval");
+        std::thread::sleep(Duration::from_millis(AHEAD_INTERVAL_MS + 5));
+        inner.commit_ahead();
+        assert_eq!(ahead(), 1);
+        assert_eq!(sig.uncommitted.load(Ordering::Relaxed), 0);
+
+        std::thread::sleep(Duration::from_millis(AHEAD_INTERVAL_MS + 5));
+        inner.commit_ahead();
+        assert_eq!(ahead(), 1, "no line waiting");
+        sig.uncommitted.store(1, Ordering::Relaxed);
+        inner.commit_ahead();
+        assert_eq!(ahead(), 1, "too few lines, too soon");
+        std::thread::sleep(Duration::from_millis(AHEAD_STALE_MS));
+        inner.commit_ahead();
+        assert_eq!(ahead(), 2, "few lines, but waiting long");
+
+        // The cache is full (no free line): the low-water mark asks for commits even with no
+        // write wanting room; the flag is cleared as the cleaner's tick clears it.
+        sig.room_wanted.store(false, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(AHEAD_STALE_MS));
+        sig.uncommitted.store(AHEAD_LINES, Ordering::Relaxed);
+        inner.commit_ahead();
+        assert_eq!(ahead(), 3, "free lines under the low-water mark");
+    }
+
     /// The cleaner's writes are counted on their core (requests and blocks) as internal work,
     /// outside the client request totals; `-Z` resets them.
     #[test]

@@ -94,7 +94,7 @@ pub(crate) struct CleanerSignal {
     cv: Condvar,
     /// A write found no free or clean line and went to the core: the next tick cleans the
     /// oldest dirty lines whatever the policy (nop included).
-    room_wanted: AtomicBool,
+    pub(crate) room_wanted: AtomicBool,
     /// The cleaner thread is running (not stopped by a test).
     pub(crate) running: AtomicBool,
     /// Background cleaning batches under way: lines are about to become clean.
