@@ -11,10 +11,19 @@
 //! A write-back write that finds no line to take (every line dirty, or locked by others) drops its
 //! locks without having changed anything, cleans the oldest dirty lines, and tries again; after a
 //! few rounds it writes the remaining segments straight to the core, which is always correct.
-//! With lazy flush on it does that at once and asks the cleaner thread for room instead; on a
-//! volatile cache while background cleaning is under way it first waits up to `ROOM_WAIT` for a
-//! line cleaning frees (those are reusable at once), so that a full cache in front of a slow core
-//! does not send random writes to a core busy with sorted cleaning.
+//! With lazy flush on it does that at once and asks the cleaner thread for room instead; while
+//! background cleaning is under way it first waits up to `ROOM_WAIT` for a line cleaning frees,
+//! so that a full cache in front of a slow core does not send random writes to a core busy with
+//! sorted cleaning. On a volatile cache a cleaned line is reusable at once. On a persistent one it
+//! stays durably dirty (not reusable: a crash would map the core line to new data) until a
+//! commit records it clean; so background cleaning commits part way through a batch, between
+//! its core writes, once it has cleaned `AHEAD_LINES` since the last commit, writes want room (or
+//! free lines are short) and the last commit began `AHEAD_INTERVAL_MS` ago (cleaning.rs,
+//! `commit_ahead`). The commit flushes the cores: cleaning pays for it, never a client write,
+//! which waits only for the commit's wake-up. Writes that wait go first: while some wait, a
+//! write that has not waited takes no line but joins them (`CleanerSignal::waiters`), else the
+//! lines a commit frees go to whichever writes come back first and a waiting one can lose every
+//! round until it times out.
 //!
 //! A read that continues a sequential stream may queue read-ahead (prefetch.rs) after it has
 //! released its locks; the prefetch worker fills only invalid sectors, under the same locks.
@@ -88,8 +97,9 @@ pub struct CoreInfo {
 /// How many times a write-back write gives up its locks to make room before it writes the rest
 /// straight to the core.
 const MAKE_ROOM_ROUNDS: usize = 8;
-/// With lazy flush on a volatile cache, how long a write that finds no line waits for one that
-/// background cleaning frees, before it goes to the core.
+/// With lazy flush on, how long a write that finds no line waits for one that background
+/// cleaning frees (and, on a persistent cache, a commit makes reusable), before it goes to the
+/// core.
 const ROOM_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
 
 pub(crate) struct CacheInner {
@@ -1036,6 +1046,8 @@ impl CacheInner {
         let mut offloaded = false;
         let lazy = self.lazy_flush.load(Ordering::Relaxed);
         let mut room_deadline: Option<std::time::Instant> = None;
+        // Counted among the writes waiting for a line (see `queued` below) while set.
+        let mut waiter = None;
         let mut asked = false;
         let mut waited = false;
         let (locks, short) = loop {
@@ -1059,7 +1071,22 @@ impl CacheInner {
             } else {
                 segs.iter().filter(|s| !s.mapped()).count()
             };
-            while spare.len() < needed {
+            let sig = &self.cleaner_signal;
+            let can_wait = lazy
+                && sig.running.load(Ordering::Relaxed)
+                && sig.active.load(Ordering::Relaxed) > 0;
+            // Writes already waiting for a line go first: one that has not waited takes none
+            // while others wait, and joins them. Otherwise the lines a commit frees go to the
+            // writes that happen to come back first (those that just got one), and a waiting
+            // write can lose every round until it times out and goes to the core.
+            // A class at its allocation takes its own lines, which waiting writes of other
+            // classes could not take: it does not queue.
+            let queued = can_wait
+                && !class.is_some_and(|c| self.classes.full(c))
+                && waiter.is_none()
+                && spare.len() < needed
+                && sig.waiters.load(Ordering::SeqCst) > 0;
+            while !queued && spare.len() < needed {
                 match self.alloc_line(class) {
                     Some(line) => spare.push(line),
                     None => break,
@@ -1069,29 +1096,35 @@ impl CacheInner {
             // would not make room for it, so what it cannot place goes to the core.
             let capped = class.is_some_and(|c| self.classes.full(c));
             if spare.len() >= needed || round == MAKE_ROOM_ROUNDS || capped {
+                if waiter.take().is_some() && needed > 0 {
+                    // Lines may be left: let the next waiting write look.
+                    sig.room_made();
+                }
                 break (locks, false);
             }
             if lazy {
-                // A volatile cache whose background cleaning is under way: the lines it cleans
-                // are reusable at once, so wait a little for one rather than send a random
-                // write to a core that cleaning keeps busy (issue 20). Nothing has changed yet,
-                // so the locks can go meanwhile. With no cleaning under way the write goes to
-                // the core at once, as before, and asks for room.
-                let sig = &self.cleaner_signal;
-                if self.persist.is_none()
-                    && sig.running.load(Ordering::Relaxed)
-                    && sig.active.load(Ordering::Relaxed) > 0
-                {
+                // Background cleaning is under way: the lines it cleans become reusable at once
+                // on a volatile cache, and at the next commit on a persistent one, which
+                // cleaning makes ahead of need while writes want room (`commit_ahead`). So wait
+                // a little for one rather than send a random write to a core that cleaning
+                // keeps busy (issue 20). Nothing has changed yet, so the locks can go
+                // meanwhile. With no cleaning under way the write goes to the core at once, as
+                // before, and asks for room.
+                if can_wait {
                     let deadline =
                         *room_deadline.get_or_insert_with(|| std::time::Instant::now() + ROOM_WAIT);
                     if std::time::Instant::now() < deadline {
                         let seen = sig.room_generation();
                         drop(locks);
+                        if waiter.is_none() {
+                            waiter = Some(sig.join_waiters());
+                        }
                         sig.want_room();
                         sig.wait_room(seen, deadline);
                         continue;
                     }
                 }
+                drop(waiter.take());
                 // Lazy flush: what has no line goes to the core now (those core lines are not
                 // mapped, so no cached copy can go stale), and background cleaning makes room
                 // for the writes to come.
@@ -2910,6 +2943,163 @@ mod tests {
         cache.reset_stats();
         let r = cache.core_stats(id).unwrap().requests;
         assert_eq!((r.read_deferred, r.write_deferred), (0, 0));
+    }
+
+    /// A persistent write-back cache full of dirty lines, each of a core line apart from the
+    /// others (one core write each when cleaned), with the background cleaner stopped.
+    fn full_persistent_cache() -> (Cache, Core, CoreId) {
+        let vol: VolumeRef = Arc::new(RamVolume::new("ram:cache", 8 << 20).unwrap());
+        let config = CacheConfig {
+            id: 1,
+            line_size: LineSize::from_kib(4).unwrap(),
+            mode: CacheMode::Wb,
+        };
+        let cache = Cache::create(vol, config, true).unwrap();
+        cache.stop_background_cleaner();
+        let core_vol: VolumeRef = Arc::new(RamVolume::new("ram:core", 64 << 20).unwrap());
+        let id = cache.add_core(core_vol, None).unwrap();
+        let core = cache.core(id).unwrap();
+        for i in 0..cache.line_count() {
+            core.write(&[1u8; 4096], i * 8 * KIB).unwrap();
+        }
+        assert_eq!(cache.stats().usage.dirty_lines, cache.line_count());
+        // Recorded dirty on the device: from now on a cleaned line needs a commit to be reused.
+        cache.inner.commit().unwrap();
+        (cache, core, id)
+    }
+
+    fn lazy_writes(cache: &Cache) -> u64 {
+        cache.stats().requests.lazy_flush_writes
+    }
+
+    /// Background cleaning on a persistent cache commits part way through a batch while writes
+    /// want room, so the lines it cleaned become reusable before the batch ends; cleaning that
+    /// does not commit ahead leaves them durably dirty and a write that finds no line goes to
+    /// the core.
+    #[test]
+    fn background_cleaning_commits_ahead_so_cleaned_lines_are_reusable() {
+        let (cache, core, _) = full_persistent_cache();
+        let inner = &cache.inner;
+        let all: Vec<u32> = (0..inner.lines).collect();
+        let far = inner.lines as u64 * 8 * KIB;
+
+        // Not background cleaning (as a flush's): no commit ahead, nothing reusable yet.
+        inner.cleaner_signal.want_room();
+        let half: Vec<u32> = all[..all.len() / 2].to_vec();
+        inner.clean_lines(half, 1, false).unwrap();
+        assert_eq!(cache.cleaning_stats().ahead_commits, 0);
+        let before = lazy_writes(&cache);
+        core.write(&[2u8; 4096], far).unwrap();
+        assert_eq!(
+            lazy_writes(&cache),
+            before + 1,
+            "a cleaned, uncommitted line was reused"
+        );
+        inner.commit().unwrap();
+
+        // Background cleaning, writes wanting room: commits between its core writes.
+        // The half cleaned above is reusable now: fill it with dirty lines again.
+        for i in 0..(inner.lines as u64) {
+            core.write(&[3u8; 4096], far + (i + 1) * 8 * KIB).unwrap();
+        }
+        inner.commit().unwrap();
+        inner.cleaner_signal.want_room();
+        let dirty: Vec<u32> = (0..inner.lines)
+            .filter(|&l| inner.table.dirty(l) != 0)
+            .collect();
+        assert!(dirty.len() as u64 > crate::cleaning::AHEAD_LINES * 2);
+        // Past the interval since the commit above.
+        std::thread::sleep(std::time::Duration::from_millis(
+            crate::cleaning::AHEAD_INTERVAL_MS + 5,
+        ));
+        inner.clean_lines(dirty, 1, true).unwrap();
+        let before = lazy_writes(&cache);
+        core.write(&[4u8; 4096], 2 * far + 8 * KIB).unwrap();
+        assert_eq!(
+            lazy_writes(&cache),
+            before,
+            "no cleaned line was committed ahead"
+        );
+        assert!(cache.cleaning_stats().ahead_commits >= 1);
+        cache.check_invariants();
+    }
+
+    /// While writes wait for a line, a write that has not waited does not take one ahead of
+    /// them: it joins the wait (and takes a line when woken, or at its deadline).
+    #[test]
+    fn a_write_queues_behind_writes_waiting_for_a_line() {
+        use std::time::{Duration, Instant};
+        let (cache, core, _) = cache(CacheMode::Wb);
+        cache.stop_background_cleaner();
+        let sig = cache.inner.cleaner_signal.clone();
+        // As if background cleaning were under way.
+        sig.running.store(true, Ordering::SeqCst);
+        sig.active.fetch_add(1, Ordering::SeqCst);
+        let t = Instant::now();
+        core.write(&[1u8; 4096], 0).unwrap();
+        assert!(t.elapsed() < ROOM_WAIT / 2, "nobody waits: no queue");
+
+        let waiting = sig.join_waiters();
+        let waker = {
+            let sig = sig.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(30));
+                sig.room_made();
+            })
+        };
+        let t = Instant::now();
+        core.write(&[2u8; 4096], 4096).unwrap();
+        let took = t.elapsed();
+        waker.join().unwrap();
+        assert!(took >= Duration::from_millis(25), "did not queue: {took:?}");
+        assert!(took < ROOM_WAIT, "not woken: {took:?}");
+        // It took a free line when woken: cached, not sent to the core.
+        assert_eq!(cache.stats().requests.lazy_flush_writes, 0);
+        assert_eq!(cache.stats().usage.dirty_lines, 2);
+        drop(waiting);
+        sig.active.fetch_sub(1, Ordering::SeqCst);
+        sig.running.store(false, Ordering::SeqCst);
+    }
+
+    /// Commits ahead of need are bounded: not before `AHEAD_INTERVAL_MS` since the last commit
+    /// began, not with fewer than `AHEAD_LINES` lines waiting unless `AHEAD_STALE_MS` have
+    /// passed, never with no line waiting, and not while free lines are plenty and no write
+    /// wants room.
+    #[test]
+    fn commits_ahead_of_need_are_bounded() {
+        use crate::cleaning::{AHEAD_INTERVAL_MS, AHEAD_LINES, AHEAD_STALE_MS};
+        use std::time::Duration;
+        let (cache, _core, _) = full_persistent_cache();
+        let inner = &cache.inner;
+        let sig = &inner.cleaner_signal;
+        let ahead = || cache.cleaning_stats().ahead_commits;
+        inner.commit().unwrap();
+        sig.want_room();
+        sig.uncommitted.store(AHEAD_LINES, Ordering::Relaxed);
+        inner.commit_ahead();
+        assert_eq!(ahead(), 0, "within the interval");
+        std::thread::sleep(Duration::from_millis(AHEAD_INTERVAL_MS + 5));
+        inner.commit_ahead();
+        assert_eq!(ahead(), 1);
+        assert_eq!(sig.uncommitted.load(Ordering::Relaxed), 0);
+
+        std::thread::sleep(Duration::from_millis(AHEAD_INTERVAL_MS + 5));
+        inner.commit_ahead();
+        assert_eq!(ahead(), 1, "no line waiting");
+        sig.uncommitted.store(1, Ordering::Relaxed);
+        inner.commit_ahead();
+        assert_eq!(ahead(), 1, "too few lines, too soon");
+        std::thread::sleep(Duration::from_millis(AHEAD_STALE_MS));
+        inner.commit_ahead();
+        assert_eq!(ahead(), 2, "few lines, but waiting long");
+
+        // The cache is full (no free line): the low-water mark asks for commits even with no
+        // write wanting room; the flag is cleared as the cleaner's tick clears it.
+        sig.room_wanted.store(false, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(AHEAD_STALE_MS));
+        sig.uncommitted.store(AHEAD_LINES, Ordering::Relaxed);
+        inner.commit_ahead();
+        assert_eq!(ahead(), 3, "free lines under the low-water mark");
     }
 
     /// The cleaner's writes are counted on their core (requests and blocks) as internal work,

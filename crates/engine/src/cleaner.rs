@@ -59,6 +59,9 @@ pub struct CleaningStats {
     pub write_sizes: [u64; WRITE_SIZE_BUCKETS],
     /// Most core writes cleaning had in flight at once.
     pub max_in_flight: u64,
+    /// Commits background cleaning made part way through a batch so that the lines it had
+    /// cleaned became reusable (persistent cache, writes wanting room).
+    pub ahead_commits: u64,
     /// Core writes (and the cache reads before them) that failed; the lines stay dirty.
     pub errors: BackgroundErrors,
     /// The policy has no cleaning due: it is nop, the cache has not been idle for the activity
@@ -76,6 +79,7 @@ pub(crate) struct CleaningCounters {
     sizes: [AtomicU64; WRITE_SIZE_BUCKETS],
     in_flight: AtomicU64,
     max_in_flight: AtomicU64,
+    pub(crate) ahead_commits: AtomicU64,
     pub(crate) errors: BackgroundErrorLog,
     pub(crate) waiting: AtomicBool,
 }
@@ -88,6 +92,7 @@ impl CleaningCounters {
             core_write_bytes: self.bytes.load(Relaxed),
             write_sizes: std::array::from_fn(|i| self.sizes[i].load(Relaxed)),
             max_in_flight: self.max_in_flight.load(Relaxed),
+            ahead_commits: self.ahead_commits.load(Relaxed),
             errors: self.errors.snapshot(),
             waiting: self.waiting.load(Relaxed),
         }
@@ -135,7 +140,8 @@ impl Pacer {
 
 impl CacheInner {
     /// Clean the given lines (those still dirty when locked), `depth` core writes at most in
-    /// flight, `paced` by the cleaning bandwidth cap (background cleaning only). Caller holds
+    /// flight, `paced` by the cleaning bandwidth cap and committing ahead of need between units
+    /// (`commit_ahead`; both for background cleaning only). Caller holds
     /// no stripe. Returns how many lines were cleaned.
     ///
     /// Stripes are locked per unit of work (the lines of one merged core write), never for the
@@ -261,6 +267,10 @@ impl CacheInner {
                     Err(e) => {
                         first_error.lock().get_or_insert(e);
                     }
+                }
+                if paced {
+                    // Background cleaning, between units (no stripe held).
+                    self.commit_ahead();
                 }
             }
         };
@@ -402,9 +412,16 @@ impl CacheInner {
         self.cleaning_counters
             .lines
             .fetch_add(cleaned as u64, Relaxed);
-        if cleaned > 0 && self.persist.is_none() {
-            // Reusable at once (no commit needed): writes waiting for a line may take them.
-            self.cleaner_signal.room_made();
+        if cleaned > 0 {
+            if self.persist.is_none() {
+                // Reusable at once (no commit needed): writes waiting for a line may take them.
+                self.cleaner_signal.room_made();
+            } else {
+                // Reusable once a commit records them clean (`commit_ahead`).
+                self.cleaner_signal
+                    .uncommitted
+                    .fetch_add(cleaned as u64, Relaxed);
+            }
         }
         match first_error {
             Some(e) => Err(e),

@@ -16,10 +16,12 @@
 //!
 //! Either way the chosen lines go through `clean_lines` (cleaner.rs): sorted by core address,
 //! merged into large writes, `flush-max-buffers` in flight. A persistent cache then commits, so
-//! the cleaned lines become reusable.
+//! the cleaned lines become reusable; while writes want room it also commits part way through a
+//! batch (`commit_ahead`, at most every `AHEAD_INTERVAL_MS` and after `AHEAD_LINES` cleaned
+//! lines), so that they do not wait for the end of a batch of thousands of lines.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -40,6 +42,15 @@ const TICK: Duration = Duration::from_millis(100);
 const ROOM_BATCH: usize = 128;
 /// Age marks kept per shard (see `Lists::place_fence`).
 const FENCES: usize = 40;
+/// A commit ahead of need (persistent cache) waits for at least this many cleaned lines: each
+/// commit flushes the cores, which costs a real disk array far more than one line's write.
+pub(crate) const AHEAD_LINES: u64 = 32;
+/// ... and for this long since the previous commit began, so that commits cannot flood the
+/// cores with flushes. Well under `ROOM_WAIT` (cache.rs), so that a write waiting for a line
+/// sees one or more commits before it gives up.
+pub(crate) const AHEAD_INTERVAL_MS: u64 = 15;
+/// ... or, with fewer lines than `AHEAD_LINES` cleaned, this long: half of `ROOM_WAIT`.
+pub(crate) const AHEAD_STALE_MS: u64 = 50;
 
 /// What one tick did; for tests and logs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -83,18 +94,60 @@ pub(crate) struct CleanerSignal {
     cv: Condvar,
     /// A write found no free or clean line and went to the core: the next tick cleans the
     /// oldest dirty lines whatever the policy (nop included).
-    room_wanted: AtomicBool,
+    pub(crate) room_wanted: AtomicBool,
     /// The cleaner thread is running (not stopped by a test).
     pub(crate) running: AtomicBool,
     /// Background cleaning batches under way: lines are about to become clean.
     pub(crate) active: AtomicUsize,
-    /// Bumped each time cleaning makes lines reusable at once (a volatile cache), so that writes
-    /// waiting for a line try again.
+    /// Bumped each time lines become reusable (cleaned on a volatile cache, committed clean on a
+    /// persistent one), so that writes waiting for a line try again.
     room_gen: Mutex<u64>,
     room_cv: Condvar,
+    /// Writes waiting for a line (`ROOM_WAIT`, cache.rs): while there are some, a write that
+    /// has not waited takes no line but joins them.
+    pub(crate) waiters: AtomicUsize,
+    /// Persistent cache: lines cleaned since the last commit began. They are durably dirty
+    /// (not reusable) until a commit records them clean.
+    pub(crate) uncommitted: AtomicU64,
+    /// A commit ahead of need is under way (one at a time; the other workers keep cleaning).
+    committing: AtomicBool,
+    /// When the last commit (of any kind) began, in ms on the signal's clock; 0 for never.
+    last_commit_ms: AtomicU64,
+    /// When the signal was made: the clock of `last_commit_ms`.
+    epoch: OnceLock<Instant>,
+}
+
+/// One write counted in `CleanerSignal::waiters`, until dropped.
+pub(crate) struct RoomWaiter<'a>(&'a CleanerSignal);
+
+impl Drop for RoomWaiter<'_> {
+    fn drop(&mut self) {
+        self.0.waiters.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl CleanerSignal {
+    pub(crate) fn join_waiters(&self) -> RoomWaiter<'_> {
+        self.waiters.fetch_add(1, Ordering::SeqCst);
+        RoomWaiter(self)
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.epoch.get_or_init(Instant::now).elapsed().as_millis() as u64 + 1
+    }
+
+    /// A commit begins: the lines cleaned so far are in its snapshot. Returns how many, to give
+    /// back with [`CleanerSignal::commit_failed`] should it fail.
+    pub(crate) fn commit_begins(&self) -> u64 {
+        self.last_commit_ms.store(self.now_ms(), Ordering::Relaxed);
+        self.uncommitted.swap(0, Ordering::Relaxed)
+    }
+
+    /// The commit that began with `taken` cleaned lines failed: they still wait for one.
+    pub(crate) fn commit_failed(&self, taken: u64) {
+        self.uncommitted.fetch_add(taken, Ordering::Relaxed);
+    }
+
     /// Cleaning just made lines reusable: wake the writes waiting for one.
     pub(crate) fn room_made(&self) {
         *self.room_gen.lock() += 1;
@@ -489,6 +542,51 @@ impl CacheInner {
             }
         }
         out
+    }
+
+    /// Called by background cleaning's workers between units (no stripe held): on a persistent
+    /// cache, commit now if lines cleaned since the last commit wait to be reusable, writes want
+    /// room (or free lines are short), and the last commit is not too recent. Cleaned lines are
+    /// durably dirty until a commit records them clean; without this they would wait for the
+    /// end of the batch (seconds in front of a disk array, alru-very-aggressive's 8192 lines)
+    /// while every write that finds no line goes to the core (issue 20). The commit flushes the
+    /// cores: that price is paid here, by cleaning, never by a client request.
+    pub(crate) fn commit_ahead(&self) {
+        if self.persist.is_none() {
+            return;
+        }
+        let sig = &self.cleaner_signal;
+        let waiting = sig.uncommitted.load(Ordering::Relaxed);
+        if waiting == 0 {
+            return;
+        }
+        let low_water = (self.lines as u64 / 64).max(1);
+        if !sig.room_wanted.load(Ordering::Relaxed)
+            && self.free_lines.load(Ordering::Relaxed) >= low_water
+        {
+            return;
+        }
+        let last = sig.last_commit_ms.load(Ordering::Relaxed);
+        let since = sig.now_ms().saturating_sub(last);
+        // Fewer lines than `AHEAD_LINES` go too once they have waited `AHEAD_STALE_MS`, so that
+        // cleaned lines never wait long for their commit while writes want room (at the end of
+        // a batch its last, slow core writes trickle in).
+        if last != 0
+            && (since < AHEAD_INTERVAL_MS || (waiting < AHEAD_LINES && since < AHEAD_STALE_MS))
+        {
+            return;
+        }
+        if sig.committing.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        // A failure (the cache volume's) is counted by the device; the batch's own commit at its
+        // end tries again and reports it.
+        if self.commit().is_ok() {
+            self.cleaning_counters
+                .ahead_commits
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        sig.committing.store(false, Ordering::SeqCst);
     }
 
     fn clean_and_commit(&self, lines: Vec<u32>, depth: usize) -> Result<u64> {

@@ -311,9 +311,18 @@ impl CacheInner {
             self.flush_cores();
             return Ok(());
         };
+        let taken = self.cleaner_signal.commit_begins();
         // Each retry follows a core newly marked failing, so there are at most as many as cores.
-        while let Attempt::Retry = self.commit_once(p)? {}
-        Ok(())
+        loop {
+            match self.commit_once(p) {
+                Ok(Attempt::Retry) => {}
+                Ok(Attempt::Done) => return Ok(()),
+                Err(e) => {
+                    self.cleaner_signal.commit_failed(taken);
+                    return Err(e);
+                }
+            }
+        }
     }
 
     /// Whether `line` holds data of a core whose device is failing (a hint: no lock is taken).
@@ -482,6 +491,8 @@ impl CacheInner {
         drop(st);
         if !blocks.is_empty() {
             self.release_limbo();
+            // Lines cleaned before the snapshot are reusable now: wake the writes waiting for one.
+            self.cleaner_signal.room_made();
         }
         Ok(Attempt::Done)
     }
