@@ -28,6 +28,12 @@ fn open_cache(dir: &Path) -> Cache {
     let core: VolumeRef = Arc::new(FileVolume::open(&core_path).expect("core file"));
     let cache_vol: VolumeRef = Arc::new(FileVolume::open(&cache_path).expect("cache file"));
     match Cache::load(cache_vol.clone(), &mut |_| Some(core.clone())) {
+        // A child killed between creating the cache and adding its core (a slow start on a
+        // loaded machine) leaves a cache without one: nothing was written yet, so add it now.
+        Ok(cache) if cache.core(1).is_err() => {
+            cache.add_core(core, Some(1)).expect("add core");
+            cache
+        }
         Ok(cache) => cache,
         Err(hybridcache_engine::EngineError::NoCache(_)) => {
             let cache = Cache::create(
