@@ -305,8 +305,13 @@ impl EmulatedVolume {
                 Poll::Done(t) => {
                     m.waiters.remove(&op);
                     if driving {
-                        // Another waiting thread drives the model now.
                         m.driver = false;
+                    }
+                    if !m.driver {
+                        // Another waiting thread drives the model now. Also when this thread
+                        // was only handed the role and found its own request done: else, with
+                        // no new request coming (a client at the end of its run), the rest
+                        // would wait for a driver forever.
                         let next = m.waiters.keys().next().copied();
                         if let Some(t) = next.and_then(|o| m.waiters.remove(&o)) {
                             t.unpark();
@@ -484,6 +489,42 @@ mod tests {
         c.groups = 2;
         let e = EmulatedVolume::new("r", &EmulConfig::Raid(c), Backing::NoData).unwrap_err();
         assert!(e.to_string().contains("groups 2 must be 1"), "{e}");
+    }
+
+    #[test]
+    fn the_last_requests_complete_when_no_new_ones_come() {
+        // Rounds of many threads, each with one write, and nothing after it: what fio does at
+        // the end of a job. The driver's role must pass to a thread that still waits, even when
+        // the thread it is handed to finds its own request done and leaves.
+        let cfg = EmulConfig::Raid(RaidConfig::study_raid60(1 << 40));
+        let v = Arc::new(EmulatedVolume::new("raid", &cfg, Backing::NoData).unwrap());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let worker = {
+            let v = v.clone();
+            std::thread::spawn(move || {
+                for round in 0..40u64 {
+                    let threads: Vec<_> = (0..48u64)
+                        .map(|t| {
+                            let v = v.clone();
+                            std::thread::spawn(move || {
+                                let x = (round * 48 + t).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+                                v.write_at(&[0; 4096], (x % (v.size() / 4096)) * 4096)
+                                    .unwrap();
+                            })
+                        })
+                        .collect();
+                    for t in threads {
+                        t.join().unwrap();
+                    }
+                }
+                let _ = tx.send(());
+            })
+        };
+        assert!(
+            rx.recv_timeout(std::time::Duration::from_secs(60)).is_ok(),
+            "requests still waiting after 60 s: nobody drives the model"
+        );
+        worker.join().unwrap();
     }
 
     #[test]
