@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-use hybridcache_engine::{Core, EngineError, SECTOR};
+use hybridcache_engine::{Core, EngineError};
 use hybridcache_volume::VolumeRef;
 use parking_lot::{Condvar, Mutex, RwLock};
 
@@ -127,17 +127,7 @@ impl Target {
     /// The checks the engine makes before it serves a request, made for pass-through too, so
     /// a client sees the same refusals on either route.
     fn check(&self, offset: u64, len: u64) -> Result<(), EngineError> {
-        if offset % SECTOR != 0 || len % SECTOR != 0 {
-            return Err(EngineError::Unaligned { offset, len });
-        }
-        match offset.checked_add(len) {
-            Some(end) if end <= self.inner.size => Ok(()),
-            _ => Err(EngineError::OutOfRange {
-                offset,
-                len,
-                size: self.inner.size,
-            }),
-        }
+        hybridcache_engine::check_request(self.inner.size, offset, len, None)
     }
 
     pub fn read(&self, buf: &mut [u8], offset: u64) -> Result<(), EngineError> {

@@ -346,22 +346,7 @@ impl CacheInner {
     }
 
     fn check(&self, core: &CoreState, offset: u64, len: u64, max: Option<u64>) -> Result<()> {
-        if offset % SECTOR != 0 || len % SECTOR != 0 {
-            return Err(EngineError::Unaligned { offset, len });
-        }
-        if let Some(max) = max {
-            if len > max {
-                return Err(EngineError::TooLarge { len, max });
-            }
-        }
-        match offset.checked_add(len) {
-            Some(end) if end <= core.size => Ok(()),
-            _ => Err(EngineError::OutOfRange {
-                offset,
-                len,
-                size: core.size,
-            }),
-        }
+        crate::check_request(core.size, offset, len, max)
     }
 
     pub(crate) fn segments(&self, core: CoreId, offset: u64, len: u64) -> Vec<Seg> {

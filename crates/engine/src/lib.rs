@@ -56,6 +56,25 @@ use hybridcache_volume::VolumeError;
 
 /// Sector size: the unit of validity and dirtiness, and the alignment every request needs.
 pub const SECTOR: u64 = 512;
+
+/// The checks every request to a core of `size` bytes passes before it is served: sector
+/// alignment, at most `max` bytes (when given), and within the core. The engine makes them on
+/// each request; a front-end that serves a core without the engine (pass-through while a cache
+/// is disconnected) makes the same, so clients see the same refusals on either path.
+pub fn check_request(size: u64, offset: u64, len: u64, max: Option<u64>) -> Result<()> {
+    if offset % SECTOR != 0 || len % SECTOR != 0 {
+        return Err(EngineError::Unaligned { offset, len });
+    }
+    if let Some(max) = max {
+        if len > max {
+            return Err(EngineError::TooLarge { len, max });
+        }
+    }
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(EngineError::OutOfRange { offset, len, size }),
+    }
+}
 /// The largest request the engine serves in one piece (NBD's usual maximum).
 pub const MAX_REQUEST: u64 = 32 << 20;
 /// The highest core id (`OCF_CORE_ID_MAX`); ids start at 0 (`OCF_CORE_ID_MIN`), as casadm's.
