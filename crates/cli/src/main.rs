@@ -308,13 +308,9 @@ fn run(cli: Cli) -> Result<()> {
         } => {
             let v: protocol::Connected = call(&control, &req)?;
             println!(
-                "cache {} connected: {} {device}; its exports are served by it again",
+                "cache {} connected: {}; its exports are served by it again",
                 v.id,
-                if v.loaded {
-                    "loaded from"
-                } else {
-                    "a new cache started on"
-                }
+                connected_on(&v, device)
             );
         }
         Command::DetachCache { id } => {
@@ -325,15 +321,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::AttachCache { device, .. } => {
             let v: protocol::Connected = call(&control, &req)?;
-            println!(
-                "cache {} attached: {} {device}",
-                v.id,
-                if v.loaded {
-                    "loaded from"
-                } else {
-                    "a new cache started on"
-                }
-            );
+            println!("cache {} attached: {}", v.id, connected_on(&v, device));
         }
         Command::AddCore { .. } => {
             let v: protocol::CoreAdded = call(&control, &req)?;
@@ -357,6 +345,16 @@ fn run(cli: Cli) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// How a connect or attach brought the cache back on `device`.
+fn connected_on(v: &protocol::Connected, device: &str) -> String {
+    let how = if v.loaded {
+        "loaded from"
+    } else {
+        "a new cache started on"
+    };
+    format!("{how} {device}")
 }
 
 /// Send one request to the daemon and decode the result.
