@@ -763,19 +763,7 @@ fn a_core_that_is_not_lazy_holds_readiness_until_it_appears() {
     use std::sync::{Arc, Mutex};
     let dir = workdir();
     let p = dir.path();
-    let cache = p.join("cache.img");
-    sparse_file(&cache, 64 << 20);
-    let late_dir = p.join("late");
-    let core = late_dir.join("core.img");
-    let cfg = p.join("hybridcache.toml");
-    write_file(
-        &cfg,
-        &format!(
-            "[daemon]\ndevice_timeout = 30\n\n[[cache]]\nid = 1\ndevice = \"{}\"\nmode = \"wb\"\n\n[[core]]\ncache = 1\nid = 1\ndevice = \"{}\"\nlazy_startup = false\n",
-            cache.display(),
-            core.display()
-        ),
-    );
+    let (cfg, late_dir, core) = cache_with_a_late_core_that_is_not_lazy(p, 30);
     let notify = p.join("notify.sock");
     let listener = UnixDatagram::bind(&notify).expect("bind the notify socket");
     listener.set_nonblocking(true).expect("nonblocking");
@@ -826,13 +814,31 @@ fn a_core_that_is_not_lazy_holds_readiness_until_it_appears() {
     assert_eq!(saved.daemon.device_timeout, Some(30), "{saved:?}");
 }
 
-/// Run a daemon on `cfg` (with --save-config) that must give up by itself and exit with 1;
-/// returns how long it ran and its stderr. One that does not give up is killed after 30 s
-/// rather than left to hang the test.
-fn daemon_that_gives_up(p: &Path, cfg: &Path) -> (Duration, String) {
-    let started = Instant::now();
-    let err_file = p.join("daemon.err");
-    let mut child = Command::new(BIN)
+/// A 64 MiB cache file and a configuration whose core (in `late/`, not there yet) is marked
+/// `lazy_startup = false`, with `device_timeout` seconds: (configuration, late dir, core path).
+fn cache_with_a_late_core_that_is_not_lazy(
+    p: &Path,
+    timeout_s: u64,
+) -> (PathBuf, PathBuf, PathBuf) {
+    let cache = p.join("cache.img");
+    sparse_file(&cache, 64 << 20);
+    let late_dir = p.join("late");
+    let core = late_dir.join("core.img");
+    let cfg = p.join("hybridcache.toml");
+    write_file(
+        &cfg,
+        &format!(
+            "[daemon]\ndevice_timeout = {timeout_s}\n\n[[cache]]\nid = 1\ndevice = \"{}\"\nmode = \"wb\"\n\n[[core]]\ncache = 1\nid = 1\ndevice = \"{}\"\nlazy_startup = false\n",
+            cache.display(),
+            core.display()
+        ),
+    );
+    (cfg, late_dir, core)
+}
+
+/// A daemon on `cfg` with its sockets in `p` and its stderr in `p/daemon.err`, not waited for.
+fn spawn_daemon(p: &Path, cfg: &Path, extra: &[&str]) -> Child {
+    Command::new(BIN)
         .arg("daemon")
         .arg("--control")
         .arg(p.join("control.sock"))
@@ -840,12 +846,21 @@ fn daemon_that_gives_up(p: &Path, cfg: &Path) -> (Duration, String) {
         .arg(p.join("nbd.sock"))
         .arg("--config")
         .arg(cfg)
-        .arg("--save-config")
+        .args(extra)
         .env_remove("HYBRIDCACHE_CONTROL")
         .stdin(Stdio::null())
-        .stderr(std::fs::File::create(&err_file).expect("stderr file"))
+        .stderr(std::fs::File::create(p.join("daemon.err")).expect("stderr file"))
         .spawn()
-        .expect("run the daemon");
+        .expect("run the daemon")
+}
+
+/// Run a daemon on `cfg` (with --save-config) that must give up by itself and exit with 1;
+/// returns how long it ran and its stderr. One that does not give up is killed after 30 s
+/// rather than left to hang the test.
+fn daemon_that_gives_up(p: &Path, cfg: &Path) -> (Duration, String) {
+    let started = Instant::now();
+    let err_file = p.join("daemon.err");
+    let mut child = spawn_daemon(p, cfg, &["--save-config"]);
     let status = loop {
         if let Some(status) = child.try_wait().expect("wait") {
             break Some(status);
@@ -1006,33 +1021,9 @@ fn a_core_that_is_not_lazy_and_cannot_be_attached_stops_the_daemon_after_the_tim
 fn a_command_sent_while_the_daemon_waits_for_a_device_is_answered_after_it() {
     let dir = workdir();
     let p = dir.path();
-    let cache = p.join("cache.img");
-    sparse_file(&cache, 64 << 20);
-    let late_dir = p.join("late");
-    let core = late_dir.join("core.img");
-    let cfg = p.join("hybridcache.toml");
-    write_file(
-        &cfg,
-        &format!(
-            "[daemon]\ndevice_timeout = 60\n\n[[cache]]\nid = 1\ndevice = \"{}\"\nmode = \"wb\"\n\n[[core]]\ncache = 1\nid = 1\ndevice = \"{}\"\nlazy_startup = false\n",
-            cache.display(),
-            core.display()
-        ),
-    );
+    let (cfg, late_dir, core) = cache_with_a_late_core_that_is_not_lazy(p, 60);
     let control = p.join("control.sock");
-    let mut child = Command::new(BIN)
-        .arg("daemon")
-        .arg("--control")
-        .arg(&control)
-        .arg("--nbd-socket")
-        .arg(p.join("nbd.sock"))
-        .arg("--config")
-        .arg(&cfg)
-        .env_remove("HYBRIDCACHE_CONTROL")
-        .stdin(Stdio::null())
-        .stderr(std::fs::File::create(p.join("daemon.err")).expect("stderr file"))
-        .spawn()
-        .expect("run the daemon");
+    let mut child = spawn_daemon(p, &cfg, &[]);
     let started = Instant::now();
     while !control.exists() && started.elapsed() < Duration::from_secs(20) {
         std::thread::sleep(Duration::from_millis(20));
