@@ -28,7 +28,8 @@ pub use emul::{
     STUDY_RANDOM_WRITE_IOPS, STUDY_SEQ_WRITE_MBS, STUDY_SPAN,
 };
 pub use emul::{
-    measured, simulate_study_job, study_cells, Measure, StudyCell, StudyJob, STUDY_MIXED_5050_IOPS,
+    calibration_cells_through, measured, simulate_study_job, simulate_study_job_through,
+    study_cells, Measure, StudyCell, StudyJob, Transport, STUDY_MIXED_5050_IOPS,
     STUDY_MIXED_QD32_IOPS,
 };
 pub use fault::{CrashVolume, FaultConfig, FaultyVolume, WriteFate};

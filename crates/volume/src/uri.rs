@@ -10,7 +10,7 @@
 //! - `hdd:size=1T[,rpm=7200][,ncq=32][,avg_seek_ms=8.5][,full_seek_ms=15][,rate=200M]
 //!   [,overhead_us=100][,nodata|,file=PATH]`: one hard disk.
 //! - `raid:level=60,groups=4,disks=10,disk_size=4T[,strip=64K][,rpm=..][,ncq=..][,merge_ms=0.5]
-//!   [,stripe_cache=256][,ctrl_us=0][,parity_us=100,parity_rate=200M][,nodata|,file=PATH]`:
+//!   [,stripe_cache=256][,ctrl_us=0][,parity_us=70,parity_write_us=110,parity_rate=300M][,nodata|,file=PATH]`:
 //!   a RAID array (levels 0, 1, 5, 6 with one group; 10, 50, 60 with `groups` >= 2); the disk
 //!   keys of `hdd:` apply to every member. `raid:preset=study60,disk_size=4T` starts from the
 //!   calibrated RAID 60 of [`crate::RaidConfig::study_raid60`] and lets other keys override.
@@ -121,7 +121,7 @@ fn throttle_config(text: &str) -> ParamResult<ThrottleConfig> {
 
 const HDD_KEYS: &str = "size, rpm, ncq, avg_seek_ms, full_seek_ms, rate, overhead_us, nodata, file";
 const RAID_KEYS: &str = "level, groups, disks, disk_size, strip, merge_ms, stripe_cache, ctrl_us, \
-     parity_us, parity_rate, preset, rpm, ncq, avg_seek_ms, full_seek_ms, rate, overhead_us, \
+     parity_us, parity_write_us, parity_rate, preset, rpm, ncq, avg_seek_ms, full_seek_ms, rate, overhead_us, \
      nodata, file";
 
 /// The config and data backing of an `hdd:` (`raid` false) or `raid:` spec's parameters.
@@ -190,17 +190,18 @@ fn emul_config(text: &str, raid: bool) -> ParamResult<(EmulConfig, Backing)> {
             }
             "stripe_cache" if raid => raid_cfg.stripe_cache = int(k, v, 0..=1 << 20)? as usize,
             "ctrl_us" if raid => raid_cfg.ctrl_latency = time(k, v, 1e-6, 1.0)?,
-            "parity_us" if raid => {
-                let per_request = time(k, v, 1e-6, 1.0)?;
-                let rate = raid_cfg.parity_engine.map_or(200_000_000, |e| e.rate);
-                raid_cfg.parity_engine = Some(ParityEngine { per_request, rate });
-            }
-            "parity_rate" if raid => {
-                let rate = size(k, v)?.max(1);
-                let per_request = raid_cfg
-                    .parity_engine
-                    .map_or(Duration::ZERO, |e| e.per_request);
-                raid_cfg.parity_engine = Some(ParityEngine { per_request, rate });
+            "parity_us" | "parity_write_us" | "parity_rate" if raid => {
+                let mut e = raid_cfg.parity_engine.unwrap_or(ParityEngine {
+                    per_update: Duration::ZERO,
+                    per_write: Duration::ZERO,
+                    rate: 200_000_000,
+                });
+                match k {
+                    "parity_us" => e.per_update = time(k, v, 1e-6, 1.0)?,
+                    "parity_write_us" => e.per_write = time(k, v, 1e-6, 1.0)?,
+                    _ => e.rate = size(k, v)?.max(1),
+                }
+                raid_cfg.parity_engine = Some(e);
             }
             _ => {
                 return Err(format!(

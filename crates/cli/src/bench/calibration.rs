@@ -13,6 +13,13 @@
 //!   adds the NBD transport and the server's workers, so very high rates (the multi-GB/s
 //!   full-stripe cells) are capped by the transport on small machines.
 //!
+//! The full-stripe cells (a stripe's worth of writes in flight, 512 KiB) are where a transport
+//! shows: the array writes a stripe only once all of its writes have arrived, so each stripe
+//! waits for the round trip of all of them, which on a small machine costs more than the
+//! stripe's own write. For those cells the fio method also prints what the model gives with
+//! fio behind a transport like this machine's NBD (`Transport::nbd_here`), and `--check` holds
+//! them to that instead of the study.
+//!
 //! The study's numbers are taken from the volume crate (`STUDY_*`), never copied here.
 
 use std::fmt::Write as _;
@@ -21,8 +28,9 @@ use std::path::PathBuf;
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, ValueEnum};
 use hybridcache_volume::{
-    measured, parse_size, simulate_study_job, study_cells as volume_study_cells, EmulConfig,
-    Measure, Pattern as SimPattern, RaidConfig, StudyJob, STUDY_DEPTHS, STUDY_SPAN,
+    measured, parse_size, simulate_study_job_through, study_cells as volume_study_cells,
+    EmulConfig, Measure, Pattern as SimPattern, RaidConfig, StudyJob, Transport, STUDY_DEPTHS,
+    STUDY_SPAN,
 };
 use serde::Serialize;
 
@@ -60,6 +68,11 @@ pub struct CalibrationArgs {
     /// sim: measured requests per random job (4x for sequential jobs).
     #[arg(long, default_value_t = 300, value_name = "N")]
     pub requests: u64,
+    /// sim: put fio behind a transport like NBD on a small machine (a reply and the next
+    /// request 80-180 µs apart, requests reaching the server one at a time), to see what the
+    /// fio method should give here.
+    #[arg(long)]
+    pub transport: bool,
     /// Only the random 4 KiB write row (5 cells): a quick check.
     #[arg(long, conflicts_with = "quick")]
     pub random_only: bool,
@@ -69,7 +82,8 @@ pub struct CalibrationArgs {
     #[arg(long)]
     pub quick: bool,
     /// Exit with an error when a measured cell is further than FACTOR from the study
-    /// (ours/study outside 1/FACTOR..FACTOR), after printing the table.
+    /// (ours/study outside 1/FACTOR..FACTOR), after printing the table; a full-stripe cell
+    /// measured through fio, from the model behind NBD's transport instead.
     #[arg(long, value_name = "FACTOR")]
     pub check: Option<f64>,
     /// Also write calibration.json and calibration.md here.
@@ -86,6 +100,10 @@ pub struct CalCell {
     pub study: f64,
     pub sim: Option<f64>,
     pub fio: Option<f64>,
+    /// A full-stripe cell measured through fio: the model's figure with fio behind a transport
+    /// like NBD's here, which bounds it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub behind_transport: Option<f64>,
     #[serde(skip)]
     job: StudyJob,
     #[serde(skip)]
@@ -93,13 +111,15 @@ pub struct CalCell {
 }
 
 /// The cells of the `--quick` selection: (row, depth).
-const QUICK: [(&str, u32); 16] = [
+const QUICK: [(&str, u32); 18] = [
     ("randwrite 4K", 1),
     ("randwrite 4K", 32),
     ("write 4K", 1),
     ("write 8K", 4),
     ("write 8K", 32),
     ("write 16K", 16),
+    ("write 16K", 32),
+    ("write 64K", 16),
     ("randrw 50/50 4K read", 1),
     ("randrw 50/50 4K write", 1),
     ("randrw 50/50 4K read", 32),
@@ -125,6 +145,7 @@ fn study_cells(random_only: bool, quick: bool) -> Vec<CalCell> {
             study: c.study,
             sim: None,
             fio: None,
+            behind_transport: None,
             row: c.row,
             job: c.job,
             measure: c.measure,
@@ -167,6 +188,40 @@ fn off(ratio: f64) -> f64 {
 
 fn within(ours: f64, study: f64) -> bool {
     off(ratio(ours, study)) <= 1.5
+}
+
+/// Whether a cell keeps a whole stripe (512 KiB of data) or more of writes in flight: the cells
+/// above the study's jump, where a transport's round trip per stripe bounds fio through NBD.
+fn full_stripe(job: &StudyJob) -> bool {
+    job.pattern == SimPattern::Sequential && job.block_size * u64::from(job.iodepth) >= 512 << 10
+}
+
+/// The section of the fio method on the full-stripe cells: fio's figure against the model's
+/// with fio behind the transport.
+fn transport_section(cells: &[CalCell]) -> String {
+    let mut s = String::from(
+        "Full-stripe cells through NBD, against the model with fio behind a transport like NBD's \
+         here (`--method sim --transport`): a stripe is written once all its writes have arrived, \
+         so each stripe also waits for their round trip through the transport.\n\n\
+         | cell | unit | fio | model behind the transport | fio / model | study |\n\
+         |---|---|---:|---:|---:|---:|\n",
+    );
+    for c in cells {
+        if let (Some(v), Some(t)) = (c.fio, c.behind_transport) {
+            let _ = writeln!(
+                s,
+                "| {} qd{} | {} | {} | {} | {:.2} | {} |",
+                c.row,
+                c.iodepth,
+                c.unit,
+                fmt(v),
+                fmt(t),
+                v / t,
+                fmt(c.study)
+            );
+        }
+    }
+    s
 }
 
 fn fmt(v: f64) -> String {
@@ -299,17 +354,22 @@ pub fn run(a: &CalibrationArgs) -> Result<()> {
          a 1 TiB region (the study does not say how much of the array fio touched: an assumption).\n\n",
     );
 
+    let cfg = EmulConfig::Raid(RaidConfig::study_raid60(disk_size));
+    let n = a.requests.max(10);
     if matches!(a.method, Method::Sim | Method::Both) {
-        let cfg = EmulConfig::Raid(RaidConfig::study_raid60(disk_size));
-        let n = a.requests.max(10);
+        let transport = a.transport.then(Transport::nbd_here);
         fill(
             &mut cells,
-            |_, c| Ok(simulate_study_job(&cfg, &c.job, n)),
+            |_, c| Ok(simulate_study_job_through(&cfg, &c.job, n, transport)),
             |c, r| c.sim = Some(measured(&r, c.measure)),
         )?;
+        let how = if a.transport {
+            "fio behind a transport like NBD's here"
+        } else {
+            "no fio, no NBD"
+        };
         text.push_str(&format!(
-            "## Method: in-process simulation (virtual time, {} requests per random cell; no fio, no NBD)\n\n",
-            a.requests.max(10)
+            "## Method: in-process simulation (virtual time, {n} requests per random cell; {how})\n\n",
         ));
         text.push_str(&table(&cells, |c| c.sim));
         text.push('\n');
@@ -375,6 +435,17 @@ pub fn run(a: &CalibrationArgs) -> Result<()> {
         ));
         text.push_str(&table(&cells, |c| c.fio));
         text.push('\n');
+        for c in cells
+            .iter_mut()
+            .filter(|c| c.fio.is_some() && full_stripe(&c.job))
+        {
+            let r = simulate_study_job_through(&cfg, &c.job, n, Some(Transport::nbd_here()));
+            c.behind_transport = Some(measured(&r, c.measure));
+        }
+        if cells.iter().any(|c| c.behind_transport.is_some()) {
+            text.push_str(&transport_section(&cells));
+            text.push('\n');
+        }
     }
 
     print!("{text}");
@@ -397,17 +468,24 @@ pub fn run(a: &CalibrationArgs) -> Result<()> {
         std::fs::write(out.join("calibration.md"), &text).context("cannot write calibration.md")?;
     }
     if let Some(f) = a.check {
-        let bad: Vec<String> = cells
-            .iter()
-            .flat_map(|c| [c.sim, c.fio].into_iter().flatten().map(move |v| (c, v)))
-            .filter(|(c, v)| off(ratio(*v, c.study)) > f)
-            .map(|(c, v)| {
+        // (cell, ours, what it is held to, which)
+        let held = cells.iter().flat_map(|c| {
+            let sim = c.sim.map(|v| (c, v, c.study, "the study"));
+            let fio = c.fio.map(|v| match c.behind_transport {
+                Some(t) => (c, v, t, "the model behind NBD's transport"),
+                None => (c, v, c.study, "the study"),
+            });
+            [sim, fio].into_iter().flatten()
+        });
+        let bad: Vec<String> = held
+            .filter(|(_, v, to, _)| off(ratio(*v, *to)) > f)
+            .map(|(c, v, to, what)| {
                 format!(
-                    "{} qd{}: {} against {}",
+                    "{} qd{}: {} against {} ({what})",
                     c.row,
                     c.iodepth,
                     fmt(v),
-                    fmt(c.study)
+                    fmt(to)
                 )
             })
             .collect();
@@ -446,6 +524,7 @@ mod tests {
         // The quick selection has cells of every table.
         let quick = study_cells(false, true);
         assert_eq!(quick.len(), QUICK.len());
+        assert_eq!(quick.iter().filter(|c| full_stripe(&c.job)).count(), 2);
         for row in [
             "randwrite",
             "write 4K",

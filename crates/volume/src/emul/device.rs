@@ -147,21 +147,45 @@ struct Model {
     /// still pending: with 32 requests waiting that kept a small machine's CPUs busy and
     /// delayed the replies and the next requests by milliseconds.
     driver: bool,
+    /// When the driver, waiting on the condition, wakes by itself (0 while it is not waiting):
+    /// a new request wakes it earlier only if it brings the model's next event before that.
+    driver_until: u64,
     /// The other waiting threads, by request: each is unparked when its request is settled
-    /// (its completion time decided), or to take over as the driver.
-    waiters: HashMap<u64, std::thread::Thread>,
+    /// (with its completion time in its slot), or to take over as the driver.
+    waiters: HashMap<u64, Arc<Waiter>>,
+}
+
+/// A thread waiting for its request, and where it finds the request's completion time once
+/// settled (0 until then), so that a stripe's 32 writes, settled together, do not all take the
+/// model's lock again to learn it.
+struct Waiter {
+    thread: std::thread::Thread,
+    done: std::sync::atomic::AtomicU64,
 }
 
 impl Model {
-    /// Wake the threads of the requests settled since the last call; whether any were.
-    fn wake_settled(&mut self) -> bool {
-        let settled = self.array.take_settled();
-        for op in &settled {
-            if let Some(t) = self.waiters.remove(op) {
-                t.unpark();
+    /// Hand the requests settled since the last call to their waiting threads (forgotten by the
+    /// model, their completion times in the threads' slots) and wake them. Requests whose
+    /// threads do not wait yet stay in the model for their own poll.
+    fn wake_settled(&mut self) {
+        for op in self.array.take_settled() {
+            if let Some(w) = self.waiters.remove(&op) {
+                match self.array.take_done(op) {
+                    Some(t) => w.done.store(t.max(1), std::sync::atomic::Ordering::Release),
+                    None => {
+                        self.waiters.insert(op, w);
+                        continue;
+                    }
+                }
+                w.thread.unpark();
             }
         }
-        !settled.is_empty()
+    }
+
+    /// Whether the waiting driver must wake before its time: the model's next event (a new
+    /// request's, or a settled stripe's disk writes) is due earlier.
+    fn driver_late(&self) -> bool {
+        self.driver_until != 0 && self.array.next_wake() < self.driver_until
     }
 }
 
@@ -255,6 +279,7 @@ impl EmulatedVolume {
             model: Mutex::new(Model {
                 array: config.model(),
                 driver: false,
+                driver_until: 0,
                 waiters: HashMap::new(),
             }),
             drive: Condvar::new(),
@@ -285,20 +310,48 @@ impl EmulatedVolume {
     /// fill its stripe, whichever comes first: the one that fills it wakes the waiters, so a
     /// merged write completes when the stripe is written, not when the window would have ended.
     fn timed<T>(&self, kind: IoKind, offset: u64, len: u64, f: impl FnOnce() -> T) -> T {
+        use std::sync::atomic::Ordering;
+        thread_local! {
+            static WAITER: Arc<Waiter> = Arc::new(Waiter {
+                thread: std::thread::current(),
+                done: std::sync::atomic::AtomicU64::new(0),
+            });
+        }
+        let waiter = WAITER.with(Arc::clone);
+        waiter.done.store(0, Ordering::Relaxed);
         let start = self.clock.now();
         let op = {
             let mut m = self.model.lock();
             let op = m.start(start, kind, offset, len);
             m.wake_settled();
-            self.drive.notify_one();
+            if m.driver_late() {
+                self.drive.notify_one();
+            }
             op
         };
         let r = f();
         let mut driving = false;
+        let finish = |t: u64| {
+            if let Some(trace) = &self.trace {
+                trace.request(start, kind, offset, len, t);
+            }
+            self.clock.sleep_until(t);
+        };
         loop {
             let mut m = self.model.lock();
+            if driving {
+                m.driver_until = 0;
+            }
+            // Settled while this thread waited (or woke spuriously): the model has forgotten it.
+            let settled = waiter.done.load(Ordering::Acquire);
+            if settled != 0 {
+                drop(m);
+                finish(settled);
+                return r;
+            }
             let p = m.poll(self.clock.now(), op);
-            if m.wake_settled() {
+            m.wake_settled();
+            if m.driver_late() {
                 self.drive.notify_one();
             }
             match p {
@@ -306,6 +359,7 @@ impl EmulatedVolume {
                     m.waiters.remove(&op);
                     if driving {
                         m.driver = false;
+                        m.driver_until = 0;
                     }
                     if !m.driver {
                         // Another waiting thread drives the model now. Also when this thread
@@ -313,15 +367,12 @@ impl EmulatedVolume {
                         // no new request coming (a client at the end of its run), the rest
                         // would wait for a driver forever.
                         let next = m.waiters.keys().next().copied();
-                        if let Some(t) = next.and_then(|o| m.waiters.remove(&o)) {
-                            t.unpark();
+                        if let Some(w) = next.and_then(|o| m.waiters.remove(&o)) {
+                            w.thread.unpark();
                         }
                     }
                     drop(m);
-                    if let Some(trace) = &self.trace {
-                        trace.request(start, kind, offset, len, t);
-                    }
-                    self.clock.sleep_until(t);
+                    finish(t);
                     return r;
                 }
                 Poll::Pending(t) if self.clock.is_virtual() => {
@@ -330,10 +381,16 @@ impl EmulatedVolume {
                 }
                 Poll::Pending(_) if m.driver && !driving => {
                     // The driver makes the decisions due; wait until this request is settled
-                    // (or the driver leaves). An unpark before the park is not lost.
-                    m.waiters.insert(op, std::thread::current());
+                    // (its completion time then in the slot) or the driver leaves. An unpark
+                    // before the park is not lost.
+                    m.waiters.insert(op, waiter.clone());
                     drop(m);
                     std::thread::park();
+                    let settled = waiter.done.load(Ordering::Acquire);
+                    if settled != 0 {
+                        finish(settled);
+                        return r;
+                    }
                 }
                 Poll::Pending(t) => {
                     m.driver = true;
@@ -343,9 +400,11 @@ impl EmulatedVolume {
                     let now = self.clock.now();
                     if t > now + WAKE_MARGIN {
                         super::clock::precise_timers();
+                        m.driver_until = t - WAKE_MARGIN;
                         let d = std::time::Duration::from_nanos(t - now - WAKE_MARGIN);
                         let _ = self.drive.wait_for(&mut m, d);
                     } else {
+                        m.driver_until = t;
                         drop(m);
                         self.clock.sleep_until(t);
                     }

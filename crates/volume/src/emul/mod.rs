@@ -34,10 +34,10 @@ pub use device::{Backing, EmulConfig, EmulatedVolume};
 pub use hdd::{HddConfig, STARVATION_LIMIT};
 pub use raid::{IoKind, ParityEngine, RaidConfig, RaidLevel};
 pub use sim::{
-    calibration_cells, calibration_table, measured, simulate, simulate_study_job, study_cells,
-    Cell, Measure, Pattern, SimResult, SplitMix64, StudyCell, StudyJob, Workload, STUDY_DEPTHS,
-    STUDY_MIXED_5050_IOPS, STUDY_MIXED_QD32_IOPS, STUDY_RANDOM_WRITE_IOPS, STUDY_SEQ_WRITE_MBS,
-    STUDY_SPAN,
+    calibration_cells, calibration_cells_through, calibration_table, measured, simulate,
+    simulate_study_job, simulate_study_job_through, study_cells, Cell, Measure, Pattern, SimResult,
+    SplitMix64, StudyCell, StudyJob, Transport, Workload, STUDY_DEPTHS, STUDY_MIXED_5050_IOPS,
+    STUDY_MIXED_QD32_IOPS, STUDY_RANDOM_WRITE_IOPS, STUDY_SEQ_WRITE_MBS, STUDY_SPAN,
 };
 pub use ssd::{SsdConfig, SsdVolume};
 pub use throttle::{ThrottleConfig, ThrottledVolume};

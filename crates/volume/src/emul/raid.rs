@@ -15,31 +15,33 @@
 //!   write the new data and parity;
 //! - with a stripe cache (`stripe_cache` stripes, least recently used out), the controller keeps
 //!   the stripes it has touched in memory: a partial write to a cached stripe reads nothing, and
-//!   new parity stays in the cache (dirty) until the stripe is evicted, when it is written in the
-//!   background. That is what lets a sequential stream of small writes run at the data disk's
-//!   speed instead of rewriting (and waiting a revolution for) the same parity sectors each time;
-//!   random writes still pay every read and, on eviction, every parity write;
+//!   new parity stays in the cache (dirty) until partial writes have written every data byte of
+//!   the stripe (then it is written at once, where a sequential stream left the parity disks'
+//!   heads) or the stripe is evicted (written in the background, by then far from the heads).
+//!   That is what lets a sequential stream of small writes run at the data disk's speed instead
+//!   of rewriting (and waiting a revolution for) the same parity sectors each time; random
+//!   writes still pay every read and, on eviction, every parity write;
+//! - with a parity engine, a partial-stripe update costs the engine a fixed time, a time per
+//!   client write it covers and its bytes at the engine's rate, one update at a time;
 //! - with a merge window, a partial-stripe write first waits up to `merge_window` for other
-//!   writes to complete the stripe: if they do, all are written as one full stripe; if not, each
-//!   is written as a partial write. While the parity engine is busy, an expired stripe keeps
-//!   waiting, until one window after the engine is free (at most 20 windows from its first
-//!   write): writes queued for the engine have not been processed yet and may still be merged.
-//!   Without that, a sequential stream that once fell to partial writes (its writes arriving
-//!   spread out, as through a transport) stays paced by the engine, one write per engine slot,
-//!   and never fills a stripe within a window again. A stripe that follows one written full
-//!   waits 4 windows instead of one: the stream is expected to continue, and its writes may
-//!   arrive spread out (through NBD on a busy machine, by a millisecond or so). And when the
-//!   client keeps a stripe's worth of writes in flight (the most write bytes outstanding at
-//!   once lately), a stripe whose previous stripe in the stream still has partial writes in
-//!   progress keeps waiting until a window after they finish (at most 20 windows): the client
-//!   sends the rest of this stripe as their replies reach it. Without that, a stream whose
-//!   in-flight writes straddle two stripes (after one delivery hiccup through a transport) has
-//!   each stripe expire a window after the engine is done with the previous one, while the
-//!   previous one's writes still wait for their data disks, and stays at the engine's pace
-//!   (about 120 MB/s instead of 1.2 GB/s for 64K at depth 8). With `n` writes
-//!   of `b` bytes
-//!   in flight, a sequential stream fills stripes only when `n * b` reaches the stripe's data
-//!   width, which is the jump in the study's sequential-write table.
+//!   writes to complete the stripe: if they do, all are written as one full stripe; if not, they
+//!   go out together as one partial-stripe update (each disk writes their contiguous bytes at
+//!   once, the engine updates their parity in one pass, and all complete together). While the
+//!   parity engine is busy, an expired stripe keeps waiting until it is free (at most 20 windows
+//!   from its first write): writes queued for the engine have not been processed yet and may
+//!   still be merged. A stripe that follows one written full waits 4 windows instead of one:
+//!   the stream is expected to continue, and its writes may arrive spread out.
+//! - A client that keeps a stripe's worth of writes in flight (the most write bytes outstanding
+//!   at once lately, counting those completed within the last window whose replacements have not
+//!   arrived yet: through a transport some are always on their way) sends the rest of a stripe
+//!   as its earlier writes complete. So for such a client each write to a stripe extends its
+//!   wait by 4 windows (up to 20 from its first), and a stripe whose previous stripe in the
+//!   stream still has partial writes in progress keeps waiting until a window after they finish.
+//!   Without that, a stream whose writes arrive spread out (through NBD: 0.3-1 ms for a stripe's
+//!   writes) or whose in-flight writes straddle two stripes falls to partial writes, and the
+//!   revolutions those cost stall the next stripes, which then fall too. With `n` writes of `b`
+//!   bytes in flight, a sequential stream fills stripes only when `n * b` reaches the stripe's
+//!   data width, which is the jump in the study's sequential-write table.
 //!
 //! Every request also pays a fixed controller latency.
 //!
@@ -133,13 +135,16 @@ pub struct RaidConfig {
     pub parity_engine: Option<ParityEngine>,
 }
 
-/// A RAID controller's parity engine: it handles one partial-stripe write at a time, for a
-/// fixed cost plus the write's length at `rate` bytes per second. It caps the small sequential
-/// writes of the study's array (a few thousand IOPS, falling with the block size) while leaving
-/// full-stripe writes, which it does not handle, free to go faster.
+/// A RAID controller's parity engine: it handles one parity update at a time, for a fixed cost
+/// per update, a cost per client write it covers, and the bytes written at `rate` bytes per
+/// second. An update is a partial-stripe write, or the writes to one stripe that waited in a
+/// merge window together without filling it (the controller updates their parity in one pass).
+/// It caps the small sequential writes of the study's array (a few thousand IOPS, falling with
+/// the block size) while leaving full-stripe writes, which it does not handle, free to go faster.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ParityEngine {
-    pub per_request: Duration,
+    pub per_update: Duration,
+    pub per_write: Duration,
     pub rate: u64,
 }
 
@@ -161,17 +166,19 @@ impl RaidConfig {
 
     /// The study's array (domain.md §10), with the parameters tuned to reproduce its no-cache
     /// baselines: RAID 60, 4 groups of 10 disks of `disk_size` bytes (8 data + 2 parity),
-    /// 7200 rpm, 64 KiB strips, NCQ 32, a 0.5 ms merge window, a 256-stripe stripe cache and a
-    /// parity engine of 100 µs + 200 MB/s per partial-stripe write.
+    /// 7200 rpm, 64 KiB strips, disks that serve commands in arrival order (no NCQ: with it the
+    /// model's mixed reads and writes ran up to 1.6x the study's at depth), a 0.5 ms merge
+    /// window, a 256-stripe stripe cache and a parity engine of 70 µs per update + 100 µs per
+    /// write + 300 MB/s.
     pub fn study_raid60(disk_size: u64) -> RaidConfig {
-        let mut disk = HddConfig::new(disk_size, 7200);
-        disk.ncq = 32;
+        let disk = HddConfig::new(disk_size, 7200);
         RaidConfig {
             merge_window: Some(Duration::from_micros(500)),
             stripe_cache: 256,
             parity_engine: Some(ParityEngine {
-                per_request: Duration::from_micros(100),
-                rate: 200_000_000,
+                per_update: Duration::from_micros(70),
+                per_write: Duration::from_micros(110),
+                rate: 300_000_000,
             }),
             ..RaidConfig::new(RaidLevel::Raid60, 4, 10, 64 << 10, disk)
         }
@@ -274,8 +281,52 @@ struct SubIo {
 #[derive(Debug, Clone)]
 struct Partial {
     key: (u64, u64),
+    /// The bytes of the stripe's data it writes, sorted and merged.
+    ranges: Vec<(u64, u64)>,
     data: Vec<SubIo>,
     parity: Vec<SubIo>,
+    /// The client writes it stands for: one, or a merge group's that expired together.
+    writes: u64,
+}
+
+impl Partial {
+    /// One update for the writes of a merge group that expired together: each disk writes the
+    /// group's contiguous bytes on it at once, and each parity disk the span of their parity.
+    fn combine(key: (u64, u64), mut parts: Vec<Partial>) -> Partial {
+        parts.sort_by_key(|p| p.ranges.first().map_or(0, |r| r.0));
+        let mut out = Partial {
+            key,
+            ranges: Vec::new(),
+            data: Vec::new(),
+            parity: Vec::new(),
+            writes: 0,
+        };
+        for p in parts {
+            out.writes += p.writes;
+            for (a, b) in p.ranges {
+                add_range(&mut out.ranges, a, b);
+            }
+            for io in p.data {
+                match out.data.last_mut() {
+                    Some(last) if last.disk == io.disk && last.offset + last.len == io.offset => {
+                        last.len += io.len
+                    }
+                    _ => out.data.push(io),
+                }
+            }
+            for io in p.parity {
+                match out.parity.iter_mut().find(|d| d.disk == io.disk) {
+                    Some(d) => {
+                        let end = (d.offset + d.len).max(io.offset + io.len);
+                        d.offset = d.offset.min(io.offset);
+                        d.len = end - d.offset;
+                    }
+                    None => out.parity.push(io),
+                }
+            }
+        }
+        out
+    }
 }
 
 #[derive(Debug)]
@@ -287,6 +338,9 @@ enum PieceState {
     },
     /// In a merge window.
     Merging(Partial),
+    /// Issued with the other writes of its merge group as one update, which the group's first
+    /// piece carries (`Array::followers`): it finishes when that one does.
+    Follows,
     Finished(Nanos),
 }
 
@@ -303,6 +357,9 @@ struct OpState {
 struct CachedStripe {
     key: (u64, u64),
     dirty: Vec<SubIo>,
+    /// The stripe's data bytes written by partial writes while its parity is dirty, sorted and
+    /// merged.
+    written: Vec<(u64, u64)>,
     /// Last written as one full stripe.
     full: bool,
 }
@@ -353,6 +410,10 @@ pub struct Array {
     background: Vec<(usize, u64)>,
     /// Index in `disks` of the parity engine, if modelled.
     engine: Option<usize>,
+    /// The engine's cost per write it covers, in bytes at its rate.
+    engine_write_bytes: u64,
+    /// The pieces issued with a group's first piece (see [`PieceState::Follows`]), by that piece.
+    followers: HashMap<(u64, usize), Vec<(u64, usize)>>,
     merges: HashMap<(u64, u64), MergeGroup>,
     /// Partial-stripe writes not yet finished, by stripe, and the stripe of each such piece
     /// (request, piece): a stream's next stripe may wait for them (see [`Array::advance`]).
@@ -360,6 +421,10 @@ pub struct Array {
     partial_pieces: HashMap<(u64, usize), (u64, u64)>,
     /// The most write bytes outstanding at once lately, and when it was seen.
     peak_writes: (u64, Nanos),
+    /// Writes that completed less than a merge window ago (completion time, bytes): their
+    /// replies are on their way back, and the client sends the next writes when they arrive, so
+    /// to the client they are still in flight.
+    recent_done: VecDeque<(Nanos, u64)>,
     /// Merge groups written as one full stripe, and those whose window expired.
     merged_full: u64,
     merge_expired: u64,
@@ -396,7 +461,8 @@ impl Array {
         let mut a = Self::build(geo, &cfg.disk, merge, cfg.stripe_cache, cfg.ctrl_latency);
         if let (Some(e), Inner::Parity(_)) = (cfg.parity_engine, inner) {
             a.engine = Some(a.disks.len());
-            let model = Arc::new(HddModel::seekless(e.per_request, e.rate));
+            a.engine_write_bytes = (e.per_write.as_nanos() * e.rate as u128 / 1_000_000_000) as u64;
+            let model = Arc::new(HddModel::seekless(e.per_update, e.rate));
             a.disks.push(Disk::new(model));
         }
         a
@@ -434,10 +500,13 @@ impl Array {
             cache: VecDeque::new(),
             background: Vec::new(),
             engine: None,
+            engine_write_bytes: 0,
+            followers: HashMap::new(),
             merges: HashMap::new(),
             partials: HashMap::new(),
             partial_pieces: HashMap::new(),
             peak_writes: (0, 0),
+            recent_done: VecDeque::new(),
             merged_full: 0,
             merge_expired: 0,
             settled: Vec::new(),
@@ -495,7 +564,20 @@ impl Array {
         if kind == IoKind::Write {
             // How much the client keeps in flight: the most write bytes outstanding at once
             // lately (a stream's in-flight writes are all outstanding only between replies).
-            let out: u64 = self.ops.values().map(|o| o.write_bytes).sum();
+            // Through a transport some of them are always on their way (a reply back, the next
+            // request out), which the writes completed within the last window stand for, less
+            // one for each write that has arrived since (the one its reply let the client send).
+            let window = self.merge_window.unwrap_or(0);
+            while self
+                .recent_done
+                .front()
+                .is_some_and(|&(t, _)| t + window <= now)
+            {
+                self.recent_done.pop_front();
+            }
+            self.recent_done.pop_front();
+            let out: u64 = self.ops.values().map(|o| o.write_bytes).sum::<u64>()
+                + self.recent_done.iter().map(|&(_, b)| b).sum::<u64>();
             let recent = self.peak_writes.1 + MERGE_DEFER_MAX * self.merge_window.unwrap_or(0);
             if out >= self.peak_writes.0 || now > recent {
                 self.peak_writes = (out, now);
@@ -512,17 +594,28 @@ impl Array {
     pub fn poll(&mut self, now: Nanos, op: u64) -> Poll {
         self.polls += 1;
         self.advance(now);
-        match self.ops.get(&op).and_then(|o| o.done_at) {
-            Some(t) => {
-                self.ops.remove(&op);
-                Poll::Done(t)
-            }
-            None => Poll::Pending(
-                self.next_event()
-                    .unwrap_or(self.now + 1_000_000)
-                    .max(self.now),
-            ),
+        match self.take_done(op) {
+            Some(t) => Poll::Done(t),
+            None => Poll::Pending(self.next_wake()),
         }
+    }
+
+    /// When something is next due in the model (a poll then makes progress).
+    pub fn next_wake(&self) -> Nanos {
+        self.next_event()
+            .unwrap_or(self.now + 1_000_000)
+            .max(self.now)
+    }
+
+    /// The completion time of request `op` if it is settled, forgetting it (as a poll that
+    /// finds it done does, without moving the model).
+    pub fn take_done(&mut self, op: u64) -> Option<Nanos> {
+        let t = self.ops.get(&op).and_then(|o| o.done_at)?;
+        let bytes = self.ops.remove(&op).map_or(0, |o| o.write_bytes);
+        if bytes > 0 && self.merge_window.is_some() {
+            self.recent_done.push_back((t, bytes));
+        }
+        Some(t)
     }
 
     /// Add the pieces of one group's part of a request.
@@ -627,8 +720,10 @@ impl Array {
         }
         let partial = Partial {
             key,
+            ranges: vec![(a, b)],
             data,
             parity: parity_ios,
+            writes: 1,
         };
         let Some(window) = self.merge_window else {
             let steps = self.partial_steps(now, &partial);
@@ -660,6 +755,15 @@ impl Array {
         });
         m.members.push((op, piece));
         add_range(&mut m.covered, a, b);
+        // A client that keeps a stripe's worth of writes in flight sends the rest of this stripe
+        // as its earlier writes complete: while they keep coming, the stripe keeps waiting (up to
+        // the cap), so a stream whose writes arrive spread out (through a transport, behind a
+        // stalled stripe) still fills it instead of falling to partial writes.
+        let base = self.merge_window.unwrap_or(0);
+        if self.peak_writes.0 >= row_bytes {
+            let cap = m.first + MERGE_DEFER_MAX * base;
+            m.deadline = m.deadline.max((now + STREAM_WINDOWS * base).min(cap));
+        }
         if m.covered == [(0, row_bytes)] {
             self.write_full_stripe(now, key);
         }
@@ -685,14 +789,17 @@ impl Array {
             });
             let stream =
                 starts_row && row > 0 && self.cache.iter().any(|e| e.key == (group, row - 1));
-            if self.touch_cache(now, w.key, Some(&w.parity)) || stream {
+            if self.touch_cache(now, w.key, Some(w)) || stream {
                 vec![w.data.clone()]
             } else {
                 vec![both, w.data.clone()]
             }
         };
         if let Some(engine) = self.engine {
-            let len = w.data.iter().map(|io| io.len).sum();
+            // The engine's cost per write, as bytes at its rate (its model is a fixed cost per
+            // request plus bytes at a rate).
+            let len =
+                w.data.iter().map(|io| io.len).sum::<u64>() + w.writes * self.engine_write_bytes;
             let head = self.disks[engine].distance(0);
             let at = steps.len() - 1;
             steps.insert(
@@ -707,10 +814,14 @@ impl Array {
         steps
     }
 
-    /// Note a stripe as cached (most recently used), with new dirty parity ranges or, for a
-    /// full-stripe write, clean. Returns whether it already was cached. Evicting a stripe with
-    /// dirty parity writes that parity in the background.
-    fn touch_cache(&mut self, now: Nanos, key: (u64, u64), dirty: Option<&[SubIo]>) -> bool {
+    /// Note a stripe as cached (most recently used), with a partial write's new dirty parity
+    /// ranges and the data bytes it wrote or, for a full-stripe write, clean. Returns whether it
+    /// already was cached. Once partial writes have written every data byte of a stripe, its
+    /// parity is written at once, in the background, as a controller writes a stripe completed in
+    /// its cache: the parity disks are then where a sequential stream left them, so the stream's
+    /// next rows find every head in place. Otherwise dirty parity waits for the stripe's eviction,
+    /// which writes it in the background, by then far from the disks' heads.
+    fn touch_cache(&mut self, now: Nanos, key: (u64, u64), dirty: Option<&Partial>) -> bool {
         if self.cache_cap == 0 {
             return false;
         }
@@ -720,6 +831,7 @@ impl Array {
                 CachedStripe {
                     key,
                     dirty: Vec::new(),
+                    written: Vec::new(),
                     full: false,
                 },
                 false,
@@ -727,9 +839,12 @@ impl Array {
         };
         entry.full = dirty.is_none();
         match dirty {
-            None => entry.dirty.clear(),
-            Some(parity) => {
-                for io in parity {
+            None => {
+                entry.dirty.clear();
+                entry.written.clear();
+            }
+            Some(w) => {
+                for io in &w.parity {
                     match entry.dirty.iter_mut().find(|d| d.disk == io.disk) {
                         Some(d) => {
                             let end = (d.offset + d.len).max(io.offset + io.len);
@@ -738,6 +853,15 @@ impl Array {
                         }
                         None => entry.dirty.push(*io),
                     }
+                }
+                for &(a, b) in &w.ranges {
+                    add_range(&mut entry.written, a, b);
+                }
+                if entry.written == [(0, self.geo.strip * self.geo.data_disks)] {
+                    let parity = std::mem::take(&mut entry.dirty);
+                    entry.written.clear();
+                    let ids = self.submit_all(now, &parity);
+                    self.background.extend(ids);
                 }
             }
         }
@@ -810,26 +934,39 @@ impl Array {
         }
     }
 
-    /// The merge window of `key` expired: write each member as a partial write.
+    /// The merge window of `key` expired: its writes go out together as one partial-stripe
+    /// update, carried by the first one's piece; the others follow it.
     fn expire_merge(&mut self, now: Nanos, key: (u64, u64)) {
         let Some(m) = self.merges.remove(&key) else {
             return;
         };
         self.merge_expired += 1;
+        let mut members = Vec::new();
+        let mut parts = Vec::new();
         for (op, piece) in m.members {
-            let partial = match self.ops.get(&op).map(|o| &o.pieces[piece]) {
-                Some(PieceState::Merging(p)) => p.clone(),
-                _ => continue,
-            };
-            let mut steps: VecDeque<Vec<SubIo>> = self.partial_steps(now, &partial).into();
-            let first = steps.pop_front().unwrap_or_default();
-            let inflight = self.submit_all(now, &first);
-            *self.partials.entry(key).or_insert(0) += 1;
-            self.partial_pieces.insert((op, piece), key);
-            self.ops.get_mut(&op).expect("op exists").pieces[piece] = PieceState::Steps {
-                pending: steps,
-                inflight,
-            };
+            if let Some(PieceState::Merging(p)) = self.ops.get(&op).map(|o| &o.pieces[piece]) {
+                members.push((op, piece));
+                parts.push(p.clone());
+            }
+        }
+        let Some(&leader) = members.first() else {
+            return;
+        };
+        let update = Partial::combine(key, parts);
+        let mut steps: VecDeque<Vec<SubIo>> = self.partial_steps(now, &update).into();
+        let first = steps.pop_front().unwrap_or_default();
+        let inflight = self.submit_all(now, &first);
+        *self.partials.entry(key).or_insert(0) += 1;
+        self.partial_pieces.insert(leader, key);
+        self.ops.get_mut(&leader.0).expect("op exists").pieces[leader.1] = PieceState::Steps {
+            pending: steps,
+            inflight,
+        };
+        for &(op, piece) in &members[1..] {
+            self.ops.get_mut(&op).expect("op exists").pieces[piece] = PieceState::Follows;
+        }
+        if members.len() > 1 {
+            self.followers.insert(leader, members[1..].to_vec());
         }
     }
 
@@ -898,7 +1035,8 @@ impl Array {
                 .map(|(&k, _)| k)
                 .collect();
             // Writes waiting for the parity engine have not been processed yet: while it is busy,
-            // an expired stripe keeps waiting (and may still fill up) until it is free.
+            // an expired stripe keeps waiting (and may still fill up) until it is free, and then
+            // goes out at once, so that the engine does not stand idle between updates.
             let engine_busy_until = self
                 .engine
                 .map(|e| self.disks[e].backlog().1)
@@ -919,7 +1057,6 @@ impl Array {
                         .stream_neighbour(key, false)
                         .is_some_and(|prev| self.partials.contains_key(&prev));
                 let defer = engine_busy_until
-                    .map(|b| b + window)
                     .or(behind.then_some(t + window))
                     .filter(|_| within);
                 match defer {
@@ -985,7 +1122,7 @@ impl Array {
             .filter(|(_, o)| o.done_at.is_none())
             .map(|(&k, _)| k)
             .collect();
-        for op in ids {
+        for &op in &ids {
             let n = self.ops[&op].pieces.len();
             for i in 0..n {
                 let finished = match &self.ops[&op].pieces[i] {
@@ -1002,8 +1139,17 @@ impl Array {
                         self.partial_done(key, t);
                     }
                     self.ops.get_mut(&op).expect("op").pieces[i] = PieceState::Finished(t);
+                    for (f, j) in self.followers.remove(&(op, i)).unwrap_or_default() {
+                        if let Some(o) = self.ops.get_mut(&f) {
+                            o.pieces[j] = PieceState::Finished(t);
+                        }
+                    }
                 }
             }
+        }
+        // Then whole requests, once every piece is finished (a follower's piece finishes with
+        // its group's first, whichever request comes first here).
+        for op in ids {
             let o = self.ops.get_mut(&op).expect("op");
             let all = o.pieces.iter().try_fold(0, |acc: Nanos, p| match p {
                 PieceState::Finished(t) => Some(acc.max(*t)),
@@ -1082,5 +1228,77 @@ impl Geometry {
             o = end;
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Poll every request until it completes; their completion times.
+    fn run(a: &mut Array, ops: &[u64]) -> Vec<Nanos> {
+        ops.iter()
+            .map(|&op| {
+                let mut now = a.now;
+                loop {
+                    match a.poll(now, op) {
+                        Poll::Done(t) => break t,
+                        Poll::Pending(t) => now = t,
+                    }
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn writes_to_a_stripe_that_expire_together_are_one_parity_update() {
+        let cfg = RaidConfig::study_raid60(1 << 40);
+        let e = cfg
+            .parity_engine
+            .expect("the study's array has a parity engine");
+        let mut a = Array::raid(&cfg);
+        // Four 4 KiB writes to the start of one stripe, together: a quarter of a strip, so the
+        // merge window expires and they go out as one partial-stripe update.
+        let ops: Vec<u64> = (0..4)
+            .map(|i| a.start(0, IoKind::Write, i * 4096, 4096))
+            .collect();
+        let done = run(&mut a, &ops);
+        assert!(
+            done.iter().all(|&t| t == done[0]),
+            "complete together: {done:?}"
+        );
+        assert_eq!(a.merge_counts(), (0, 1));
+        let engine = a.disk_busy()[a.engine.expect("engine")];
+        let want =
+            e.per_update + 4 * e.per_write + Duration::from_nanos(16384 * 1_000_000_000 / e.rate);
+        let diff = engine.abs_diff(want);
+        assert!(
+            diff < Duration::from_micros(1),
+            "one update: {engine:?}, want {want:?}"
+        );
+    }
+
+    #[test]
+    fn a_stripe_written_whole_by_partial_writes_writes_its_parity_at_once() {
+        let mut cfg = RaidConfig::study_raid60(1 << 40);
+        cfg.stripe_cache = 1 << 10; // nothing is evicted here
+        let mut a = Array::raid(&cfg);
+        // Row 0 of group 0, one 64 KiB write at a time (each expires alone). The first one
+        // reads the old data and parity; the parity disks (P on the group's last disk, Q on its
+        // first) are written once the eighth has gone, not when the stripe leaves the cache.
+        let (p, q) = (9, 0);
+        let mut now = 0;
+        let mut before = (Duration::ZERO, Duration::ZERO);
+        for i in 0..8u64 {
+            before = (a.disk_busy()[p], a.disk_busy()[q]);
+            let op = a.start(now, IoKind::Write, i << 16, 1 << 16);
+            now = run(&mut a, &[op])[0];
+        }
+        a.advance(now + 100_000_000);
+        let strip_write = Duration::from_nanos((1u64 << 16) * 1_000_000_000 / cfg.disk.media_rate);
+        assert!(a.disk_busy()[p] >= before.0 + strip_write, "P not written");
+        assert!(a.disk_busy()[q] >= before.1 + strip_write, "Q not written");
+        let (full, expired) = a.merge_counts();
+        assert_eq!((full, expired), (0, 8));
     }
 }

@@ -40,6 +40,12 @@ pub struct Workload {
     /// Time between a request's completion and the start of the one that replaces it: what a
     /// transport (NBD, the client's own loop) adds. Zero for the device alone.
     pub delay: Duration,
+    /// A random extra delay, uniform in `0..jitter` per request (seeded): a transport's delays
+    /// vary, so requests sent together arrive spread out and a little out of order.
+    pub jitter: Duration,
+    /// Requests reach the device at least this far apart: a client and a transport that pass
+    /// one request at a time (a server's reader). Zero for the device alone.
+    pub per_request: Duration,
 }
 
 impl Workload {
@@ -63,6 +69,8 @@ impl Workload {
             seed: 1,
             start_offset: 0,
             delay: Duration::ZERO,
+            jitter: Duration::ZERO,
+            per_request: Duration::ZERO,
         }
     }
 }
@@ -81,6 +89,11 @@ pub struct SimResult {
     pub elapsed: Duration,
 }
 
+/// One of a simulated client's requests in flight: (handle once started, kind, start time, known
+/// completion, offset). A request sent but not yet arrived (its predecessor's completion plus the
+/// transport's delay is in the future) has no handle.
+type Slot = (Option<u64>, IoKind, Nanos, Option<Nanos>, u64);
+
 /// Run `workload` against a fresh model of `config` on virtual time. Panics on an invalid config.
 pub fn simulate(config: &EmulConfig, workload: &Workload) -> SimResult {
     if let Err(e) = config.validate() {
@@ -93,6 +106,23 @@ pub fn simulate(config: &EmulConfig, workload: &Workload) -> SimResult {
     let mut rng = SplitMix64(workload.seed);
     let mut next_seq = workload.start_offset / bs * bs % span;
     let delay = super::clock::nanos(workload.delay);
+    let (jitter, per_request) = (
+        super::clock::nanos(workload.jitter),
+        super::clock::nanos(workload.per_request),
+    );
+    let transported = delay > 0 || jitter > 0 || per_request > 0;
+    let mut jitter_rng = SplitMix64(workload.seed ^ 0x7177e5);
+    let mut last_start: Nanos = 0;
+    let mut arrival = |done: Nanos| {
+        let extra = if jitter > 0 {
+            jitter_rng.below(jitter)
+        } else {
+            0
+        };
+        let at = (done + delay + extra).max(last_start + per_request);
+        last_start = at;
+        at
+    };
     let mut next_offset = || match workload.pattern {
         Pattern::Random => rng.below(span / bs) * bs,
         Pattern::Sequential => {
@@ -109,31 +139,31 @@ pub fn simulate(config: &EmulConfig, workload: &Workload) -> SimResult {
     };
     let total = workload.warmup + workload.requests;
     let depth = workload.iodepth.max(1) as u64;
-    // (handle, kind, start time, known completion); a slot whose request has not started yet
-    // (its predecessor's completion plus `delay` is in the future) has no handle.
-    let mut slots: Vec<(Option<u64>, IoKind, Nanos, Option<Nanos>)> = Vec::new();
+    // The offset is chosen when the request is sent (at its predecessor's completion), so a
+    // jittered transport can deliver requests out of order.
+    let mut slots: Vec<Slot> = Vec::new();
     let mut issued = 0u64;
     let mut completed = 0u64;
     let mut now: Nanos = 0;
     let (mut measure_start, mut lat_sum, mut reads) = (0, 0u128, 0u64);
     while issued < total.min(depth) {
+        // The first requests go through the transport too: a client sends its queue depth's
+        // worth one after another.
         let kind = next_kind();
-        slots.push((
-            Some(model.start(now, kind, next_offset(), bs)),
-            kind,
-            now,
-            None,
-        ));
+        let offset = next_offset();
+        let at = if transported { arrival(0) } else { 0 };
+        let op = (at == 0).then(|| model.start(0, kind, offset, bs));
+        slots.push((op, kind, at, None, offset));
         issued += 1;
     }
     while !slots.is_empty() {
         let mut wake = Nanos::MAX;
         let mut i = 0;
         while i < slots.len() {
-            let (op, kind, started, known) = slots[i];
+            let (op, kind, started, known, offset) = slots[i];
             let Some(op) = op else {
                 if started <= now {
-                    slots[i].0 = Some(model.start(now, kind, next_offset(), bs));
+                    slots[i].0 = Some(model.start(now, kind, offset, bs));
                     slots[i].2 = now;
                     continue;
                 }
@@ -164,7 +194,7 @@ pub fn simulate(config: &EmulConfig, workload: &Workload) -> SimResult {
                     }
                     if issued < total {
                         let kind = next_kind();
-                        slots[i] = (None, kind, t + delay, None);
+                        slots[i] = (None, kind, arrival(t), None, next_offset());
                         issued += 1;
                         continue; // start (or schedule) the new request in this pass too
                     }
@@ -323,9 +353,49 @@ pub fn study_cells() -> Vec<StudyCell> {
 /// One cell of the calibration table: (what, model, study).
 pub type Cell = (String, f64, f64);
 
+/// What a transport between fio and the device adds to each request, for simulating the device
+/// as a client sees it through that transport ([`simulate_study_job_through`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Transport {
+    /// From a request's completion until the one that replaces it leaves the client.
+    pub delay: Duration,
+    /// A random extra delay per request, uniform below this: requests sent together arrive
+    /// spread out, and a little out of order.
+    pub jitter: Duration,
+    /// Requests reach the device one at a time, at least this far apart...
+    pub per_request: Duration,
+    /// ...plus this much per KiB of the request.
+    pub per_kib: Duration,
+}
+
+impl Transport {
+    /// fio's nbd engine and `hybridcache serve` over a Unix socket on this project's 2-core
+    /// machine, as measured with the emulator's request trace (docs/devices.md): a reply and the
+    /// next request take about 80 µs plus up to 100 µs more, and the server's reader takes a
+    /// request every 12 µs plus 0.35 µs per KiB.
+    pub fn nbd_here() -> Transport {
+        Transport {
+            delay: Duration::from_micros(80),
+            jitter: Duration::from_micros(100),
+            per_request: Duration::from_micros(12),
+            per_kib: Duration::from_nanos(350),
+        }
+    }
+}
+
 /// Simulate `job` on a fresh model of `config`; `requests` measured requests (4x for
 /// sequential jobs, whose requests are shorter).
 pub fn simulate_study_job(config: &EmulConfig, job: &StudyJob, requests: u64) -> SimResult {
+    simulate_study_job_through(config, job, requests, None)
+}
+
+/// [`simulate_study_job`] with the client behind `transport`, if any.
+pub fn simulate_study_job_through(
+    config: &EmulConfig,
+    job: &StudyJob,
+    requests: u64,
+    transport: Option<Transport>,
+) -> SimResult {
     let n = match job.pattern {
         Pattern::Sequential => requests * 4,
         Pattern::Random => requests,
@@ -333,6 +403,11 @@ pub fn simulate_study_job(config: &EmulConfig, job: &StudyJob, requests: u64) ->
     let mut w = Workload::new(job.pattern, IoKind::Write, job.block_size, job.iodepth, n);
     w.span = Some(STUDY_SPAN);
     w.read_pct = (job.read_pct > 0).then_some(job.read_pct);
+    if let Some(t) = transport {
+        w.delay = t.delay;
+        w.jitter = t.jitter;
+        w.per_request = t.per_request + t.per_kib * (job.block_size >> 10) as u32;
+    }
     simulate(config, &w)
 }
 
@@ -349,12 +424,21 @@ pub fn measured(r: &SimResult, m: Measure) -> f64 {
 /// Simulate every cell of the study's tables ([`study_cells`]) on `config`, each job once;
 /// `requests` per job trades precision for speed.
 pub fn calibration_cells(config: &EmulConfig, requests: u64) -> Vec<Cell> {
+    calibration_cells_through(config, requests, None)
+}
+
+/// [`calibration_cells`] with fio behind `transport`, if any.
+pub fn calibration_cells_through(
+    config: &EmulConfig,
+    requests: u64,
+    transport: Option<Transport>,
+) -> Vec<Cell> {
     let mut out = Vec::new();
     let mut last: Option<(StudyJob, SimResult)> = None;
     for c in study_cells() {
         let r = match last {
             Some((j, r)) if j == c.job => r,
-            _ => simulate_study_job(config, &c.job, requests),
+            _ => simulate_study_job_through(config, &c.job, requests, transport),
         };
         last = Some((c.job, r));
         out.push((
@@ -543,16 +627,37 @@ mod tests {
         );
     }
 
+    /// The model behind a transport like NBD's here (spread, slightly reordered arrivals): the
+    /// cells below the full-stripe jump stay within 1.5x of the study, and the full-stripe cells
+    /// keep merging (the model that lost the merge through NBD gave 0.05-0.2 of the study there;
+    /// what is left is the transport's own round trip per stripe, docs/devices.md).
+    #[test]
+    fn study_raid60_through_a_transport() {
+        let cfg = EmulConfig::Raid(RaidConfig::study_raid60(4 << 40));
+        let cells = calibration_cells_through(&cfg, 300, Some(Transport::nbd_here()));
+        println!("{}", calibration_table(&cells));
+        for (c, study) in cells.iter().zip(study_cells()) {
+            let j = study.job;
+            let full_stripe =
+                j.pattern == Pattern::Sequential && j.block_size * j.iodepth as u64 >= 512 << 10;
+            let ratio = c.1 / c.2;
+            if full_stripe {
+                assert!(ratio > 0.3, "{c:?}: the merge is lost behind the transport");
+            } else {
+                assert!((1.0 / 1.5..=1.5).contains(&ratio), "{c:?}");
+            }
+        }
+    }
+
     #[test]
     fn study_raid60_calibration() {
         let cfg = EmulConfig::Raid(RaidConfig::study_raid60(4 << 40));
         let cells = calibration_cells(&cfg, 300);
         println!("{}", calibration_table(&cells));
-        let within = |c: &Cell| (1.0 / 1.5..=1.5).contains(&(c.1 / c.2));
-        // The random-write row, and sequential cells on both sides of the full-stripe jump:
-        // 4K qd1, 4K qd32, 16K qd32, 32K qd4, 64K qd8, 64K qd32.
-        for i in [0, 1, 2, 3, 4, 5, 9, 19, 21, 27, 29] {
-            assert!(within(&cells[i]), "{:?}", cells[i]);
+        // Every cell: the random-write row, sequential writes on both sides of the full-stripe
+        // jump, and the mixes.
+        for c in &cells {
+            assert!((1.0 / 1.5..=1.5).contains(&(c.1 / c.2)), "{c:?}");
         }
     }
 }
