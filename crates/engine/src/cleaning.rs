@@ -37,9 +37,17 @@ use crate::Result;
 pub(crate) const ACP_CHUNK_BYTES: u64 = 100 << 20;
 /// How often the cleaner looks, at most, when it has nothing to do.
 const TICK: Duration = Duration::from_millis(100);
-/// Lines cleaned per room request at least (the policy's flush-max-buffers when larger): each
-/// round ends in a commit, so it is spread over a good number of lines.
-const ROOM_BATCH: usize = 128;
+/// Lines cleaned per room request at least (the policy's flush-max-buffers when larger). Sorted
+/// by core address, a large batch goes to the core as a sweep; plain alru's 100-line batches
+/// (wake-up, staleness and activity keep its own runs away under load, so room requests are all
+/// of its cleaning) crossed the whole region each time and drained a full cache in front of the
+/// study's RAID at 740 lines/s, against 1,270 with 4,096 (issue 20). Writes do not wait for the
+/// batch: each merged write frees its lines (and commits ahead of need make them reusable on a
+/// persistent cache).
+pub(crate) const ROOM_BATCH: usize = 4096;
+/// Core writes in flight for room at least (the policy's flush-max-buffers when larger; at most
+/// cleaner.rs's `MAX_IN_FLIGHT`).
+const ROOM_DEPTH: usize = 128;
 /// Age marks kept per shard (see `Lists::place_fence`).
 const FENCES: usize = 40;
 /// A commit ahead of need (persistent cache) waits for at least this many cleaned lines: each
@@ -327,15 +335,17 @@ impl CacheInner {
         {
             // Lazy flush sent writes to the core for want of a line: make room now, under any
             // policy (nop means no periodic cleaning, not no room). The oldest dirty lines go,
-            // as an inline make-room would have taken them, a policy-sized batch at a time.
-            let batch = match cfg.policy {
-                CleaningPolicy::Nop => ROOM_BATCH,
+            // as an inline make-room would have taken them, `ROOM_BATCH` (or the policy's
+            // flush-max-buffers) at a time, with the policy's depth.
+            let depth = match cfg.policy {
+                CleaningPolicy::Nop => ROOM_DEPTH,
                 CleaningPolicy::Alru => cfg.alru.flush_max_buffers as usize,
                 CleaningPolicy::Acp => cfg.acp.flush_max_buffers as usize,
-            }
-            .max(ROOM_BATCH);
-            let picked = self.oldest_dirty(batch);
-            let cleaned = self.clean_and_commit(picked, batch).unwrap_or(0);
+            };
+            let picked = self.oldest_dirty(ROOM_BATCH.max(depth));
+            let cleaned = self
+                .clean_and_commit(picked, depth.max(ROOM_DEPTH))
+                .unwrap_or(0);
             tick.ran = true;
             tick.cleaned += cleaned;
         }
