@@ -385,15 +385,49 @@ impl SeqCutoff {
 /// Streams tracked per core, as Open CAS does.
 pub(crate) const SEQ_STREAMS: usize = 128;
 
+/// How far (in requests of the request's own size) a request may land from a confirmed stream's
+/// end and still continue it. A client keeping N sequential requests in flight has them reach
+/// the cache in any order within N requests (an NBD server's workers race, and reads finish out
+/// of order); 32 covers the usual queue depths.
+pub(crate) const REORDER_REQUESTS: u64 = 32;
+
+/// Which stream a request of `len` bytes at `offset` continues, and whether exactly (it starts
+/// where the stream ends). `streams` gives each stream as (usable for this request, its end,
+/// confirmed: once continued exactly). A confirmed stream also takes a request that lands within
+/// [`REORDER_REQUESTS`] requests of its end, before or after it; random requests near each other
+/// never start exactly where another ended, so they never become a stream.
+pub(crate) fn continued_stream(
+    streams: impl Iterator<Item = (bool, u64, bool)> + Clone,
+    offset: u64,
+    len: u64,
+) -> Option<(usize, bool)> {
+    let window = len.saturating_mul(REORDER_REQUESTS);
+    if let Some(i) = streams
+        .clone()
+        .position(|(usable, next, _)| usable && next == offset)
+    {
+        return Some((i, true));
+    }
+    streams
+        .clone()
+        .position(|(usable, next, confirmed)| {
+            usable && confirmed && offset.abs_diff(next) <= window
+        })
+        .map(|i| (i, false))
+}
+
 #[derive(Clone, Copy, Default)]
 struct Stream {
-    /// Where the stream's next request would start (bytes); 0 with `requests` 0 = unused.
+    /// Where the stream's next request would start (the end of its furthest request, bytes);
+    /// 0 with `requests` 0 = unused.
     next: u64,
     bytes: u64,
     requests: u32,
     write: bool,
     /// Last use, for replacing the least recently used stream.
     stamp: u64,
+    /// A request once started exactly at the stream's end (see [`continued_stream`]).
+    confirmed: bool,
 }
 
 /// One core's sequential cutoff: its settings (read on every request, so packed in an atomic)
@@ -461,12 +495,18 @@ impl SeqState {
         let mut t = self.streams.lock();
         t.clock += 1;
         let clock = t.clock;
-        if let Some(s) = t
-            .streams
-            .iter_mut()
-            .find(|s| s.requests > 0 && s.next == offset && s.write == write)
-        {
-            s.next = offset + len;
+        let found = continued_stream(
+            t.streams
+                .iter()
+                .map(|s| (s.requests > 0 && s.write == write, s.next, s.confirmed)),
+            offset,
+            len,
+        );
+        if let Some((i, exact)) = found {
+            let s = &mut t.streams[i];
+            // A request that arrived after a later one leaves the end where it is.
+            s.next = s.next.max(offset + len);
+            s.confirmed |= exact;
             s.bytes = s.bytes.saturating_add(len);
             s.requests = s.requests.saturating_add(1);
             s.stamp = clock;
@@ -483,6 +523,7 @@ impl SeqState {
             requests: 1,
             write,
             stamp: clock,
+            confirmed: false,
         };
         None
     }
@@ -908,6 +949,38 @@ mod tests {
             s.cut_off((i + 2) << 32, 4096, true, || false);
         }
         assert!(!s.cut_off(6 * 16384, 16384, true, || false));
+    }
+
+    /// A client keeping 16 KiB writes in flight through NBD: the server's workers hand them to
+    /// the cache slightly out of order. The stream stays one stream and is cut off from its 4th
+    /// request on; before, each write that arrived ahead of its turn started a new stream and was
+    /// cached, so a cut-off stream reached the core with holes (a RAID then paid
+    /// read-modify-writes for it) and the cache filled with its pieces (issue 20).
+    #[test]
+    fn a_stream_reordered_on_its_way_stays_one_stream() {
+        let s = SeqState::new(SeqCutoff {
+            policy: SeqCutoffPolicy::Always,
+            threshold_kib: 64,
+            promotion_count: 2,
+        });
+        let order = [0u64, 1, 2, 4, 3, 5, 7, 6, 8, 11, 9, 10, 12];
+        let cut: Vec<bool> = order
+            .iter()
+            .map(|&i| s.cut_off(i * 16384, 16384, true, || false))
+            .collect();
+        assert_eq!(
+            cut,
+            [false, false, false, true, true, true, true, true, true, true, true, true, true]
+        );
+        // Requests near each other that never continue one exactly are no stream.
+        let r = SeqState::new(SeqCutoff {
+            policy: SeqCutoffPolicy::Always,
+            threshold_kib: 4,
+            promotion_count: 1,
+        });
+        for i in [10u64, 8, 13, 6, 15, 4, 2, 12] {
+            assert!(!r.cut_off((1 << 30) + i * 8192, 4096, true, || false));
+        }
     }
 
     #[test]

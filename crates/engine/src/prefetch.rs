@@ -34,17 +34,12 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use crate::bits;
 use crate::cache::{push_run, CacheInner};
 use crate::classes::ReqClass;
-use crate::policy::{Prefetch, PrefetchPolicy};
+use crate::policy::{continued_stream, Prefetch, PrefetchPolicy};
 use crate::stats::Counter;
 use crate::{CacheMode, CoreId, MAX_REQUEST, SECTOR};
 
 /// Read streams tracked per core.
 const STREAMS: usize = 16;
-
-/// How far (in requests of the read's own size) a read may land from a confirmed stream's end
-/// and still continue it. A client keeping N sequential reads in flight has them finish, and
-/// recorded here, in any order within N requests; 32 covers the usual queue depths.
-const REORDER_REQUESTS: u64 = 32;
 
 #[derive(Clone, Copy, Default)]
 struct Stream {
@@ -57,8 +52,7 @@ struct Stream {
     /// The clock value when the stream began: names it to `commit`, whose `next` may have moved.
     born: u64,
     /// A read once started exactly at the stream's end. Only then are reads out of order
-    /// accepted: random reads near each other never start exactly where another ended, so they
-    /// never become a stream.
+    /// accepted (`policy::continued_stream`).
     confirmed: bool,
 }
 
@@ -201,18 +195,16 @@ impl ReadStreams {
         t.1 += 1;
         let clock = t.1;
         let end = offset + len;
-        let window = len.saturating_mul(REORDER_REQUESTS);
         let (streams, _) = &mut *t;
-        let exact = streams.iter().position(|s| s.bytes > 0 && s.next == offset);
-        let near = || {
-            streams
-                .iter()
-                .position(|s| s.bytes > 0 && s.confirmed && offset.abs_diff(s.next) <= window)
-        };
-        let s = match exact.or_else(near) {
-            Some(i) => {
+        let found = continued_stream(
+            streams.iter().map(|s| (s.bytes > 0, s.next, s.confirmed)),
+            offset,
+            len,
+        );
+        let s = match found {
+            Some((i, exact)) => {
                 let s = &mut streams[i];
-                s.confirmed |= exact.is_some();
+                s.confirmed |= exact;
                 // A read that finished after a later one leaves the end where it is.
                 s.next = s.next.max(end);
                 s.bytes = s.bytes.saturating_add(len);
