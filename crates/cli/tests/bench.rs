@@ -129,6 +129,13 @@ fn tiny_matrix_end_to_end_then_resume() {
     assert!(md.contains("## Cache statistics"), "{md}");
     assert!(is_png(&out.join("charts/iops-randwrite-4K.png")));
     assert!(is_png(&out.join("charts/dirty-randwrite-4K.png")));
+    assert!(is_png(&out.join("charts/cleaning-randwrite-4K.png")));
+    assert!(is_png(&out.join("charts/free-randwrite-4K.png")));
+    assert!(is_png(&out.join("charts/clean-randwrite-4K.png")));
+    assert!(
+        md.contains("![charts/cleaning-randwrite-4K.png](charts/cleaning-randwrite-4K.png)"),
+        "{md}"
+    );
 
     // Without --resume an existing run is not overwritten.
     let o = bench(&argv);

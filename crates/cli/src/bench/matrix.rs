@@ -315,6 +315,19 @@ pub struct CacheSection {
     pub promotion: Option<PromotionParams>,
     pub offload: Option<OffloadParams>,
     pub nbd_workers: Option<usize>,
+    pub core_path: Option<CorePath>,
+}
+
+/// How the `cache` configuration's daemon reaches the core.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum CorePath {
+    /// The daemon opens the core device spec itself, as a cache sits on its local disk array.
+    #[default]
+    Direct,
+    /// Through the bare core's export over NBD (how nbdkit's cache filter reaches it): every
+    /// core request of the cache, cleaning's included, pays an NBD round trip.
+    Nbd,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -373,6 +386,13 @@ pub struct CacheSettings {
     #[serde(default)]
     pub offload: Option<OffloadParams>,
     pub nbd_workers: usize,
+    /// results.json files written before this key ran their caches through NBD.
+    #[serde(default = "core_path_of_old_runs")]
+    pub core_path: CorePath,
+}
+
+fn core_path_of_old_runs() -> CorePath {
+    CorePath::Nbd
 }
 
 impl CacheSettings {
@@ -588,6 +608,7 @@ pub struct Overrides {
     pub line_size: Option<u32>,
     pub cleaning: Option<String>,
     pub lazy_flush: Option<bool>,
+    pub core_path: Option<CorePath>,
     pub protocol: Option<ProtocolName>,
     pub settle: Option<u64>,
     pub nbdkit_max_size: Option<String>,
@@ -833,6 +854,7 @@ pub fn resolve(file: &MatrixFile, o: &Overrides) -> Result<Matrix> {
         promotion: c.promotion.clone(),
         offload: c.offload.clone(),
         nbd_workers,
+        core_path: o.core_path.or(c.core_path).unwrap_or_default(),
     };
 
     let n = &file.nbdkit;
@@ -1004,6 +1026,29 @@ settle = 5
         assert_eq!(m.iodepths, vec![4]);
         assert_eq!(m.configs, vec![Config::Core]);
         assert_eq!(m.protocol.name, ProtocolName::Plain);
+    }
+
+    #[test]
+    fn the_cache_opens_its_core_itself_unless_told_to_go_through_nbd() {
+        assert_eq!(resolve_text(GOOD).unwrap().cache.core_path, CorePath::Direct);
+        let nbd = format!("{GOOD}\n").replace("[cache]\n", "[cache]\ncore_path = \"nbd\"\n");
+        let f = parse_file(&nbd).unwrap();
+        assert_eq!(resolve(&f, &Overrides::default()).unwrap().cache.core_path, CorePath::Nbd);
+        let o = Overrides {
+            core_path: Some(CorePath::Direct),
+            ..Default::default()
+        };
+        assert_eq!(resolve(&f, &o).unwrap().cache.core_path, CorePath::Direct);
+        let bad = format!("{GOOD}\n").replace("[cache]\n", "[cache]\ncore_path = \"tcp\"\n");
+        let e = format!("{:#}", parse_file(&bad).unwrap_err());
+        assert!(e.contains("core_path") || e.contains("tcp"), "{e}");
+        // A results.json written before the key ran its cache through the bare export.
+        let old: CacheSettings = serde_json::from_value(serde_json::json!({
+            "device": "ram:1G", "mode": "wb", "line_size_kib": 4, "cleaning": null, "alru": null,
+            "acp": null, "seq_cutoff": null, "nbd_workers": 32
+        }))
+        .unwrap();
+        assert_eq!(old.core_path, CorePath::Nbd);
     }
 
     #[test]

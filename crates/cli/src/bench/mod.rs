@@ -154,6 +154,10 @@ pub struct RunArgs {
     /// Cleaning policy: nop, alru, acp [default: the daemon's].
     #[arg(long, value_name = "POLICY")]
     pub cleaning: Option<String>,
+    /// How the cache reaches the core: direct (the daemon opens the core spec itself, as on a
+    /// local array) or nbd (through the bare export, the rig before issue 20) [default: direct].
+    #[arg(long, value_enum, value_name = "PATH")]
+    pub core_path: Option<matrix::CorePath>,
     /// Lazy flush: on or off [default: the daemon's].
     #[arg(long, value_name = "on|off", value_parser = on_off)]
     pub lazy_flush: Option<bool>,

@@ -13,7 +13,7 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
-use super::matrix::{size_label, Cell, Config, Matrix, Pattern, ProtocolName};
+use super::matrix::{size_label, Cell, Config, CorePath, Matrix, Pattern, ProtocolName};
 use super::protocol::{CellOutcome, Sample};
 use crate::chart::{bar_chart, line_chart, LineChart, Series};
 
@@ -342,23 +342,57 @@ pub fn charts(res: &Results, out: &Path) -> Result<Vec<String>> {
                 }
             }
 
-            // Dirty % over the measured run, one line per iodepth (first numjobs, first rep).
-            let dirty = first_rep_series(res, m, pattern, bs, |c| {
-                c.outcome
-                    .iter()
-                    .flat_map(|o| &o.series)
-                    .filter_map(|s| s.dirty_pct.map(|d| (s.t, d)))
-                    .collect()
-            });
-            if !dirty.is_empty() {
-                let name = chart_name("dirty", pattern, bs);
+            // The steady state over the measured run, one line per iodepth (first numjobs,
+            // first rep): the dirty share, cleaning's throughput, and the lines a write can take.
+            let over_time = |field: fn(&Sample) -> Option<f64>| {
+                first_rep_series(res, m, pattern, bs, |c| {
+                    c.outcome
+                        .iter()
+                        .flat_map(|o| &o.series)
+                        .filter_map(|s| field(s).map(|v| (s.t, v)))
+                        .collect()
+                })
+            };
+            let steady = [
+                (
+                    "dirty",
+                    "dirty share of the cache",
+                    "dirty (%)",
+                    over_time(|s| s.dirty_pct),
+                ),
+                (
+                    "cleaning",
+                    "cleaning, lines written to the core and marked clean",
+                    "lines/s",
+                    over_time(|s| s.cleaned_lines_s),
+                ),
+                // Free and clean apart: one chart of both had more lines than the palette has
+                // colours.
+                (
+                    "free",
+                    "free lines (a write takes one at once)",
+                    "% of the cache's lines",
+                    over_time(|s| s.free_pct),
+                ),
+                (
+                    "clean",
+                    "clean lines (a write takes one once evicted)",
+                    "% of the cache's lines",
+                    over_time(|s| s.clean_pct),
+                ),
+            ];
+            for (kind, what, y_label, series) in steady {
+                if series.is_empty() {
+                    continue;
+                }
+                let name = chart_name(kind, pattern, bs);
                 line_chart(
                     &out.join(&name),
                     &LineChart {
-                        title: &format!("{pattern} {}: dirty share of the cache", size_label(bs)),
+                        title: &format!("{pattern} {}: {what}", size_label(bs)),
                         x_label: "time (s)",
-                        y_label: "dirty (%)",
-                        series: &dirty,
+                        y_label,
+                        series: &series,
                         log_x: false,
                         log_y: false,
                     },
@@ -534,12 +568,16 @@ pub fn markdown_report(res: &Results, chart_files: &[String]) -> String {
         let c = &m.cache;
         let _ = writeln!(
             s,
-            "- cache: `{}`, mode {}, {} KiB lines, cleaning {}, daemon NBD workers {}",
+            "- cache: `{}`, mode {}, {} KiB lines, cleaning {}, daemon NBD workers {}, core {}",
             c.device,
             c.mode,
             c.line_size_kib,
             c.cleaning.as_deref().unwrap_or("(daemon default)"),
-            c.nbd_workers
+            c.nbd_workers,
+            match c.core_path {
+                CorePath::Direct => "opened by the daemon (direct)",
+                CorePath::Nbd => "through the bare export over NBD",
+            }
         );
     }
     if m.configs.contains(&Config::Nbdkit) {

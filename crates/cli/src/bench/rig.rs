@@ -2,9 +2,11 @@
 //!
 //! Every cell starts from scratch: a `hybridcache serve` process exports the core spec (so an
 //! emulated core starts with an idle model and, with RAM backing, no data), then for `cache` a
-//! daemon whose cache (`-S --force`) has the bare export as its core (`-A -d nbd+unix://...`),
-//! and for `nbdkit-cache` nbdkit's `nbd` plugin behind its `cache` filter, connected to the same
-//! export. fio then talks to the configuration's own socket. Dropping the rig stops everything.
+//! daemon whose cache (`-S --force`) has the core spec itself as its core (`core_path =
+//! "direct"`, the default: a fresh device, as a cache sits on its local array; the bare export
+//! is stopped first) or the bare export (`-A -d nbd+unix://...`, `core_path = "nbd"`), and for
+//! `nbdkit-cache` nbdkit's `nbd` plugin behind its `cache` filter, connected to the bare export.
+//! fio then talks to the configuration's own socket. Dropping the rig stops everything.
 //!
 //! While fio runs, the rig samples the cache's statistics once a second (`hybridcache -P -o
 //! json`) for the dirty/occupancy series and the client throughput (exported bytes per second);
@@ -17,7 +19,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use hybridcache_nbd::Client;
 
 use super::fio::{self, FioJob};
-use super::matrix::{Config, Matrix, ProtocolName};
+use super::matrix::{Config, CorePath, Matrix, ProtocolName};
 use super::procs::{self, CacheCtl, Interrupted, Proc, StopWith};
 use super::protocol::{PhaseRun, Sample, Target};
 use crate::protocol::StatsData;
@@ -79,7 +81,14 @@ impl Rig {
         }
         match config {
             Config::Core => {}
-            Config::Cache => rig.start_daemon(m, bin, run_dir, cell_dir)?,
+            Config::Cache => {
+                if m.cache.core_path == CorePath::Direct {
+                    // The daemon opens the core itself: the bare export only told its size (and
+                    // must not hold a file the daemon claims).
+                    rig.stop();
+                }
+                rig.start_daemon(m, bin, run_dir, cell_dir)?
+            }
             Config::Nbdkit => rig.start_nbdkit(m, run_dir, cell_dir)?,
         }
         Ok(rig)
@@ -126,13 +135,11 @@ impl Rig {
             c.line_size_kib.to_string(),
             "--force".into(),
         ])?;
-        ctl.run(&[
-            "-A".into(),
-            "-i".into(),
-            "1".into(),
-            "-d".into(),
-            core_uri(&self.core_socket),
-        ])?;
+        let core = match c.core_path {
+            CorePath::Direct => m.core_device.clone(),
+            CorePath::Nbd => core_uri(&self.core_socket),
+        };
+        ctl.run(&["-A".into(), "-i".into(), "1".into(), "-d".into(), core])?;
         for (group, flags) in c.param_commands() {
             ctl.set_params(group, &flags)?;
         }

@@ -61,6 +61,7 @@ fn overrides(a: &RunArgs) -> Overrides {
         line_size: a.line_size,
         cleaning: a.cleaning.clone(),
         lazy_flush: a.lazy_flush,
+        core_path: a.core_path,
         protocol: a.protocol,
         settle: a.settle,
         nbdkit_max_size: a.nbdkit_max_size.clone(),
