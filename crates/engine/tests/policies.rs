@@ -802,7 +802,9 @@ fn cleaning_writes_are_cut_at_aligned_addresses() {
     let r = rig(4, 1024, CacheMode::Wb, 16 * MIB);
     r.merge_max_kib(1024);
     let (from, to) = (512 * KIB, 2 * MIB + 512 * KIB);
-    r.core.write(&stamped(to - from, 5, from / SECTOR), from).unwrap();
+    r.core
+        .write(&stamped(to - from, 5, from / SECTOR), from)
+        .unwrap();
     r.cache.flush().unwrap();
     let mut writes = r.rec.take_writes();
     writes.sort_unstable();

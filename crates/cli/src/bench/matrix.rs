@@ -1030,10 +1030,16 @@ settle = 5
 
     #[test]
     fn the_cache_opens_its_core_itself_unless_told_to_go_through_nbd() {
-        assert_eq!(resolve_text(GOOD).unwrap().cache.core_path, CorePath::Direct);
+        assert_eq!(
+            resolve_text(GOOD).unwrap().cache.core_path,
+            CorePath::Direct
+        );
         let nbd = format!("{GOOD}\n").replace("[cache]\n", "[cache]\ncore_path = \"nbd\"\n");
         let f = parse_file(&nbd).unwrap();
-        assert_eq!(resolve(&f, &Overrides::default()).unwrap().cache.core_path, CorePath::Nbd);
+        assert_eq!(
+            resolve(&f, &Overrides::default()).unwrap().cache.core_path,
+            CorePath::Nbd
+        );
         let o = Overrides {
             core_path: Some(CorePath::Direct),
             ..Default::default()
