@@ -43,7 +43,9 @@ const TICK: Duration = Duration::from_millis(100);
 /// of its cleaning) crossed the whole region each time and drained a full cache in front of the
 /// study's RAID at 740 lines/s, against 1,270 with 4,096 (issue 20). Writes do not wait for the
 /// batch: each merged write frees its lines (and commits ahead of need make them reusable on a
-/// persistent cache).
+/// persistent cache). At most an eighth of the cache's lines (but `ROOM_DEPTH`): room is a part of
+/// the cache, and a batch of a small cache's every dirty line would leave write-back nothing to
+/// hold.
 pub(crate) const ROOM_BATCH: usize = 4096;
 /// Core writes in flight for room at least (the policy's flush-max-buffers when larger; at most
 /// cleaner.rs's `MAX_IN_FLIGHT`).
@@ -335,14 +337,19 @@ impl CacheInner {
         {
             // Lazy flush sent writes to the core for want of a line: make room now, under any
             // policy (nop means no periodic cleaning, not no room). The oldest dirty lines go,
-            // as an inline make-room would have taken them, `ROOM_BATCH` (or the policy's
-            // flush-max-buffers) at a time, with the policy's depth.
+            // as an inline make-room would have taken them, `ROOM_BATCH` (an eighth of a small
+            // cache, or the policy's flush-max-buffers when larger) at a time, with the policy's
+            // depth.
             let depth = match cfg.policy {
                 CleaningPolicy::Nop => ROOM_DEPTH,
                 CleaningPolicy::Alru => cfg.alru.flush_max_buffers as usize,
                 CleaningPolicy::Acp => cfg.acp.flush_max_buffers as usize,
             };
-            let picked = self.oldest_dirty(ROOM_BATCH.max(depth));
+            let batch = ROOM_BATCH
+                .min(self.lines as usize / 8)
+                .max(ROOM_DEPTH)
+                .max(depth);
+            let picked = self.oldest_dirty(batch);
             let cleaned = self
                 .clean_and_commit(picked, depth.max(ROOM_DEPTH))
                 .unwrap_or(0);
