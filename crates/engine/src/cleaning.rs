@@ -37,7 +37,7 @@ use crate::Result;
 pub(crate) const ACP_CHUNK_BYTES: u64 = 100 << 20;
 /// How often the cleaner looks, at most, when it has nothing to do.
 const TICK: Duration = Duration::from_millis(100);
-/// Lines cleaned per room request at least (the policy's flush-max-buffers when larger). Sorted
+/// Lines cleaned per room request (the policy's flush-max-buffers when larger). Sorted
 /// by core address, a large batch goes to the core as a sweep; plain alru's 100-line batches
 /// (wake-up, staleness and activity keep its own runs away under load, so room requests are all
 /// of its cleaning) crossed the whole region each time and drained a full cache in front of the
@@ -46,7 +46,7 @@ const TICK: Duration = Duration::from_millis(100);
 /// persistent cache). At most an eighth of the cache's lines (but `ROOM_DEPTH`): room is a part of
 /// the cache, and a batch of a small cache's every dirty line would leave write-back nothing to
 /// hold.
-pub(crate) const ROOM_BATCH: usize = 4096;
+const ROOM_BATCH: usize = 4096;
 /// Core writes in flight for room at least (the policy's flush-max-buffers when larger; at most
 /// cleaner.rs's `MAX_IN_FLIGHT`).
 const ROOM_DEPTH: usize = 128;
@@ -344,15 +344,11 @@ impl CacheInner {
                 CleaningPolicy::Nop => ROOM_DEPTH,
                 CleaningPolicy::Alru => cfg.alru.flush_max_buffers as usize,
                 CleaningPolicy::Acp => cfg.acp.flush_max_buffers as usize,
-            };
-            let batch = ROOM_BATCH
-                .min(self.lines as usize / 8)
-                .max(ROOM_DEPTH)
-                .max(depth);
+            }
+            .max(ROOM_DEPTH);
+            let batch = ROOM_BATCH.min(self.lines as usize / 8).max(depth);
             let picked = self.oldest_dirty(batch);
-            let cleaned = self
-                .clean_and_commit(picked, depth.max(ROOM_DEPTH))
-                .unwrap_or(0);
+            let cleaned = self.clean_and_commit(picked, depth).unwrap_or(0);
             tick.ran = true;
             tick.cleaned += cleaned;
         }
