@@ -65,7 +65,7 @@ use crate::{
 /// A cache: one cache volume serving one or more cores. Cheap to clone (a shared handle).
 #[derive(Clone)]
 pub struct Cache {
-    inner: Arc<CacheInner>,
+    pub(crate) inner: Arc<CacheInner>,
 }
 
 /// One core's exported volume: the address space clients read and write.

@@ -1271,27 +1271,39 @@ mod duplicate_tests {
     /// whose data carries the block number as stamp. Loaded on `threads` threads: Ok(the stamp
     /// read back from core line 5) or the refusal.
     fn load_crafted(crafts: &[Craft], threads: usize) -> std::result::Result<u8, String> {
-        let vol = Arc::new(RamVolume::new("cache", 12 << 20).unwrap());
         let core: VolumeRef = Arc::new(RamVolume::new("core", 1 << 20).unwrap());
-        let cache = Cache::create(
-            vol.clone(),
-            CacheConfig {
-                id: 1,
-                line_size: LineSize::from_kib(4).unwrap(),
-                mode: CacheMode::Wb,
-            },
-            false,
-        )
-        .unwrap();
-        cache.add_core(core.clone(), Some(1)).unwrap();
-        cache
-            .core(1)
-            .unwrap()
-            .write(&[1u8; 4096], 5 * 4096)
+        // The line core line 5 gets is in the writing thread's home shard, which depends on how
+        // many threads the process made before (`stats::thread_slot`). In a crafted block, the
+        // craft would overwrite the stop's commit of it and the load would rightly refuse the
+        // cache; so the line is written from fresh threads until it lands outside them. (Written
+        // from the test's own thread, it did so after some sets of other tests.)
+        let (vol, sb) = (0..64)
+            .find_map(|_| {
+                let vol = Arc::new(RamVolume::new("cache", 12 << 20).unwrap());
+                let cache = Cache::create(
+                    vol.clone(),
+                    CacheConfig {
+                        id: 1,
+                        line_size: LineSize::from_kib(4).unwrap(),
+                        mode: CacheMode::Wb,
+                    },
+                    false,
+                )
+                .unwrap();
+                cache.add_core(core.clone(), Some(1)).unwrap();
+                let writer = cache.core(1).unwrap();
+                std::thread::spawn(move || writer.write(&[1u8; 4096], 5 * 4096).unwrap())
+                    .join()
+                    .unwrap();
+                let sb = cache.superblock().unwrap();
+                let line = (0..sb.lines)
+                    .find(|&l| cache.inner.table.key(l) == Some(Key::new(1, 5)))
+                    .unwrap();
+                cache.stop(false).unwrap();
+                let block = line as u64 / sb.entries_per_block as u64;
+                (!crafts.iter().any(|c| c.block == block)).then_some((vol, sb))
+            })
             .unwrap();
-        let sb = cache.superblock().unwrap();
-        cache.stop(false).unwrap();
-        drop(cache);
         assert!(sb.meta_blocks >= 32);
         let epb = sb.entries_per_block as u64;
         for c in crafts {
