@@ -43,7 +43,7 @@ use crate::format::{ConfigSlot, CoreRecord, Geometry, Superblock};
 use crate::ioclass::{ClassId, IoClasses};
 use crate::latency::{self, Latency, LatencyKind, LatencyStats};
 use crate::lists::{ListKind, Lists, RUN};
-use crate::locks::{StripeGuard, StripedLocks};
+use crate::locks::{Span, SpanKind, StripeGuard, StripedLocks, WaitFor};
 use crate::meta::{Key, LineTable, MAX_CORE_LINES, NONE};
 use crate::offload::{Offload, OffloadState};
 use crate::persist::{self, new_uuid, Persist};
@@ -312,6 +312,14 @@ pub(crate) fn push_run(runs: &mut Vec<Run>, dev_off: u64, buf_off: usize, len: u
     });
 }
 
+/// The core lines `segs` cover: a request's segments are consecutive lines of one core.
+pub(crate) fn span_of(segs: &[Seg]) -> Span {
+    match (segs.first(), segs.last()) {
+        (Some(first), Some(last)) => Span::new(first.key, last.key),
+        _ => Span::none(),
+    }
+}
+
 fn home_shard(n: usize) -> usize {
     crate::lists::home_of(thread_slot(), n)
 }
@@ -371,11 +379,18 @@ impl CacheInner {
         segs
     }
 
-    pub(crate) fn lock_keys(&self, keys: impl Iterator<Item = Key>) -> StripeGuard<'_> {
-        let mut stripes: Vec<u32> = keys.map(|k| self.table.stripe(k)).collect();
+    /// Lock the stripes of `segs` (consecutive core lines of one core, at least one) once no
+    /// core write in flight that `wait` names overlaps them (locks.rs).
+    pub(crate) fn lock_segs(&self, segs: &[Seg], wait: WaitFor) -> StripeGuard<'_> {
+        self.locks
+            .lock_clear(self.stripes_of(segs), span_of(segs), wait)
+    }
+
+    pub(crate) fn stripes_of(&self, segs: &[Seg]) -> Vec<u32> {
+        let mut stripes: Vec<u32> = segs.iter().map(|s| self.table.stripe(s.key)).collect();
         stripes.sort_unstable();
         stripes.dedup();
-        self.locks.lock_sorted(stripes)
+        stripes
     }
 
     /// Fill in each segment's line and masks. Caller holds the segments' stripes.
@@ -744,8 +759,8 @@ impl CacheInner {
     // ---- reads ----------------------------------------------------------------------------
 
     fn read(&self, core: &CoreState, buf: &mut [u8], offset: u64) -> Result<()> {
-        let Some(plan) = self.read_plan(core, buf.len(), offset, |stripes| {
-            self.locks.lock_sorted(stripes)
+        let Some(plan) = self.read_plan(core, buf.len(), offset, |stripes, span| {
+            self.locks.lock_clear(stripes, span, WaitFor::Around)
         })?
         else {
             return Ok(());
@@ -756,15 +771,16 @@ impl CacheInner {
     }
 
     /// Everything a read does before its device I/O: the checks, classification, seq cutoff,
-    /// locking (by `lock`, given the sorted stripes), lookup, promotion and offload decisions,
-    /// statistics, and which sectors come from the core and which from the cache. None for an
-    /// empty read. The plan holds the stripes until [`read_finish`](Self::read_finish).
+    /// locking (by `lock`, given the sorted stripes and the span of core lines), lookup,
+    /// promotion and offload decisions, statistics, and which sectors come from the core and
+    /// which from the cache. None for an empty read. The plan holds the stripes until
+    /// [`read_finish`](Self::read_finish).
     pub(crate) fn read_plan<'a>(
         &'a self,
         core: &'a CoreState,
         len: usize,
         offset: u64,
-        lock: impl FnOnce(Vec<u32>) -> StripeGuard<'a>,
+        lock: impl FnOnce(Vec<u32>, Span) -> StripeGuard<'a>,
     ) -> Result<Option<ReadPlan<'a>>> {
         self.check(core, offset, len as u64, Some(MAX_REQUEST))?;
         if len == 0 {
@@ -779,10 +795,7 @@ impl CacheInner {
             || class.is_some_and(|c| c.cap == 0)
             || self.cut_off(core, offset, len as u64, false);
         let mut segs = self.segments(core.id, offset, len as u64);
-        let mut stripes: Vec<u32> = segs.iter().map(|s| self.table.stripe(s.key)).collect();
-        stripes.sort_unstable();
-        stripes.dedup();
-        let locks = lock(stripes);
+        let locks = lock(self.stripes_of(&segs), span_of(&segs));
         let waited = locks.waited();
         self.lookup(&mut segs);
         bypass = bypass || self.promotion_declines(&segs);
@@ -1036,7 +1049,7 @@ impl CacheInner {
         let mut asked = false;
         let mut waited = false;
         let (locks, short) = loop {
-            let locks = self.lock_keys(segs.iter().map(|s| s.key));
+            let locks = self.lock_segs(&segs, WaitFor::All);
             waited |= locks.waited();
             self.lookup(&mut segs);
             // Promotion is asked once: a retry after making room must not count accesses again.
@@ -1222,7 +1235,7 @@ impl CacheInner {
         class: Option<ReqClass>,
     ) -> Result<()> {
         let mut segs = self.segments(core.id, offset, buf.len() as u64);
-        let locks = self.lock_keys(segs.iter().map(|s| s.key));
+        let locks = self.lock_segs(&segs, WaitFor::All);
         let waited = locks.waited();
         self.lookup(&mut segs);
         let declined = insert && self.promotion_declines(&segs);
@@ -1280,7 +1293,7 @@ impl CacheInner {
         class: Option<ReqClass>,
     ) -> Result<()> {
         let mut segs = self.segments(core.id, offset, buf.len() as u64);
-        let locks = self.lock_keys(segs.iter().map(|s| s.key));
+        let locks = self.lock_segs(&segs, WaitFor::All);
         self.lookup(&mut segs);
         if mode == CacheMode::Pt {
             self.count_pass_through_write(core, class);
@@ -1292,6 +1305,13 @@ impl CacheInner {
             buf_off: 0,
             len: buf.len(),
         }];
+        if segs.iter().all(|s| s.valid & s.mask() == 0) {
+            // No cached copy to drop: the stripes need not stay locked across the core write
+            // (the common case: a stream that seq cutoff sends around the cache). locks.rs.
+            let _in_flight = locks.begin(span_of(&segs), SpanKind::Around);
+            drop(locks);
+            return self.core_write(core, buf, &whole);
+        }
         self.core_write(core, buf, &whole)?;
         self.invalidate(&segs);
         Ok(())
@@ -1314,7 +1334,7 @@ impl CacheInner {
         while done < len {
             let n = (len - done).min(MAX_REQUEST);
             let mut segs = self.segments(core.id, offset + done, n);
-            let _locks = self.lock_keys(segs.iter().map(|s| s.key));
+            let _locks = self.lock_segs(&segs, WaitFor::All);
             self.lookup(&mut segs);
             // Invalidate first: the discard supersedes even dirty data, and the core is told
             // while the lines are still locked, so no reader sees a half-discarded range.
@@ -2589,7 +2609,10 @@ impl CacheInner {
             if key.core() != id {
                 continue;
             }
-            let _lock = self.lock_keys(std::iter::once(key));
+            let one = Span::new(key, key);
+            let _lock = self
+                .locks
+                .lock_clear(vec![self.table.stripe(key)], one, WaitFor::All);
             // Re-check under the lock: eviction may have taken the line meanwhile.
             if self.table.key(line) == Some(key) {
                 self.update_line(line, key, 0, 0, false);

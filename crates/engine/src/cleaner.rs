@@ -23,6 +23,7 @@ use parking_lot::Mutex;
 
 use crate::bits;
 use crate::cache::{push_run, CacheInner, CoreState, Run};
+use crate::locks::{Span, SpanKind, WaitFor};
 use crate::meta::Key;
 use crate::policy::FLUSH_BUFFERS;
 use crate::stats::{BackgroundErrorLog, BackgroundErrors, Counter};
@@ -340,10 +341,12 @@ impl CacheInner {
         }
     }
 
-    /// Clean one unit of lines (sorted by core line) under their stripes: what is dirty in them
-    /// now goes to the core, then they are marked clean. Returns how many lines were cleaned; a
-    /// line whose write failed stays dirty (the first error is returned once the others are
-    /// done).
+    /// Clean one unit of lines (sorted by core line): what is dirty in them now goes to the core,
+    /// then they are marked clean. The stripes are held to find what is dirty and to mark it
+    /// clean, not across the core writes: the unit's span keeps writes to its lines out
+    /// meanwhile (locks.rs), and requests for other lines of its stripes go on. Returns how many
+    /// lines were cleaned; a line whose write failed stays dirty (the first error is returned
+    /// once the others are done).
     fn clean_unit(
         &self,
         core: &CoreState,
@@ -352,16 +355,27 @@ impl CacheInner {
         merge_max: usize,
         paced: bool,
     ) -> Result<usize> {
+        let (Some(&(first, _)), Some(&(last, _))) = (unit.first(), unit.last()) else {
+            return Ok(0);
+        };
+        let span = Span::new(first, last);
         let mut stripes: Vec<u32> = unit.iter().map(|(k, _)| self.table.stripe(*k)).collect();
         stripes.sort_unstable();
         stripes.dedup();
-        let _locks = self.locks.lock_sorted(stripes);
+        let locks = self.locks.lock_clear(stripes.clone(), span, WaitFor::All);
         // Keep only lines that still hold that key and still have something dirty.
         let items: Vec<(Key, u32)> = unit
             .iter()
             .copied()
             .filter(|&(k, l)| self.table.key(l) == Some(k) && self.table.dirty(l) != 0)
             .collect();
+        if items.is_empty() {
+            return Ok(0);
+        }
+        // Until the lines are marked clean, no write, discard or other cleaning of them runs,
+        // so their dirty sectors stay those read here; reads may still fill in others.
+        let in_flight = locks.begin(span, SpanKind::Cleaning);
+        drop(locks);
         let pieces = self.pieces(&items);
         let mut failed = vec![false; items.len()];
         let mut first_error = None;
@@ -408,13 +422,21 @@ impl CacheInner {
                 }
             }
         }
+        let locks = self.locks.lock_sorted(stripes);
         let mut cleaned = 0;
         for (i, &(key, line)) in items.iter().enumerate() {
+            debug_assert_eq!(
+                self.table.key(line),
+                Some(key),
+                "a line changed under cleaning"
+            );
             if !failed[i] {
                 self.update_line(line, key, self.table.valid(line), 0, false);
                 cleaned += 1;
             }
         }
+        drop(in_flight);
+        drop(locks);
         // Counted as they go, so that cleaning's throughput can be sampled during a batch.
         self.cleaning_counters
             .lines

@@ -34,6 +34,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use crate::bits;
 use crate::cache::{push_run, CacheInner};
 use crate::classes::ReqClass;
+use crate::locks::WaitFor;
 use crate::policy::{continued_stream, Prefetch, PrefetchPolicy};
 use crate::stats::Counter;
 use crate::{CacheMode, CoreId, MAX_REQUEST, SECTOR};
@@ -308,7 +309,8 @@ impl CacheInner {
             return;
         }
         let mut segs = self.segments(core.id, job.offset, job.len);
-        let _locks = self.lock_keys(segs.iter().map(|s| s.key));
+        // As a read: it puts the core's data in the cache.
+        let _locks = self.lock_segs(&segs, WaitFor::Around);
         self.lookup(&mut segs);
         let reserve = reserve(self.lines);
         // (segment, line, newly taken, sectors to fill)

@@ -19,7 +19,7 @@ use hybridcache_volume::ReadPiece;
 use crate::cache::{CacheInner, CoreState, Entered, Run, Seg};
 use crate::classes::ReqClass;
 use crate::latency::{self, LatencyKind};
-use crate::locks::StripeGuard;
+use crate::locks::{StripeGuard, WaitFor};
 use crate::stats::Counter;
 use crate::Result;
 
@@ -52,12 +52,12 @@ impl CacheInner {
             let (len, offset) = (reqs[i].0.len(), reqs[i].1);
             // Timing for a request served on its own (not a batched hit).
             let own_start = latency::begin();
-            let plan = self.read_plan(core, len, offset, |stripes| {
-                match self.locks.try_lock_sorted(&stripes) {
+            let plan = self.read_plan(core, len, offset, |stripes, span| {
+                match self.locks.try_lock_clear(&stripes, span, WaitFor::Around) {
                     Some(guard) => guard,
                     None => {
                         self.finish_hits(core, reqs, &mut pending, &mut results, started);
-                        self.locks.lock_sorted(stripes)
+                        self.locks.lock_clear(stripes, span, WaitFor::Around)
                     }
                 }
             });
