@@ -7,6 +7,9 @@
 //!    new cache lines come from the free lists or by evicting the least recently used clean line
 //!    whose stripe can be taken without waiting;
 //! 3. do the device IO, merging neighbouring pieces, then update metadata, still under the locks.
+//!    A write around the cache that finds no cached copy unlocks before its core write and marks
+//!    its core lines instead (locks.rs), as cleaning does between its cache read and marking the
+//!    lines clean.
 //!
 //! A write-back write that finds no line to take (every line dirty, or locked by others) drops its
 //! locks without having changed anything, cleans the oldest dirty lines, and tries again; after a

@@ -232,10 +232,11 @@ impl CacheInner {
     ///
     /// The batch is cut into units: the lines of one merged core write (or of a few, when a
     /// line with several dirty runs shares writes with both neighbours). Up to `depth` workers
-    /// each take a unit, lock its stripes (ascending; a worker holds one unit's at a time, so
-    /// workers cannot deadlock each other or a request), read its lines' dirty masks again,
-    /// write them to the core, mark the lines clean and unlock. A request waits at most for the
-    /// unit holding its stripe, one core write, not for the batch.
+    /// each take a unit and clean it (`clean_unit`): under its stripes (ascending; a worker
+    /// holds one unit's at a time, so workers cannot deadlock each other or a request) it reads
+    /// its lines' dirty masks again and registers the unit's span, then writes without the
+    /// stripes and takes them again to mark the lines clean. A write waits only for a unit that
+    /// covers one of its lines, one core write, not for the batch; other requests do not wait.
     fn clean_group(
         &self,
         core: &CoreState,
