@@ -546,8 +546,7 @@ impl CacheInner {
     /// over the shards: one shard's oldest left gaps between the merged writes, each a partial
     /// stripe and a read-modify-write (issue 20: a full cache drained 64 KiB sequential writes at
     /// 330 MB/s in writes of 655 KiB on average). A window with one picked line (random writes)
-    /// is not looked through: that line alone goes. At most `batch` lines: a small cache must
-    /// keep dirty lines (the cap in `tick`).
+    /// is not looked through: that line alone goes.
     fn whole_windows(&self, picked: Vec<u32>, batch: usize) -> Vec<u32> {
         let merge = self.cleaning.read().io.merge_max_kib as u64 * 1024;
         // As `merged_writes` aligns: to merge-max rounded down to a power of two.
@@ -580,9 +579,6 @@ impl CacheInner {
             }
             let (core, index) = w;
             for core_line in index * per_window..(index + 1) * per_window {
-                if out.len() >= batch {
-                    break;
-                }
                 let key = Key::new(core, core_line);
                 let _stripe = self.locks.lock_sorted(vec![self.table.stripe(key)]);
                 if let Some(l) = self.table.lookup(key) {
@@ -686,7 +682,7 @@ mod tests {
 
     /// Room cleaning's batch: a line picked with another of its merge window brings the rest of
     /// that window's dirty lines, whole stripes for the core; a line alone in its window goes
-    /// alone (random writes do not make it look through windows). Never more than the batch.
+    /// alone (random writes do not make it look through windows).
     #[test]
     fn room_batches_take_whole_merge_windows() {
         const LINE: u64 = 4096;
@@ -726,11 +722,9 @@ mod tests {
         let batch = core_lines(inner.whole_windows(picked, 4096));
         let want: Vec<u64> = (0..256).chain([2048]).collect();
         assert_eq!(batch, want);
-        // Never more than the batch, even within a window.
+        // The batch size bounds how many windows are looked through, not a window's lines.
         let picked = vec![line_of(1024), line_of(1025), line_of(3), line_of(4)];
         let batch = core_lines(inner.whole_windows(picked, 2));
         assert_eq!(batch, vec![1024, 1025]);
-        let picked = vec![line_of(3), line_of(4)];
-        assert_eq!(inner.whole_windows(picked, 100).len(), 100);
     }
 }
