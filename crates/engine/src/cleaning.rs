@@ -347,7 +347,7 @@ impl CacheInner {
             }
             .max(ROOM_DEPTH);
             let batch = ROOM_BATCH.min(self.lines as usize / 8).max(depth);
-            let picked = self.oldest_dirty(batch);
+            let picked = self.whole_windows(self.oldest_dirty(batch), batch);
             let cleaned = self.clean_and_commit(picked, depth).unwrap_or(0);
             tick.ran = true;
             tick.cleaned += cleaned;
@@ -538,6 +538,71 @@ impl CacheInner {
         best.map(|(_, dirty, core, chunk)| (core, chunk, dirty))
     }
 
+    /// Room cleaning's batch from `picked` (the oldest dirty lines, oldest first per shard): a
+    /// picked line that shares its merge window (merge-max-aligned core lines: whole RAID
+    /// stripes, as cleaning cuts its writes) with another picked line brings every dirty line of
+    /// that window. A shard holds the lines its threads wrote, so a
+    /// stream that several threads served (an NBD server's workers) has its oldest lines spread
+    /// over the shards: one shard's oldest left gaps between the merged writes, each a partial
+    /// stripe and a read-modify-write (issue 20: a full cache drained 64 KiB sequential writes at
+    /// 330 MB/s in writes of 655 KiB on average). A line alone in its window goes alone. At most
+    /// `batch` lines: a small cache must keep dirty lines (the cap in `tick`).
+    fn whole_windows(&self, picked: Vec<u32>, batch: usize) -> Vec<u32> {
+        let merge = self.cleaning.read().io.merge_max_kib as u64 * 1024;
+        // As `merged_writes` aligns: to merge-max rounded down to a power of two.
+        let align = 1u64 << (63 - merge.max(1).leading_zeros());
+        let per_window = (align / self.line_bytes).max(1);
+        let window = |line: u32| {
+            self.table
+                .key(line)
+                .map(|k| (k.core(), k.line() / per_window))
+        };
+        // A window is looked through when two of its lines were picked. Random writes have
+        // such windows too, and their other dirty lines join the sweep: cleaned 4 KiB random
+        // writes at qd32 went from 1,237 to 1,452 a second on the study RAID.
+        let fill_from = 2;
+        let mut counts: std::collections::HashMap<(u16, u64), u32> = Default::default();
+        for &line in &picked {
+            if let Some(w) = window(line) {
+                *counts.entry(w).or_default() += 1;
+            }
+        }
+        let mut out = Vec::with_capacity(batch);
+        let mut filled = std::collections::HashSet::new();
+        for &line in &picked {
+            if out.len() >= batch {
+                break;
+            }
+            let Some(w) = window(line) else { continue };
+            if u64::from(counts.get(&w).copied().unwrap_or(0)) < fill_from {
+                out.push(line);
+                continue;
+            }
+            if !filled.insert(w) {
+                continue;
+            }
+            let (core, index) = w;
+            for core_line in index * per_window..(index + 1) * per_window {
+                if out.len() >= batch {
+                    break;
+                }
+                let key = Key::new(core, core_line);
+                // A busy stripe is skipped, not waited for: a write may hold it across a core
+                // write (lazy flush), and waiting for hundreds of those kept a whole batch from
+                // starting while writes went to the core.
+                let Some(_stripe) = self.locks.try_lock(self.table.stripe(key)) else {
+                    continue;
+                };
+                if let Some(l) = self.table.lookup(key) {
+                    if self.table.dirty(l) != 0 && !self.of_failing_core(l) {
+                        out.push(l);
+                    }
+                }
+            }
+        }
+        out
+    }
+
     /// Up to `want` dirty lines of one chunk, found by looking its core lines up in order.
     fn chunk_dirty_lines(&self, core: u16, chunk: u64, want: usize) -> Vec<u32> {
         let per_chunk = (ACP_CHUNK_BYTES / self.line_bytes).max(1);
@@ -615,5 +680,76 @@ impl CacheInner {
             self.commit()?;
         }
         Ok(cleaned? as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use hybridcache_volume::{RamVolume, VolumeRef};
+
+    use crate::meta::Key;
+    use crate::{Cache, CacheConfig, CacheMode, LineSize};
+
+    /// Room cleaning's batch: a line picked with another of its merge window brings the rest of
+    /// that window's dirty lines, whole stripes for the core; a line alone in its window goes
+    /// alone. Never more than the batch; never a wait for a stripe.
+    #[test]
+    fn room_batches_take_whole_merge_windows() {
+        const LINE: u64 = 4096;
+        let config = CacheConfig {
+            id: 1,
+            line_size: LineSize::from_kib(4).unwrap(),
+            mode: CacheMode::Wb,
+        };
+        let cache =
+            Cache::new(Arc::new(RamVolume::new("cache", 8 << 20).unwrap()), config).unwrap();
+        cache.stop_background_cleaner();
+        let core_vol: VolumeRef = Arc::new(RamVolume::new("core", 64 << 20).unwrap());
+        let id = cache.add_core(core_vol, None).unwrap();
+        let core = cache.core(id).unwrap();
+        // Window 0 (1 MiB, merge-max's default): all 256 lines dirty. Window 4: lines 1024 and
+        // 1025. Window 8: lines 2048 and 2049.
+        for l in (0..256).chain([1024, 1025, 2048, 2049]) {
+            core.write(&[1u8; LINE as usize], l * LINE).unwrap();
+        }
+        let inner = &cache.inner;
+        assert_eq!(inner.cleaning.read().io.merge_max_kib, 1024);
+        let line_of = |l: u64| {
+            let key = Key::new(id, l);
+            let _s = inner.locks.lock_sorted(vec![inner.table.stripe(key)]);
+            inner.table.lookup(key).unwrap()
+        };
+        let core_lines = |lines: Vec<u32>| {
+            let mut v: Vec<u64> = lines
+                .iter()
+                .map(|&l| inner.table.key(l).unwrap().line())
+                .collect();
+            v.sort_unstable();
+            v
+        };
+        // Two of window 0 and one of window 8.
+        let picked = vec![line_of(3), line_of(200), line_of(2048)];
+        let batch = core_lines(inner.whole_windows(picked, 4096));
+        let want: Vec<u64> = (0..256).chain([2048]).collect();
+        assert_eq!(batch, want);
+        // Never more than the batch, even within a window.
+        let picked = vec![line_of(1024), line_of(1025), line_of(3), line_of(4)];
+        let batch = core_lines(inner.whole_windows(picked, 2));
+        assert_eq!(batch, vec![1024, 1025]);
+        let some_of_0 = vec![line_of(3), line_of(4)];
+        assert_eq!(inner.whole_windows(some_of_0.clone(), 100).len(), 100);
+        // A stripe held by a request is skipped, not waited for.
+        let held = inner
+            .locks
+            .lock_sorted(vec![inner.table.stripe(Key::new(id, 255))]);
+        let batch = core_lines(inner.whole_windows(some_of_0, 4096));
+        drop(held);
+        assert!(
+            !batch.contains(&255) && batch.len() >= 200,
+            "{}",
+            batch.len()
+        );
     }
 }
