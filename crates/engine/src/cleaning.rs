@@ -541,12 +541,12 @@ impl CacheInner {
     /// Room cleaning's batch from `picked` (the oldest dirty lines, oldest first per shard): a
     /// picked line that shares its merge window (merge-max-aligned core lines: whole RAID
     /// stripes, as cleaning cuts its writes) with another picked line brings every dirty line of
-    /// that window. A shard holds the lines its threads wrote, so a
-    /// stream that several threads served (an NBD server's workers) has its oldest lines spread
-    /// over the shards: one shard's oldest left gaps between the merged writes, each a partial
-    /// stripe and a read-modify-write (issue 20: a full cache drained 64 KiB sequential writes at
-    /// 330 MB/s in writes of 655 KiB on average). A line alone in its window goes alone. At most
-    /// `batch` lines: a small cache must keep dirty lines (the cap in `tick`).
+    /// that window. A shard holds the lines its threads wrote, so a stream that several threads
+    /// served (an NBD server's workers) has its oldest lines spread over the shards: one shard's
+    /// oldest left gaps between the merged writes, each a partial stripe and a read-modify-write
+    /// (issue 20: a full cache drained 64 KiB sequential writes at 330 MB/s in writes of 655 KiB
+    /// on average). A line alone in its window goes alone. At most `batch` lines: a small cache
+    /// must keep dirty lines (the cap in `tick`).
     fn whole_windows(&self, picked: Vec<u32>, batch: usize) -> Vec<u32> {
         let merge = self.cleaning.read().io.merge_max_kib as u64 * 1024;
         // As `merged_writes` aligns: to merge-max rounded down to a power of two.
@@ -560,7 +560,7 @@ impl CacheInner {
         // A window is looked through when two of its lines were picked. Random writes have
         // such windows too, and their other dirty lines join the sweep: cleaned 4 KiB random
         // writes at qd32 went from 1,237 to 1,452 a second on the study RAID.
-        let fill_from = 2;
+        const FILL_FROM: u32 = 2;
         let mut counts: std::collections::HashMap<(u16, u64), u32> = Default::default();
         for &line in &picked {
             if let Some(w) = window(line) {
@@ -574,7 +574,7 @@ impl CacheInner {
                 break;
             }
             let Some(w) = window(line) else { continue };
-            if u64::from(counts.get(&w).copied().unwrap_or(0)) < fill_from {
+            if counts.get(&w).copied().unwrap_or(0) < FILL_FROM {
                 out.push(line);
                 continue;
             }
