@@ -385,12 +385,16 @@ impl CacheInner {
     /// Lock the stripes of `segs` (consecutive core lines of one core, at least one) once no
     /// core write in flight that `wait` names overlaps them (locks.rs).
     pub(crate) fn lock_segs(&self, segs: &[Seg], wait: WaitFor) -> StripeGuard<'_> {
-        self.locks
-            .lock_clear(self.stripes_of(segs), span_of(segs), wait)
+        self.locks.lock_clear(
+            self.stripes_of(segs.iter().map(|s| s.key)),
+            span_of(segs),
+            wait,
+        )
     }
 
-    pub(crate) fn stripes_of(&self, segs: &[Seg]) -> Vec<u32> {
-        let mut stripes: Vec<u32> = segs.iter().map(|s| self.table.stripe(s.key)).collect();
+    /// The stripes of `keys`, sorted and without duplicates: the order every locker takes them.
+    pub(crate) fn stripes_of(&self, keys: impl IntoIterator<Item = Key>) -> Vec<u32> {
+        let mut stripes: Vec<u32> = keys.into_iter().map(|k| self.table.stripe(k)).collect();
         stripes.sort_unstable();
         stripes.dedup();
         stripes
@@ -798,7 +802,7 @@ impl CacheInner {
             || class.is_some_and(|c| c.cap == 0)
             || self.cut_off(core, offset, len as u64, false);
         let mut segs = self.segments(core.id, offset, len as u64);
-        let locks = lock(self.stripes_of(&segs), span_of(&segs));
+        let locks = lock(self.stripes_of(segs.iter().map(|s| s.key)), span_of(&segs));
         let waited = locks.waited();
         self.lookup(&mut segs);
         bypass = bypass || self.promotion_declines(&segs);

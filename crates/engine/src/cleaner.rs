@@ -360,9 +360,7 @@ impl CacheInner {
             return Ok(0);
         };
         let span = Span::new(first, last);
-        let mut stripes: Vec<u32> = unit.iter().map(|(k, _)| self.table.stripe(*k)).collect();
-        stripes.sort_unstable();
-        stripes.dedup();
+        let stripes = self.stripes_of(unit.iter().map(|&(k, _)| k));
         let locks = self.locks.lock_clear(stripes.clone(), span, WaitFor::All);
         // Keep only lines that still hold that key and still have something dirty.
         let items: Vec<(Key, u32)> = unit
