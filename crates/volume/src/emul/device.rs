@@ -345,6 +345,9 @@ impl EmulatedVolume {
             // Settled while this thread waited (or woke spuriously): the model has forgotten it.
             let settled = waiter.done.load(Ordering::Acquire);
             if settled != 0 {
+                // Only a listed waiter's request is settled into its slot, and the driver is
+                // not listed (below): leaving here never takes the role away.
+                debug_assert!(!driving, "the driver's request settled into its slot");
                 drop(m);
                 finish(settled);
                 return r;
@@ -393,6 +396,11 @@ impl EmulatedVolume {
                     }
                 }
                 Poll::Pending(t) => {
+                    // Woken with nobody having asked (a scope's end wakes its owner thread),
+                    // this thread may still be listed as waiting: it must not be, or another
+                    // thread could settle its request into its slot while it drives, and it
+                    // would leave with the role (every later request then waits forever).
+                    m.waiters.remove(&op);
                     m.driver = true;
                     driving = true;
                     // Wait on the condition until shortly before `t`, then on the clock, which
@@ -584,6 +592,59 @@ mod tests {
             "requests still waiting after 60 s: nobody drives the model"
         );
         worker.join().unwrap();
+    }
+
+    #[test]
+    fn a_woken_waiter_that_drives_does_not_leave_with_the_role() {
+        // A waiting thread can wake with nobody having asked: `std::thread::scope` wakes its
+        // owner as each scoped thread ends, and cleaning's owner thread also writes. Woken so
+        // while no thread drove, it took the driver's role still listed among the waiters; a
+        // new request then settled its write into its slot, and it left with the role: every
+        // later request waited for a driver forever (a full cache cleaning through 44 threads
+        // hung this way, issue 20). The steps, in order: a driver is said to exist; a write
+        // waits, queued behind another; the driver is gone and the waiter wakes; it drives; a
+        // new request arrives after its write is done, before it looks.
+        let cfg = &configs()[0];
+        let v = Arc::new(EmulatedVolume::new("hdd", cfg, Backing::NoData).unwrap());
+        {
+            // A long write ahead (about 0.2 s on this disk; nobody waits for it), so that the
+            // next one is still queued when it wakes.
+            let mut m = v.model.lock();
+            m.driver = true;
+            let now = v.clock.now();
+            m.start(now, IoKind::Write, 0, 32 << 20);
+        }
+        let writer = {
+            let v = v.clone();
+            std::thread::spawn(move || v.write_at(&[0; 4096], 40 << 20).unwrap())
+        };
+        let until = |what: &str, f: &dyn Fn(&Model) -> bool| {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while !f(&v.model.lock()) {
+                assert!(std::time::Instant::now() < deadline, "{what}");
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        };
+        until("the write waits", &|m| m.waiters.len() == 1);
+        {
+            let mut m = v.model.lock();
+            m.driver = false;
+            writer.thread().unpark();
+        }
+        until("the woken waiter drives", &|m| m.driver);
+        {
+            let mut m = v.model.lock();
+            // Long enough for both writes to be done.
+            std::thread::sleep(std::time::Duration::from_secs(1));
+            let now = v.clock.now();
+            m.start(now, IoKind::Read, 0, 4096);
+            m.wake_settled();
+        }
+        writer.join().unwrap();
+        assert!(
+            !v.model.lock().driver,
+            "the write left with the driver's role: nobody drives the next requests"
+        );
     }
 
     #[test]
