@@ -1190,7 +1190,6 @@ impl CacheInner {
                 .count(&core.classes, class, Counter::LazyFlushBytes, bytes);
             self.cleaner_signal.want_room();
         }
-        self.core_write(core, buf, &core_runs)?;
 
         let mut cache_runs = Vec::new();
         for &(i, line, _) in &targets {
@@ -1227,7 +1226,18 @@ impl CacheInner {
                 }
             }
         }
-        let result = self.core_write(core, buf, &fallback);
+        if fallback.is_empty() && !core_runs.is_empty() {
+            // What has no line (lazy flush, a declined promotion, offload) has no cached copy
+            // either, so the stripes need not stay locked across its core write: a stripe held
+            // there kept cleaning, and other writes whose lines share it, waiting for a RAID
+            // that waits for the rest of its stripe (issue 20; locks.rs). The cached part is
+            // in place already, and the span keeps reads and writes of these lines out.
+            let _in_flight = locks.begin(span_of(&segs), SpanKind::Around);
+            drop(locks);
+            return self.core_write(core, buf, &core_runs);
+        }
+        core_runs.extend(fallback);
+        let result = self.core_write(core, buf, &core_runs);
         drop(locks);
         result
     }
