@@ -158,6 +158,14 @@ impl CleanerSignal {
         self.uncommitted.fetch_add(taken, Ordering::Relaxed);
     }
 
+    /// Whether lines are about to be made reusable, so that a write finding none may wait for
+    /// one: the cleaner thread runs, and a batch is under way or a room batch has been asked
+    /// for (the next tick runs it: between back-to-back room batches, neither under way).
+    pub(crate) fn room_coming(&self) -> bool {
+        self.running.load(Ordering::Relaxed)
+            && (self.active.load(Ordering::Relaxed) > 0 || self.room_wanted.load(Ordering::Relaxed))
+    }
+
     /// Cleaning just made lines reusable: wake the writes waiting for one.
     pub(crate) fn room_made(&self) {
         *self.room_gen.lock() += 1;
@@ -347,8 +355,12 @@ impl CacheInner {
             }
             .max(ROOM_DEPTH);
             let batch = ROOM_BATCH.min(self.lines as usize / 8).max(depth);
+            // Under way from here: writes that find no line wait for this batch while it is
+            // picked (`room_coming`).
+            self.cleaner_signal.active.fetch_add(1, Ordering::SeqCst);
             let picked = self.whole_windows(self.oldest_dirty(batch), batch);
             let cleaned = self.clean_and_commit(picked, depth).unwrap_or(0);
+            self.cleaner_signal.active.fetch_sub(1, Ordering::SeqCst);
             tick.ran = true;
             tick.cleaned += cleaned;
         }
