@@ -599,8 +599,9 @@ impl CacheInner {
                     break;
                 }
                 let key = Key::new(core, core_line);
-                // A busy stripe is skipped, not waited for: a write may hold it across a core
-                // write (lazy flush), and waiting for hundreds of those kept a whole batch from
+                // A busy stripe is skipped, not waited for: a request may hold it across core
+                // I/O (a read miss, a write-through), and waiting for hundreds of those (lazy
+                // flush held them too, until it wrote under a span) kept a whole batch from
                 // starting while writes went to the core.
                 let Some(_stripe) = self.locks.try_lock(self.table.stripe(key)) else {
                     continue;
