@@ -12,8 +12,9 @@
 //! Concurrency, in short (details in `cache.rs`): requests lock the core lines they touch through
 //! a table of striped locks, always in ascending stripe order, so overlapping requests run in some
 //! serial order and disjoint ones run in parallel. There is no global lock on the request path.
-//! Writes around the cache and cleaning do not hold their stripes across the core write: they
-//! mark the core lines they cover, and only requests for those lines wait (`locks.rs`).
+//! Writes around the cache (lazy flush's part of a write-back write among them) and cleaning do
+//! not hold their stripes across the core write: they mark the core lines they cover, and only
+//! requests for those lines wait (`locks.rs`).
 
 pub mod bench;
 mod bits;

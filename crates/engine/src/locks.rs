@@ -12,8 +12,9 @@
 //! at a third of the bare core's speed, and client writes waited behind cleaning's 256 stripes
 //! per merged megabyte). Instead each registers the core lines it covers, a [`Span`], under its
 //! stripes, unlocks them, writes, and removes the span:
-//! - a write around the cache (seq cutoff, pt, wi) that found no cached copy of what it writes
-//!   ([`SpanKind::Around`]);
+//! - a write around the cache (seq cutoff, pt, wi) that found no cached copy of what it writes,
+//!   and the part of a write-back write that finds no line (lazy flush, a declined promotion,
+//!   offload), written to the core after its cached part ([`SpanKind::Around`]);
 //! - cleaning, between reading lines from the cache and marking them clean
 //!   ([`SpanKind::Cleaning`]).
 //!
