@@ -607,16 +607,16 @@ mod tests {
         let cfg = &configs()[0];
         let v = Arc::new(EmulatedVolume::new("hdd", cfg, Backing::NoData).unwrap());
         {
-            // A long write ahead (about 0.2 s on this disk; nobody waits for it), so that the
-            // next one is still queued when it wakes.
+            // A long write ahead (about 0.3 s on this disk; nobody waits for it), so that the
+            // next one is still queued when it wakes, even on a loaded machine.
             let mut m = v.model.lock();
             m.driver = true;
             let now = v.clock.now();
-            m.start(now, IoKind::Write, 0, 32 << 20);
+            m.start(now, IoKind::Write, 0, 60 << 20);
         }
         let writer = {
             let v = v.clone();
-            std::thread::spawn(move || v.write_at(&[0; 4096], 40 << 20).unwrap())
+            std::thread::spawn(move || v.write_at(&[0; 4096], 62 << 20).unwrap())
         };
         let until = |what: &str, f: &dyn Fn(&Model) -> bool| {
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
