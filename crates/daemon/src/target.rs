@@ -266,8 +266,8 @@ mod tests {
     }
 
     /// A core whose writes take a while: a request stays in flight long enough to switch
-    /// under it.
-    struct Slow(VolumeRef);
+    /// under it. Counts the writes that have begun.
+    struct Slow(VolumeRef, Arc<std::sync::atomic::AtomicUsize>);
 
     impl Volume for Slow {
         fn name(&self) -> &str {
@@ -280,6 +280,7 @@ mod tests {
             self.0.read_at(buf, offset)
         }
         fn write_at(&self, buf: &[u8], offset: u64) -> hybridcache_volume::Result<()> {
+            self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             std::thread::sleep(Duration::from_millis(300));
             self.0.write_at(buf, offset)
         }
@@ -294,25 +295,34 @@ mod tests {
     #[test]
     fn a_switch_waits_for_the_request_in_flight_and_holds_those_after_it() {
         let (_cache, core_vol, target) = cache_and_core();
-        let slow: VolumeRef = Arc::new(Slow(core_vol.clone()));
+        let begun = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let slow: VolumeRef = Arc::new(Slow(core_vol.clone(), begun.clone()));
         target.switch(Route::PassThrough(slow));
         let t = target.clone();
         let first = std::thread::spawn(move || t.write(&[3u8; 4096], 0));
-        std::thread::sleep(Duration::from_millis(50));
+        // In flight once it has reached the core (a fixed sleep here lost the race on a loaded
+        // 2-core machine: the switch came first and had nothing to wait for).
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while begun.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the write never began"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
         let began = std::time::Instant::now();
         let old = target.switch(Route::Frozen);
-        // The switch returned only once the slow write was done, and that write reached the
-        // core through the old route.
-        assert!(
-            first.is_finished(),
-            "the switch must wait for the write in flight"
-        );
-        assert!(began.elapsed() >= Duration::from_millis(150));
-        first.join().unwrap().unwrap();
-        drop(old);
+        // The switch returned only once the slow write was done: its data is on the core,
+        // through the old route. (Whether the writer's thread has ended by then is a race.)
         let mut back = [0u8; 4096];
         core_vol.read_at(&mut back, 0).unwrap();
-        assert_eq!(back, [3u8; 4096]);
+        assert_eq!(
+            back, [3u8; 4096],
+            "the switch must wait for the write in flight"
+        );
+        assert!(began.elapsed() >= Duration::from_millis(50));
+        first.join().unwrap().unwrap();
+        drop(old);
         // A request after the switch waits for the next route.
         let t = target.clone();
         let second = std::thread::spawn(move || t.write(&[4u8; 4096], 0));
