@@ -373,6 +373,38 @@ mod tests {
         (0, other)
     }
 
+    /// Write byte `i + 1` to the `i`th of `lines`, each from its own thread, one after the
+    /// other: a write starts once the ones before it are waiting at the (closed) gate.
+    fn write_in_turn<const N: usize>(
+        core: &Core,
+        gate: &Arc<Gate>,
+        lines: [u64; N],
+    ) -> Vec<std::thread::JoinHandle<()>> {
+        (0..N)
+            .map(|i| {
+                let (core, gate, line) = (core.clone(), gate.clone(), lines[i]);
+                std::thread::spawn(move || {
+                    assert!(gate.writers_arrive(i, Duration::from_secs(10)));
+                    core.write(&[i as u8 + 1; LINE as usize], line * LINE)
+                        .unwrap();
+                })
+            })
+            .collect()
+    }
+
+    /// The `i`th of `lines` reads byte `i + 1` throughout (what `write_in_turn` wrote).
+    fn assert_core_reads<const N: usize>(core: &Core, lines: [u64; N]) {
+        for (i, line) in lines.into_iter().enumerate() {
+            let mut buf = [0u8; LINE as usize];
+            core.read(&mut buf, line * LINE).unwrap();
+            assert!(
+                buf.iter().all(|&x| x == i as u8 + 1),
+                "line {line}: {}",
+                buf[0]
+            );
+        }
+    }
+
     /// Two writes around the cache whose lines share a stripe are in flight to the core at once.
     /// They ran in turn while the first held the stripe across its core write, and on a RAID
     /// each then waited out its stripe's merge window (issue 20: a default-cutoff stream of 16 KiB
@@ -382,29 +414,14 @@ mod tests {
         let (cache, core, id, gate) = rig(CacheMode::Pt);
         let (a, b) = same_stripe(&cache, id);
         gate.state.lock().0 = true;
-        let writers: Vec<_> = [(a, 1u8), (b, 2u8)]
-            .into_iter()
-            .map(|(line, byte)| {
-                let core = core.clone();
-                let gate = gate.clone();
-                std::thread::spawn(move || {
-                    // One after the other: the first is waiting at the gate before the second.
-                    assert!(gate.writers_arrive(byte as usize - 1, Duration::from_secs(10)));
-                    core.write(&[byte; LINE as usize], line * LINE).unwrap();
-                })
-            })
-            .collect();
+        let writers = write_in_turn(&core, &gate, [a, b]);
         let together = gate.writers_arrive(2, Duration::from_secs(2));
         gate.open();
         for w in writers {
             w.join().unwrap();
         }
         assert!(together, "the second write waited for the first's stripe");
-        for (line, byte) in [(a, 1u8), (b, 2u8)] {
-            let mut buf = [0u8; LINE as usize];
-            core.read(&mut buf, line * LINE).unwrap();
-            assert!(buf.iter().all(|&x| x == byte));
-        }
+        assert_core_reads(&core, [a, b]);
     }
 
     /// A read miss of a line whose write around the cache is in flight waits for it, and then
@@ -475,17 +492,7 @@ mod tests {
         let flushed = cache.stats().requests.lazy_flush_writes;
         assert!(flushed > 0, "the cache is not full");
         gate.state.lock().0 = true;
-        let writers: Vec<_> = [(a, 1u8), (b, 2u8)]
-            .into_iter()
-            .map(|(line, byte)| {
-                let core = core.clone();
-                let gate = gate.clone();
-                std::thread::spawn(move || {
-                    assert!(gate.writers_arrive(byte as usize - 1, Duration::from_secs(10)));
-                    core.write(&[byte; LINE as usize], line * LINE).unwrap();
-                })
-            })
-            .collect();
+        let writers = write_in_turn(&core, &gate, [a, b]);
         let together = gate.writers_arrive(2, Duration::from_secs(2));
         let reader = {
             let core = core.clone();
@@ -511,11 +518,7 @@ mod tests {
         );
         assert_eq!(reader.join().unwrap(), 1);
         assert_eq!(cache.stats().requests.lazy_flush_writes, flushed + 2);
-        for (line, byte) in [(a, 1u8), (b, 2u8)] {
-            let mut buf = [0u8; LINE as usize];
-            core.read(&mut buf, line * LINE).unwrap();
-            assert!(buf.iter().all(|&x| x == byte));
-        }
+        assert_core_reads(&core, [a, b]);
     }
 
     /// While cleaning writes a line to the core, a write of another line of its stripe is not
