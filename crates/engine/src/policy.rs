@@ -385,17 +385,18 @@ impl SeqCutoff {
 /// Streams tracked per core, as Open CAS does.
 pub(crate) const SEQ_STREAMS: usize = 128;
 
-/// How far (in requests of the request's own size) a request may land from a confirmed stream's
-/// end and still continue it. A client keeping N sequential requests in flight has them reach
-/// the cache in any order within N requests (an NBD server's workers race, and reads finish out
-/// of order); 32 covers the usual queue depths.
+/// How far (in requests of the request's own size) a read may land from a confirmed read-ahead
+/// stream's end and still continue it (prefetch.rs). A client keeping N sequential reads in
+/// flight has them reach the cache in any order within N requests (an NBD server's workers race,
+/// and reads finish out of order); 32 covers the usual queue depths. Sequential cutoff does not
+/// use it: there a request must touch what its stream has covered (see [`SeqState`]).
 pub(crate) const REORDER_REQUESTS: u64 = 32;
 
-/// Which stream a request of `len` bytes at `offset` continues, and whether exactly (it starts
-/// where the stream ends). `streams` gives each stream as (usable for this request, its end,
-/// confirmed: once continued exactly). A confirmed stream also takes a request that lands within
-/// [`REORDER_REQUESTS`] requests of its end, before or after it; random requests near each other
-/// never start exactly where another ended, so they never become a stream.
+/// Which read-ahead stream a read of `len` bytes at `offset` continues, and whether exactly (it
+/// starts where the stream ends). `streams` gives each stream as (usable for this request, its
+/// end, confirmed: once continued exactly). A confirmed stream also takes a read that lands
+/// within [`REORDER_REQUESTS`] requests of its end, before or after it; random requests near each
+/// other never start exactly where another ended, so they never become a stream.
 pub(crate) fn continued_stream(
     streams: impl Iterator<Item = (bool, u64, bool)> + Clone,
     offset: u64,
@@ -416,22 +417,34 @@ pub(crate) fn continued_stream(
         .map(|i| (i, false))
 }
 
+/// One tracked run of adjacent requests: `[start, next)` is what it has covered.
 #[derive(Clone, Copy, Default)]
 struct Stream {
-    /// Where the stream's next request would start (the end of its furthest request, bytes);
-    /// 0 with `requests` 0 = unused.
+    /// Where the stream's first request started (bytes): a request that continues another
+    /// stream and ends here fills the gap between the two, which become one.
+    start: u64,
+    /// Where the stream's next request would start (the end of its last request, bytes);
+    /// with `requests` 0 the slot is unused.
     next: u64,
     bytes: u64,
     requests: u32,
     write: bool,
     /// Last use, for replacing the least recently used stream.
     stamp: u64,
-    /// A request once started exactly at the stream's end (see [`continued_stream`]).
-    confirmed: bool,
 }
 
 /// One core's sequential cutoff: its settings (read on every request, so packed in an atomic)
 /// and the streams it tracks.
+///
+/// A request counts as sequential only when it starts exactly where a tracked stream of its
+/// direction ended, as in Open CAS (`ocf_seq_detect`): random requests that land near a stream
+/// are never taken for part of it (the Ceph study's random writes next to BlueStore's
+/// sequential ones were cached by Open CAS and must be here too). Requests that an NBD
+/// server's workers hand over out of order stay one stream another way: a request that arrives
+/// ahead of its turn starts a stream of its own (and is cached, as the first request of any
+/// stream is), and the request that fills the gap continues the first stream exactly and ends
+/// where the early one starts, so the two merge, counts added. Nothing that is not adjacent to
+/// what a stream has covered ever joins it.
 pub(crate) struct SeqState {
     params: AtomicU64,
     streams: Mutex<StreamTable>,
@@ -489,43 +502,54 @@ impl SeqState {
         }
     }
 
-    /// Extend the stream this request continues and return its bytes and requests including
-    /// this one; or start a stream in the least recently used slot and return None.
+    /// Record a request and return its stream's bytes and requests including this one when the
+    /// request continues a stream exactly (and then also the stream that starts where it ends,
+    /// which arrived ahead of it); None when it starts a stream.
     fn track(&self, offset: u64, len: u64, write: bool) -> Option<(u64, u32)> {
         let mut t = self.streams.lock();
         t.clock += 1;
         let clock = t.clock;
-        let found = continued_stream(
-            t.streams
-                .iter()
-                .map(|s| (s.requests > 0 && s.write == write, s.next, s.confirmed)),
-            offset,
-            len,
-        );
-        if let Some((i, exact)) = found {
-            let s = &mut t.streams[i];
-            // A request that arrived after a later one leaves the end where it is.
-            s.next = s.next.max(offset + len);
-            s.confirmed |= exact;
-            s.bytes = s.bytes.saturating_add(len);
-            s.requests = s.requests.saturating_add(1);
-            s.stamp = clock;
-            return Some((s.bytes, s.requests));
-        }
-        let oldest = t
-            .streams
-            .iter_mut()
-            .min_by_key(|s| s.stamp)
-            .expect("SEQ_STREAMS > 0");
-        *oldest = Stream {
-            next: offset + len,
-            bytes: len,
-            requests: 1,
-            write,
-            stamp: clock,
-            confirmed: false,
+        let end = offset + len;
+        let live = |s: &Stream| s.requests > 0 && s.write == write;
+        let continued = t.streams.iter().position(|s| live(s) && s.next == offset);
+        let Some(i) = continued else {
+            // A request that only ends where a stream starts joins nothing: Open CAS would start
+            // a stream with it, and so do we, or the table would keep other streams than its.
+            let oldest = t
+                .streams
+                .iter_mut()
+                .min_by_key(|s| s.stamp)
+                .expect("SEQ_STREAMS > 0");
+            *oldest = Stream {
+                start: offset,
+                next: end,
+                bytes: len,
+                requests: 1,
+                write,
+                stamp: clock,
+            };
+            return None;
         };
-        None
+        // A stream that arrived ahead of this request and starts where it ends.
+        let ahead = t
+            .streams
+            .iter()
+            .position(|s| live(s) && s.start == end)
+            .filter(|&j| j != i);
+        let (ahead_next, ahead_bytes, ahead_requests) = match ahead {
+            Some(j) => {
+                let ahead = std::mem::take(&mut t.streams[j]);
+                (ahead.next, ahead.bytes, ahead.requests)
+            }
+            None => (end, 0, 0),
+        };
+        let s = &mut t.streams[i];
+        debug_assert!(s.start <= s.next && s.next == offset);
+        s.next = ahead_next;
+        s.bytes = s.bytes.saturating_add(len).saturating_add(ahead_bytes);
+        s.requests = s.requests.saturating_add(1).saturating_add(ahead_requests);
+        s.stamp = clock;
+        Some((s.bytes, s.requests))
     }
 }
 
@@ -952,10 +976,12 @@ mod tests {
     }
 
     /// A client keeping 16 KiB writes in flight through NBD: the server's workers hand them to
-    /// the cache slightly out of order. The stream stays one stream and is cut off from its 4th
-    /// request on; before, each write that arrived ahead of its turn started a new stream and was
-    /// cached, so a cut-off stream reached the core with holes (a RAID then paid
-    /// read-modify-writes for it) and the cache filled with its pieces (issue 20).
+    /// the cache slightly out of order. A write that arrives ahead of its turn touches nothing the
+    /// stream has covered, so it is cached (as Open CAS would); the write that fills the gap
+    /// joins the early one to the stream, which stays one stream and is cut off. Under the exact
+    /// rule alone (no joining) the stream broke into pieces at the first early write and none of
+    /// them was cut off again (issue 20); under the reorder window of round 2, random writes near
+    /// the stream were cut off too (issue 35).
     #[test]
     fn a_stream_reordered_on_its_way_stays_one_stream() {
         let s = SeqState::new(SeqCutoff {
@@ -968,9 +994,10 @@ mod tests {
             .iter()
             .map(|&i| s.cut_off(i * 16384, 16384, true, || false))
             .collect();
+        // The early ones (4, 7, 11) are cached; every other write from the 4th on is cut off.
         assert_eq!(
             cut,
-            [false, false, false, true, true, true, true, true, true, true, true, true, true]
+            [false, false, false, false, true, true, false, true, true, false, true, true, true]
         );
         // Requests near each other that never continue one exactly are no stream.
         let r = SeqState::new(SeqCutoff {
@@ -980,6 +1007,160 @@ mod tests {
         });
         for i in [10u64, 8, 13, 6, 15, 4, 2, 12] {
             assert!(!r.cut_off((1 << 30) + i * 8192, 4096, true, || false));
+        }
+    }
+
+    /// A stream whose neighbouring writes swap places on the way (each pair reversed): half the
+    /// writes arrive early and are cached, the other half fill a gap, join the early one and are
+    /// cut off once the stream has its 16 KiB, and the stream never falls apart. With the exact
+    /// rule alone none of the 16 was cut off.
+    #[test]
+    fn a_stream_reordered_in_pairs_is_still_cut_off() {
+        let s = SeqState::new(SeqCutoff {
+            policy: SeqCutoffPolicy::Always,
+            threshold_kib: 16,
+            promotion_count: 2,
+        });
+        let order: Vec<u64> = (0..16u64).map(|i| i ^ 1).collect();
+        let cut = order
+            .iter()
+            .filter(|&&i| s.cut_off(i * 4096, 4096, true, || false))
+            .count();
+        // Written 1, 0, 3, 2, 5, 4, ...: 0 arrived after its stream's head and stays apart; 2
+        // joins 1 and 3 (12 KiB), and 4, 6, ..., 14 each bring the stream past 16 KiB.
+        assert_eq!(cut, 6, "every gap-filling write from the third pair on");
+    }
+
+    /// The issue 35 case: after a 32 KiB sequential stream (seq cutoff always, 16 KiB), eight
+    /// 4 KiB writes 12-68 KiB past its end, none adjacent to anything written. Round 2's window
+    /// passed all eight to the core; Open CAS caches them, and so must we.
+    #[test]
+    fn random_writes_near_a_stream_are_not_cut_off() {
+        let s = SeqState::new(SeqCutoff {
+            policy: SeqCutoffPolicy::Always,
+            threshold_kib: 16,
+            promotion_count: 1,
+        });
+        let base = 1u64 << 30;
+        let stream: Vec<bool> = (0..8u64)
+            .map(|i| s.cut_off(base + i * 4096, 4096, true, || false))
+            .collect();
+        assert_eq!(
+            stream.iter().filter(|&&c| c).count(),
+            5,
+            "from the 4th write on"
+        );
+        let end = base + 32 * 1024;
+        for k in 0..8u64 {
+            let offset = end + 12 * 1024 + k * 8192;
+            assert!(
+                !s.cut_off(offset, 4096, true, || false),
+                "a write {} KiB past the stream's end was cut off",
+                (offset - end) / 1024
+            );
+        }
+        // The stream itself still continues exactly where it ended.
+        assert!(s.cut_off(end, 4096, true, || false));
+    }
+
+    /// Open CAS's detector (ocf/src/ocf_seq_cutoff.c, `ocf_core_seq_cutoff_check` and
+    /// `_update`, with one IO queue and promotion count 1, where every stream lives in the
+    /// core's table): a request continues a stream only when it starts where the stream's last
+    /// request ended (same direction); it is cut off when that stream's bytes plus its own reach
+    /// the threshold; 128 streams, the least recently used replaced.
+    struct OcfOracle {
+        /// (last, bytes, write, stamp)
+        streams: Vec<(u64, u64, bool, u64)>,
+        clock: u64,
+        threshold: u64,
+    }
+
+    impl OcfOracle {
+        fn cut_off(&mut self, addr: u64, len: u64, write: bool) -> bool {
+            self.clock += 1;
+            let clock = self.clock;
+            if let Some(s) = self
+                .streams
+                .iter_mut()
+                .find(|s| s.0 == addr && s.2 == write)
+            {
+                let cut = s.1 + len >= self.threshold;
+                *s = (addr + len, s.1 + len, write, clock);
+                return cut;
+            }
+            if self.streams.len() == SEQ_STREAMS {
+                let oldest = (0..self.streams.len())
+                    .min_by_key(|&i| self.streams[i].3)
+                    .expect("full table");
+                self.streams.remove(oldest);
+            }
+            self.streams.push((addr + len, len, write, clock));
+            false
+        }
+    }
+
+    /// Requests in order (interleaved sequential streams of both directions, rewrites just
+    /// behind their ends, and random requests scattered over a large core): every decision is
+    /// Open CAS's.
+    #[test]
+    fn in_order_requests_are_cut_off_exactly_as_open_cas_does() {
+        use rand::{Rng, SeedableRng};
+        for seed in 0..20u64 {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let threshold_kib = [4u32, 16, 64, 1024][rng.gen_range(0..4)];
+            let ours = SeqState::new(SeqCutoff {
+                policy: SeqCutoffPolicy::Always,
+                threshold_kib,
+                promotion_count: 1,
+            });
+            let mut ocf = OcfOracle {
+                streams: Vec::new(),
+                clock: 0,
+                threshold: threshold_kib as u64 * 1024,
+            };
+            // A few streams, or more than the 128-stream table holds (so it replaces some).
+            let nstreams = if seed % 4 == 0 {
+                140
+            } else {
+                rng.gen_range(1..40u64)
+            };
+            let mut next: Vec<u64> = (0..nstreams).map(|i| (i + 1) << 40).collect();
+            let mut cuts = 0;
+            for step in 0..4000 {
+                let len = 4096 * rng.gen_range(1..32u64);
+                let i = rng.gen_range(0..nstreams) as usize;
+                let start = (i as u64 + 1) << 40;
+                let (offset, len, write) = if rng.gen_bool(0.7) {
+                    let o = next[i];
+                    next[i] += len;
+                    (o, len, i % 2 == 0)
+                } else if rng.gen_bool(0.5) && next[i] - start >= 64 * 1024 {
+                    // A 4 KiB rewrite of the stream's own data up to 32 requests behind its end
+                    // (8 KiB-aligned, so two of them never touch), in its direction: Open CAS
+                    // caches it, and round 2's window cut it off.
+                    let back = 8192 * rng.gen_range(2..=32u64);
+                    let o = next[i].saturating_sub(back).max(start) / 8192 * 8192;
+                    (o, 4096, i % 2 == 0)
+                } else {
+                    // Random requests far from every stream: 4 KiB-aligned in the first TiB.
+                    (
+                        4096 * rng.gen_range(0..(1u64 << 28)),
+                        len,
+                        rng.gen_bool(0.5),
+                    )
+                };
+                let expected = ocf.cut_off(offset, len, write);
+                let got = ours.cut_off(offset, len, write, || false);
+                assert_eq!(
+                    got, expected,
+                    "seed {seed} step {step}: {len} bytes at {offset} (write {write})"
+                );
+                cuts += got as u32;
+            }
+            assert!(
+                nstreams > 100 || cuts > 100,
+                "seed {seed}: the sequence must exercise cut-offs ({cuts})"
+            );
         }
     }
 
