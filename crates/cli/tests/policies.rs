@@ -471,3 +471,60 @@ fn io_class_files_load_list_and_refuse() {
     assert!(usage.starts_with("Occupancy [4KiB Blocks],"), "{usage}");
     assert!(!usage.contains("Read hits"), "{usage}");
 }
+
+/// Issue 35, through the daemon as an operator saw it: after a 32 KiB sequential stream with
+/// `seq-cutoff -p always -t 16`, eight 4 KiB writes 12-68 KiB past its end, none adjacent to
+/// anything written. Round 2's reorder window passed all eight to the core
+/// (`pass_through_writes` 8 more); Open CAS caches them, and so does the detector now. The stream
+/// itself is still cut off.
+#[test]
+fn random_writes_near_a_sequential_stream_are_cached() {
+    let FileCache {
+        dir: _dir,
+        daemon: d,
+        ..
+    } = file_cache(64 << 20, 256 << 20, &["-c", "wb"]);
+    d.ok(&[
+        "-X",
+        "-n",
+        "seq-cutoff",
+        "-i",
+        "1",
+        "-j",
+        "1",
+        "-p",
+        "always",
+        "-t",
+        "16",
+        "--promotion-count",
+        "1",
+    ]);
+    let pass_through = |d: &Daemon| {
+        d.stats_json(1, Some(1))["requests"]["pass_through_writes"]["count"]
+            .as_u64()
+            .expect("pass_through_writes")
+    };
+    let base = 1u64 << 20;
+    let mut c = hybridcache_nbd::Client::connect_unix(&d.nbd, "cas1-1").expect("connect");
+    for i in 0..8u64 {
+        c.write(&[0x5a; 4096], base + i * 4096, false)
+            .expect("write");
+    }
+    let after_stream = pass_through(&d);
+    // From the 4th write on the stream has its 16 KiB.
+    assert_eq!(after_stream, 5, "the stream's writes");
+    let end = base + 32 * 1024;
+    for k in 0..8u64 {
+        c.write(&[0xa5; 4096], end + 12 * 1024 + k * 8192, false)
+            .expect("write");
+    }
+    assert_eq!(
+        pass_through(&d),
+        after_stream,
+        "random writes near the stream went around the cache"
+    );
+    // The stream goes on where it ended, and is still cut off.
+    c.write(&[0x5a; 4096], end, false).expect("write");
+    assert_eq!(pass_through(&d), after_stream + 1);
+    c.disconnect().expect("disconnect");
+}
