@@ -51,6 +51,10 @@ def cache(out, name):
             "read_hit_pct": 100.0 * raw["read_hits"] / reads if reads else None,
             "cut_off_pct": 100.0 * (raw["pass_through_reads"] + raw["pass_through_writes"]) / total
             if total else None,
+            # Under the recipe's `always` policy a write is cut off exactly when the detector
+            # saw it continue a sequential stream past the threshold.
+            "seq_write_pct": 100.0 * raw["pass_through_writes"] / (writes + raw["pass_through_writes"])
+            if writes + raw["pass_through_writes"] else None,
         })
         i += 1
     return rows
@@ -122,12 +126,20 @@ def main():
                         "cpu_ceiling_iops": ceiling,
                         "cache_stats": cache(out, name)})
     stats = ["", "Cache statistics per OSD during each cached run (dirty % at the end, read hit "
-             "ratio, share of requests cut off to the core):", "",
-             "| workload | OSD | dirty % | read hits % | cut off % |", "|---|---|---|---|---|"]
+             "ratio, share of requests cut off to the core, share of the OSD device's writes the "
+             "sequential detector saw as part of a stream past the cutoff threshold):", "",
+             "| workload | OSD | dirty % | read hits % | cut off % | sequential writes % |",
+             "|---|---|---|---|---|---|"]
     for r in results:
         for i, c in enumerate(r["cache_stats"]):
             stats.append(f"| {r['label']} | {i} | {pct(c['dirty_pct'])} | "
-                         f"{pct(c['read_hit_pct'])} | {pct(c['cut_off_pct'])} |")
+                         f"{pct(c['read_hit_pct'])} | {pct(c['cut_off_pct'])} | "
+                         f"{pct(c.get('seq_write_pct'))} |")
+    try:
+        with open(os.path.join(out, "preconditioned")) as f:
+            stats += ["", f"Images preconditioned before the workloads on both sides: {f.read().strip()}."]
+    except OSError:
+        pass
     text = "\n".join(lines + stats) + "\n"
     print(text)
     with open(os.path.join(out, "report.md"), "w") as f:
