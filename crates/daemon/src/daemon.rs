@@ -303,6 +303,54 @@ struct Daemon {
 
 type Reply = std::result::Result<Value, String>;
 
+/// What an interrupted flush did, from the engine's count of the lines it cleaned and the dirty
+/// lines left now: "flush of cache 1 interrupted: cleaned 1,234 of 3,000 dirty lines (4.8 MiB of
+/// 11.7 MiB); 1,766 stay dirty". Nothing is lost, so it is logged at INFO.
+fn interrupted_flush_text(
+    handle: &Cache,
+    cache: u16,
+    core: Option<u16>,
+    cleaned: u64,
+    total: u64,
+) -> String {
+    let line = handle.line_size().bytes() as u64;
+    let dirty_now = match core {
+        Some(j) => handle.core_stats(j).map(|s| s.usage.dirty_lines),
+        None => Ok(handle.stats().usage.dirty_lines),
+    };
+    let what = match core {
+        Some(j) => format!("cache {cache} core {j}"),
+        None => format!("cache {cache}"),
+    };
+    let left = match dirty_now {
+        Ok(n) => format!("; {} stay dirty", grouped(n)),
+        // The core went away meanwhile; its lines are no longer this cache's to count.
+        Err(_) => String::new(),
+    };
+    let text = format!(
+        "flush of {what} interrupted: cleaned {} of {} dirty lines ({} of {}){left}",
+        grouped(cleaned),
+        grouped(total),
+        crate::trace::size_text(cleaned * line),
+        crate::trace::size_text(total * line),
+    );
+    tracing::info!("{text}");
+    text
+}
+
+/// A count with thousands separators: "12,345".
+fn grouped(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
 fn engine_err(e: EngineError) -> String {
     match e {
         EngineError::Volume(v) => crate::devices::volume_error_text(&v),
@@ -448,6 +496,9 @@ fn cache_info(id: u16, c: &CacheEntry, frontends: &Frontends) -> CacheInfo {
             percent: (f.percent() * 10.0).round() / 10.0,
             total_lines: f.total_lines,
             done_lines: f.done_lines,
+            cleaned_lines: f.cleaned_lines,
+            done_bytes: f.done_lines * line as u64,
+            total_bytes: f.total_lines * line as u64,
             elapsed_s: elapsed,
             bytes_per_s: rate,
             eta_s: (rate > 0.0).then(|| left / rate),
@@ -757,12 +808,23 @@ impl Daemon {
                     }
                     c.cache.clone()
                 };
-                match core {
+                let flushed = match core {
                     Some(core) => handle.flush_core(core),
                     None => handle.flush(),
+                };
+                match flushed {
+                    Err(EngineError::FlushInterrupted {
+                        cleaned_lines,
+                        total_lines,
+                    }) => Err(interrupted_flush_text(
+                        &handle,
+                        cache,
+                        core,
+                        cleaned_lines,
+                        total_lines,
+                    )),
+                    other => other.map(|()| json!({})).map_err(engine_err),
                 }
-                .map_err(engine_err)?;
-                Ok(json!({}))
             }
             Request::SetParam {
                 cache,

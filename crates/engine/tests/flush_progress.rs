@@ -1,6 +1,7 @@
 //! Flush progress and interruption: a running flush reports how many of its dirty lines it has
-//! written, and an interrupted flush stops between batches with everything consistent (cleaned
-//! lines clean, the rest still dirty, every sector reading what was written).
+//! written, and an interrupted flush stops once its core writes in flight complete, with
+//! everything consistent (cleaned lines clean, the rest still dirty, every sector reading what
+//! was written) and the count of the lines it cleaned.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -99,20 +100,30 @@ fn flush_reports_progress_and_stops_cleanly_when_interrupted() {
     };
     gate.wait_for_blocked_writer();
     let s = cache.flush_status().expect("a flush is running");
-    assert_eq!((s.total_lines, s.done_lines), (LINES, 0));
+    assert_eq!(
+        (s.total_lines, s.done_lines, s.cleaned_lines),
+        (LINES, 0, 0)
+    );
     assert_eq!(s.percent(), 0.0);
     assert!(s.mode_change.is_none());
 
-    // Interrupted during its first batch: that batch completes, the second never starts.
+    // Interrupted during its first batch: the core writes in flight (one per cleaning thread at
+    // most, 32) complete and count, no other write starts, and the error says how many lines
+    // were cleaned: exactly the lines no longer dirty.
     assert!(cache.interrupt_flush());
     gate.set_closed(false);
     let result = flusher.join().unwrap();
-    assert!(
-        matches!(result, Err(EngineError::FlushInterrupted)),
-        "{result:?}"
-    );
+    let Err(EngineError::FlushInterrupted {
+        cleaned_lines,
+        total_lines,
+    }) = result
+    else {
+        panic!("{result:?}");
+    };
     assert!(cache.flush_status().is_none());
-    assert_eq!(cache.stats().usage.dirty_lines, LINES - 4096);
+    assert_eq!(total_lines, LINES);
+    assert!((1..=32).contains(&cleaned_lines), "{cleaned_lines}");
+    assert_eq!(cache.stats().usage.dirty_lines, LINES - cleaned_lines);
     cache.check_invariants();
     let mut buf = vec![0u8; LINE as usize];
     for i in 0..LINES {
