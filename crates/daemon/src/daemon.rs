@@ -92,6 +92,7 @@ pub struct DaemonOptions {
 pub struct NbdLimits {
     pub max_connections: Option<usize>,
     pub max_connections_per_client: Option<usize>,
+    pub max_connections_per_user: Option<usize>,
     pub max_connections_per_export: Option<usize>,
     /// Seconds.
     pub handshake_timeout: Option<u64>,
@@ -128,6 +129,12 @@ pub fn nbd_server_config(
         file.nbd_max_connections_per_client,
         d.max_connections_per_client,
     )?;
+    let per_user = count(
+        "nbd max connections per user",
+        cli.max_connections_per_user,
+        file.nbd_max_connections_per_user,
+        d.max_connections_per_user,
+    )?;
     let per_export = count(
         "nbd max connections per export",
         cli.max_connections_per_export,
@@ -155,6 +162,7 @@ pub fn nbd_server_config(
         workers_per_connection: workers,
         max_connections,
         max_connections_per_client: per_client,
+        max_connections_per_user: per_user,
         max_connections_per_export: per_export,
         handshake_timeout: handshake,
         stall_timeout: stall,
@@ -2380,10 +2388,11 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
         cleanup_control();
     })?;
     tracing::info!(
-        "NBD limits: {} connections, {} per client, {} per export, memory {} MiB \
-         ({} MiB for in-flight requests)",
+        "NBD limits: {} connections, {} per client, {} per local user, {} per export, \
+         memory {} MiB ({} MiB for in-flight requests)",
         server_config.max_connections,
         server_config.max_connections_per_client,
+        server_config.max_connections_per_user,
         server_config.max_connections_per_export,
         server_config.memory_limit >> 20,
         server_config.effective_budget() >> 20
@@ -2626,6 +2635,7 @@ mod tests {
     fn nbd_limits_merge_and_fit_the_memory_limit() {
         let file = DaemonSection {
             nbd_max_connections_per_client: Some(5),
+            nbd_max_connections_per_user: Some(7),
             nbd_memory_limit: Some("1G".into()),
             nbd_stall_timeout: Some(0),
             ..DaemonSection::default()
@@ -2636,6 +2646,10 @@ mod tests {
         };
         let c = nbd_server_config(4, &cli, &file).unwrap();
         assert_eq!(c.max_connections_per_client, 3, "the command line wins");
+        assert_eq!(
+            c.max_connections_per_user, 7,
+            "the file's key over the default"
+        );
         assert_eq!(c.memory_limit, 1 << 30);
         assert_eq!(c.stall_timeout, None);
         assert_eq!(c.max_connections, 256);
