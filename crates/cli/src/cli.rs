@@ -129,9 +129,12 @@ pub struct NbdLimitArgs {
     /// NBD connections in all [default: 256].
     #[arg(long, value_name = "N", value_parser = whole::<usize>)]
     pub nbd_max_connections: Option<usize>,
-    /// NBD connections per client: a TCP address, or a Unix-socket user [default: 64].
+    /// NBD connections per client: a TCP address, or a Unix-socket process [default: 64].
     #[arg(long, value_name = "N", value_parser = whole::<usize>)]
     pub nbd_max_connections_per_client: Option<usize>,
+    /// NBD connections of all the Unix-socket processes of one user [default: 192].
+    #[arg(long, value_name = "N", value_parser = whole::<usize>)]
+    pub nbd_max_connections_per_user: Option<usize>,
     /// NBD connections per export [default: 192].
     #[arg(long, value_name = "N", value_parser = whole::<usize>)]
     pub nbd_max_connections_per_export: Option<usize>,

@@ -139,6 +139,7 @@ fn run(cli: Cli) -> Result<()> {
                 nbd_limits: daemon::NbdLimits {
                     max_connections: nbd_limits.nbd_max_connections,
                     max_connections_per_client: nbd_limits.nbd_max_connections_per_client,
+                    max_connections_per_user: nbd_limits.nbd_max_connections_per_user,
                     max_connections_per_export: nbd_limits.nbd_max_connections_per_export,
                     handshake_timeout: nbd_limits.nbd_handshake_timeout,
                     stall_timeout: nbd_limits.nbd_stall_timeout,

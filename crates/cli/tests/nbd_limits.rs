@@ -37,6 +37,7 @@ fn limits_from_flags_and_file_are_enforced_and_logged() {
     std::fs::write(
         &cfg,
         "[daemon]\nnbd_max_connections_per_export = 1\nnbd_max_connections_per_client = 7\n\
+         nbd_max_connections_per_user = 9\n\
          nbd_memory_limit = \"384M\"\nnbd_stall_timeout = 0\n\n\
          [[cache]]\nid = 1\ndevice = \"ram:16M\"\n\n\
          [[core]]\ncache = 1\nid = 1\ndevice = \"ram:16M\"\n\n\
@@ -58,7 +59,7 @@ fn limits_from_flags_and_file_are_enforced_and_logged() {
     assert!(
         wait_log(
             &d,
-            &["NBD limits: 100 connections, 2 per client, 1 per export, memory 384 MiB"]
+            &["NBD limits: 100 connections, 2 per client, 9 per local user, 1 per export, memory 384 MiB"]
         ),
         "{}",
         d.log_text()
@@ -79,7 +80,7 @@ fn limits_from_flags_and_file_are_enforced_and_logged() {
         "{}",
         d.log_text()
     );
-    // The refused connection counts against this user until the daemon has seen it close.
+    // The refused connection counts against this process until the daemon has seen it close.
     let deadline = Instant::now() + Duration::from_secs(5);
     let _b = loop {
         match Client::connect_unix(&d.nbd, "cas1-2") {
@@ -88,7 +89,7 @@ fn limits_from_flags_and_file_are_enforced_and_logged() {
         }
         std::thread::sleep(Duration::from_millis(20));
     };
-    // Two connections from this user: a third is refused at once.
+    // Two connections from this process: a third is refused at once.
     assert!(Client::connect_unix(&d.nbd, "cas1-2").is_err());
     assert!(
         wait_log(

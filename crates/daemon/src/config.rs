@@ -84,6 +84,8 @@ pub struct DaemonSection {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nbd_max_connections_per_client: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbd_max_connections_per_user: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nbd_max_connections_per_export: Option<usize>,
     /// Seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]

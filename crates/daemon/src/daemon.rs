@@ -92,6 +92,7 @@ pub struct DaemonOptions {
 pub struct NbdLimits {
     pub max_connections: Option<usize>,
     pub max_connections_per_client: Option<usize>,
+    pub max_connections_per_user: Option<usize>,
     pub max_connections_per_export: Option<usize>,
     /// Seconds.
     pub handshake_timeout: Option<u64>,
@@ -128,6 +129,12 @@ pub fn nbd_server_config(
         file.nbd_max_connections_per_client,
         d.max_connections_per_client,
     )?;
+    let per_user = count(
+        "nbd max connections per user",
+        cli.max_connections_per_user,
+        file.nbd_max_connections_per_user,
+        d.max_connections_per_user,
+    )?;
     let per_export = count(
         "nbd max connections per export",
         cli.max_connections_per_export,
@@ -155,6 +162,7 @@ pub fn nbd_server_config(
         workers_per_connection: workers,
         max_connections,
         max_connections_per_client: per_client,
+        max_connections_per_user: per_user,
         max_connections_per_export: per_export,
         handshake_timeout: handshake,
         stall_timeout: stall,
@@ -303,6 +311,54 @@ struct Daemon {
 
 type Reply = std::result::Result<Value, String>;
 
+/// What an interrupted flush did, from the engine's count of the lines it cleaned and the dirty
+/// lines left now: "flush of cache 1 interrupted: cleaned 1,234 of 3,000 dirty lines (4.8 MiB of
+/// 11.7 MiB); 1,766 stay dirty". Nothing is lost, so it is logged at INFO.
+fn interrupted_flush_text(
+    handle: &Cache,
+    cache: u16,
+    core: Option<u16>,
+    cleaned: u64,
+    total: u64,
+) -> String {
+    let line = handle.line_size().bytes() as u64;
+    let dirty_now = match core {
+        Some(j) => handle.core_stats(j).map(|s| s.usage.dirty_lines),
+        None => Ok(handle.stats().usage.dirty_lines),
+    };
+    let what = match core {
+        Some(j) => format!("cache {cache} core {j}"),
+        None => format!("cache {cache}"),
+    };
+    let left = match dirty_now {
+        Ok(n) => format!("; {} stay dirty", grouped(n)),
+        // The core went away meanwhile; its lines are no longer this cache's to count.
+        Err(_) => String::new(),
+    };
+    let text = format!(
+        "flush of {what} interrupted: cleaned {} of {} dirty lines ({} of {}){left}",
+        grouped(cleaned),
+        grouped(total),
+        crate::trace::size_text(cleaned * line),
+        crate::trace::size_text(total * line),
+    );
+    tracing::info!("{text}");
+    text
+}
+
+/// A count with thousands separators: "12,345".
+fn grouped(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
 fn engine_err(e: EngineError) -> String {
     match e {
         EngineError::Volume(v) => crate::devices::volume_error_text(&v),
@@ -448,6 +504,9 @@ fn cache_info(id: u16, c: &CacheEntry, frontends: &Frontends) -> CacheInfo {
             percent: (f.percent() * 10.0).round() / 10.0,
             total_lines: f.total_lines,
             done_lines: f.done_lines,
+            cleaned_lines: f.cleaned_lines,
+            done_bytes: f.done_lines * line as u64,
+            total_bytes: f.total_lines * line as u64,
             elapsed_s: elapsed,
             bytes_per_s: rate,
             eta_s: (rate > 0.0).then(|| left / rate),
@@ -757,12 +816,23 @@ impl Daemon {
                     }
                     c.cache.clone()
                 };
-                match core {
+                let flushed = match core {
                     Some(core) => handle.flush_core(core),
                     None => handle.flush(),
+                };
+                match flushed {
+                    Err(EngineError::FlushInterrupted {
+                        cleaned_lines,
+                        total_lines,
+                    }) => Err(interrupted_flush_text(
+                        &handle,
+                        cache,
+                        core,
+                        cleaned_lines,
+                        total_lines,
+                    )),
+                    other => other.map(|()| json!({})).map_err(engine_err),
                 }
-                .map_err(engine_err)?;
-                Ok(json!({}))
             }
             Request::SetParam {
                 cache,
@@ -2318,10 +2388,11 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
         cleanup_control();
     })?;
     tracing::info!(
-        "NBD limits: {} connections, {} per client, {} per export, memory {} MiB \
-         ({} MiB for in-flight requests)",
+        "NBD limits: {} connections, {} per client, {} per local user, {} per export, \
+         memory {} MiB ({} MiB for in-flight requests)",
         server_config.max_connections,
         server_config.max_connections_per_client,
+        server_config.max_connections_per_user,
         server_config.max_connections_per_export,
         server_config.memory_limit >> 20,
         server_config.effective_budget() >> 20
@@ -2564,6 +2635,7 @@ mod tests {
     fn nbd_limits_merge_and_fit_the_memory_limit() {
         let file = DaemonSection {
             nbd_max_connections_per_client: Some(5),
+            nbd_max_connections_per_user: Some(7),
             nbd_memory_limit: Some("1G".into()),
             nbd_stall_timeout: Some(0),
             ..DaemonSection::default()
@@ -2574,6 +2646,10 @@ mod tests {
         };
         let c = nbd_server_config(4, &cli, &file).unwrap();
         assert_eq!(c.max_connections_per_client, 3, "the command line wins");
+        assert_eq!(
+            c.max_connections_per_user, 7,
+            "the file's key over the default"
+        );
         assert_eq!(c.memory_limit, 1 << 30);
         assert_eq!(c.stall_timeout, None);
         assert_eq!(c.max_connections, 256);

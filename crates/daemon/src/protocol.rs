@@ -291,7 +291,16 @@ pub struct CacheInfo {
 pub struct FlushInfo {
     pub percent: f64,
     pub total_lines: u64,
+    /// Lines done: cleaned by the flush, or found clean already.
     pub done_lines: u64,
+    /// Lines the flush wrote to the core and marked clean so far.
+    #[serde(default)]
+    pub cleaned_lines: u64,
+    /// `done_lines` and `total_lines` in bytes.
+    #[serde(default)]
+    pub done_bytes: u64,
+    #[serde(default)]
+    pub total_bytes: u64,
     pub elapsed_s: f64,
     /// Bytes written per second so far.
     pub bytes_per_s: f64,

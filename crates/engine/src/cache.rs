@@ -2240,9 +2240,9 @@ impl Cache {
         self.inner.flush_progress.status()
     }
 
-    /// Stop the running flushes after their current batch: what they cleaned is recorded clean,
-    /// the rest stays dirty, and they fail with [`EngineError::FlushInterrupted`]. False when no
-    /// flush runs.
+    /// Stop the running flushes once their core writes in flight complete: what they cleaned is
+    /// recorded clean, the rest stays dirty, and they fail with [`EngineError::FlushInterrupted`]
+    /// saying how many lines they cleaned. False when no flush runs.
     pub fn interrupt_flush(&self) -> bool {
         self.inner.flush_progress.interrupt()
     }

@@ -26,6 +26,7 @@ use crate::cache::{push_run, CacheInner, CoreState, Run};
 use crate::locks::{Span, SpanKind, WaitFor};
 use crate::meta::Key;
 use crate::policy::FLUSH_BUFFERS;
+use crate::progress::FlushProgress;
 use crate::stats::{BackgroundErrorLog, BackgroundErrors, Counter};
 use crate::{Result, SECTOR};
 
@@ -149,6 +150,19 @@ impl CacheInner {
     /// whole batch: a batch of thousands of scattered lines takes seconds on a disk array, and a
     /// client request to any of those stripes would wait for all of it (issue 20).
     pub(crate) fn clean_lines(&self, lines: Vec<u32>, depth: usize, paced: bool) -> Result<usize> {
+        self.clean_lines_for(lines, depth, paced, None)
+    }
+
+    /// As [`clean_lines`](CacheInner::clean_lines), for a flush: each core write that completes
+    /// counts its lines in `flush`'s progress, and once the flush is interrupted no further
+    /// write starts (the writes in flight complete and their lines are recorded clean).
+    fn clean_lines_for(
+        &self,
+        lines: Vec<u32>,
+        depth: usize,
+        paced: bool,
+        flush: Option<&FlushProgress>,
+    ) -> Result<usize> {
         let mut items: Vec<(Key, u32)> = lines
             .into_iter()
             .filter_map(|l| self.table.key(l).map(|k| (k, l)))
@@ -169,7 +183,7 @@ impl CacheInner {
                 // Its lines are being dropped by core removal.
                 None => continue,
             };
-            match self.clean_group(&core, group, depth, paced) {
+            match self.clean_group(&core, group, depth, paced, flush) {
                 Ok(n) => cleaned += n,
                 Err(e) => {
                     first_error.get_or_insert(e);
@@ -243,6 +257,7 @@ impl CacheInner {
         items: &[(Key, u32)],
         depth: usize,
         paced: bool,
+        flush: Option<&FlushProgress>,
     ) -> Result<usize> {
         let io = self.cleaning.read().io;
         let merge_max = io.merge_max_kib as usize * 1024;
@@ -265,6 +280,9 @@ impl CacheInner {
         let worker = || {
             let mut buf = Vec::new();
             loop {
+                if flush.is_some_and(|f| f.interrupted()) {
+                    break;
+                }
                 let u = next.fetch_add(1, Relaxed);
                 let Some(range) = units.get(u) else {
                     break;
@@ -272,6 +290,9 @@ impl CacheInner {
                 match self.clean_unit(core, &items[range.clone()], &mut buf, merge_max, paced) {
                     Ok(n) => {
                         cleaned.fetch_add(n, Relaxed);
+                        if let Some(f) = flush {
+                            f.cleaned(n as u64);
+                        }
                     }
                     Err(e) => {
                         first_error.lock().get_or_insert(e);
@@ -468,18 +489,21 @@ impl CacheInner {
         items.sort_unstable();
         let batch = (BATCH_BYTES / self.line_bytes).clamp(1, FLUSH_BUFFERS as u64) as usize;
         for chunk in items.chunks(batch) {
-            if self.flush_progress.interrupted() {
-                // What was cleaned so far is recorded clean by the commit; the rest stays dirty.
-                self.commit()?;
-                return Err(crate::EngineError::FlushInterrupted);
-            }
             // A flush is what its caller waits for: never paced by the bandwidth cap.
-            self.clean_lines(
+            let cleaned = self.clean_lines_for(
                 chunk.iter().map(|&(_, l)| l).collect(),
                 FLUSH_BUFFERS as usize,
                 false,
+                Some(&self.flush_progress),
             )?;
-            self.flush_progress.advance(chunk.len() as u64);
+            if self.flush_progress.interrupted() {
+                // What was cleaned so far is recorded clean by the commit; the rest stays dirty.
+                self.commit()?;
+                return Err(self.flush_progress.interrupted_error());
+            }
+            // Lines of the batch something else cleaned first are done too.
+            self.flush_progress
+                .skipped((chunk.len() as u64).saturating_sub(cleaned as u64));
         }
         // The flush is done when the core has the data durably and, for a persistent cache, the
         // device records the lines clean.

@@ -268,8 +268,12 @@ pub enum EngineError {
     CoreInactive(CoreId),
     #[error("the cache is stopped")]
     Stopped,
-    #[error("the flush was interrupted; the lines not yet written stay dirty")]
-    FlushInterrupted,
+    /// Counted over every flush of the cache that ran at the time (usually just the one).
+    #[error("the flush was interrupted after cleaning {cleaned_lines} of {total_lines} dirty lines; the lines not yet written stay dirty")]
+    FlushInterrupted {
+        cleaned_lines: u64,
+        total_lines: u64,
+    },
     #[error("{0}")]
     Invalid(String),
 }

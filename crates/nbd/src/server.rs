@@ -35,10 +35,14 @@ pub struct ServerConfig {
     pub max_connections: usize,
     /// Connections one client may hold; more are closed right after
     /// `accept`. A TCP client is its IP address; a Unix-socket client is its
-    /// user id (SO_PEERCRED), so one local user cannot take every slot from
-    /// the others while each user's own processes share one quota.
+    /// process (user id and pid, SO_PEERCRED), so one local process holding
+    /// idle connections cannot lock the other processes of its user out.
     /// Default 64.
     pub max_connections_per_client: usize,
+    /// Connections all the Unix-socket processes of one user id may hold
+    /// together, so one local user cannot take every slot from the others
+    /// (TCP clients are not counted here). Default 192.
+    pub max_connections_per_user: usize,
     /// Connections one export may have: `NBD_OPT_GO` beyond it gets
     /// `NBD_REP_ERR_POLICY` (the client may pick another export),
     /// `NBD_OPT_EXPORT_NAME` a closed connection. Default 192, so clients of
@@ -77,6 +81,7 @@ impl Default for ServerConfig {
             workers_per_connection: 4,
             max_connections: 256,
             max_connections_per_client: 64,
+            max_connections_per_user: 192,
             max_connections_per_export: 192,
             handshake_timeout: Some(Duration::from_secs(10)),
             stall_timeout: Some(Duration::from_secs(60)),
@@ -136,7 +141,12 @@ impl ServerConfig {
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 enum ClientKey {
     Ip(IpAddr),
-    Uid(u32),
+    /// A local process: a pid is reused only after its process ended, and with it its
+    /// connections, so (uid, pid) names one process for as long as it holds any.
+    Process {
+        uid: u32,
+        pid: i32,
+    },
     /// Peer unknown (credentials unavailable, or `serve_stream`).
     Unknown,
 }
@@ -145,6 +155,8 @@ enum ClientKey {
 #[derive(Debug, Clone)]
 struct Peer {
     key: ClientKey,
+    /// The user id of a Unix-socket peer, counted against `max_connections_per_user`.
+    uid: Option<u32>,
     /// "tcp 10.0.0.5:41234", "unix uid 1000 pid 4242".
     desc: String,
 }
@@ -160,6 +172,7 @@ impl std::fmt::Display for Peer {
 #[derive(Default)]
 struct Admission {
     per_client: HashMap<ClientKey, usize>,
+    per_user: HashMap<u32, usize>,
     per_export: HashMap<String, usize>,
 }
 
@@ -195,10 +208,12 @@ impl Sock {
             Sock::Tcp(s) => match s.peer_addr() {
                 Ok(a) => Peer {
                     key: ClientKey::Ip(a.ip().to_canonical()),
+                    uid: None,
                     desc: format!("tcp {a}"),
                 },
                 Err(_) => Peer {
                     key: ClientKey::Unknown,
+                    uid: None,
                     desc: "tcp (peer unknown)".into(),
                 },
             },
@@ -206,12 +221,17 @@ impl Sock {
                 let cred = unix_peer_credentials(s);
                 if let Some(cred) = cred {
                     Peer {
-                        key: ClientKey::Uid(cred.uid),
+                        key: ClientKey::Process {
+                            uid: cred.uid,
+                            pid: cred.pid,
+                        },
+                        uid: Some(cred.uid),
                         desc: format!("unix uid {} pid {}", cred.uid, cred.pid),
                     }
                 } else {
                     Peer {
                         key: ClientKey::Unknown,
+                        uid: None,
                         desc: "unix (peer unknown)".into(),
                     }
                 }
@@ -511,6 +531,7 @@ impl Server {
     ) -> io::Result<()> {
         let peer = Peer {
             key: ClientKey::Unknown,
+            uid: None,
             desc: "stream".into(),
         };
         serve_connection(&self.inner, &peer, reader, writer, &|| {})
@@ -618,6 +639,10 @@ fn spawn_connection(inner: &Arc<Inner>, sock: Sock) {
         let mut conns = inner.conns.lock();
         let mut adm = inner.admission.lock();
         let per_client = adm.per_client.get(&peer.key).copied().unwrap_or(0);
+        let per_user = peer
+            .uid
+            .and_then(|uid| adm.per_user.get(&uid).copied())
+            .unwrap_or(0);
         if conns.len() >= inner.config.max_connections {
             Some(format!(
                 "server has {} connections (max_connections)",
@@ -627,11 +652,18 @@ fn spawn_connection(inner: &Arc<Inner>, sock: Sock) {
             Some(format!(
                 "client has {per_client} connections (max_connections_per_client)"
             ))
+        } else if peer.uid.is_some() && per_user >= inner.config.max_connections_per_user {
+            Some(format!(
+                "user has {per_user} connections (max_connections_per_user)"
+            ))
         } else {
             match sock.try_clone() {
                 Ok(c) => {
                     conns.insert(id, c);
                     *adm.per_client.entry(peer.key.clone()).or_default() += 1;
+                    if let Some(uid) = peer.uid {
+                        *adm.per_user.entry(uid).or_default() += 1;
+                    }
                     None
                 }
                 Err(e) => Some(format!("cannot clone socket: {e}")),
@@ -663,7 +695,12 @@ fn spawn_connection(inner: &Arc<Inner>, sock: Sock) {
 fn forget_connection(inner: &Inner, id: u64, peer: &Peer) {
     let mut conns = inner.conns.lock();
     conns.remove(&id);
-    decrement(&mut inner.admission.lock().per_client, &peer.key);
+    let mut adm = inner.admission.lock();
+    decrement(&mut adm.per_client, &peer.key);
+    if let Some(uid) = peer.uid {
+        decrement(&mut adm.per_user, &uid);
+    }
+    drop(adm);
     drop(conns);
     inner.conns_changed.notify_all();
 }

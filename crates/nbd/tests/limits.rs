@@ -540,7 +540,7 @@ fn per_client_limit_refuses_that_client_only() {
 }
 
 #[test]
-fn unix_clients_count_by_user() {
+fn unix_clients_count_by_process() {
     let t = start_with(
         &[("u", MemExport::new(MIB).arc() as Arc<dyn Export>)],
         ServerConfig {
@@ -552,11 +552,111 @@ fn unix_clients_count_by_user() {
     let _a = Client::connect_unix(&t.sock, "u").unwrap();
     let _b = Client::connect_unix(&t.sock, "u").unwrap();
     assert!(Client::connect_unix(&t.sock, "u").is_err());
+    // SAFETY: getuid and getpid cannot fail.
+    let (uid, pid) = unsafe { (libc::getuid(), libc::getpid()) };
+    assert!(wait_for_log(|l| l.contains("connection refused")
+        && l.contains(&format!("unix uid {uid} pid {pid}"))
+        && l.contains("max_connections_per_client")));
+}
+
+/// Runs only as the child of `local_client`: connects to the Unix socket in NBD_CHILD_CLIENT
+/// (`PATH,EXPORT,CONNECTIONS`) that many times, reads the first block on each connection, and
+/// prints one line per connection: `CONN i OK <first byte>` or `CONN i REFUSED <error>`.
+#[test]
+fn child_client() {
+    let Ok(spec) = std::env::var("NBD_CHILD_CLIENT") else {
+        return;
+    };
+    let mut parts = spec.split(',');
+    let (Some(sock), Some(export), Some(n)) = (parts.next(), parts.next(), parts.next()) else {
+        panic!("NBD_CHILD_CLIENT={spec}: want PATH,EXPORT,CONNECTIONS");
+    };
+    let n: usize = n.parse().expect("connection count");
+    // Held to the end, so each one counts against the limits while the next one connects.
+    let mut held = Vec::new();
+    for i in 0..n {
+        let result = Client::connect_unix(sock, export).and_then(|mut c| {
+            let mut buf = [0u8; 4096];
+            c.read(&mut buf, 0)?;
+            Ok((c, buf[0]))
+        });
+        match result {
+            Ok((c, first)) => {
+                println!("CONN {i} OK {first}");
+                held.push(c);
+            }
+            Err(e) => println!("CONN {i} REFUSED {e}"),
+        }
+    }
+}
+
+/// Another local process (same user) connecting `connections` times to `sock`: one line per
+/// connection, as `child_client` prints them.
+fn local_client(sock: &std::path::Path, export: &str, connections: usize) -> Vec<String> {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_client", "--nocapture", "--test-threads=1"])
+        .env(
+            "NBD_CHILD_CLIENT",
+            format!("{},{export},{connections}", sock.display()),
+        )
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    // libtest prints "test child_client ... " in front of the first line.
+    text.lines()
+        .filter_map(|l| l.find("CONN ").map(|at| l[at..].to_string()))
+        .collect()
+}
+
+#[test]
+fn one_local_process_at_its_limit_does_not_lock_out_another() {
+    let export = MemExport::new(MIB).arc();
+    export.write(&[7u8; 4096], 0, false).unwrap();
+    let t = start_with(
+        &[("shared", export as Arc<dyn Export>)],
+        ServerConfig {
+            max_connections_per_client: 4,
+            ..Default::default()
+        },
+    );
+    // This process holds idle connections up to its limit (issue 30 case 6: 64 of them locked
+    // every other local client out).
+    let held: Vec<Client> = (0..4)
+        .map(|_| Client::connect_unix(&t.sock, "shared").unwrap())
+        .collect();
+    assert!(Client::connect_unix(&t.sock, "shared").is_err());
+    // Another process of the same user still connects and is served.
+    assert_eq!(local_client(&t.sock, "shared", 1), ["CONN 0 OK 7"]);
+    drop(held);
+}
+
+#[test]
+fn one_user_cannot_take_the_whole_server() {
+    let t = start_with(
+        &[("u", MemExport::new(MIB).arc() as Arc<dyn Export>)],
+        ServerConfig {
+            max_connections_per_client: 4,
+            max_connections_per_user: 5,
+            ..Default::default()
+        },
+    );
+    log();
+    let _held: Vec<Client> = (0..4)
+        .map(|_| Client::connect_unix(&t.sock, "u").unwrap())
+        .collect();
+    // Within its own limit, a second process of the user gets only what is left of the user's.
+    let lines = local_client(&t.sock, "u", 2);
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert_eq!(lines[0], "CONN 0 OK 0");
+    assert!(lines[1].starts_with("CONN 1 REFUSED"), "{lines:?}");
     // SAFETY: getuid cannot fail.
     let uid = unsafe { libc::getuid() };
     assert!(wait_for_log(|l| l.contains("connection refused")
         && l.contains(&format!("unix uid {uid} pid"))
-        && l.contains("max_connections_per_client")));
+        && l.contains(
+            "user has 5 connections (max_connections_per_user)"
+        )));
 }
 
 #[test]
