@@ -231,6 +231,9 @@ impl Loss {
         match self {
             Loss::Clients { .. } => Some("disconnect them first"),
             Loss::CacheMetadata { .. } => Some("load it with --load"),
+            // Only an inactive core's dirty data is refused (an active core's is flushed
+            // unless --force was given): its device must come back to take it.
+            Loss::DirtyData { .. } => Some("attach its device again (add-core) and flush it"),
             _ => None,
         }
     }
@@ -243,7 +246,7 @@ impl Loss {
             Loss::CacheMetadata { dirty_lines: 0, .. } => "the cache is destroyed",
             Loss::CacheMetadata { .. } => "the cache and its dirty data are destroyed",
             Loss::Signature { .. } => "it is overwritten",
-            Loss::DeviceContent { .. } => "that data is zeroed",
+            Loss::DeviceContent { .. } => "it is zeroed",
         }
     }
 }
