@@ -433,7 +433,11 @@ fn a_mounted_device_is_refused() {
     let e = d.fails(&["-S", "-d", path_str(&img), "-i", "2", "--force"]);
     assert!(e.contains("mounted at"), "{e}");
     // add-core --force takes it (the operator's call), and nothing has been written.
-    d.ok(&["-A", "-i", "1", "-d", &lo.0, "--force"]);
+    let out = d.ok(&["-A", "-i", "1", "-d", &lo.0, "--force"]);
+    assert!(
+        out.contains("without an exclusive claim") && out.contains(path_str(&mnt)),
+        "the accepted risk is printed: {out}"
+    );
     d.ok(&["-R", "-i", "1", "-j", "1"]);
     drop(d);
     drop(_m);

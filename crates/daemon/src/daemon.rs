@@ -1337,6 +1337,19 @@ impl Daemon {
         };
         let key = st.check_free(device)?;
         let volume = self.open_claimed(device, force)?;
+        // A mounted block device taken with --force (claims.rs): the operator's call, said as
+        // the loss it risks.
+        let accepted: Vec<Loss> = if force {
+            mounted_block(device)
+                .map(|mounts| Loss::Mounted {
+                    device: device.to_string(),
+                    mounts,
+                })
+                .into_iter()
+                .collect()
+        } else {
+            Vec::new()
+        };
         let c = st.cache(cache_id)?;
         let line = c.cache.line_size().bytes();
         let identity = crate::devices::identity(device);
@@ -1423,14 +1436,19 @@ impl Daemon {
                 .map(|d| format!(" on {d}"))
                 .unwrap_or_default()
         );
-        serde_json::to_value(protocol::CoreAdded {
+        let mut added = serde_json::to_value(protocol::CoreAdded {
             cache: cache_id,
             core: core_id,
             block_device: frontend.device(&name),
             export: name,
             reattached: reattach.is_some(),
         })
-        .map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())?;
+        added["losses"] = safety::record(
+            &format!("adding core {core_id} to cache {cache_id}"),
+            &accepted,
+        );
+        Ok(added)
     }
 
     /// `--zero-metadata`: under the state lock, so no cache can start on the device meanwhile.
@@ -2640,6 +2658,17 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Where the block device `spec` names is mounted; None for anything else or when unmounted.
+fn mounted_block(spec: &str) -> Option<Vec<String>> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let meta = std::fs::metadata(crate::claims::spec_path(spec)?).ok()?;
+    if !meta.file_type().is_block_device() {
+        return None;
+    }
+    let mounts = crate::claims::mounts_of_block(meta.rdev());
+    (!mounts.is_empty()).then_some(mounts)
 }
 
 /// A cache's cores as its superblock records them, for a refusal ("1 (/dev/sdb)").

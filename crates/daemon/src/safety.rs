@@ -54,6 +54,9 @@ pub enum Loss {
     Signature { device: String, what: String },
     /// Bytes of a device whose content hybridcache does not know, overwritten.
     DeviceContent { device: String, bytes: u64 },
+    /// A mounted block device taken as a core without an exclusive claim: the file system and
+    /// the cache both write to it.
+    Mounted { device: String, mounts: Vec<String> },
 }
 
 /// The consent an operator gives with a flag; each accepts exactly one kind of [`Loss`]
@@ -110,9 +113,10 @@ impl Loss {
         match self {
             Loss::Clients { .. } => Consent::DisconnectClients,
             Loss::DirtyData { .. } => Consent::DiscardDirty,
-            Loss::CacheMetadata { .. } | Loss::Signature { .. } | Loss::DeviceContent { .. } => {
-                Consent::Overwrite
-            }
+            Loss::CacheMetadata { .. }
+            | Loss::Signature { .. }
+            | Loss::DeviceContent { .. }
+            | Loss::Mounted { .. } => Consent::Overwrite,
         }
     }
 
@@ -167,6 +171,9 @@ impl Loss {
                 "{device} holds no hybridcache metadata, so its first {} would be zeroed",
                 size_text(*bytes)
             ),
+            Loss::Mounted { device, mounts } => {
+                format!("{device} is mounted at {}", mounts.join(", "))
+            }
         }
     }
 
@@ -214,6 +221,10 @@ impl Loss {
             Loss::DeviceContent { device, bytes } => {
                 format!("zeroed the first {} of {device}", size_text(*bytes))
             }
+            Loss::Mounted { device, mounts } => format!(
+                "took {device}, mounted at {}, without an exclusive claim: the file system and the cache both write to it",
+                mounts.join(", ")
+            ),
         }
     }
 
@@ -222,7 +233,7 @@ impl Loss {
         match self {
             Loss::DirtyData { bytes, .. } | Loss::DeviceContent { bytes, .. } => Some(*bytes),
             Loss::CacheMetadata { dirty_bytes, .. } => Some(*dirty_bytes),
-            Loss::Clients { .. } | Loss::Signature { .. } => None,
+            Loss::Clients { .. } | Loss::Signature { .. } | Loss::Mounted { .. } => None,
         }
     }
 
@@ -230,6 +241,7 @@ impl Loss {
     fn avoid(&self) -> Option<&'static str> {
         match self {
             Loss::Clients { .. } => Some("disconnect them first"),
+            Loss::Mounted { .. } => Some("unmount it first"),
             Loss::CacheMetadata { .. } => Some("load it with --load"),
             // Only an inactive core's dirty data is refused (an active core's is flushed
             // unless --force was given): its device must come back to take it.
@@ -247,6 +259,7 @@ impl Loss {
             Loss::CacheMetadata { .. } => "the cache and its dirty data are destroyed",
             Loss::Signature { .. } => "it is overwritten",
             Loss::DeviceContent { .. } => "it is zeroed",
+            Loss::Mounted { .. } => "the cache writes under the mounted file system",
         }
     }
 }
