@@ -273,6 +273,34 @@ fn start_over_a_dirty_cache_names_the_dirty_data_and_load() {
     assert!(out.contains("cache 1 started"), "{out}");
 }
 
+/// A damaged superblock is destroyed by `-S --force` only, and said so.
+#[test]
+fn start_over_a_damaged_superblock_names_it() {
+    let s = Setup::new(1, 1);
+    s.d().ok(&["-T", "-i", "1"]);
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&s.cache_file)
+            .expect("open the cache file");
+        for slot in [0, MIB] {
+            f.write_all_at(&[0xee; 32], slot + 100)
+                .expect("damage a slot");
+        }
+    }
+    let before = hash(&s.cache_file);
+    let e = s.d().fails(&["-S", "-d", &s.spec]);
+    assert!(e.contains("a damaged hybridcache superblock"), "{e}");
+    assert!(e.contains("give --force"), "{e}");
+    assert!(hash(&s.cache_file) == before);
+    let out = s.d().ok(&["-S", "-d", &s.spec, "--force"]);
+    assert!(
+        out.contains("overwrote a damaged hybridcache superblock"),
+        "{out}"
+    );
+}
+
 // ---- the table test --------------------------------------------------------------------------
 
 /// One row of docs/cli.md's safety table.

@@ -2681,9 +2681,8 @@ fn cores_text(sb: &hybridcache_engine::Superblock) -> String {
 }
 
 /// What formatting `device` as a new cache destroys: the cache it holds (with its dirty lines,
-/// read from its metadata without loading it), or a file system or other signature
-/// (signature.rs). A cache whose metadata cannot be read is left to the engine, whose refusal
-/// says what it found.
+/// read from its metadata without loading it), hybridcache metadata that cannot be read, or a
+/// file system or other signature (signature.rs).
 fn device_losses(
     device: &str,
     volume: &dyn hybridcache_volume::Volume,
@@ -2699,10 +2698,23 @@ fn device_losses(
             }])
         }
         Ok(None) => {}
-        Err(_) => return Ok(Vec::new()),
+        // A newer build's cache, or metadata damaged in both copies: what it holds cannot be
+        // told, only that --force destroys it.
+        Err(e) => {
+            return Ok(vec![Loss::Signature {
+                device: device.to_string(),
+                what: format!(
+                    "hybridcache metadata this build cannot read ({})",
+                    engine_err(e)
+                ),
+            }])
+        }
     }
     if hybridcache_engine::holds_metadata(volume).map_err(engine_err)? {
-        return Ok(Vec::new());
+        return Ok(vec![Loss::Signature {
+            device: device.to_string(),
+            what: "a damaged hybridcache superblock (no copy of it loads)".into(),
+        }]);
     }
     let Some(path) = crate::claims::spec_path(device) else {
         return Ok(Vec::new());
