@@ -68,10 +68,10 @@ hybridcache -L -o csv | grep -q "^core,1,/tmp/core1.img,Active,-,$dev,1\$" ||
 hybridcache -L -o csv | grep -q "^core,2,/tmp/core2.img,Active,-,$raw,0\$" ||
 	fail "-L counts a client on $raw: $(hybridcache -L -o csv)"
 if hybridcache -T -i 1 2>/tmp/refused; then fail "-T stopped the cache under a mounted file system"; fi
-grep -q "cas1-1 ($dev) has 1 client connected; disconnect them or use --force" /tmp/refused ||
+grep -q "cas1-1 ($dev) has 1 client connected: disconnect them first, or give --disconnect-clients" /tmp/refused ||
 	fail "-T was refused for another reason: $(cat /tmp/refused)"
 if hybridcache -R -i 1 -j 1 2>/tmp/refused-r; then fail "-R removed a core under a mounted file system"; fi
-grep -q "cas1-1 ($dev) has 1 client connected; disconnect them or use --force" /tmp/refused-r ||
+grep -q "cas1-1 ($dev) has 1 client connected: disconnect them first, or give --disconnect-clients" /tmp/refused-r ||
 	fail "-R was refused for another reason: $(cat /tmp/refused-r)"
 step "-T and -R refused while mounted: $(cat /tmp/refused)"
 

@@ -224,8 +224,9 @@ pub enum Command {
         /// Cache line size in KiB [default: 4].
         #[arg(short = 'x', long = "cache-line-size", value_parser = line_size, value_name = "4|8|16|32|64")]
         line_size: Option<u32>,
-        /// Start even if the device holds a cache, a file system or another signature (it is
-        /// overwritten). A device in use is refused even so.
+        /// Start even if the device holds a cache (destroyed with its dirty data, whose size
+        /// is printed), a file system or another signature (overwritten). A device in use is
+        /// refused even so.
         #[arg(short = 'f', long)]
         force: bool,
         /// Load the cache the device holds (its id, mode, line size and cores).
@@ -239,10 +240,15 @@ pub enum Command {
         /// Cache id (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
         id: u16,
-        /// Keep dirty data on the cache device instead of flushing it.
+        /// Keep dirty data on the cache device instead of flushing it (loaded again by
+        /// `-S --load`).
         #[arg(short = 'n', long)]
         no_data_flush: bool,
-        /// Stop even while NBD clients are connected to its exports (they get I/O errors).
+        /// Stop even while clients are connected to its exports: they lose them and get I/O
+        /// errors. The dirty data is still flushed (or kept with -n).
+        #[arg(long)]
+        disconnect_clients: bool,
+        /// Old name of --disconnect-clients, kept for scripts (it never discarded data).
         #[arg(short = 'f', long)]
         force: bool,
     },
@@ -278,9 +284,14 @@ pub enum Command {
         /// Core id (0..4095).
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: u16,
-        /// Remove even with dirty data (which is lost) or with NBD clients connected.
+        /// As casadm: remove without flushing; the core's dirty data is discarded (the count
+        /// and size are printed). Connected clients still need --disconnect-clients.
         #[arg(short = 'f', long)]
         force: bool,
+        /// Remove even while clients are connected to its export: they lose it and get I/O
+        /// errors. The dirty data is still flushed first (unless --force).
+        #[arg(long)]
+        disconnect_clients: bool,
     },
 
     /// Remove a core whose device is missing (Inactive or Waiting for device); an active core
@@ -293,7 +304,8 @@ pub enum Command {
         /// Core id (0..4095).
         #[arg(short = 'j', long = "core-id", value_parser = core_id)]
         core: u16,
-        /// Remove it even though the cache holds dirty data of it (that data is lost).
+        /// Remove it even though the cache holds dirty data of it (that data is lost; the
+        /// count and size are printed).
         #[arg(short = 'f', long)]
         force: bool,
     },
@@ -305,7 +317,8 @@ pub enum Command {
         /// The cache device.
         #[arg(short = 'd', long = "device")]
         device: String,
-        /// Zero it even though it holds no hybridcache metadata.
+        /// Zero it even though its cache holds dirty data (lost; the size is printed), or it
+        /// holds no hybridcache metadata (its first 2 MiB are zeroed), as casadm's -f.
         #[arg(short = 'f', long)]
         force: bool,
     },
@@ -661,11 +674,13 @@ impl Command {
             Command::StopCache {
                 id,
                 no_data_flush,
+                disconnect_clients,
                 force,
             } => Request::StopCache {
                 id: *id,
                 no_data_flush: *no_data_flush,
-                force: *force,
+                force: false,
+                disconnect_clients: *disconnect_clients || *force,
             },
             Command::AddCore {
                 id,
@@ -680,16 +695,23 @@ impl Command {
                 force: *force,
                 frontend: frontend.clone(),
             },
-            Command::RemoveCore { id, core, force } => Request::RemoveCore {
+            Command::RemoveCore {
+                id,
+                core,
+                force,
+                disconnect_clients,
+            } => Request::RemoveCore {
                 cache: *id,
                 core: *core,
                 force: *force,
+                disconnect_clients: *disconnect_clients,
                 inactive_only: false,
             },
             Command::RemoveInactive { id, core, force } => Request::RemoveCore {
                 cache: *id,
                 core: *core,
                 force: *force,
+                disconnect_clients: false,
                 inactive_only: true,
             },
             Command::ZeroMetadata { device, force } => Request::ZeroMetadata {
@@ -1045,17 +1067,22 @@ mod tests {
             Request::StopCache {
                 id: 1,
                 no_data_flush: true,
-                force: false
+                force: false,
+                disconnect_clients: false
             }
         );
-        assert_eq!(
-            req(&["-T", "-i", "1", "--force"]),
-            Request::StopCache {
-                id: 1,
-                no_data_flush: false,
-                force: true
-            }
-        );
+        // -T's --force is the old name of --disconnect-clients.
+        for flag in ["--force", "-f", "--disconnect-clients"] {
+            assert_eq!(
+                req(&["-T", "-i", "1", flag]),
+                Request::StopCache {
+                    id: 1,
+                    no_data_flush: false,
+                    force: false,
+                    disconnect_clients: true
+                }
+            );
+        }
         assert_eq!(
             req(&["-A", "-i", "1", "-d", "/dev/sdb", "-j", "2"]),
             Request::AddCore {
@@ -1103,6 +1130,17 @@ mod tests {
                 cache: 1,
                 core: 2,
                 force: true,
+                disconnect_clients: false,
+                inactive_only: false
+            }
+        );
+        assert_eq!(
+            req(&["-R", "-i", "1", "-j", "2", "--disconnect-clients"]),
+            Request::RemoveCore {
+                cache: 1,
+                core: 2,
+                force: false,
+                disconnect_clients: true,
                 inactive_only: false
             }
         );
@@ -1112,6 +1150,7 @@ mod tests {
                 cache: 1,
                 core: 2,
                 force: false,
+                disconnect_clients: false,
                 inactive_only: true
             }
         );

@@ -377,6 +377,10 @@ fn call<T: DeserializeOwned>(control: &Path, req: &Request) -> Result<T> {
         ));
     }
     let value = resp.result.unwrap_or(serde_json::Value::Null);
+    // Every loss the operator accepted is said, whatever the verb (hybridcache_daemon::safety).
+    for line in hybridcache_daemon::safety::printed(&value) {
+        println!("{line}");
+    }
     // A reply of another shape comes from a daemon of another version, not from bad input.
     serde_json::from_value(value).map_err(|e| {
         anyhow!(

@@ -378,7 +378,11 @@ fn each_signature_is_refused_without_force_and_overwritten_with_it() {
         let id = (i + 1).to_string();
         let e = d.fails(&["-S", "-d", path_str(&dev), "-i", &id]);
         assert!(e.contains(m.expect), "{}: {e}", m.name);
-        assert!(e.contains("use --force to overwrite it"), "{}: {e}", m.name);
+        assert!(
+            e.contains("give --force to accept that it is overwritten"),
+            "{}: {e}",
+            m.name
+        );
         assert!(
             std::fs::read(&dev).unwrap() == before,
             "{}: a refusal wrote to the device",
@@ -429,7 +433,11 @@ fn a_mounted_device_is_refused() {
     let e = d.fails(&["-S", "-d", path_str(&img), "-i", "2", "--force"]);
     assert!(e.contains("mounted at"), "{e}");
     // add-core --force takes it (the operator's call), and nothing has been written.
-    d.ok(&["-A", "-i", "1", "-d", &lo.0, "--force"]);
+    let out = d.ok(&["-A", "-i", "1", "-d", &lo.0, "--force"]);
+    assert!(
+        out.contains("without an exclusive claim") && out.contains(path_str(&mnt)),
+        "the accepted risk is printed: {out}"
+    );
     d.ok(&["-R", "-i", "1", "-j", "1"]);
     drop(d);
     drop(_m);
@@ -551,7 +559,7 @@ fn wrapped_specs_of_a_claimed_file_are_refused() {
     for spec in wrapped(path_str(&fs)) {
         let e = d.fails(&["-S", "-d", &spec, "-i", "3"]);
         assert!(
-            e.contains("an ext4 file system") && e.contains("use --force"),
+            e.contains("an ext4 file system") && e.contains("give --force"),
             "{spec}: {e}"
         );
     }
@@ -588,7 +596,7 @@ fn stop_and_remove_are_refused_while_nbdfuse_holds_the_export() {
     let refused = || {
         let e = d.fails(&["-T", "-i", "1"]);
         assert!(
-            e.contains("cas1-1 has 2 clients connected; disconnect them or use --force"),
+            e.contains("cas1-1 has 2 clients connected: disconnect them first, or give --disconnect-clients"),
             "{e}"
         );
         let e = d.fails(&["-R", "-i", "1", "-j", "1"]);
@@ -674,9 +682,21 @@ fn stop_and_remove_are_refused_while_fio_runs() {
     let e = d.fails(&["-R", "-i", "1", "-j", "1"]);
     assert!(e.contains("cas1-1 has 1 client connected"), "{e}");
     let e = d.fails(&["-T", "-i", "1"]);
-    assert!(e.contains("disconnect them or use --force"), "{e}");
-    // --force removes the core under fio (which then gets errors); dirty data goes with it.
-    d.ok(&["-R", "-i", "1", "-j", "1", "--force"]);
+    assert!(e.contains("give --disconnect-clients"), "{e}");
+    // --force alone discards the dirty data but does not take the export from fio (issue 30).
+    let e = d.fails(&["-R", "-i", "1", "-j", "1", "--force"]);
+    assert!(e.contains("cas1-1 has 1 client connected"), "{e}");
+    // Both consents: fio loses the export (and gets errors), the dirty data is discarded.
+    let out = d.ok(&[
+        "-R",
+        "-i",
+        "1",
+        "-j",
+        "1",
+        "--force",
+        "--disconnect-clients",
+    ]);
+    assert!(out.contains("disconnected 1 client of cas1-1"), "{out}");
     assert!(!d.ok(&["-L"]).contains("cas1-1"));
 }
 

@@ -79,7 +79,12 @@ fn start_over_an_existing_cache_needs_force() {
     assert_eq!(d.ok(&["-L"]), "No caches running\n");
 
     // --force overwrites it: a new, empty cache.
-    assert_eq!(d.ok(&["-S", "-d", cache_s, "--force"]), "cache 1 started\n");
+    let out = d.ok(&["-S", "-d", cache_s, "--force"]);
+    assert!(
+        out.starts_with("destroyed cache 4 on")
+            && out.ends_with("(it was clean)\ncache 1 started\n"),
+        "{out}"
+    );
     assert!(!d.ok(&["-L"]).contains("core"));
     d.ok(&["-T", "-i", "1"]);
     assert_eq!(d.ok(&["-S", "-d", cache_s, "--load"]), "cache 1 loaded\n");

@@ -43,6 +43,7 @@ mod health;
 mod startup;
 mod watch;
 use crate::protocol::{self, CacheInfo, CoreInfo, Request, Response, StatsReport};
+use crate::safety::{self, Consent, Consents, Loss};
 use crate::target::Target;
 use disconnect::Disconnected;
 use hybridcache_volume::VolumeRef;
@@ -57,6 +58,8 @@ pub const DEFAULT_NBD_WORKERS: usize = 16;
 const MAX_CACHE_ID: u16 = 16384;
 /// How long a stop or removal waits for clients that are disconnecting before it refuses.
 const CLIENT_GONE_GRACE: Duration = Duration::from_secs(2);
+/// What `--zero-metadata` writes over: the two config slots (engine's format.rs META_OFFSET).
+const ZEROED_BYTES: u64 = 2 << 20;
 /// The ublk driver's own limit on hardware queues per device (UBLK_MAX_NR_QUEUES).
 const MAX_UBLK_QUEUES: u16 = 4096;
 /// A control request line longer than this is refused (a request is a few hundred bytes).
@@ -700,7 +703,14 @@ impl Daemon {
                 id,
                 no_data_flush,
                 force,
-            } => self.stop_cache(id, no_data_flush, force),
+                disconnect_clients,
+            } => {
+                // -T's old --force only ever overrode the client check (it flushes): it stays
+                // an alias of --disconnect-clients for the scripts that use it.
+                let given =
+                    Consents::none().with(Consent::DisconnectClients, disconnect_clients || force);
+                self.stop_cache(id, no_data_flush, &given)
+            }
             Request::AddCore {
                 cache,
                 device,
@@ -712,8 +722,15 @@ impl Daemon {
                 cache,
                 core,
                 force,
+                disconnect_clients,
                 inactive_only,
-            } => self.remove_core(cache, core, force, inactive_only),
+            } => {
+                // casadm's -R -f: remove without flushing.
+                let given = Consents::none()
+                    .with(Consent::DiscardDirty, force)
+                    .with(Consent::DisconnectClients, disconnect_clients);
+                self.remove_core(cache, core, &given, inactive_only)
+            }
             Request::DisconnectCache {
                 id,
                 no_flush,
@@ -1031,9 +1048,18 @@ impl Daemon {
         };
         let key = st.check_free(device)?;
         let volume = self.open_claimed(device, false)?;
-        if !volatile && how != (Start::Create { force: true }) {
-            check_signatures(device, &*volume, how)?;
-        }
+        let what = format!("starting a cache on {device}");
+        let accepted = match how {
+            Start::Create { force } if !volatile => {
+                let given = Consents::none().with(Consent::Overwrite, force);
+                safety::decide(&what, device_losses(device, &*volume)?, &given)?
+            }
+            Start::LoadOrCreate if !volatile => {
+                check_signatures(device, &*volume, how)?;
+                Vec::new()
+            }
+            _ => Vec::new(),
+        };
         let config = CacheConfig {
             id,
             line_size,
@@ -1070,13 +1096,15 @@ impl Daemon {
             if persistent { "persistent" } else { "volatile" },
             line_size.kib()
         );
-        serde_json::to_value(protocol::Started {
+        let mut started = serde_json::to_value(protocol::Started {
             id,
             loaded: false,
             inactive: Vec::new(),
             why_inactive: Default::default(),
         })
-        .map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())?;
+        started["losses"] = safety::record(&what, &accepted);
+        Ok(started)
     }
 
     /// Load the cache `volume` holds (the device named `device`, not in use elsewhere), reopen
@@ -1221,7 +1249,9 @@ impl Daemon {
         .map_err(|e| e.to_string())
     }
 
-    fn stop_cache(&self, id: u16, no_data_flush: bool, force: bool) -> Reply {
+    /// `-T`: connected clients are the only loss (dirty data is flushed, or with `-n` kept on
+    /// the cache device for the next load), so `--disconnect-clients` is the only consent.
+    fn stop_cache(&self, id: u16, no_data_flush: bool, given: &Consents) -> Reply {
         let mut st = self.state.lock();
         if let Some(w) = st.waiting.remove(&id) {
             // Not running: nothing to flush; the operator drops it from the setup.
@@ -1234,17 +1264,17 @@ impl Daemon {
             return Ok(json!({}));
         }
         if st.disconnected.contains_key(&id) {
-            return self.stop_disconnected(&mut st, id, force);
+            return self.stop_disconnected(&mut st, id, given);
         }
         let entry = st.cache(id)?;
-        if !force {
-            let names: Vec<(String, &'static str)> = entry
-                .cores
-                .iter()
-                .map(|(c, e)| (export_name(id, *c), e.frontend))
-                .collect();
-            self.refuse_if_clients(&names)?;
-        }
+        let what = format!("stopping cache {id}");
+        let names: Vec<(String, &'static str)> = entry
+            .cores
+            .iter()
+            .map(|(c, e)| (export_name(id, *c), e.frontend))
+            .collect();
+        let clients = self.clients_of(&names, !given.gives(Consent::DisconnectClients));
+        let accepted = safety::decide(&what, clients, given)?;
         let cache = entry.cache.clone();
         let device = entry.device.clone();
         if no_data_flush && !cache.persistent() && cache.stats().usage.dirty_lines != 0 {
@@ -1305,6 +1335,7 @@ impl Daemon {
         // From here on the engine refuses requests: the cache is gone either way.
         st.caches.remove(&id);
         self.save_locked(&st);
+        let losses = safety::record(&what, &accepted);
         match stopped {
             Ok(()) => {
                 let dirty = cache.stats().usage.dirty_lines;
@@ -1316,7 +1347,7 @@ impl Daemon {
                         String::new()
                     }
                 );
-                Ok(json!({}))
+                Ok(json!({ "losses": losses }))
             }
             Err(e) => {
                 let e = engine_err(e);
@@ -1376,6 +1407,19 @@ impl Daemon {
         };
         let key = st.check_free(device)?;
         let volume = self.open_claimed(device, force)?;
+        // A mounted block device taken with --force (claims.rs): the operator's call, said as
+        // the loss it risks.
+        let accepted: Vec<Loss> = if force {
+            mounted_block(device)
+                .map(|mounts| Loss::Mounted {
+                    device: device.to_string(),
+                    mounts,
+                })
+                .into_iter()
+                .collect()
+        } else {
+            Vec::new()
+        };
         let c = st.cache(cache_id)?;
         let line = c.cache.line_size().bytes();
         let identity = crate::devices::identity(device);
@@ -1462,17 +1506,24 @@ impl Daemon {
                 .map(|d| format!(" on {d}"))
                 .unwrap_or_default()
         );
-        serde_json::to_value(protocol::CoreAdded {
+        let mut added = serde_json::to_value(protocol::CoreAdded {
             cache: cache_id,
             core: core_id,
             block_device: frontend.device(&name),
             export: name,
             reattached: reattach.is_some(),
         })
-        .map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())?;
+        added["losses"] = safety::record(
+            &format!("adding core {core_id} to cache {cache_id}"),
+            &accepted,
+        );
+        Ok(added)
     }
 
     /// `--zero-metadata`: under the state lock, so no cache can start on the device meanwhile.
+    /// As casadm, a cache with dirty data is refused unless forced; so is a device without
+    /// hybridcache metadata (its content is unknown) and one whose metadata cannot be read.
     fn zero_metadata(&self, device: &str, force: bool) -> Reply {
         let st = self.state.lock();
         if let Some((id, _)) = st.caches.iter().find(|(_, c)| c.device == device) {
@@ -1482,46 +1533,112 @@ impl Daemon {
         }
         // The exclusive claim refuses a device another cache, a mount or a program holds.
         let volume = self.open_claimed(device, false)?;
-        let holds = hybridcache_engine::holds_metadata(&*volume).map_err(engine_err)?;
-        if !holds && !force {
-            return Err(format!(
-                "{device} holds no hybridcache metadata; use --force to zero its first 2 MiB anyway"
-            ));
-        }
+        let given = Consents::none().with(Consent::Overwrite, force);
+        let what = format!("zeroing the metadata of {device}");
+        let losses = match hybridcache_engine::read_summary(&*volume) {
+            Ok(Some(summary)) if summary.total_dirty_lines() > 0 => vec![Loss::CacheMetadata {
+                device: device.to_string(),
+                cache: summary.superblock.cache_id,
+                cores: cores_text(&summary.superblock),
+                dirty_lines: summary.total_dirty_lines(),
+                dirty_bytes: summary.dirty_bytes(),
+            }],
+            // A clean cache's data is all on its cores: only the cache goes.
+            Ok(Some(_)) => Vec::new(),
+            Ok(None) if hybridcache_engine::holds_metadata(&*volume).map_err(engine_err)? => {
+                Vec::new()
+            }
+            Ok(None) => vec![Loss::DeviceContent {
+                device: device.to_string(),
+                bytes: ZEROED_BYTES.min(volume.size()),
+            }],
+            Err(e) if !force => {
+                return Err(format!(
+                    "zeroing the metadata of {device} refused, nothing was changed: its metadata cannot be read ({}), so whether it holds dirty data is unknown: load it with start-cache --load to see, or give --force to zero it anyway",
+                    engine_err(e)
+                ))
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "{device}: metadata unreadable ({}); zeroed as forced",
+                    engine_err(e)
+                );
+                Vec::new()
+            }
+        };
+        let accepted = safety::decide(&what, losses, &given)?;
         hybridcache_engine::zero_metadata(&*volume).map_err(engine_err)?;
         drop(st);
         tracing::info!("{device}: hybridcache metadata zeroed");
-        Ok(json!({}))
+        Ok(json!({ "losses": safety::record(&what, &accepted) }))
     }
 
-    fn remove_core(&self, cache_id: u16, core: u16, force: bool, inactive_only: bool) -> Reply {
-        if !force && !inactive_only {
-            // As casadm: without --force, an active core's dirty data goes to it first (outside
-            // the state lock: a flush takes as long as the data). With --force it is lost.
-            let active = {
-                let st = self.state.lock();
-                let c = st.cache(cache_id)?;
-                match c.cores.get(&core) {
-                    Some(e) if e.active && !e.pending => Some((c.cache.clone(), e.frontend)),
-                    _ => None,
+    /// `-R` / `--remove-inactive`. An active core's dirty data goes to it first unless
+    /// `--force` (casadm's "without flush") discards it; an inactive core's cannot be flushed,
+    /// so removing it with dirty data needs `--force` too. Connected clients need
+    /// `--disconnect-clients`, whatever else is given.
+    fn remove_core(
+        &self,
+        cache_id: u16,
+        core: u16,
+        given: &Consents,
+        inactive_only: bool,
+    ) -> Reply {
+        let what = format!("removing core {core} of cache {cache_id}");
+        let name = export_name(cache_id, core);
+        let discard = given.gives(Consent::DiscardDirty);
+        let found = {
+            let st = self.state.lock();
+            let c = st.cache(cache_id)?;
+            match c.cores.get(&core) {
+                None => return Err(format!("core {core} does not exist in cache {cache_id}")),
+                Some(e) if inactive_only && e.active => {
+                    return Err(format!(
+                    "core {core} of cache {cache_id} is active; remove it with --remove-core (-R)"
+                ))
                 }
-            };
-            if let Some((handle, kind)) = active {
-                self.refuse_if_clients(&[(export_name(cache_id, core), kind)])?;
-                handle.flush_core(core).map_err(|e| {
-                    format!("cache {cache_id}: flushing core {core}: {}", engine_err(e))
-                })?;
+                Some(e) => (
+                    c.cache.clone(),
+                    e.frontend,
+                    e.active && !e.pending,
+                    e.pending,
+                ),
             }
+        };
+        let (handle, kind, active, pending) = found;
+        let mut losses = Vec::new();
+        if active {
+            losses.extend(self.clients_of(
+                &[(name.clone(), kind)],
+                !given.gives(Consent::DisconnectClients),
+            ));
+        }
+        let line = handle.line_size().bytes() as u64;
+        let dirty = if pending {
+            0
+        } else {
+            handle.core_dirty_lines(core)
+        };
+        if dirty > 0 && (discard || !active) {
+            losses.push(Loss::DirtyData {
+                cache: cache_id,
+                core,
+                lines: dirty,
+                bytes: dirty * line,
+            });
+        }
+        let mut accepted = safety::decide(&what, losses, given)?;
+        if active && !discard {
+            // As casadm: the dirty data goes to the core first, outside the state lock (a
+            // flush takes as long as the data), while the clients are still served.
+            handle.flush_core(core).map_err(|e| {
+                format!("cache {cache_id}: flushing core {core}: {}", engine_err(e))
+            })?;
         }
         let mut st = self.state.lock();
         let c = st.cache(cache_id)?;
         match c.cores.get(&core) {
             None => return Err(format!("core {core} does not exist in cache {cache_id}")),
-            Some(e) if inactive_only && e.active => {
-                return Err(format!(
-                    "core {core} of cache {cache_id} is active; remove it with --remove-core (-R)"
-                ))
-            }
             Some(e) if e.pending => {
                 // The engine never had it: only the setup names it.
                 if let Some(c) = st.caches.get_mut(&cache_id) {
@@ -1535,24 +1652,80 @@ impl Daemon {
             }
             Some(_) => {}
         }
-        let kind = c.cores.get(&core).map_or("nbd", |e| e.frontend);
-        if !force {
-            self.refuse_if_clients(&[(export_name(cache_id, core), kind)])?;
+        if active && !given.gives(Consent::DisconnectClients) {
+            // A client may have connected since the check: it still needs the consent.
+            let late = self.clients_of(&[(name.clone(), kind)], false);
+            safety::decide(&what, late, given)?;
         }
-        c.cache
-            .remove_core(core, force)
-            .map_err(|e| format!("cache {cache_id}: {}", engine_err(e)))?;
+        // Consented clients lose the export now, so no write of theirs lands between the last
+        // flush and the removal.
+        let frontend = self.frontends.get(Some(kind)).ok();
+        let unexported = active && frontend.as_ref().is_some_and(|f| f.stop(&name));
+        if active && !discard {
+            if let Err(e) = c.cache.flush_core(core) {
+                if unexported {
+                    self.serve_again(c, cache_id, core, kind);
+                }
+                return Err(format!(
+                    "cache {cache_id}: flushing core {core}: {}",
+                    engine_err(e)
+                ));
+            }
+        }
+        let discarded = match c.cache.remove_core_counted(core, discard) {
+            Ok(n) => n,
+            Err(e) => {
+                if unexported {
+                    self.serve_again(c, cache_id, core, kind);
+                }
+                return Err(format!("cache {cache_id}: {}", engine_err(e)));
+            }
+        };
+        // What was discarded is what the engine dropped once the core was quiet, which may
+        // differ from the count the decision saw.
+        accepted.retain(|l| !matches!(l, Loss::DirtyData { .. }));
+        if discarded > 0 {
+            accepted.push(Loss::DirtyData {
+                cache: cache_id,
+                core,
+                lines: discarded,
+                bytes: discarded * line,
+            });
+        }
         self.traces.core_removed(&self.registry, cache_id, core);
-        if let Ok(f) = self.frontends.get(Some(kind)) {
-            f.stop(&export_name(cache_id, core));
-        }
-        self.kinds.forget(&export_name(cache_id, core));
+        self.kinds.forget(&name);
         if let Some(c) = st.caches.get_mut(&cache_id) {
             c.cores.remove(&core);
         }
         self.save_locked(&st);
         tracing::info!("cache {cache_id}: removed core {core}");
-        Ok(json!({}))
+        Ok(json!({ "losses": safety::record(&what, &accepted) }))
+    }
+
+    /// Export core `core` of cache `cache_id` (entry `c`) again after a removal that failed
+    /// once its export was stopped, so its clients can reconnect.
+    fn serve_again(&self, c: &CacheEntry, cache_id: u16, core: u16, kind: &'static str) {
+        let name = export_name(cache_id, core);
+        let back = (|| -> std::result::Result<(), String> {
+            let e = c
+                .cores
+                .get(&core)
+                .ok_or_else(|| format!("core {core} is gone"))?;
+            let target = match &e.target {
+                Some(t) => t.clone(),
+                None => Target::new(c.cache.core(core).map_err(engine_err)?),
+            };
+            self.frontends.get(Some(kind))?.start(ExportSpec {
+                name: name.clone(),
+                description: format!("core {core} ({}) of cache {cache_id}", e.device),
+                core: target,
+                line_size: c.cache.line_size().bytes(),
+                cache_device: c.device.clone(),
+            })
+        })();
+        if let Err(e) = back {
+            tracing::error!("cache {cache_id}: {name} cannot be served again: {e}");
+        }
     }
 
     /// Open the device `spec` names under an exclusive claim (claims.rs) held as long as the
@@ -1576,55 +1749,35 @@ impl Daemon {
     }
 
     /// The in-use guard: taking an export away from connected clients gives them I/O errors
-    /// (a mounted file system aborts its journal), so it needs --force, as casadm needs it for
-    /// a mounted device.
-    fn refuse_if_clients(
-        &self,
-        exports: &[(String, &'static str)],
-    ) -> std::result::Result<(), String> {
-        // A client that has just disconnected is still counted until its connection has wound
-        // down on the server's side: a script that disconnects and then stops must not be
-        // refused for that, so a busy answer is checked again for a moment before it stands.
+    /// (a mounted file system aborts its journal), so each busy export is a [`Loss`] that needs
+    /// `--disconnect-clients`. With `grace`, a client that has just disconnected (still counted
+    /// until its connection has wound down on the server's side) is waited for a moment: a
+    /// script that disconnects and then stops must not be refused for that.
+    fn clients_of(&self, exports: &[(String, &'static str)], grace: bool) -> Vec<Loss> {
         let deadline = Instant::now() + CLIENT_GONE_GRACE;
         loop {
-            match self.clients_connected(exports) {
-                Ok(()) => return Ok(()),
-                Err(e) if Instant::now() >= deadline => return Err(e),
-                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            let busy = self.clients_now(exports);
+            if busy.is_empty() || !grace || Instant::now() >= deadline {
+                return busy;
             }
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 
-    fn clients_connected(
-        &self,
-        exports: &[(String, &'static str)],
-    ) -> std::result::Result<(), String> {
-        let busy: Vec<String> = exports
+    fn clients_now(&self, exports: &[(String, &'static str)]) -> Vec<Loss> {
+        exports
             .iter()
             .filter_map(|(name, kind)| {
                 let frontend = self.frontends.get(Some(kind)).ok()?;
                 let n = frontend.busy(name).unwrap_or(0);
-                // A block device is named too: that is what the operator sees mounted.
-                let label = match frontend.device(name) {
-                    Some(dev) => format!("{name} ({dev})"),
-                    None => name.clone(),
-                };
-                (n > 0).then(|| {
-                    format!(
-                        "{label} has {n} client{} connected",
-                        if n == 1 { "" } else { "s" }
-                    )
+                (n > 0).then(|| Loss::Clients {
+                    export: name.clone(),
+                    // A block device is named too: that is what the operator sees mounted.
+                    block_device: frontend.device(name),
+                    connections: n,
                 })
             })
-            .collect();
-        if busy.is_empty() {
-            Ok(())
-        } else {
-            Err(format!(
-                "{}; disconnect them or use --force",
-                busy.join(", ")
-            ))
-        }
+            .collect()
     }
 
     fn stats(&self, cache_id: u16, core: Option<u16>, io_class: Option<u8>) -> Reply {
@@ -2576,6 +2729,74 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Where the block device `spec` names is mounted; None for anything else or when unmounted.
+fn mounted_block(spec: &str) -> Option<Vec<String>> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let meta = std::fs::metadata(crate::claims::spec_path(spec)?).ok()?;
+    if !meta.file_type().is_block_device() {
+        return None;
+    }
+    let mounts = crate::claims::mounts_of_block(meta.rdev());
+    (!mounts.is_empty()).then_some(mounts)
+}
+
+/// A cache's cores as its superblock records them, for a refusal ("1 (/dev/sdb)").
+fn cores_text(sb: &hybridcache_engine::Superblock) -> String {
+    sb.cores
+        .iter()
+        .map(|c| format!("{} ({})", c.id, c.path))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// What formatting `device` as a new cache destroys: the cache it holds (with its dirty lines,
+/// read from its metadata without loading it), hybridcache metadata that cannot be read, or a
+/// file system or other signature (signature.rs).
+fn device_losses(
+    device: &str,
+    volume: &dyn hybridcache_volume::Volume,
+) -> std::result::Result<Vec<Loss>, String> {
+    match hybridcache_engine::read_summary(volume) {
+        Ok(Some(summary)) => {
+            return Ok(vec![Loss::CacheMetadata {
+                device: device.to_string(),
+                cache: summary.superblock.cache_id,
+                cores: cores_text(&summary.superblock),
+                dirty_lines: summary.total_dirty_lines(),
+                dirty_bytes: summary.dirty_bytes(),
+            }])
+        }
+        Ok(None) => {}
+        // A newer build's cache, or metadata damaged in both copies: what it holds cannot be
+        // told, only that --force destroys it.
+        Err(e) => {
+            return Ok(vec![Loss::Signature {
+                device: device.to_string(),
+                what: format!(
+                    "hybridcache metadata this build cannot read ({})",
+                    engine_err(e)
+                ),
+            }])
+        }
+    }
+    if hybridcache_engine::holds_metadata(volume).map_err(engine_err)? {
+        return Ok(vec![Loss::Signature {
+            device: device.to_string(),
+            what: "a damaged hybridcache superblock (no copy of it loads)".into(),
+        }]);
+    }
+    let Some(path) = crate::claims::spec_path(device) else {
+        return Ok(Vec::new());
+    };
+    Ok(crate::signature::detect(Path::new(path))?
+        .map(|what| Loss::Signature {
+            device: device.to_string(),
+            what,
+        })
+        .into_iter()
+        .collect())
 }
 
 /// Refuse to format a device that holds data of another kind (signature.rs). A hybridcache

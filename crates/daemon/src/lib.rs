@@ -20,6 +20,7 @@ pub mod nbd_volume;
 pub mod notify;
 pub mod params;
 pub mod protocol;
+pub mod safety;
 pub mod signature;
 pub mod target;
 pub mod trace;

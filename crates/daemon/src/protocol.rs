@@ -27,13 +27,18 @@ pub enum Request {
         #[serde(default)]
         load: bool,
     },
+    /// Result: `{"losses": [...]}`, the [`crate::safety::Loss`]es the operator accepted (also
+    /// in the results of `remove-core`, `zero-metadata` and `start-cache`).
     StopCache {
         id: u16,
         #[serde(default)]
         no_data_flush: bool,
-        /// Stop even while NBD clients are connected to the cache's exports.
+        /// The old name of `disconnect_clients` (`-T --force`), still accepted.
         #[serde(default)]
         force: bool,
+        /// Stop even while clients are connected to the cache's exports (they get I/O errors).
+        #[serde(default)]
+        disconnect_clients: bool,
     },
     AddCore {
         cache: u16,
@@ -50,8 +55,12 @@ pub enum Request {
     RemoveCore {
         cache: u16,
         core: u16,
+        /// casadm's `-R -f`: remove without flushing; the core's dirty data is discarded.
         #[serde(default)]
         force: bool,
+        /// Remove even while clients are connected to the core's export.
+        #[serde(default)]
+        disconnect_clients: bool,
         /// `--remove-inactive`: refuse an active core instead of removing it.
         #[serde(default)]
         inactive_only: bool,

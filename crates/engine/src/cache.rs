@@ -2057,6 +2057,20 @@ impl Cache {
 
     /// Detach a core. With dirty data it refuses unless `force`, which discards the dirty data.
     pub fn remove_core(&self, id: CoreId, force: bool) -> Result<()> {
+        self.remove_core_counted(id, force).map(|_| ())
+    }
+
+    /// Lines of core `id` (active or inactive) that hold data the core does not have yet.
+    pub fn core_dirty_lines(&self, id: CoreId) -> u64 {
+        self.inner
+            .gauges
+            .get(id as usize)
+            .map_or(0, |g| g.dirty.load(Ordering::Relaxed))
+    }
+
+    /// [`Cache::remove_core`], returning how many dirty lines a forced removal discarded
+    /// (counted once the core's requests are quiesced, so it is what was lost).
+    pub fn remove_core_counted(&self, id: CoreId, force: bool) -> Result<u64> {
         let core = match self.inner.core_by_id(id) {
             Ok(core) => Some(core),
             Err(e) if !self.inner.inactive.read().contains_key(&id) => return Err(e),
@@ -2098,7 +2112,7 @@ impl Cache {
         self.inner.inactive.write().remove(&id);
         self.inner.seq_cutoff_inactive.write().remove(&id);
         self.inner.save_policies()?;
-        Ok(())
+        Ok(dirty)
     }
 
     /// Core `id` as the superblock records it (persistent caches only).

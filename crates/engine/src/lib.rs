@@ -42,7 +42,7 @@ pub use cleaning::CleaningTick;
 pub use format::{holds_metadata, zero_metadata, CoreRecord, Superblock};
 pub use latency::{Histogram, LatencyKind, LatencyStats};
 pub use offload::Offload;
-pub use persist::set_load_threads;
+pub use persist::{read_summary, set_load_threads, MetadataSummary};
 pub use policy::{
     AcpParams, AlruParams, CleaningConfig, CleaningIo, CleaningPolicy, LazyFlush, Prefetch,
     PrefetchPolicy, Promotion, PromotionPolicy, SeqCutoff, SeqCutoffPolicy,

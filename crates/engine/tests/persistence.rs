@@ -99,6 +99,34 @@ fn stop_without_data_flush_keeps_dirty_data_for_the_next_load() {
     assert_eq!(decode(&contents(&*core_vol)[512..1024], 1), Some(5));
 }
 
+/// What `--zero-metadata` and `start-cache` tell the operator before destroying a cache: its
+/// dirty lines per core, read from the device without loading it or writing to it.
+#[test]
+fn the_summary_counts_dirty_lines_without_loading_or_writing() {
+    let (cache_vol, core_vol, cache) = dirty_cache();
+    cache.stop(false).unwrap();
+    let before = contents(&*cache_vol);
+    let s = hybridcache_engine::read_summary(&*cache_vol)
+        .unwrap()
+        .expect("the volume holds a cache");
+    assert_eq!(s.superblock.cache_id, 7);
+    assert_eq!(s.dirty_lines.get(&3), Some(&8));
+    assert_eq!(s.total_dirty_lines(), 8);
+    assert_eq!(s.dirty_bytes(), 8 * 4096);
+    assert!(contents(&*cache_vol) == before, "reading the summary wrote");
+    // Flushed and stopped: still a cache, nothing dirty.
+    let cache = reload(&cache_vol, Some(core_vol.clone())).unwrap();
+    cache.stop(true).unwrap();
+    let s = hybridcache_engine::read_summary(&*cache_vol)
+        .unwrap()
+        .expect("still a cache");
+    assert_eq!(s.total_dirty_lines(), 0);
+    hybridcache_engine::zero_metadata(&*cache_vol).unwrap();
+    assert!(hybridcache_engine::read_summary(&*cache_vol)
+        .unwrap()
+        .is_none());
+}
+
 #[test]
 fn a_volume_holding_a_cache_is_refused_unless_forced() {
     let (cache_vol, _core, cache) = dirty_cache();

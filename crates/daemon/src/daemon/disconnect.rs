@@ -783,7 +783,13 @@ impl Daemon {
     /// `-T` on a disconnected cache: its kept exports go (their held requests fail); the
     /// cache is dropped from the setup. Dirty data kept on its device stays there for a later
     /// `start-cache --load`.
-    pub(super) fn stop_disconnected(&self, st: &mut State, id: u16, force: bool) -> Reply {
+    pub(super) fn stop_disconnected(
+        &self,
+        st: &mut State,
+        id: u16,
+        given: &crate::safety::Consents,
+    ) -> Reply {
+        use crate::safety::{self, Consent};
         let Some(d) = st.disconnected.get(&id) else {
             return Err(format!("cache {id} does not exist"));
         };
@@ -792,9 +798,9 @@ impl Daemon {
             .iter()
             .map(|(j, c)| (export_name(id, *j), c.frontend))
             .collect();
-        if !force {
-            self.refuse_if_clients(&names)?;
-        }
+        let what = format!("stopping disconnected cache {id}");
+        let clients = self.clients_of(&names, !given.gives(Consent::DisconnectClients));
+        let accepted = safety::decide(&what, clients, given)?;
         self.traces.cache_stopped(&self.registry, id);
         d.take_down();
         for (name, kind) in &names {
@@ -814,6 +820,6 @@ impl Daemon {
                 String::new()
             }
         );
-        Ok(json!({}))
+        Ok(json!({ "losses": safety::record(&what, &accepted) }))
     }
 }
