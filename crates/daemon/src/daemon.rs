@@ -334,32 +334,19 @@ fn interrupted_flush_text(
         None => format!("cache {cache}"),
     };
     let left = match dirty_now {
-        Ok(n) => format!("; {} stay dirty", grouped(n)),
+        Ok(n) => format!("; {} stay dirty", crate::safety::count_text(n)),
         // The core went away meanwhile; its lines are no longer this cache's to count.
         Err(_) => String::new(),
     };
     let text = format!(
         "flush of {what} interrupted: cleaned {} of {} dirty lines ({} of {}){left}",
-        grouped(cleaned),
-        grouped(total),
+        crate::safety::count_text(cleaned),
+        crate::safety::count_text(total),
         crate::trace::size_text(cleaned * line),
         crate::trace::size_text(total * line),
     );
     tracing::info!("{text}");
     text
-}
-
-/// A count with thousands separators: "12,345".
-fn grouped(n: u64) -> String {
-    let digits = n.to_string();
-    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
 }
 
 fn engine_err(e: EngineError) -> String {
