@@ -21,6 +21,7 @@ pub mod notify;
 pub mod params;
 pub mod protocol;
 pub mod signature;
+pub mod state;
 pub mod target;
 pub mod trace;
 pub mod ublk_export;
