@@ -70,6 +70,8 @@ pub struct DaemonOptions {
     pub nbd_socket: Option<PathBuf>,
     pub nbd_listen: Option<String>,
     pub nbd_workers: Option<usize>,
+    /// `--save-config`: accepted for older units; it only logs a WARN (the file is never
+    /// written).
     pub save_config: bool,
     /// Serve Prometheus metrics over HTTP here (`--metrics-listen`); off when None.
     pub metrics_listen: Option<String>,
@@ -79,7 +81,8 @@ pub struct DaemonOptions {
     pub frontend: Option<String>,
     /// Queues of each ublk device (`--ublk-queues`); None: one per CPU.
     pub ublk_queues: Option<u16>,
-    /// State kept across a daemon restart (`--state-dir`); default: the control socket's dir.
+    /// The daemon's state directory (`--state-dir`, state.rs); default `$STATE_DIRECTORY`,
+    /// else /var/lib/hybridcache.
     pub state_dir: Option<PathBuf>,
     /// Seconds of due cleaning without progress before a stall is logged
     /// (`--cleaning-stall-warn`).
@@ -2564,13 +2567,18 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
             .check_file(&file_cfg)
             .and_then(|()| daemon.check_file(&merged.config))
         {
+            // Kept aside for the operator: the next record would overwrite it.
+            let kept = daemon.store.as_ref().map(|s| {
+                let path = s.dir.setup_path();
+                let aside = path.with_extension("json.refused");
+                match std::fs::copy(&path, &aside) {
+                    Ok(_) => aside.display().to_string(),
+                    Err(_) => path.display().to_string(),
+                }
+            });
             tracing::error!(
-                "the run-time setup in {} is not applied: {e:#}",
-                daemon.store.as_ref().map_or_else(String::new, |s| s
-                    .dir
-                    .setup_path()
-                    .display()
-                    .to_string())
+                "the run-time setup in the state directory is not applied (kept as {}): {e:#}",
+                kept.unwrap_or_default()
             );
             merged = crate::state::Merged {
                 config: file_cfg.clone(),
