@@ -333,3 +333,37 @@ fn the_state_survives_a_simulated_systemd_restart() {
         "# no cache yet\n"
     );
 }
+
+/// The operator's edit of the file made while the daemon was stopped is newer than the
+/// run-time change it contradicts, and wins; a cache created at run time and stopped cleanly
+/// with `-T` does not come back.
+#[test]
+fn an_edit_made_while_stopped_wins_and_a_cleanly_stopped_cache_stays_stopped() {
+    let dir = workdir();
+    let p = dir.path();
+    let cfg = p.join("hybridcache.toml");
+    std::fs::write(&cfg, "[[cache]]\nid = 1\ndevice = \"ram:16M\"\n").expect("config");
+    let cfg_s = cfg.to_str().expect("UTF-8");
+    let mut d = Daemon::start_with(p, &["--config", cfg_s]);
+    d.ok(&["-Q", "-c", "wb", "-i", "1"]);
+    d.ok(&["-X", "-n", "promotion", "-i", "1", "-p", "nhit"]);
+    d.ok(&["-S", "-d", "ram:8M", "-i", "2"]);
+    d.ok(&["-T", "-i", "2"]);
+    assert!(d.stop(), "{}", d.log_text());
+    std::fs::write(
+        &cfg,
+        "[[cache]]\nid = 1\ndevice = \"ram:16M\"\nmode = \"wa\"   # edited while stopped\n",
+    )
+    .expect("edit");
+
+    let d = Daemon::start_with(p, &["--config", cfg_s]);
+    let json: serde_json::Value =
+        serde_json::from_str(&d.ok(&["-L", "-o", "json"])).expect("-L json");
+    let caches = json["caches"].as_array().expect("caches");
+    assert_eq!(caches.len(), 1, "cache 2 was stopped cleanly: {json}");
+    assert_eq!(caches[0]["mode"], "wa", "the file's edit wins: {json}");
+    assert_eq!(
+        caches[0]["promotion"], "nhit",
+        "the run-time change the file does not contradict stays: {json}"
+    );
+}
