@@ -16,6 +16,8 @@
 #     logged.
 set -eu
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin HYBRIDCACHE_CONTROL=/run/hc/control.sock
+# As the unit's StateDirectory= does: the daemon's state directory, given as systemd gives it.
+export STATE_DIRECTORY=/var/lib/hc
 step() { echo "ublk-daemon: [$(cut -d' ' -f1 /proc/uptime) s] $*"; }
 now() { cut -d' ' -f1 /proc/uptime; }
 since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.2f", b - a }'; }
@@ -23,7 +25,7 @@ fail() { echo "ublk-daemon: FAILED: $*"; echo "--- daemon log"; cat /tmp/daemon.
 dpid=
 start_daemon() {
 	hybridcache daemon --control /run/hc/control.sock --nbd-socket /run/hc/nbd.sock \
-		--state-dir /var/lib/hc --frontend ublk "$@" >>/tmp/daemon.log 2>&1 &
+		--frontend ublk "$@" >>/tmp/daemon.log 2>&1 &
 	dpid=$!
 	for _ in $(seq 300); do
 		hybridcache -L >/dev/null 2>&1 && return 0
@@ -37,7 +39,6 @@ start_daemon() {
 remove_runtime_dir() {
 	rm -rf /run/hc
 	mkdir -p /run/hc
-	[ -e /var/lib/hc/ublk-devices.json ] || fail "no ublk records in the state directory"
 }
 io_errors() { dmesg | grep -c -i -E "i/o error|error, dev (ublkb|nbd)|buffer i/o" || true; }
 
