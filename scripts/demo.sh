@@ -89,12 +89,12 @@ rm -f "$data/core.img"
 truncate -s "$cache_size" "$data/cache.img"
 
 say "starting the daemon (log: demo-data/daemon.log)"
-"$bin" daemon --control "$ctl" --nbd-socket "$nbdsock" --nbd-workers 32 >"$data/daemon.log" 2>&1 &
+"$bin" daemon --control "$ctl" --nbd-socket "$nbdsock" --state-dir "$data" --nbd-workers 32 >"$data/daemon.log" 2>&1 &
 daemon_pid=$!
 echo "$daemon_pid" >"$pidfile"
 for _ in $(seq 100); do [ -S "$ctl" ] && [ -S "$nbdsock" ] && break; sleep 0.1; done
 [ -S "$ctl" ] || { cat "$data/daemon.log" >&2; die "the daemon did not create $ctl"; }
-echo "hybridcache daemon --control demo-data/control.sock --nbd-socket demo-data/nbd.sock --nbd-workers 32  (pid $daemon_pid)"
+echo "hybridcache daemon --control demo-data/control.sock --nbd-socket demo-data/nbd.sock --state-dir demo-data --nbd-workers 32  (pid $daemon_pid)"
 
 say "cache: demo-data/cache.img ($cache_size sparse file), core: emulated RAID 60"
 echo "+ hybridcache -S -d demo-data/cache.img -i 1 -c wb --force"
@@ -175,7 +175,7 @@ say "connecting clients (the daemon stops below; the first two commands bring it
 cat <<EOF
   export HYBRIDCACHE_CONTROL=$ctl
   # the daemon again, and this cache with its dirty data:
-  $bin daemon --control $ctl --nbd-socket $nbdsock --nbd-workers 32 &
+  $bin daemon --control $ctl --nbd-socket $nbdsock --state-dir $data --nbd-workers 32 &
   $bin -S -d $data/cache.img --load
   # fio
   fio --ioengine=nbd --uri='$uri' --name=t --rw=randwrite --bs=4k --iodepth=16 --size=1g \\

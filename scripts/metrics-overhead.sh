@@ -12,7 +12,7 @@ BIN=target/release/hybridcache
 DIR=$(mktemp -d)
 trap 'kill $DAEMON 2>/dev/null || true; kill $SCRAPER 2>/dev/null || true; rm -rf "$DIR"' EXIT
 SCRAPER=""
-"$BIN" daemon --control "$DIR/ctl" --nbd-socket "$DIR/nbd" --metrics-listen 127.0.0.1:0 2>"$DIR/log" &
+"$BIN" daemon --control "$DIR/ctl" --nbd-socket "$DIR/nbd" --state-dir "$DIR" --metrics-listen 127.0.0.1:0 2>"$DIR/log" &
 DAEMON=$!
 for _ in $(seq 100); do grep -q "metrics served on" "$DIR/log" 2>/dev/null && break; sleep 0.1; done
 URL=$(grep -o 'http://[0-9.:]*/metrics' "$DIR/log" | head -1)

@@ -33,7 +33,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-"$bin" daemon --control "$work/control.sock" --nbd-socket "$work/hc.sock" 2>"$work/daemon.log" &
+"$bin" daemon --control "$work/control.sock" --nbd-socket "$work/hc.sock" --state-dir "$work" 2>"$work/daemon.log" &
 pids+=($!)
 for _ in $(seq 50); do [ -S "$work/control.sock" ] && break; sleep 0.1; done
 "$bin" --control "$work/control.sock" -S -d ram:1G -i 1 -c wb >/dev/null

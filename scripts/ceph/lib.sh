@@ -112,7 +112,7 @@ hc() { "$HC" --control "$CEPH_DIR/hc/control.sock" "$@"; }
 start_hc_daemon() {
     local log=$CEPH_DIR/log/hybridcache.log
     "$HC" daemon --control "$CEPH_DIR/hc/control.sock" --nbd-socket "$CEPH_DIR/hc/nbd.sock" \
-        --nbd-workers 32 --config "$CEPH_DIR/hc/config.toml" --save-config >>"$log" 2>&1 &
+        --nbd-workers 32 --config "$CEPH_DIR/hc/config.toml" --state-dir "$CEPH_DIR/hc" >>"$log" 2>&1 &
     echo $! >"$CEPH_DIR/hc/daemon.pid"
     disown
     local i
@@ -129,7 +129,10 @@ start_hc_daemon() {
 # the device paths differ).
 setup_caches() {
     local i id
+    # A fresh setup: an empty file, and no run-time setup of an earlier run in the state
+    # directory (the daemon brings that back at start).
     : >"$CEPH_DIR/hc/config.toml"
+    rm -f "$CEPH_DIR/hc/setup.json"
     start_hc_daemon
     for i in $(seq 0 $((OSDS - 1))); do
         id=$((i + 1))

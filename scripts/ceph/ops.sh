@@ -2,7 +2,7 @@
 # scripts/ceph/ops.sh: operations under load on Ceph over hybridcache (docs/ceph.md).
 #   1. kill -9 one OSD during a fio run with --verify=crc32c, restart it;
 #   2. kill -9 the hybridcache daemon during a second such run, restart it (it loads its caches
-#      from its configuration file, as `--load` does), re-attach the OSDs' devices, restart the
+#      from its configuration file and state directory, as `--load` does), re-attach the OSDs' devices, restart the
 #      OSDs (they lost their block devices with the daemon: see docs/ceph.md).
 # Each time: the cluster returns to HEALTH_OK, fio's verify passes, no fio error.
 # Environment as for demo.sh; OPS_SIZE is the region each fio run writes and verifies (64M).

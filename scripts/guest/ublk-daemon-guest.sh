@@ -2,19 +2,22 @@
 # /dev/ublkbN (`--frontend ublk`), and its recovery after kill -9.
 #  1. cache (write-back) and cores on files in tmpfs; ext4 on the ublk device; files with sha256
 #     sums; `-L` must show /dev/ublkbN; `-T` must be refused while the file system is mounted.
-#  2. fio writes 96 MiB with crc32c verification; once it is writing, the daemon is killed with SIGKILL; a new
+#  2. fio writes 96 MiB with crc32c verification; once it is writing, the daemon is killed with SIGKILL; its
+#     runtime directory (the sockets) is removed as systemd removes it, the state directory kept; a new
 #     daemon loads the cache (`-S --load`) and resumes the same device. fio and the mount must
 #     carry on with zero I/O errors (fio's error count, and the kernel log's I/O error lines).
 #  3. for information: ublk against nbd, both served by this daemon from the same cache, fio
 #     4 KiB random read and write on the raw devices (3 s each), printed as ratios.
 #  4. umount, e2fsck -fn clean, checksums right after a remount; `-T` accepted once unmounted,
 #     and the ublk devices are gone with it.
-#  5. the same through the configuration file: a daemon killed with SIGKILL and started again
-#     with --config resumes the device; a clean stop-daemon deletes it.
+#  5. the same through the configuration file: a daemon killed with SIGKILL, its runtime directory
+#     removed, and started again with --config resumes the device; a clean stop-daemon deletes it.
 #  6. a cache that cannot be loaded after a kill -9: its stale device is deleted, the reason
 #     logged.
 set -eu
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin HYBRIDCACHE_CONTROL=/run/hc/control.sock
+# As the unit's StateDirectory= does: the daemon's state directory, given as systemd gives it.
+export STATE_DIRECTORY=/var/lib/hc
 step() { echo "ublk-daemon: [$(cut -d' ' -f1 /proc/uptime) s] $*"; }
 now() { cut -d' ' -f1 /proc/uptime; }
 since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.2f", b - a }'; }
@@ -30,6 +33,12 @@ start_daemon() {
 		sleep 0.1
 	done
 	fail "the daemon did not come up"
+}
+# As systemd does to RuntimeDirectory= when the service stops (a restart after a crash
+# included): the sockets' directory goes, the state directory (/var/lib/hc) stays.
+remove_runtime_dir() {
+	rm -rf /run/hc
+	mkdir -p /run/hc
 }
 io_errors() { dmesg | grep -c -i -E "i/o error|error, dev (ublkb|nbd)|buffer i/o" || true; }
 
@@ -92,6 +101,8 @@ t0=$(now)
 wait $dpid 2>/dev/null || true
 step "daemon killed with SIGKILL in fio's run"
 [ -b "$dev" ] || fail "$dev vanished with the daemon"
+remove_runtime_dir
+step "runtime directory /run/hc removed, state directory kept"
 start_daemon
 hybridcache -S -d /tmp/cache.img --load
 recovery=$(since "$t0")
@@ -157,6 +168,7 @@ sync
 kill -9 $dpid
 wait $dpid 2>/dev/null || true
 t0=$(now)
+remove_runtime_dir
 start_daemon --config /tmp/hc.toml
 grep -q "resumed $dev3" /tmp/daemon.log || fail "the configuration did not resume $dev3"
 step "configuration file: $dev3 resumed $(since "$t0") s after the restart began"

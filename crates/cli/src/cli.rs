@@ -191,7 +191,8 @@ pub enum Command {
         /// blocked core) [default: 30].
         #[arg(long, value_name = "SECONDS", value_parser = whole::<u64>)]
         cleaning_stall_warn: Option<u64>,
-        /// Write every setup change back to the --config file.
+        /// Accepted for older units; does nothing but a WARN: the --config file is never
+        /// written (run-time changes are kept in --state-dir; see `config export`).
         #[arg(long)]
         save_config: bool,
         #[command(flatten)]
@@ -202,8 +203,8 @@ pub enum Command {
         /// Queues of each /dev/ublkbN, each with its own thread and ring [default: one per CPU].
         #[arg(long, value_name = "N", value_parser = whole::<u16>)]
         ublk_queues: Option<u16>,
-        /// Directory for state that outlives the daemon but not a reboot (which ublk device
-        /// serves which export) [default: the control socket's directory].
+        /// The daemon's state directory: the run-time setup, front-ends and ublk devices, kept
+        /// across restarts [default: /var/lib/hybridcache].
         #[arg(long, value_name = "DIR")]
         state_dir: Option<PathBuf>,
     },
@@ -626,6 +627,9 @@ pub enum Command {
     /// Record the requests on exported volumes as a blkparse trace (start, stop, status).
     Trace(crate::trace::TraceArgs),
 
+    /// The running setup as a configuration file (export).
+    Config(crate::config_cmd::ConfigArgs),
+
     /// Export a device over NBD with no cache (a bare core, e.g. for benchmarks).
     Serve(crate::serve::ServeArgs),
 
@@ -652,6 +656,7 @@ impl Command {
             | Command::Analyze(_)
             | Command::IoClass { .. }
             | Command::Trace(_)
+            | Command::Config(_)
             | Command::Serve(_)
             | Command::Top(_)
             | Command::Gen(_)

@@ -12,6 +12,7 @@ mod apply;
 mod bench;
 mod chart;
 mod cli;
+mod config_cmd;
 mod control;
 mod flush;
 mod format;
@@ -157,6 +158,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Top(args) => return top::run(args, &control),
         Command::Gen(args) => return gen::run(args),
         Command::Trace(args) => return trace::run_cli(args, &control),
+        Command::Config(args) => return config_cmd::run(args, &control),
         Command::Version { output } => {
             let cli = env!("CARGO_PKG_VERSION");
             // The CLI's own version is printed either way; an unreachable daemon is still an

@@ -783,6 +783,8 @@ fn a_second_daemon_with_a_configuration_naming_the_device_does_not_serve_it() {
         .arg("daemon")
         .arg("--config")
         .arg(&cfg)
+        .arg("--state-dir")
+        .arg(dir2.path())
         .arg("--control")
         .arg(&control)
         .arg("--nbd-socket")

@@ -407,16 +407,20 @@ fn config_file_applied_and_saved() {
     d.ok(&["-F", "-i", "3"]);
     let list = d.ok(&["-L"]);
     assert!(list.contains("wt") && !list.contains("wb->wt"), "{list}");
-    let saved = std::fs::read_to_string(&cfg).unwrap();
+    // The file is the operator's and stays as written; the run-time setup is recorded in the
+    // state directory (the harness's --state-dir) and `config export` writes it out.
+    let written = std::fs::read_to_string(&cfg).unwrap();
+    assert!(!written.contains("id = 4"), "{written}");
+    let saved = d.ok(&["config", "export"]);
     assert!(
         saved.contains("id = 4") && saved.contains("ram:8M"),
         "{saved}"
     );
-    assert!(saved.contains("mode = \"wt\""), "{saved}");
+    assert!(!saved.contains("mode = "), "wt is the default: {saved}");
     assert!(d.stop(), "clean shutdown: {}", d.log_text());
     assert!(!d.control.exists() && !d.nbd.exists(), "sockets removed");
 
-    // The saved file starts the same setup again.
+    // The file and the recorded run-time setup start the same setup again.
     let d = Daemon::start_with(dir.path(), &["--config", cfg_s]);
     let list = d.ok(&["-L"]);
     assert!(list.contains("cas3-2") && list.contains("cas3-4"), "{list}");
@@ -431,6 +435,8 @@ fn config_file_applied_and_saved() {
     let out = Command::new(BIN)
         .args(["daemon", "--config", bad.to_str().unwrap(), "--control"])
         .arg(dir.path().join("x.sock"))
+        .arg("--state-dir")
+        .arg(dir.path())
         .arg("--nbd-socket")
         .arg(dir.path().join("y.sock"))
         .output()
@@ -447,6 +453,8 @@ fn second_daemon_on_the_same_socket_is_refused() {
     let out = Command::new(BIN)
         .args(["daemon", "--control"])
         .arg(&d.control)
+        .arg("--state-dir")
+        .arg(dir.path())
         .arg("--nbd-socket")
         .arg(dir.path().join("other.sock"))
         .output()
@@ -620,7 +628,7 @@ fn core_id_0_end_to_end() {
     assert!(err.contains("0..=4095"), "{err}");
     drop(d);
 
-    // id = 0 in the configuration file, kept by saving it.
+    // id = 0 in the configuration file, kept in the running setup.
     let cfg = dir.path().join("hybridcache.toml");
     std::fs::write(
         &cfg,
@@ -644,7 +652,8 @@ fn core_id_0_end_to_end() {
         c.disconnect().unwrap();
     }
     d.ok(&["-A", "-i", "2", "-d", "ram:8M"]);
-    let saved = hybridcache_daemon::config::ConfigFile::load(&cfg).unwrap();
+    let saved =
+        hybridcache_daemon::config::ConfigFile::parse(&d.ok(&["config", "export"])).unwrap();
     let ids: Vec<u16> = saved.cores.iter().map(|c| c.id).collect();
     assert_eq!(ids, [0, 1], "{saved:?}");
 }

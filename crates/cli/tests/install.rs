@@ -94,6 +94,42 @@ fn installed_files(root: &Path, man_gz: bool) {
         "{unit}"
     );
     assert!(unit.contains("Type=notify"));
+    unit_keeps_state_across_restarts(&unit);
+}
+
+/// The unit's settings that keep the daemon's state across a stop, a restart after a crash
+/// (`Restart=on-failure`) and a reboot (issue 30): systemd empties a `RuntimeDirectory=` at
+/// every stop unless `RuntimeDirectoryPreserve=` says otherwise, so what must outlive a restart
+/// (ublk device records) is in the `StateDirectory=`, which it keeps; and the operator's file
+/// is never rewritten (no `--save-config`).
+fn unit_keeps_state_across_restarts(unit: &str) {
+    let setting = |key: &str| -> Vec<String> {
+        unit.lines()
+            .map(str::trim)
+            .filter_map(|l| l.strip_prefix(key)?.strip_prefix('='))
+            .map(|v| v.trim().to_string())
+            .collect()
+    };
+    assert_eq!(setting("StateDirectory"), ["hybridcache"], "{unit}");
+    assert_eq!(setting("RuntimeDirectory"), ["hybridcache"], "{unit}");
+    assert_eq!(setting("RuntimeDirectoryPreserve"), ["restart"], "{unit}");
+    assert_eq!(setting("Restart"), ["on-failure"], "{unit}");
+    let exec = setting("ExecStart");
+    assert_eq!(exec.len(), 1, "{unit}");
+    assert!(
+        exec[0].contains("--config /etc/hybridcache.toml") && !exec[0].contains("--save-config"),
+        "{}",
+        exec[0]
+    );
+    // The state directory is not named on the command line: the daemon takes systemd's
+    // $STATE_DIRECTORY, so StateDirectory= alone says where it is.
+    assert!(!exec[0].contains("--state-dir"), "{}", exec[0]);
+}
+
+#[test]
+fn the_shipped_unit_keeps_the_state_across_restarts() {
+    let unit = std::fs::read_to_string(workspace().join("packaging/hybridcache.service")).unwrap();
+    unit_keeps_state_across_restarts(&unit);
 }
 
 #[test]
@@ -193,6 +229,8 @@ fn the_daemon_tells_systemd_it_is_ready() {
         .arg(&control)
         .arg("--nbd-socket")
         .arg(dir.path().join("nbd.sock"))
+        .arg("--state-dir")
+        .arg(dir.path())
         .env("NOTIFY_SOCKET", &notify)
         .env_remove("HYBRIDCACHE_CONTROL")
         .stdin(std::process::Stdio::null())

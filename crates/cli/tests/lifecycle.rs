@@ -103,8 +103,10 @@ fn a_missing_cache_device_waits_and_the_others_start() {
     c.flush().expect("flush");
     c.disconnect().expect("disconnect");
 
-    // The saved file still names cache 2 and its core, as the file had them.
-    let saved = ConfigFile::load(&cfg).expect("the saved file");
+    // The run-time setup in the state directory still names cache 2 and its core, as the file
+    // had them; the file itself is never written.
+    assert_eq!(std::fs::read_to_string(&cfg).expect("the file"), text);
+    let saved = recorded(p);
     let given = ConfigFile::parse(&text).expect("the given file");
     let c2 = saved.caches.iter().find(|c| c.id == 2);
     assert_eq!(
@@ -112,11 +114,16 @@ fn a_missing_cache_device_waits_and_the_others_start() {
         given.caches.iter().find(|c| c.id == 2),
         "cache 2 as given"
     );
+    // The run-time setup names each core's front-end, which the file leaves to the default.
     let cores2 = |c: &ConfigFile| {
         c.cores
             .iter()
             .filter(|k| k.cache == 2)
             .cloned()
+            .map(|mut k| {
+                k.frontend.get_or_insert_with(|| "nbd".into());
+                k
+            })
             .collect::<Vec<_>>()
     };
     assert_eq!(cores2(&saved), cores2(&given), "cache 2's core as given");
@@ -147,6 +154,18 @@ fn a_missing_cache_device_waits_and_the_others_start() {
     assert_eq!(c2["mode"].as_str(), Some("wt"), "{v}");
 }
 
+/// The run-time setup a daemon with its state directory in `p` recorded (the test harness's
+/// `--state-dir`), as a configuration: the file it was started with is never written.
+fn recorded(p: &Path) -> ConfigFile {
+    let text = std::fs::read_to_string(p.join("setup.json")).expect("setup.json");
+    let setup: hybridcache_daemon::state::Setup = serde_json::from_str(&text).expect("JSON");
+    ConfigFile {
+        caches: setup.caches,
+        cores: setup.cores,
+        ..ConfigFile::default()
+    }
+}
+
 /// Start a daemon that must refuse its configuration; returns its stderr.
 fn refused_daemon(dir: &Path, cfg: &Path) -> String {
     let out = Command::new(BIN)
@@ -155,6 +174,8 @@ fn refused_daemon(dir: &Path, cfg: &Path) -> String {
         .arg(dir.join("control.sock"))
         .arg("--nbd-socket")
         .arg(dir.join("nbd.sock"))
+        .arg("--state-dir")
+        .arg(dir)
         .arg("--config")
         .arg(cfg)
         .arg("--save-config")
@@ -677,7 +698,7 @@ fn stop_daemon_with_its_remote_core_gone_keeps_the_dirty_data_and_says_so() {
 }
 
 /// opencas.conf's `ioclass_file` (docs/cli.md, "From opencas.conf"): a `[[cache]]`'s
-/// `ioclass_file` is loaded when the cache starts and kept when the file is saved; a class file
+/// `ioclass_file` is loaded when the cache starts and kept in the recorded run-time setup; a class file
 /// that would be refused refuses the whole configuration, named by line and column.
 #[test]
 fn a_configured_ioclass_file_is_loaded_and_a_bad_one_refuses_the_file() {
@@ -715,7 +736,7 @@ fn a_configured_ioclass_file_is_loaded_and_a_bad_one_refuses_the_file() {
         listed.contains("5,request_size:gt:262144&done,20,0.50"),
         "{listed}"
     );
-    let saved = ConfigFile::load(&cfg).expect("the saved file");
+    let saved = recorded(p);
     assert_eq!(
         saved.caches[0].ioclass_file.as_deref(),
         Some(example.as_path())
@@ -755,7 +776,7 @@ fn the_file_s_parameters_win_over_the_superblock_s() {
 }
 
 /// opencas.conf's `lazy_startup = false`: the daemon is ready (READY=1 to systemd, the "ready"
-/// line) only once the core's late device has appeared and the core serves, and the saved file
+/// line) only once the core's late device has appeared and the core serves, and the run-time setup
 /// keeps the key.
 #[test]
 fn a_core_that_is_not_lazy_holds_readiness_until_it_appears() {
@@ -809,9 +830,10 @@ fn a_core_that_is_not_lazy_holds_readiness_until_it_appears() {
         log.contains(&core.display().to_string()) && log.contains("lazy_startup"),
         "{log}"
     );
-    let saved = ConfigFile::load(&cfg).expect("the saved file");
+    let saved = recorded(p);
     assert_eq!(saved.cores[0].lazy_startup, Some(false), "{saved:?}");
-    assert_eq!(saved.daemon.device_timeout, Some(30), "{saved:?}");
+    let file = ConfigFile::load(&cfg).expect("the file");
+    assert_eq!(file.daemon.device_timeout, Some(30), "{file:?}");
 }
 
 /// A 64 MiB cache file and a configuration whose core (in `late/`, not there yet) is marked
@@ -844,6 +866,8 @@ fn spawn_daemon(p: &Path, cfg: &Path, extra: &[&str]) -> Child {
         .arg(p.join("control.sock"))
         .arg("--nbd-socket")
         .arg(p.join("nbd.sock"))
+        .arg("--state-dir")
+        .arg(p)
         .arg("--config")
         .arg(cfg)
         .args(extra)

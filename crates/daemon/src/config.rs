@@ -6,7 +6,7 @@
 //! nbd_socket = "/run/hybridcache/nbd.sock"
 //! nbd_listen = "127.0.0.1:10809"   # optional; TCP is off without it
 //! nbd_workers = 16                 # requests in flight per NBD connection
-//! save_config = true               # write setup changes back to this file
+//! save_config = true               # accepted, ignored: the daemon never writes this file
 //! metrics_listen = "127.0.0.1:9563" # optional; Prometheus metrics at /metrics
 //! cleaning_stall_warn = 30         # seconds of due cleaning without progress before a WARN
 //! nbd_max_connections = 256        # NBD limits (docs/cli.md, "Limits")
@@ -16,7 +16,7 @@
 //! nbd_stall_timeout = 60           # seconds, 0 = never
 //! nbd_memory_limit = "512M"
 //! frontend = "nbd"                 # or "ublk": cores without a front-end of their own
-//! state_dir = "/run/hybridcache"   # which ublk device serves which export; default: control's dir
+//! state_dir = "/var/lib/hybridcache" # the daemon's run-time state (state.rs); this is the default
 //! device_timeout = 90              # seconds to wait at start for devices that are not lazy
 //!
 //! [[cache]]
@@ -36,8 +36,10 @@
 //! frontend = "ublk"                # optional: served as /dev/ublkbN instead of over NBD
 //! ```
 //!
-//! Unknown keys are errors, so a typo never silently changes nothing. Saving writes a new file
-//! next to the old one and renames it over, so a crash leaves either the old or the new file.
+//! Unknown keys are errors, so a typo never silently changes nothing. The file is the
+//! operator's: the daemon reads it and never writes it; what changes at run time is kept in
+//! the state directory (state.rs), and `hybridcache config export` writes the running setup
+//! where the operator says.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -70,6 +72,7 @@ pub struct DaemonSection {
     /// Queues of each ublk device; absent: one per CPU.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ublk_queues: Option<u16>,
+    /// Accepted so that an older file still loads; the file is never written (a WARN says so).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub save_config: Option<bool>,
     /// Prometheus metrics endpoint, `PORT` (loopback) or `ADDRESS:PORT`; off when absent.
@@ -99,8 +102,8 @@ pub struct DaemonSection {
     /// The front-end a core gets when none is named: "nbd" (the default) or "ublk".
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub frontend: Option<String>,
-    /// Where the daemon keeps state that must outlive it but not a reboot (which ublk device
-    /// serves which export); default: the control socket's directory.
+    /// The daemon's state directory (state.rs): the run-time setup, front-ends, ublk devices;
+    /// default /var/lib/hybridcache.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub state_dir: Option<PathBuf>,
     /// Seconds the daemon waits at start for the devices marked `lazy_startup = false` before
@@ -174,23 +177,6 @@ impl ConfigFile {
 
     pub fn to_toml(&self) -> Result<String> {
         Ok(toml::to_string_pretty(self)?)
-    }
-
-    /// Write atomically: a temporary file in the same directory, fsync, rename.
-    pub fn save(&self, path: &Path) -> Result<()> {
-        use std::io::Write;
-        let text = format!(
-            "# Written by hybridcache; edits are kept only while the daemon is stopped.\n{}",
-            self.to_toml()?
-        );
-        let tmp = path.with_extension("toml.tmp");
-        let mut f = std::fs::File::create(&tmp)
-            .with_context(|| format!("cannot write {}", tmp.display()))?;
-        f.write_all(text.as_bytes())?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-            .with_context(|| format!("cannot replace {}", path.display()))?;
-        Ok(())
     }
 }
 

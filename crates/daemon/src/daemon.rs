@@ -73,6 +73,8 @@ pub struct DaemonOptions {
     pub nbd_socket: Option<PathBuf>,
     pub nbd_listen: Option<String>,
     pub nbd_workers: Option<usize>,
+    /// `--save-config`: accepted for older units; it only logs a WARN (the file is never
+    /// written).
     pub save_config: bool,
     /// Serve Prometheus metrics over HTTP here (`--metrics-listen`); off when None.
     pub metrics_listen: Option<String>,
@@ -82,7 +84,8 @@ pub struct DaemonOptions {
     pub frontend: Option<String>,
     /// Queues of each ublk device (`--ublk-queues`); None: one per CPU.
     pub ublk_queues: Option<u16>,
-    /// State kept across a daemon restart (`--state-dir`); default: the control socket's dir.
+    /// The daemon's state directory (`--state-dir`, state.rs); default `$STATE_DIRECTORY`,
+    /// else /var/lib/hybridcache.
     pub state_dir: Option<PathBuf>,
     /// Seconds of due cleaning without progress before a stall is logged
     /// (`--cleaning-stall-warn`).
@@ -288,11 +291,14 @@ struct Daemon {
     preferred: Mutex<BTreeMap<String, String>>,
     /// The front-end each export had, across restarts of the daemon.
     kinds: crate::frontend::KindMemory,
-    /// Where to save the setup after each change, and the `[daemon]` section to keep in it.
-    save_to: Option<(PathBuf, DaemonSection)>,
+    /// The state directory's run-time setup (state.rs); None for a daemon without `--config`,
+    /// which starts with no cache, as it always did.
+    store: Option<crate::state::SetupStore>,
+    /// The operator's configuration file as read at start (never written).
+    file_cfg: ConfigFile,
     stopping: AtomicBool,
-    /// Set while the configuration file is applied: the file is saved once at the end, never
-    /// half-applied.
+    /// Set while the configuration file is applied: the setup is recorded once at the end,
+    /// never half-applied.
     applying: AtomicBool,
     /// Active block traces (`hybridcache trace`).
     traces: crate::trace::Tracers,
@@ -425,37 +431,9 @@ impl State {
             ..ConfigFile::default()
         };
         for (id, c) in &self.caches {
-            let mut params = BTreeMap::new();
-            for g in params::GROUPS
-                .iter()
-                .filter(|g| g.in_config && g.set.is_some())
-            {
-                if let Ok(values) = (g.get)(&c.cache, None) {
-                    for (f, v) in g.fields.iter().zip(values) {
-                        params.insert(format!("{}.{}", g.name, f.key), v);
-                    }
-                }
-            }
-            cfg.caches.push(CacheSection {
-                id: *id,
-                device: c.device.clone(),
-                line_size: Some(c.cache.line_size().kib()),
-                mode: Some(c.cache.mode().to_string()),
-                params,
-                ioclass_file: c.ioclass.0.clone(),
-                ioclass_ignore_unsupported: c.ioclass.1,
-                lazy_startup: c.lazy_startup,
-            });
-            for (core_id, core) in &c.cores {
-                cfg.cores.push(CoreSection {
-                    cache: *id,
-                    id: *core_id,
-                    device: core.device.clone(),
-                    frontend: (core.frontend != "nbd" || default_frontend != "nbd")
-                        .then(|| core.frontend.to_string()),
-                    lazy_startup: core.lazy_startup,
-                });
-            }
+            let (cache, cores) = cache_config(*id, c, default_frontend);
+            cfg.caches.push(cache);
+            cfg.cores.extend(cores);
         }
         for (id, d) in &self.disconnected {
             let (cache, cores) = d.config(*id, default_frontend);
@@ -471,6 +449,86 @@ impl State {
         cfg.cores.sort_by_key(|c| (c.cache, c.id));
         cfg
     }
+}
+
+/// The parameter values (`GROUP.FIELD`) a new cache of this mode and line size has, from a
+/// scratch cache in RAM; empty if none can be made (then every value counts as set).
+fn param_defaults(mode: Option<&str>, line_kib: Option<u32>) -> BTreeMap<String, String> {
+    let scratch = (|| -> Option<Cache> {
+        let mode: CacheMode = mode.unwrap_or("wt").parse().ok()?;
+        let line_size = LineSize::from_kib(line_kib.unwrap_or(4)).ok()?;
+        let volume =
+            hybridcache_volume::open_volume(&format!("ram:{}", 64 * line_size.bytes() as u64))
+                .ok()?;
+        Cache::new(
+            volume,
+            CacheConfig {
+                id: 1,
+                line_size,
+                mode,
+            },
+        )
+        .ok()
+    })();
+    let Some(scratch) = scratch else {
+        return BTreeMap::new();
+    };
+    let mut out = BTreeMap::new();
+    for g in params::GROUPS
+        .iter()
+        .filter(|g| g.in_config && g.set.is_some())
+    {
+        if let Ok(values) = (g.get)(&scratch, None) {
+            for (f, v) in g.fields.iter().zip(values) {
+                out.insert(format!("{}.{}", g.name, f.key), v);
+            }
+        }
+    }
+    // In RAM: nothing to keep.
+    let _ = scratch.stop(false);
+    out
+}
+
+/// A running cache as the configuration file would say it: its parameters as they are now.
+fn cache_config(
+    id: u16,
+    c: &CacheEntry,
+    default_frontend: &str,
+) -> (CacheSection, Vec<CoreSection>) {
+    let mut params = BTreeMap::new();
+    for g in params::GROUPS
+        .iter()
+        .filter(|g| g.in_config && g.set.is_some())
+    {
+        if let Ok(values) = (g.get)(&c.cache, None) {
+            for (f, v) in g.fields.iter().zip(values) {
+                params.insert(format!("{}.{}", g.name, f.key), v);
+            }
+        }
+    }
+    let cache = CacheSection {
+        id,
+        device: c.device.clone(),
+        line_size: Some(c.cache.line_size().kib()),
+        mode: Some(c.cache.mode().to_string()),
+        params,
+        ioclass_file: c.ioclass.0.clone(),
+        ioclass_ignore_unsupported: c.ioclass.1,
+        lazy_startup: c.lazy_startup,
+    };
+    let cores = c
+        .cores
+        .iter()
+        .map(|(core_id, core)| CoreSection {
+            cache: id,
+            id: *core_id,
+            device: core.device.clone(),
+            frontend: (core.frontend != "nbd" || default_frontend != "nbd")
+                .then(|| core.frontend.to_string()),
+            lazy_startup: core.lazy_startup,
+        })
+        .collect();
+    (cache, cores)
 }
 
 fn cache_info(id: u16, c: &CacheEntry, frontends: &Frontends) -> CacheInfo {
@@ -937,6 +995,7 @@ impl Daemon {
             } => self.trace_start(cache, core, &file, max_size),
             Request::TraceStop { cache, core } => self.traces.stop(&self.registry, cache, core),
             Request::TraceStatus => self.traces.status(),
+            Request::ExportConfig => self.export_config(),
         }
     }
 
@@ -1320,6 +1379,7 @@ impl Daemon {
         }
         let stopped = cache.stop(!no_data_flush);
         // From here on the engine refuses requests: the cache is gone either way.
+        self.note_stop(&st, id);
         st.caches.remove(&id);
         self.save_locked(&st);
         let losses = safety::record(&what, &accepted);
@@ -1912,18 +1972,64 @@ impl Daemon {
         self.save_locked(&st);
     }
 
+    /// Record the setup as it runs now in the state directory (state.rs), so a restart
+    /// brings it back. The configuration file is never written.
     fn save_locked(&self, st: &State) {
         if self.applying.load(Ordering::SeqCst) {
             return;
         }
-        if let Some((path, daemon)) = &self.save_to {
-            if let Err(e) = st
-                .to_config(daemon, self.frontends.default_kind())
-                .save(path)
-            {
-                tracing::warn!("saving the configuration failed: {e:#}");
+        if let Some(store) = &self.store {
+            let default_frontend = self.frontends.default_kind();
+            store.record(
+                st.to_config(&DaemonSection::default(), default_frontend),
+                &self.file_cfg,
+                default_frontend,
+            );
+        }
+    }
+
+    /// A cache about to be dropped from the setup by a stop: if it keeps dirty data on its
+    /// device (`-T -n`, or a flush that failed), the state records it, so the next start loads
+    /// it again and its core is not left without its newest data.
+    fn note_stop(&self, st: &State, id: u16) {
+        let (Some(store), Some(c)) = (&self.store, st.caches.get(&id)) else {
+            return;
+        };
+        let dirty_lines = c.cache.stats().usage.dirty_lines;
+        if !c.cache.persistent() || dirty_lines == 0 {
+            return;
+        }
+        let (cache, cores) = cache_config(id, c, self.frontends.default_kind());
+        store.stopped_dirty(crate::state::StoppedCache {
+            cache,
+            cores,
+            dirty_lines,
+        });
+    }
+
+    /// `config export`: the running setup in the configuration file's format, with the
+    /// file's `[daemon]` section; values at their defaults are left out (parameters: those of
+    /// a new cache of the same mode and line size).
+    fn export_config(&self) -> Reply {
+        let st = self.state.lock();
+        let mut daemon = self.file_cfg.daemon.clone();
+        // Not an option any more (it no longer writes anything); left out so the export
+        // does not carry it on.
+        daemon.save_config = None;
+        let mut cfg = st.to_config(&daemon, self.frontends.default_kind());
+        drop(st);
+        for c in &mut cfg.caches {
+            let defaults = param_defaults(c.mode.as_deref(), c.line_size);
+            c.params.retain(|k, v| defaults.get(k) != Some(v));
+            if c.mode.as_deref() == Some("wt") {
+                c.mode = None;
+            }
+            if c.line_size == Some(4) {
+                c.line_size = None;
             }
         }
+        let text = cfg.to_toml().map_err(|e| e.to_string())?;
+        Ok(json!({ "toml": text }))
     }
 
     /// Apply a configuration file as one transaction: the whole file is checked first
@@ -1931,9 +2037,10 @@ impl Daemon {
     /// Then each cache starts in file order: a cache whose device already holds a cache is
     /// loaded (its recorded mode, line size and cores win), otherwise a new one is created. A
     /// cache whose device is missing waits for it (daemon/watch.rs) and the others start; so
-    /// does a cache that fails to start. The file is saved once, at the end, and keeps every
-    /// entry that is not running exactly as it was.
-    fn apply(&self, cfg: &ConfigFile) -> Result<()> {
+    /// does a cache that fails to start. The setup is recorded once, at the end, and keeps
+    /// every entry that is not running exactly as it was. A cache in `load_only` (stopped with
+    /// dirty data) is loaded from its device, never created anew.
+    fn apply(&self, cfg: &ConfigFile, load_only: &std::collections::BTreeSet<u16>) -> Result<()> {
         self.check_file(cfg)?;
         self.preferred.lock().extend(
             cfg.cores
@@ -1956,7 +2063,12 @@ impl Daemon {
                 );
                 WAITING_FOR_DEVICE.to_string()
             } else {
-                match self.start_configured(c, &cores) {
+                let how = if load_only.contains(&c.id) {
+                    Start::Load
+                } else {
+                    Start::LoadOrCreate
+                };
+                match self.start_configured(c, &cores, how) {
                     Ok(()) => continue,
                     Err(e) => {
                         tracing::error!("cache {}: not started: {e}", c.id);
@@ -2028,14 +2140,14 @@ impl Daemon {
         &self,
         c: &CacheSection,
         cores: &[CoreSection],
+        how: Start,
     ) -> std::result::Result<(), String> {
-        self.start_cache(
-            &c.device,
-            Some(c.id),
-            c.mode.as_deref(),
-            c.line_size,
-            Start::LoadOrCreate,
-        )?;
+        // A load takes the mode and line size recorded on the device.
+        let (mode, line_size) = match how {
+            Start::Load => (None, None),
+            _ => (c.mode.as_deref(), c.line_size),
+        };
+        self.start_cache(&c.device, Some(c.id), mode, line_size, how)?;
         // One request per group, so each group's fields are applied together.
         let mut groups: BTreeMap<&str, BTreeMap<String, String>> = BTreeMap::new();
         for (key, value) in &c.params {
@@ -2470,12 +2582,12 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
         Some(0) => bail!("cleaning stall warn must be at least 1 second"),
         s => Duration::from_secs(s.unwrap_or(health::DEFAULT_STALL_WARN_S)),
     };
-    let save = opts.save_config || d.save_config.unwrap_or(false);
-    let save_to = match (&opts.config, save) {
-        (Some(path), true) => Some((path.clone(), file_cfg.daemon.clone())),
-        (None, true) => bail!("--save-config needs --config FILE to save to"),
-        _ => None,
-    };
+    // Kept so that an older unit or file still starts (an upgrade must not leave the host
+    // without its caches), but the operator's file is never written any more.
+    let save_config_asked = opts.save_config || d.save_config.unwrap_or(false);
+    if save_config_asked && opts.config.is_none() {
+        bail!("--save-config needs --config FILE");
+    }
 
     let signals = block_signals();
     ensure_parent(&control)?;
@@ -2486,17 +2598,51 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
     };
 
     let registry = ExportRegistry::new();
-    // The state directory outlives the daemon but not a reboot (/run), as ublk devices do.
+    // The state directory is the daemon's own (state.rs): not /run, which systemd empties
+    // whenever the service stops, restarts included.
     let state_dir = opts
         .state_dir
         .clone()
         .or_else(|| d.state_dir.clone())
-        .unwrap_or_else(|| {
-            control
-                .parent()
-                .filter(|p| !p.as_os_str().is_empty())
-                .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
-        });
+        .or_else(crate::state::systemd_state_directory)
+        .unwrap_or_else(|| PathBuf::from(crate::state::DEFAULT_STATE_DIR));
+    let state = crate::state::StateDir::new(&state_dir);
+    state.forget_other_boots();
+    let file_name = opts
+        .config
+        .as_ref()
+        .map_or_else(String::new, |p| p.display().to_string());
+    if save_config_asked {
+        tracing::warn!(
+            "--save-config / save_config = true no longer write {file_name}: the file is left as \
+             it is. Changes made at run time are kept in {} and applied again at the next \
+             start; `hybridcache config export -o PATH` writes the running setup to a file",
+            state.setup_path().display()
+        );
+    }
+    // Only a daemon with a configuration file keeps a run-time setup: one started by hand
+    // without it starts with no cache, as it always did.
+    let recorded = opts.config.as_ref().and_then(|_| state.load_setup());
+    let merged = match &recorded {
+        Some(setup) => crate::state::merge(&file_cfg, &file_name, setup, &|c| {
+            param_defaults(c.mode.as_deref(), c.line_size)
+        }),
+        None => crate::state::Merged {
+            config: file_cfg.clone(),
+            notes: file_cfg
+                .caches
+                .iter()
+                .map(|c| (c.id, format!("from {file_name}")))
+                .collect(),
+            ..Default::default()
+        },
+    };
+    let store = opts.config.as_ref().map(|_| {
+        crate::state::SetupStore::new(
+            crate::state::StateDir::new(&state_dir),
+            recorded.clone().unwrap_or_default(),
+        )
+    });
     let default_frontend = opts
         .frontend
         .clone()
@@ -2569,7 +2715,8 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
         frontends,
         preferred: Mutex::new(BTreeMap::new()),
         kinds,
-        save_to,
+        store,
+        file_cfg: file_cfg.clone(),
         stopping: AtomicBool::new(false),
         applying: AtomicBool::new(false),
         traces: Default::default(),
@@ -2623,15 +2770,46 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
             })
             .context("cannot start the control thread")?;
     }
-    let needed = startup::needed(&file_cfg);
-    let applied =
-        match daemon.wait_for_devices(&file_cfg, &needed, deadline, device_timeout, &signals) {
-            Ok(None) => daemon
-                .apply(&file_cfg)
-                .map(|()| None)
-                .context("applying the configuration"),
-            other => other,
-        };
+    // The state's setup is only added to a file that is accepted on its own, and a merged
+    // setup that the checks refuse falls back to the file: the file alone always starts.
+    let mut merged = merged;
+    if recorded.is_some() && merged.config != file_cfg {
+        if let Err(e) = daemon
+            .check_file(&file_cfg)
+            .and_then(|()| daemon.check_file(&merged.config))
+        {
+            // Kept aside for the operator: the next record would overwrite it.
+            let kept = daemon.store.as_ref().map(|s| {
+                let path = s.dir.setup_path();
+                let aside = path.with_extension("json.refused");
+                match std::fs::copy(&path, &aside) {
+                    Ok(_) => aside.display().to_string(),
+                    Err(_) => path.display().to_string(),
+                }
+            });
+            tracing::error!(
+                "the run-time setup in the state directory is not applied (kept as {}): {e:#}",
+                kept.unwrap_or_default()
+            );
+            merged = crate::state::Merged {
+                config: file_cfg.clone(),
+                ..Default::default()
+            };
+        }
+    }
+    for (id, note) in &merged.notes {
+        tracing::info!("cache {id}: {note}");
+    }
+    let setup = &merged.config;
+    let needed = startup::needed(setup);
+    let applied = match daemon.wait_for_devices(setup, &needed, deadline, device_timeout, &signals)
+    {
+        Ok(None) => daemon
+            .apply(setup, &merged.load_only)
+            .map(|()| None)
+            .context("applying the configuration"),
+        other => other,
+    };
     match applied {
         Ok(None) => {}
         stopped_or_failed => {

@@ -140,7 +140,8 @@ fn unknown(kind: &str, by_kind: &BTreeMap<&'static str, Arc<dyn Frontend>>) -> S
 
 /// Which front-end served each export, kept in the state directory (`frontends.json`), so a
 /// cache loaded again (`-S --load` after a restart or a stop) serves every core as before
-/// without a configuration file. Like the ublk devices, it does not outlive a reboot (/run).
+/// without a configuration file. It lives in the state directory (state.rs) and outlives a
+/// reboot: the caches it speaks of are on persistent devices.
 pub struct KindMemory {
     path: std::path::PathBuf,
     /// Export name -> (cache device, front-end).
@@ -187,12 +188,8 @@ impl KindMemory {
 
     fn save(&self, kinds: &BTreeMap<String, (String, String)>) {
         let write = || -> std::io::Result<()> {
-            if let Some(dir) = self.path.parent() {
-                std::fs::create_dir_all(dir)?;
-            }
-            let tmp = self.path.with_extension("json.tmp");
-            std::fs::write(&tmp, serde_json::to_string_pretty(kinds)?)?;
-            std::fs::rename(&tmp, &self.path)
+            let text = serde_json::to_string_pretty(kinds)?;
+            crate::state::write_atomic(&self.path, text.as_bytes())
         };
         if let Err(e) = write() {
             tracing::warn!("cannot write {}: {e}", self.path.display());

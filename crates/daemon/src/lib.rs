@@ -1,6 +1,7 @@
 //! The hybridcache daemon, front-end agnostic: it owns every cache, keeps the registry of
-//! exported volumes, answers management requests on the control socket, reads and saves the
-//! configuration file, opens the devices users name, and records block traces.
+//! exported volumes, answers management requests on the control socket, reads the
+//! configuration file (never writes it) and keeps its run-time setup in its state directory
+//! ([`state`]), opens the devices users name, and records block traces.
 //!
 //! Boundaries: the caching itself is the engine's (`hybridcache-engine`); devices come from
 //! `hybridcache-volume`; front-ends ([`frontend`]) serve the exports: NBD (`hybridcache-nbd`)
@@ -22,6 +23,7 @@ pub mod params;
 pub mod protocol;
 pub mod safety;
 pub mod signature;
+pub mod state;
 pub mod target;
 pub mod trace;
 pub mod ublk_export;

@@ -185,6 +185,9 @@ pub enum Request {
     },
     /// Result: [`TraceList`] of every trace, recording or ended but not yet stopped.
     TraceStatus,
+    /// The running setup in the configuration file's format (`config export`). Result:
+    /// `{"toml": TEXT}`. The daemon writes no file: the CLI writes where the operator says.
+    ExportConfig,
 }
 
 /// The reply to one request.

@@ -152,18 +152,13 @@ impl UblkFrontend {
         }
     }
 
-    /// Write the records atomically (a new file renamed over the old one), so a kill at any
-    /// moment leaves either the old or the new list.
+    /// Write the records atomically (state.rs), so a kill at any moment leaves either the old
+    /// or the new list. The file is in the state directory, which systemd keeps across a
+    /// restart of the service; records of an earlier boot are dropped there (state.rs).
     fn save(&self, records: &BTreeMap<String, Record>) {
         let write = || -> io::Result<()> {
-            if let Some(dir) = self.state_file.parent() {
-                std::fs::create_dir_all(dir)?;
-            }
-            let tmp = self.state_file.with_extension("json.tmp");
             let text = serde_json::to_string_pretty(records).map_err(io::Error::other)?;
-            std::fs::write(&tmp, text)?;
-            std::fs::File::open(&tmp)?.sync_all()?;
-            std::fs::rename(&tmp, &self.state_file)
+            crate::state::write_atomic(&self.state_file, text.as_bytes())
         };
         if let Err(e) = write() {
             tracing::error!(

@@ -353,7 +353,10 @@ fn start_ours(
         .arg("--control")
         .arg(&control)
         .arg("--nbd-socket")
-        .arg(&nbd);
+        .arg(&nbd)
+        // The run's own state directory, not the host's /var/lib/hybridcache.
+        .arg("--state-dir")
+        .arg(work);
     if let Some(w) = v.workers {
         cmd.arg("--nbd-workers").arg(w.to_string());
     }

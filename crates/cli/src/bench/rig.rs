@@ -112,6 +112,9 @@ impl Rig {
             .arg(&control)
             .arg("--nbd-socket")
             .arg(&nbd)
+            // The run's own state directory, not the host's /var/lib/hybridcache.
+            .arg("--state-dir")
+            .arg(run_dir)
             .arg("--nbd-workers")
             .arg(m.cache.nbd_workers.to_string());
         let mut daemon = Proc::spawn("hybridcache daemon", cmd, &log, StopWith::Kill)?;

@@ -117,12 +117,22 @@ impl Daemon {
         let nbd = dir.join("nbd.sock");
         let log = dir.join("daemon.log");
         let logf = std::fs::File::create(&log).expect("daemon log");
+        // Each test's own state directory (the default, /var/lib/hybridcache, is the host's);
+        // the control socket's directory, where it was before it had a default of its own.
+        // A test that plays systemd gives STATE_DIRECTORY instead.
+        let state_dir: &[&std::ffi::OsStr] =
+            if extra.contains(&"--state-dir") || env.iter().any(|(k, _)| *k == "STATE_DIRECTORY") {
+                &[]
+            } else {
+                &["--state-dir".as_ref(), dir.as_os_str()]
+            };
         let child = Command::new(BIN)
             .arg("daemon")
             .arg("--control")
             .arg(&control)
             .arg("--nbd-socket")
             .arg(&nbd)
+            .args(state_dir)
             .args(extra)
             .env_remove("HYBRIDCACHE_CONTROL")
             .envs(env.iter().copied())
@@ -322,6 +332,8 @@ pub fn daemon_refuses_to_start(dir: &Path, args: &[&str]) -> String {
         .arg(dir.join("c.sock"))
         .arg("--nbd-socket")
         .arg(dir.join("n.sock"))
+        .arg("--state-dir")
+        .arg(dir)
         .args(args)
         .env_remove("HYBRIDCACHE_CONTROL")
         .output()

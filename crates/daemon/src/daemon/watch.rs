@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::health::Health;
-use super::{Daemon, Ordering, WAITING_FOR_DEVICE};
+use super::{Daemon, Ordering, Start, WAITING_FOR_DEVICE};
 use crate::devices::settle_mark;
 use crate::nbd_volume::is_nbd_uri;
 
@@ -151,7 +151,7 @@ impl Daemon {
             }
         };
         tracing::info!("cache {id}: its device {device} appeared; starting the cache");
-        match self.start_configured(&w.section, &w.cores) {
+        match self.start_configured(&w.section, &w.cores, Start::LoadOrCreate) {
             Ok(()) => {
                 seen.errors.remove(device);
                 self.save();
