@@ -84,6 +84,9 @@ pub struct DaemonOptions {
     /// Seconds of due cleaning without progress before a stall is logged
     /// (`--cleaning-stall-warn`).
     pub cleaning_stall_warn: Option<u64>,
+    /// Seconds a core's device may go without completing an outstanding write or flush before
+    /// that core's flush is given up as timed out (`--core-flush-timeout`).
+    pub core_flush_timeout: Option<u64>,
 }
 
 /// NBD server limits as the command line gives them (`--nbd-max-connections` ...); None
@@ -2333,6 +2336,12 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
         Some(0) => bail!("cleaning stall warn must be at least 1 second"),
         s => Duration::from_secs(s.unwrap_or(health::DEFAULT_STALL_WARN_S)),
     };
+    let core_flush_timeout = match opts.core_flush_timeout.or(d.core_flush_timeout) {
+        Some(0) => bail!("core flush timeout must be at least 1 second"),
+        Some(s) => Duration::from_secs(s),
+        None => hybridcache_engine::DEFAULT_CORE_FLUSH_TIMEOUT,
+    };
+    hybridcache_engine::set_core_flush_timeout(core_flush_timeout);
     let save = opts.save_config || d.save_config.unwrap_or(false);
     let save_to = match (&opts.config, save) {
         (Some(path), true) => Some((path.clone(), file_cfg.daemon.clone())),
