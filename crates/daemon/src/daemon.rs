@@ -951,7 +951,7 @@ impl Daemon {
         st.caches.get(&cache).map_or_else(Vec::new, |c| {
             c.cores
                 .iter()
-                .filter(|(id, e)| core.is_none_or(|j| j == **id) && is_nbd_uri(&e.device))
+                .filter(|(id, e)| core.map_or(true, |j| j == **id) && is_nbd_uri(&e.device))
                 .map(|(_, e)| e.device.clone())
                 .collect()
         })
