@@ -191,6 +191,10 @@ pub enum Command {
         /// blocked core) [default: 30].
         #[arg(long, value_name = "SECONDS", value_parser = whole::<u64>)]
         cleaning_stall_warn: Option<u64>,
+        /// Give up on a core's flush when its device completes no outstanding write or flush
+        /// for this long (a hung core), so the other cores' flushes go on [default: 30].
+        #[arg(long, value_name = "SECONDS", value_parser = whole::<u64>)]
+        core_flush_timeout: Option<u64>,
         /// Accepted for older units; does nothing but a WARN: the --config file is never
         /// written (run-time changes are kept in --state-dir; see `config export`).
         #[arg(long)]

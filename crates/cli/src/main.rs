@@ -124,6 +124,7 @@ fn run(cli: Cli) -> Result<()> {
             save_config,
             metrics_listen,
             cleaning_stall_warn,
+            core_flush_timeout,
             nbd_limits,
             frontend,
             ublk_queues,
@@ -150,6 +151,7 @@ fn run(cli: Cli) -> Result<()> {
                 ublk_queues: *ublk_queues,
                 state_dir: state_dir.clone(),
                 cleaning_stall_warn: *cleaning_stall_warn,
+                core_flush_timeout: *core_flush_timeout,
             })
         }
         Command::Serve(args) => return serve::run(args),

@@ -540,7 +540,7 @@ fn a_remote_core_reconnects_after_its_server_restarts_during_fio() {
     );
     server.kill();
     wait_status(&d, 1, "detached", |_, cores| {
-        cores.len() == 1 && cores[0].starts_with("Detached (reconnecting: ")
+        cores.len() == 1 && cores[0].starts_with("Reconnecting (server gone since ")
     });
     // While the server is gone: reads that need the core fail with EIO (the range past
     // fio's was never written, so it is not in the cache), and a flush of the core fails.

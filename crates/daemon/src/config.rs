@@ -9,6 +9,7 @@
 //! save_config = true               # accepted, ignored: the daemon never writes this file
 //! metrics_listen = "127.0.0.1:9563" # optional; Prometheus metrics at /metrics
 //! cleaning_stall_warn = 30         # seconds of due cleaning without progress before a WARN
+//! core_flush_timeout = 30          # seconds a hung core may hold up its flush
 //! nbd_max_connections = 256        # NBD limits (docs/cli.md, "Limits")
 //! nbd_max_connections_per_client = 64
 //! nbd_max_connections_per_export = 192
@@ -81,6 +82,9 @@ pub struct DaemonSection {
     /// Seconds of due cleaning without progress before the log reports a stall (default 30).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cleaning_stall_warn: Option<u64>,
+    /// Seconds a hung core may hold up its flush before it is reported timed out (default 30).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub core_flush_timeout: Option<u64>,
     /// NBD limits; absent keys keep the server's defaults (docs/cli.md, "Limits").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nbd_max_connections: Option<usize>,

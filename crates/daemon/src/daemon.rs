@@ -90,6 +90,9 @@ pub struct DaemonOptions {
     /// Seconds of due cleaning without progress before a stall is logged
     /// (`--cleaning-stall-warn`).
     pub cleaning_stall_warn: Option<u64>,
+    /// Seconds a core's device may go without completing an outstanding write or flush before
+    /// that core's flush is given up as timed out (`--core-flush-timeout`).
+    pub core_flush_timeout: Option<u64>,
 }
 
 /// NBD server limits as the command line gives them (`--nbd-max-connections` ...); None
@@ -631,6 +634,61 @@ fn core_info(
     }
 }
 
+/// Attempts of a flush that failed while a remote core was reconnecting: each after the
+/// reconnection, so a server restarted while nothing was sent to it costs no failed flush.
+const FLUSH_ATTEMPTS: u32 = 3;
+/// How long a flush waits for a remote core's reconnection before it tries again: the
+/// reconnection's backoff reaches its 3 s cap within this.
+const RECONNECT_WAIT: Duration = Duration::from_secs(10);
+
+/// Run `flush` (of a cache or a core) and, when it fails while one of the `remote` cores it
+/// covers is reconnecting (a dead connection found by the flush itself), wait for the
+/// reconnection and run it again: the lines it could not clean are still dirty and are
+/// cleaned again; lines are recorded clean only after a core flush that covers them.
+/// Requests sent while the volume is detached fail at once, so one breakage may fail several
+/// of the attempt's writes although the volume reconnected within it.
+fn flush_retrying(
+    remote: &[String],
+    mut flush: impl FnMut() -> std::result::Result<(), EngineError>,
+) -> std::result::Result<(), EngineError> {
+    let mut attempt = 1;
+    loop {
+        let before: Vec<Option<u64>> = remote
+            .iter()
+            .map(|uri| crate::nbd_volume::breakages(uri))
+            .collect();
+        let e = match flush() {
+            Ok(()) => return Ok(()),
+            Err(e @ EngineError::FlushInterrupted { .. }) => return Err(e),
+            Err(e) => e,
+        };
+        // Down now, or broken and back during the attempt (its other requests then failed).
+        let down: Vec<&String> = remote
+            .iter()
+            .zip(&before)
+            .filter(|(uri, before)| {
+                crate::nbd_volume::link_status(uri).is_some()
+                    || crate::nbd_volume::breakages(uri) != **before
+            })
+            .map(|(uri, _)| uri)
+            .collect();
+        if attempt >= FLUSH_ATTEMPTS || down.is_empty() {
+            return Err(e);
+        }
+        if !down
+            .iter()
+            .all(|uri| crate::nbd_volume::wait_connected(uri, RECONNECT_WAIT))
+        {
+            return Err(e);
+        }
+        attempt += 1;
+        tracing::warn!(
+            "flush failed while a remote core reconnected ({}); flushing again (attempt {attempt} of {FLUSH_ATTEMPTS})",
+            engine_err(e)
+        );
+    }
+}
+
 /// What `-L` shows for a core.
 fn core_status(core: &CoreEntry) -> String {
     if !core.active {
@@ -640,10 +698,9 @@ fn core_status(core: &CoreEntry) -> String {
             "Inactive".into()
         };
     }
-    match crate::nbd_volume::detached(&core.device) {
-        Some(why) => format!("Detached (reconnecting: {why})"),
-        None => "Active".into(),
-    }
+    // A remote core's connection state is read from its volume at each call, so `-L` tells
+    // the truth at every moment; a core whose device failed says so too.
+    crate::nbd_volume::link_status(&core.device).unwrap_or_else(|| "Active".into())
 }
 
 /// Why the device at `spec` is not the one `rec` was added as, if it is not: its identity
@@ -878,10 +935,11 @@ impl Daemon {
                     }
                     c.cache.clone()
                 };
-                let flushed = match core {
+                let remote = self.remote_cores(cache, core);
+                let flushed = flush_retrying(&remote, || match core {
                     Some(core) => handle.flush_core(core),
                     None => handle.flush(),
-                };
+                });
                 match flushed {
                     Err(EngineError::FlushInterrupted {
                         cleaned_lines,
@@ -1018,6 +1076,18 @@ impl Daemon {
         };
         self.traces
             .start(&self.registry, cache, core, &cores, Path::new(file), max)
+    }
+
+    /// The remote (NBD) cores a flush of `cache` (or of its core `core`) covers, by URI.
+    fn remote_cores(&self, cache: u16, core: Option<u16>) -> Vec<String> {
+        let st = self.state.lock();
+        st.caches.get(&cache).map_or_else(Vec::new, |c| {
+            c.cores
+                .iter()
+                .filter(|(id, e)| core.map_or(true, |j| j == **id) && is_nbd_uri(&e.device))
+                .map(|(_, e)| e.device.clone())
+                .collect()
+        })
     }
 
     /// A handle to cache `cache` after checking that `core` (if given) exists in it.
@@ -1350,7 +1420,13 @@ impl Daemon {
             .collect();
         if !no_data_flush {
             // Flush first while the cache still serves: a failure here changes nothing.
-            if let Err(e) = cache.flush() {
+            let remote: Vec<String> = entry
+                .cores
+                .values()
+                .filter(|e| is_nbd_uri(&e.device))
+                .map(|e| e.device.clone())
+                .collect();
+            if let Err(e) = flush_retrying(&remote, || cache.flush()) {
                 let line = cache.line_size().bytes();
                 for (core_id, core_device, name, frontend, target) in &removed {
                     // The entry's own target goes back, so a later disconnect finds it.
@@ -2588,6 +2664,12 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
     if save_config_asked && opts.config.is_none() {
         bail!("--save-config needs --config FILE");
     }
+    let core_flush_timeout = match opts.core_flush_timeout.or(d.core_flush_timeout) {
+        Some(0) => bail!("core flush timeout must be at least 1 second"),
+        Some(s) => Duration::from_secs(s),
+        None => hybridcache_engine::DEFAULT_CORE_FLUSH_TIMEOUT,
+    };
+    hybridcache_engine::set_core_flush_timeout(core_flush_timeout);
 
     let signals = block_signals();
     ensure_parent(&control)?;

@@ -7,9 +7,10 @@
 //! every connection otherwise (only then are all connections' completed writes covered).
 
 use std::collections::BTreeMap;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use hybridcache_nbd::proto::{FLAG_SEND_TRIM, FLAG_SEND_WRITE_ZEROES};
 use hybridcache_nbd::{Client, ClientConfig, ClientError};
@@ -104,6 +105,17 @@ pub fn parse_nbd_uri(uri: &str) -> std::result::Result<NbdTarget, String> {
 const BACKOFF_FIRST: Duration = Duration::from_millis(100);
 const BACKOFF_CAP: Duration = Duration::from_secs(3);
 
+/// How long a request that finds its connection dead waits for the reconnection before it is
+/// sent again on the new connection (once). A server that was restarted while nothing was sent
+/// to it is back at the first attempt (0.1 s); a server still gone fails the request after this
+/// wait, and later requests fail at once until it is back.
+const RETRY_WAIT: Duration = Duration::from_secs(2);
+
+/// How often idle connections are checked for a server that closed them, so that a server
+/// killed while nothing is sent to it is noticed (and `-L` says so) without waiting for the
+/// next request.
+const HANGUP_CHECK: Duration = Duration::from_millis(500);
+
 /// Writes sent since the last flush that covered them are kept (up to this many bytes) and sent
 /// again on a new connection, so a server that lost what it had not flushed (a restart with a
 /// volatile write cache) gets them back. Background cleaning flushes the core after every
@@ -138,6 +150,10 @@ struct LinkState {
     /// next flush reports it (EIO) instead of calling them durable.
     overflow: bool,
     lost: bool,
+    /// When the link went down; None while connected.
+    down_since: Option<SystemTime>,
+    /// Reconnection attempts made since.
+    attempts: u32,
 }
 
 struct Shared {
@@ -145,9 +161,50 @@ struct Shared {
     target: NbdTarget,
     size: u64,
     conns: Vec<Mutex<Option<Client>>>,
+    /// A second handle on each connection's socket, to notice a server that closed it while
+    /// the connection was idle.
+    hangup: Mutex<Vec<OwnedFd>>,
     next: AtomicUsize,
     state: Mutex<LinkState>,
     wake: Condvar,
+}
+
+impl Shared {
+    /// A connection broke: mark the volume detached (once per breakage) and wake the
+    /// reconnection thread. While connected every slot holds a connection of the current
+    /// epoch (reconnection fills them all before it says so), so any breakage counts.
+    fn detach(&self, why: &str) {
+        let mut st = self.state.lock();
+        if !st.connected {
+            return;
+        }
+        st.connected = false;
+        st.epoch += 1;
+        st.last_error = why.to_string();
+        st.down_since = Some(SystemTime::now());
+        st.attempts = 0;
+        if st.overflow {
+            st.lost = true;
+            st.overflow = false;
+        }
+        tracing::warn!(
+            "remote volume {}: connection lost ({why}); detached, reconnecting",
+            self.name
+        );
+        self.wake.notify_all();
+    }
+
+    /// Wait until connected, at most `timeout`; whether it is.
+    fn wait_connected(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.state.lock();
+        while !st.connected {
+            if self.wake.wait_until(&mut st, deadline).timed_out() {
+                return st.connected;
+            }
+        }
+        true
+    }
 }
 
 /// A remote NBD export used as a block device. When the connection breaks (the server exits or
@@ -181,11 +238,50 @@ impl NbdLink {
 /// show a core's connection state by the device name it knows (one device is open once).
 static LINKS: Mutex<BTreeMap<String, Weak<Shared>>> = Mutex::new(BTreeMap::new());
 
-/// The connection state of the remote volume open from `uri`: None when connected (or when no
-/// such volume is open), the last error while it is detached and reconnecting.
-pub fn detached(uri: &str) -> Option<String> {
+/// What `-L` shows for the remote volume open from `uri` while its connection is down, e.g.
+/// "Reconnecting (server gone since 14:03:07 UTC, 4 attempts; last error: ...)"; None when
+/// connected or when no such volume is open.
+pub fn link_status(uri: &str) -> Option<String> {
     let shared = LINKS.lock().get(uri)?.upgrade()?;
-    NbdLink(shared).detached()
+    let st = shared.state.lock();
+    if st.connected {
+        return None;
+    }
+    let since = st.down_since.map(utc_time).unwrap_or_else(|| "?".into());
+    let attempts = match st.attempts {
+        1 => "1 attempt".to_string(),
+        n => format!("{n} attempts"),
+    };
+    Some(format!(
+        "Reconnecting (server gone since {since} UTC, {attempts}; last error: {})",
+        st.last_error
+    ))
+}
+
+/// How many times the connection of the remote volume open from `uri` broke (None when no
+/// such volume is open): a flush that failed while it changed met a dead connection.
+pub fn breakages(uri: &str) -> Option<u64> {
+    let shared = LINKS.lock().get(uri)?.upgrade()?;
+    let epoch = shared.state.lock().epoch;
+    Some(epoch)
+}
+
+/// Wait until the remote volume open from `uri` is connected, at most `timeout`; true when it
+/// is (or when no such volume is open, which has nothing to wait for).
+pub fn wait_connected(uri: &str, timeout: Duration) -> bool {
+    let Some(shared) = LINKS.lock().get(uri).and_then(Weak::upgrade) else {
+        return true;
+    };
+    shared.wait_connected(timeout)
+}
+
+/// "HH:MM:SS" of a wall-clock time, in UTC.
+fn utc_time(t: SystemTime) -> String {
+    let s = t
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+        % 86_400;
+    format!("{:02}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
 }
 
 /// A reply that takes longer than this means the server or the network is gone without
@@ -194,27 +290,64 @@ pub fn detached(uri: &str) -> Option<String> {
 /// disk array can legitimately take seconds for a flush.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(60);
 
-fn connect(target: &NbdTarget) -> std::result::Result<Client, ClientError> {
+/// A connection, and a second handle on its socket for [`hung_up`].
+fn connect(target: &NbdTarget) -> std::result::Result<(Client, OwnedFd), ClientError> {
     match target {
         NbdTarget::Unix { socket, export } => {
             let s = std::os::unix::net::UnixStream::connect(socket)?;
             s.set_read_timeout(Some(REPLY_TIMEOUT))?;
             s.set_write_timeout(Some(REPLY_TIMEOUT))?;
-            Client::handshake(Box::new(s), &ClientConfig::new(export))
+            let watch = OwnedFd::from(s.try_clone()?);
+            Ok((
+                Client::handshake(Box::new(s), &ClientConfig::new(export))?,
+                watch,
+            ))
         }
         NbdTarget::Tcp { host, port, export } => {
             let s = std::net::TcpStream::connect((host.as_str(), *port))?;
             s.set_nodelay(true)?;
             s.set_read_timeout(Some(REPLY_TIMEOUT))?;
             s.set_write_timeout(Some(REPLY_TIMEOUT))?;
-            Client::handshake(Box::new(s), &ClientConfig::new(export))
+            let watch = OwnedFd::from(s.try_clone()?);
+            Ok((
+                Client::handshake(Box::new(s), &ClientConfig::new(export))?,
+                watch,
+            ))
         }
     }
 }
 
 /// A whole pool of connections, or the first failure.
-fn connect_pool(target: &NbdTarget) -> std::result::Result<Vec<Client>, ClientError> {
-    (0..POOL).map(|_| connect(target)).collect()
+fn connect_pool(
+    target: &NbdTarget,
+) -> std::result::Result<(Vec<Client>, Vec<OwnedFd>), ClientError> {
+    let mut clients = Vec::with_capacity(POOL);
+    let mut watches = Vec::with_capacity(POOL);
+    for _ in 0..POOL {
+        let (c, w) = connect(target)?;
+        clients.push(c);
+        watches.push(w);
+    }
+    Ok((clients, watches))
+}
+
+/// Whether the server closed one of the connections (or it failed): the peer's close shows as
+/// a hang-up whether or not a request is in flight, unlike data, which a reply also brings.
+fn hung_up(watches: &[OwnedFd]) -> bool {
+    let mut fds: Vec<libc::pollfd> = watches
+        .iter()
+        .map(|w| libc::pollfd {
+            fd: w.as_raw_fd(),
+            events: libc::POLLRDHUP,
+            revents: 0,
+        })
+        .collect();
+    // SAFETY: `fds` is a valid array of pollfd of the given length; timeout 0 never blocks.
+    let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) };
+    n > 0
+        && fds
+            .iter()
+            .any(|p| p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0)
 }
 
 /// Whether an error means the connection is unusable (as opposed to the server refusing one
@@ -228,7 +361,7 @@ impl NbdVolume {
     pub fn open(uri: &str) -> Result<NbdVolume> {
         let invalid = |msg: String| VolumeError::new(uri, Op::Open, 0, 0, ErrorKind::Invalid(msg));
         let target = parse_nbd_uri(uri).map_err(invalid)?;
-        let conns = connect_pool(&target)
+        let (conns, watches) = connect_pool(&target)
             .map_err(|e| invalid(format!("cannot connect to NBD export '{uri}': {e}")))?;
         let first = &conns[0];
         if first.is_read_only() {
@@ -251,6 +384,7 @@ impl NbdVolume {
             target,
             size,
             conns: conns.into_iter().map(|c| Mutex::new(Some(c))).collect(),
+            hangup: Mutex::new(watches),
             next: AtomicUsize::new(0),
             state: Mutex::new(LinkState {
                 connected: true,
@@ -261,6 +395,8 @@ impl NbdVolume {
                 next_seq: 0,
                 overflow: false,
                 lost: false,
+                down_since: None,
+                attempts: 0,
             }),
             wake: Condvar::new(),
         });
@@ -301,37 +437,69 @@ impl NbdVolume {
     }
 
     /// Run `f` on a free connection (or wait for the next one in turn when all are busy). While
-    /// detached nothing is sent. A transport failure detaches the volume and wakes the
-    /// reconnection thread. Returns the epoch the request ran in.
+    /// detached nothing is sent and the request fails at once. A transport failure detaches the
+    /// volume and wakes the reconnection thread; the request that met it waits for the
+    /// reconnection (up to [`RETRY_WAIT`]) and is sent again, once, on the new connection:
+    /// reads and writes are idempotent, and a flush sent after the reconnection covers the
+    /// writes sent again by it. Returns the epoch the request ran in.
     fn with_conn<T>(
         &self,
         op: Op,
         offset: u64,
         len: u64,
-        f: impl FnOnce(&mut Client) -> std::result::Result<T, ClientError>,
+        mut f: impl FnMut(&mut Client) -> std::result::Result<T, ClientError>,
     ) -> Result<(T, u64)> {
+        let mut retried = false;
+        loop {
+            match self.try_conn(op, offset, len, &mut f) {
+                Err((e, true)) if !retried => {
+                    retried = true;
+                    if !self.shared.wait_connected(RETRY_WAIT) {
+                        return Err(e);
+                    }
+                    tracing::info!(
+                        "remote volume {}: sending the {op} at offset {offset} again after reconnecting",
+                        self.shared.name
+                    );
+                }
+                Err((e, _)) => return Err(e),
+                Ok(v) => return Ok(v),
+            }
+        }
+    }
+
+    /// One attempt of [`with_conn`](Self::with_conn); on failure, whether the connection broke
+    /// under this request (as opposed to being known broken before it, or the server refusing it).
+    fn try_conn<T>(
+        &self,
+        op: Op,
+        offset: u64,
+        len: u64,
+        f: &mut impl FnMut(&mut Client) -> std::result::Result<T, ClientError>,
+    ) -> std::result::Result<(T, u64), (VolumeError, bool)> {
         let sh = &*self.shared;
         let epoch = {
             let st = sh.state.lock();
             if !st.connected {
-                return Err(self.detached_error(op, offset, len, &st.last_error));
+                return Err((self.detached_error(op, offset, len, &st.last_error), false));
             }
             st.epoch
         };
-        let run = |slot: &mut Option<Client>| -> Result<(T, u64)> {
+        let mut run = |slot: &mut Option<Client>| {
             let Some(client) = slot.as_mut() else {
                 // Dropped by a breakage this request raced with.
                 let why = sh.state.lock().last_error.clone();
-                return Err(self.detached_error(op, offset, len, &why));
+                return Err((self.detached_error(op, offset, len, &why), true));
             };
             match f(client) {
                 Ok(v) => Ok((v, epoch)),
                 Err(e) => {
-                    if breaks_connection(&e) {
+                    let broke = breaks_connection(&e);
+                    if broke {
                         *slot = None;
-                        self.detach(&e.to_string());
+                        sh.detach(&e.to_string());
                     }
-                    Err(self.err(op, offset, len, e))
+                    Err((self.err(op, offset, len, e), broke))
                 }
             }
         };
@@ -343,28 +511,6 @@ impl NbdVolume {
         let i = sh.next.fetch_add(1, Ordering::Relaxed) % sh.conns.len();
         let mut g = sh.conns[i].lock();
         run(&mut g)
-    }
-
-    /// A connection broke: mark the volume detached (once per breakage) and wake the
-    /// reconnection thread. While connected every slot holds a connection of the current
-    /// epoch (reconnection fills them all before it says so), so any breakage counts.
-    fn detach(&self, why: &str) {
-        let mut st = self.shared.state.lock();
-        if !st.connected {
-            return;
-        }
-        st.connected = false;
-        st.epoch += 1;
-        st.last_error = why.to_string();
-        if st.overflow {
-            st.lost = true;
-            st.overflow = false;
-        }
-        tracing::warn!(
-            "remote volume {}: connection lost ({why}); detached, reconnecting",
-            self.shared.name
-        );
-        self.shared.wake.notify_all();
     }
 
     /// Keep a write for replay before it is sent (so no breakage can come between its
@@ -429,26 +575,42 @@ impl NbdVolume {
             self.with_conn(Op::Flush, 0, 0, |c| c.flush())?;
             return Ok(());
         }
-        // Without multi-conn only a flush on every connection covers every connection's writes.
+        // As with_conn: a flush that met a dead connection is sent again, once, after the
+        // reconnection (which sent the unflushed writes again first).
+        match self.flush_every_conn() {
+            Err((e, true)) => {
+                if !self.shared.wait_connected(RETRY_WAIT) {
+                    return Err(e);
+                }
+                self.flush_every_conn().map_err(|(e, _)| e)
+            }
+            r => r.map_err(|(e, _)| e),
+        }
+    }
+
+    /// Without multi-conn only a flush on every connection covers every connection's writes.
+    /// On failure, whether a connection broke under it.
+    fn flush_every_conn(&self) -> std::result::Result<(), (VolumeError, bool)> {
         let sh = &*self.shared;
         {
             let st = sh.state.lock();
             if !st.connected {
-                return Err(self.detached_error(Op::Flush, 0, 0, &st.last_error));
+                return Err((self.detached_error(Op::Flush, 0, 0, &st.last_error), false));
             }
         }
         for c in &sh.conns {
             let mut g = c.lock();
             let Some(client) = g.as_mut() else {
                 let why = sh.state.lock().last_error.clone();
-                return Err(self.detached_error(Op::Flush, 0, 0, &why));
+                return Err((self.detached_error(Op::Flush, 0, 0, &why), true));
             };
             if let Err(e) = client.flush() {
-                if breaks_connection(&e) {
+                let broke = breaks_connection(&e);
+                if broke {
                     *g = None;
-                    self.detach(&e.to_string());
+                    sh.detach(&e.to_string());
                 }
-                return Err(self.err(Op::Flush, 0, 0, e));
+                return Err((self.err(Op::Flush, 0, 0, e), broke));
             }
         }
         Ok(())
@@ -488,8 +650,14 @@ fn reconnect_loop(weak: Weak<Shared>) {
         {
             let mut st = sh.state.lock();
             if st.connected {
-                // Wake up now and then to notice that the volume is gone.
-                sh.wake.wait_for(&mut st, Duration::from_secs(1));
+                // Wake up now and then to notice that the volume is gone, or that the server
+                // closed a connection while nothing was sent to it.
+                sh.wake.wait_for(&mut st, HANGUP_CHECK);
+                let closed = st.connected && hung_up(&sh.hangup.lock());
+                drop(st);
+                if closed {
+                    sh.detach("the server closed the connection");
+                }
                 continue;
             }
         }
@@ -501,9 +669,10 @@ fn reconnect_loop(weak: Weak<Shared>) {
             std::thread::sleep(delay);
             let Some(sh) = weak.upgrade() else { return };
             attempts += 1;
+            sh.state.lock().attempts = attempts;
             let result = connect_pool(&sh.target)
                 .map_err(|e| e.to_string())
-                .and_then(|mut pool| {
+                .and_then(|(mut pool, watches)| {
                     let size = pool[0].size();
                     if size != sh.size {
                         return Err(format!(
@@ -512,17 +681,20 @@ fn reconnect_loop(weak: Weak<Shared>) {
                         ));
                     }
                     replay(&sh, &mut pool[0])?;
-                    Ok(pool)
+                    Ok((pool, watches))
                 });
             match result {
-                Ok(pool) => {
+                Ok((pool, watches)) => {
                     // Each slot is replaced under its lock: a request holds one connection
                     // from start to end.
                     for (slot, client) in sh.conns.iter().zip(pool) {
                         *slot.lock() = Some(client);
                     }
+                    *sh.hangup.lock() = watches;
                     let mut st = sh.state.lock();
                     st.connected = true;
+                    st.down_since = None;
+                    sh.wake.notify_all();
                     tracing::info!(
                         "remote volume {}: reconnected after {attempts} attempts ({:.1} s)",
                         sh.name,

@@ -42,6 +42,7 @@ use crate::bits::{self, Mask};
 use crate::classes::{ClassState, CoreClassCounters, CoreClassGauges, ReqClass};
 use crate::cleaner::{CleaningCounters, CleaningStats, Pacer};
 use crate::cleaning::{CleanerSignal, CleanerState, CleanerThread, CleaningTick, ACP_CHUNK_BYTES};
+use crate::core_flush::{self, CoreWatch};
 use crate::format::{ConfigSlot, CoreRecord, Geometry, Superblock};
 use crate::ioclass::{ClassId, IoClasses};
 use crate::latency::{self, Latency, LatencyKind, LatencyStats};
@@ -231,6 +232,9 @@ pub(crate) struct CoreState {
     pub(crate) latency: Latency,
     /// The core's requests and blocks by IO class (`-P -j CORE -d`).
     pub(crate) classes: CoreClassCounters,
+    /// Its device's outstanding writes and flushes, to bound flushes on a hung device
+    /// (core_flush.rs).
+    pub(crate) watch: Arc<CoreWatch>,
 }
 
 /// Held by a request for its duration; see [`CoreState::enter`].
@@ -1406,14 +1410,17 @@ impl CacheInner {
         }
         let _queued = self.offload.core_io(core.id as usize);
         for r in runs {
-            core.volume
-                .write_at(&buf[r.buf_off..r.buf_off + r.len], r.dev_off)
-                .inspect_err(|_| {
-                    core.counters.add(Counter::CoreWriteErrors, 1);
-                    self.gauges[core.id as usize]
-                        .failing
-                        .store(true, Ordering::SeqCst);
-                })?;
+            let op = core.watch.begin();
+            let written = core
+                .volume
+                .write_at(&buf[r.buf_off..r.buf_off + r.len], r.dev_off);
+            drop(op);
+            written.inspect_err(|_| {
+                core.counters.add(Counter::CoreWriteErrors, 1);
+                self.gauges[core.id as usize]
+                    .failing
+                    .store(true, Ordering::SeqCst);
+            })?;
             // Before the caller can mark anything clean: a commit that sees the line clean
             // then sees this too, and flushes the core.
             core.unflushed.store(true, Ordering::SeqCst);
@@ -1568,6 +1575,7 @@ impl CacheInner {
             read_streams: ReadStreams::default(),
             latency: Latency::new(),
             classes: CoreClassCounters::default(),
+            watch: Arc::new(CoreWatch::default()),
         })
     }
 
@@ -1927,9 +1935,7 @@ impl Cache {
             CacheInner::quiesce(c);
         }
         if flush_data {
-            for c in &cores {
-                self.inner.flush_core_dirty(c)?;
-            }
+            core_flush::flush_cores_dirty(&self.inner, cores)?;
         }
         self.inner.commit()?;
         if let Some(p) = &self.inner.persist {
@@ -2221,13 +2227,11 @@ impl Cache {
         self.flush_cores()
     }
 
-    /// Flush every core, counted in the progress entry the caller began.
+    /// Flush every core, counted in the progress entry the caller began. Each core flushes
+    /// on its own, bounded by the core flush timeout: a hung core is reported, not waited for.
     fn flush_cores(&self) -> Result<()> {
         let cores: Vec<Arc<CoreState>> = self.inner.cores.read().values().cloned().collect();
-        for core in cores {
-            self.inner.flush_core_dirty(&core)?;
-        }
-        Ok(())
+        core_flush::flush_cores_dirty(&self.inner, cores)
     }
 
     /// As [`flush`](Cache::flush), for one core.
@@ -2237,7 +2241,7 @@ impl Cache {
             .inner
             .flush_progress
             .begin(self.inner.usage(Some(id)).dirty_lines);
-        self.inner.flush_core_dirty(&core)
+        core_flush::flush_cores_dirty(&self.inner, vec![core])
     }
 
     /// How long the cache (or one core) has held dirty data: since the oldest core's last

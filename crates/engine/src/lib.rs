@@ -22,6 +22,7 @@ mod cache;
 mod classes;
 mod cleaner;
 mod cleaning;
+mod core_flush;
 mod format;
 pub mod ioclass;
 pub mod latency;
@@ -39,6 +40,7 @@ mod stats;
 pub use cache::{Cache, Core, CoreInfo, CoreStatus};
 pub use cleaner::{CleaningStats, WRITE_SIZE_BUCKETS};
 pub use cleaning::CleaningTick;
+pub use core_flush::{core_flush_timeout, set_core_flush_timeout, DEFAULT_CORE_FLUSH_TIMEOUT};
 pub use format::{holds_metadata, zero_metadata, CoreRecord, Superblock};
 pub use latency::{Histogram, LatencyKind, LatencyStats};
 pub use offload::Offload;
@@ -274,6 +276,18 @@ pub enum EngineError {
         cleaned_lines: u64,
         total_lines: u64,
     },
+    /// A core's device hung: the flush stopped waiting for it and its lines stay dirty.
+    #[error(
+        "core {core}: flush timed out after {after} ({what}); its dirty lines stay in the cache"
+    )]
+    CoreFlushTimedOut {
+        core: CoreId,
+        after: String,
+        what: &'static str,
+    },
+    /// A flush of several cores of which some failed: each core's result, in core order.
+    #[error("{}", core_flush::results_text(.0))]
+    CoreFlushes(Vec<(CoreId, Option<String>)>),
     #[error("{0}")]
     Invalid(String),
 }

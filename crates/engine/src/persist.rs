@@ -22,12 +22,14 @@
 
 use std::sync::atomic::{fence, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use hybridcache_volume::Volume;
 use parking_lot::Mutex;
 
 use crate::bits::Mask;
 use crate::cache::{CacheInner, CoreState};
+use crate::core_flush;
 use crate::format::{
     block_crc, decode_block, decode_commit, decode_config, digest_term, encode_block,
     encode_commit, encode_config, BlockError, CommitRecord, CommitSlot, ConfigSlot, Entry,
@@ -429,16 +431,24 @@ impl CacheInner {
 
     /// Flush the cores that took writes since their last flush, and the failing ones (to learn
     /// whether they came back). Returns whether a core failed that was not failing before.
+    /// The cores flush in parallel, each bounded by the core flush timeout (core_flush.rs): a
+    /// hung core counts as failed, so it cannot hold this commit (and every other core's
+    /// durability) hostage.
     fn flush_cores(&self) -> bool {
         let cores: Vec<Arc<CoreState>> = self.cores.read().values().cloned().collect();
-        let mut newly_failing = false;
+        let mut pending = Vec::new();
         for c in cores {
-            let failing = &self.gauges[c.id as usize].failing;
-            let was_failing = failing.load(Ordering::SeqCst);
+            let was_failing = self.gauges[c.id as usize].failing.load(Ordering::SeqCst);
             if !c.unflushed.swap(false, Ordering::SeqCst) && !was_failing {
                 continue;
             }
-            match c.volume.flush() {
+            let flush = core_flush::start_device_flush(&c);
+            pending.push((c, was_failing, flush));
+        }
+        let deadline = Instant::now() + core_flush::core_flush_timeout();
+        let mut newly_failing = false;
+        for (c, was_failing, flush) in pending {
+            match flush.wait(deadline) {
                 Ok(()) => {
                     if was_failing {
                         self.core_recovered(c.id);
@@ -448,7 +458,9 @@ impl CacheInner {
                     c.unflushed.store(true, Ordering::SeqCst);
                     c.counters.add(Counter::CoreWriteErrors, 1);
                     if !was_failing {
-                        failing.store(true, Ordering::SeqCst);
+                        self.gauges[c.id as usize]
+                            .failing
+                            .store(true, Ordering::SeqCst);
                         newly_failing = true;
                     }
                 }
@@ -479,8 +491,7 @@ impl CacheInner {
         if !self.gauges[core.id as usize].failing.load(Ordering::SeqCst) {
             return Ok(());
         }
-        core.volume
-            .flush()
+        core_flush::flush_device(core)
             .inspect_err(|_| core.counters.add(Counter::CoreWriteErrors, 1))?;
         // Everything written to it before this flush is durable now.
         self.core_recovered(core.id);
