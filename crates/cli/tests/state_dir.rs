@@ -367,3 +367,49 @@ fn an_edit_made_while_stopped_wins_and_a_cleanly_stopped_cache_stays_stopped() {
         "the run-time change the file does not contradict stays: {json}"
     );
 }
+
+/// A cache created at run time, disconnected with its dirty data kept (`--script
+/// --disconnect-cache --no-flush`) and then stopped with `-T`: its dirty data stays on the cache
+/// device, so the next start must load it, as after `-T -n` of a running cache. The stop of a
+/// disconnected cache dropped it from the recorded setup, and the next start left its core
+/// without its newest data.
+#[test]
+fn a_disconnected_cache_stopped_with_dirty_data_is_loaded_again() {
+    let s = setup();
+    let p = s.dir.path();
+    let cfg = s.cfg.to_str().expect("UTF-8");
+    let args = ["--config", cfg];
+    for name in ["cache2.img", "core4.img"] {
+        sparse_file(&p.join(name), 64 * MIB);
+    }
+    let cache2 = format!("file:{}", p.join("cache2.img").display());
+    let mut d = Daemon::start_with(p, &args);
+    d.ok(&["-S", "-d", &cache2, "-i", "2", "-c", "wb"]);
+    d.ok(&["-X", "-n", "cleaning", "-i", "2", "-p", "nop"]);
+    d.ok(&[
+        "-A",
+        "-i",
+        "2",
+        "-d",
+        p.join("core4.img").to_str().expect("UTF-8"),
+        "-j",
+        "1",
+    ]);
+    let data = pattern(9, 256 << 10);
+    write_at(&d, "cas2-1", &data, MIB);
+    let before = dirty(&d, 2);
+    assert!(before > 0, "wb with cleaning nop keeps the writes dirty");
+    d.ok(&["--script", "--disconnect-cache", "-i", "2", "--no-flush"]);
+    d.ok(&["-T", "-i", "2"]);
+    assert!(d.stop(), "clean stop: {}", d.log_text());
+
+    let d = Daemon::start_with(p, &args);
+    let list = d.ok(&["-L"]);
+    assert!(
+        list.contains("cas2-1"),
+        "cache 2 is loaded again: {list}\n{}",
+        d.log_text()
+    );
+    assert_eq!(dirty(&d, 2), before, "with its dirty lines");
+    assert_eq!(read_at(&d, "cas2-1", data.len(), MIB), data);
+}

@@ -810,6 +810,16 @@ impl Daemon {
         }
         let dirty = d.dirty_lines;
         let device = d.device.clone();
+        // Its dirty data stays on the cache device: the next start must load it, as after -T -n
+        // of a running cache, or its cores would be left without their newest data.
+        if let (Some(store), true) = (&self.store, dirty > 0) {
+            let (cache, cores) = d.config(id, self.frontends.default_kind());
+            store.stopped_dirty(crate::state::StoppedCache {
+                cache,
+                cores,
+                dirty_lines: dirty,
+            });
+        }
         st.disconnected.remove(&id);
         self.save_locked(st);
         tracing::info!(
