@@ -48,6 +48,51 @@ fn serve_file(sock: &Path, file: &Path) -> Kill {
     nbdkit(sock, &["file".into(), file.display().to_string()])
 }
 
+/// A write-back cache (cleaning nop: nothing reaches the core until a flush) on a cache file,
+/// with core 1 a file served by nbdkit on a Unix socket, exported as cas1-1.
+struct Rig {
+    d: Daemon,
+    server: Kill,
+    sock: std::path::PathBuf,
+    core_file: std::path::PathBuf,
+    /// Last, so the daemon and the server stop before the directory goes.
+    _dir: tempfile::TempDir,
+}
+
+fn remote_wb_cache(core_bytes: u64, cache_bytes: u64) -> Rig {
+    let dir = workdir();
+    let sock = dir.path().join("core.sock");
+    let core_file = dir.path().join("core.img");
+    let cache = dir.path().join("cache.img");
+    sparse_file(&core_file, core_bytes);
+    sparse_file(&cache, cache_bytes);
+    let server = serve_file(&sock, &core_file);
+    let d = Daemon::start(dir.path());
+    let spec = format!("file:{}", cache.display());
+    d.ok(&["-S", "-d", &spec, "-c", "wb"]);
+    d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "nop"]);
+    let remote = format!("nbd+unix:///?socket={}", sock.display());
+    d.ok(&["-A", "-i", "1", "-d", &remote]);
+    Rig {
+        d,
+        server,
+        sock,
+        core_file,
+        _dir: dir,
+    }
+}
+
+/// `-T -i 1`, which must succeed.
+fn stop_cache(d: &Daemon) {
+    let out = d.cli(&["-T", "-i", "1"]);
+    assert!(
+        out.status.success(),
+        "-T failed: {}{}",
+        String::from_utf8_lossy(&out.stderr),
+        d.log_text()
+    );
+}
+
 fn pattern(seed: u8, len: usize) -> Vec<u8> {
     (0..len)
         .map(|i| seed.wrapping_mul(31).wrapping_add((i / 4096) as u8) ^ (i as u8))
@@ -59,20 +104,14 @@ fn a_restarted_remote_core_is_flushed_completely_by_stop() {
     if !need(&["nbdkit"]) {
         return;
     }
-    let dir = workdir();
-    let sock = dir.path().join("core.sock");
-    let core_file = dir.path().join("core.img");
-    let cache = dir.path().join("cache.img");
-    sparse_file(&core_file, 64 << 20);
-    sparse_file(&cache, 64 << 20);
-    let mut server = serve_file(&sock, &core_file);
-    let d = Daemon::start(dir.path());
-    let spec = format!("file:{}", cache.display());
-    d.ok(&["-S", "-d", &spec, "-c", "wb"]);
     // Nothing reaches the core until the stop's flush: the outage goes unnoticed by the data path.
-    d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "nop"]);
-    let remote = format!("nbd+unix:///?socket={}", sock.display());
-    d.ok(&["-A", "-i", "1", "-d", &remote]);
+    let Rig {
+        d,
+        mut server,
+        sock,
+        core_file,
+        _dir,
+    } = remote_wb_cache(64 << 20, 64 << 20);
     assert_eq!(core_status(&d, 1), "Active");
 
     // What the core file must hold at the end, kept in step with every acknowledged write.
@@ -105,13 +144,7 @@ fn a_restarted_remote_core_is_flushed_completely_by_stop() {
     c.disconnect().expect("disconnect");
     wait_core_status(&d, 1, "active again", |s| s == "Active");
 
-    let out = d.cli(&["-T", "-i", "1"]);
-    assert!(
-        out.status.success(),
-        "-T failed: {}{}",
-        String::from_utf8_lossy(&out.stderr),
-        d.log_text()
-    );
+    stop_cache(&d);
     drop(server);
     let got = std::fs::read(&core_file).expect("read the core file");
     assert_eq!(got.len(), expect.len());
@@ -130,19 +163,13 @@ fn stop_retries_a_flush_that_meets_a_dead_connection() {
     if !need(&["nbdkit"]) {
         return;
     }
-    let dir = workdir();
-    let sock = dir.path().join("core.sock");
-    let core_file = dir.path().join("core.img");
-    let cache = dir.path().join("cache.img");
-    sparse_file(&core_file, 16 << 20);
-    sparse_file(&cache, 32 << 20);
-    let mut server = serve_file(&sock, &core_file);
-    let d = Daemon::start(dir.path());
-    let spec = format!("file:{}", cache.display());
-    d.ok(&["-S", "-d", &spec, "-c", "wb"]);
-    d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "nop"]);
-    let remote = format!("nbd+unix:///?socket={}", sock.display());
-    d.ok(&["-A", "-i", "1", "-d", &remote]);
+    let Rig {
+        d,
+        mut server,
+        sock,
+        core_file,
+        _dir,
+    } = remote_wb_cache(16 << 20, 32 << 20);
     let data = pattern(9, 2 << 20);
     let mut c = Client::connect_unix(&d.nbd, "cas1-1").expect("connect to cas1-1");
     c.write(&data, 0, false).expect("write-back write");
@@ -150,13 +177,7 @@ fn stop_retries_a_flush_that_meets_a_dead_connection() {
     server.0.kill().expect("kill nbdkit");
     server.0.wait().expect("reap nbdkit");
     let _server = serve_file(&sock, &core_file);
-    let out = d.cli(&["-T", "-i", "1"]);
-    assert!(
-        out.status.success(),
-        "-T failed: {}{}",
-        String::from_utf8_lossy(&out.stderr),
-        d.log_text()
-    );
+    stop_cache(&d);
     let got = std::fs::read(&core_file).expect("read the core file");
     assert!(
         got[..data.len()] == data[..],
