@@ -31,7 +31,6 @@ use crate::devices::{device_key, open_device, DeviceKey};
 use crate::frontend::{Frontends, NbdFrontend};
 use crate::metrics::MetricsServer;
 use crate::nbd_volume::is_nbd_uri;
-use crate::params;
 
 mod caches;
 mod check;
@@ -45,7 +44,7 @@ mod nbd_limits;
 mod requests;
 mod startup;
 mod watch;
-use crate::protocol::{self, CacheInfo, Request};
+use crate::protocol::Request;
 use crate::safety::{Consent, Consents, Loss};
 use crate::target::Target;
 use caches::{abandon, check_signatures, cores_text, Start};
@@ -54,9 +53,9 @@ use control::{bind_control, serve_control_client};
 use cores::not_the_recorded_device;
 use disconnect::Disconnected;
 use hybridcache_volume::VolumeRef;
-use info::{cache_info, core_info, io_class_info, waiting_info};
+use info::{core_info, io_class_info};
 pub use nbd_limits::{nbd_server_config, NbdLimits};
-use requests::{flush_retrying, interrupted_flush_text};
+use requests::flush_retrying;
 
 pub const DEFAULT_CONTROL: &str = "/run/hybridcache/control.sock";
 pub const DEFAULT_NBD_SOCKET: &str = "/run/hybridcache/nbd.sock";
@@ -350,211 +349,38 @@ impl Daemon {
                 detach,
             } => self.disconnect_cache(id, no_flush, pass_through || detach, detach),
             Request::ConnectCache { device, id, force } => self.connect_cache(&device, id, force),
-            Request::List => {
-                let st = self.state.lock();
-                let mut caches: Vec<CacheInfo> = st
-                    .caches
-                    .iter()
-                    .map(|(id, c)| cache_info(*id, c, &self.frontends))
-                    .collect();
-                caches.extend(
-                    st.disconnected
-                        .iter()
-                        .map(|(id, d)| d.info(*id, &self.frontends)),
-                );
-                caches.extend(st.waiting.values().map(waiting_info));
-                caches.sort_by_key(|c| c.id);
-                Ok(json!({ "caches": caches }))
-            }
+            Request::List => self.state.lock().list(&self.frontends),
             Request::Stats {
                 cache,
                 core,
                 io_class,
-            } => self.stats(cache, core, io_class),
+            } => self
+                .state
+                .lock()
+                .stats(&self.frontends, cache, core, io_class),
             Request::LoadIoClasses {
                 cache,
                 csv,
                 ignore_unsupported,
-            } => {
-                let handle = self.checked(cache, None)?;
-                let opts = hybridcache_engine::ioclass::LoadOptions { ignore_unsupported };
-                let classes =
-                    hybridcache_engine::ioclass::IoClasses::parse(&csv, &opts).map_err(|e| {
-                        format!("IO class file refused, nothing changed: {e}").replace(
-                            "load with ignore_unsupported",
-                            "load with --ignore-unsupported",
-                        )
-                    })?;
-                handle.load_io_classes(classes).map_err(engine_err)?;
-                Ok(json!({}))
-            }
-            Request::ListIoClasses { cache } => {
-                let handle = self.checked(cache, None)?;
-                let classes = handle.io_classes().iter().map(io_class_info).collect();
-                serde_json::to_value(protocol::IoClassList { classes }).map_err(|e| e.to_string())
-            }
-            Request::ResetCounters { cache, core } => {
-                let st = self.state.lock();
-                let c = st.cache(cache)?;
-                match core {
-                    Some(core) => {
-                        st.active_core(cache, core)?;
-                        c.cache.reset_core_stats(core).map_err(engine_err)?;
-                    }
-                    None => c.cache.reset_stats(),
-                }
-                Ok(json!({}))
-            }
+            } => self.load_io_classes(cache, &csv, ignore_unsupported),
+            Request::ListIoClasses { cache } => self.list_io_classes(cache),
+            Request::ResetCounters { cache, core } => self.state.lock().reset_counters(cache, core),
             Request::SetCacheMode { cache, mode, flush } => {
-                let mode: CacheMode = mode.parse()?;
-                let handle = self.state.lock().cache(cache)?.cache.clone();
-                let lazy = |m: CacheMode| matches!(m, CacheMode::Wb | CacheMode::Wo);
-                let from = handle.mode();
-                let flush = match flush {
-                    Some(f) => f,
-                    // As casadm: leaving write-back or write-only, the operator chooses.
-                    None if lazy(from) && !lazy(mode) => {
-                        return Err(format!(
-                            "cache {cache} leaves {from} for {mode}: say whether to flush its dirty data first with --flush-cache (-f) yes or no"
-                        ))
-                    }
-                    None => false,
-                };
-                handle.set_mode(mode, flush).map_err(engine_err)?;
-                if let Some(c) = self.state.lock().caches.get_mut(&cache) {
-                    c.left_mode = (lazy(from) && !lazy(mode) && !flush).then_some(from);
-                }
-                self.save();
-                Ok(json!({}))
+                self.set_cache_mode(cache, &mode, flush)
             }
             Request::ZeroMetadata { device, force } => self.zero_metadata(&device, force),
-            Request::InterruptFlush { cache } => {
-                let handle = self.state.lock().cache(cache)?.cache.clone();
-                if !handle.interrupt_flush() {
-                    return Err(format!("cache {cache} is not flushing"));
-                }
-                tracing::info!("cache {cache}: flush interrupted on request");
-                Ok(json!({}))
-            }
-            Request::Flush { cache, core } => {
-                let handle = {
-                    let st = self.state.lock();
-                    let c = st.cache(cache)?;
-                    if let Some(core) = core {
-                        st.active_core(cache, core)?;
-                    }
-                    c.cache.clone()
-                };
-                let remote = self.remote_cores(cache, core);
-                let flushed = flush_retrying(&remote, || match core {
-                    Some(core) => handle.flush_core(core),
-                    None => handle.flush(),
-                });
-                match flushed {
-                    Err(EngineError::FlushInterrupted {
-                        cleaned_lines,
-                        total_lines,
-                    }) => Err(interrupted_flush_text(
-                        &handle,
-                        cache,
-                        core,
-                        cleaned_lines,
-                        total_lines,
-                    )),
-                    other => other.map(|()| json!({})).map_err(engine_err),
-                }
-            }
+            Request::InterruptFlush { cache } => self.interrupt_flush(cache),
+            Request::Flush { cache, core } => self.flush(cache, core),
             Request::SetParam {
                 cache,
                 core,
                 name,
                 value,
-                mut values,
-            } => {
-                let g = params::find(&name)?;
-                let set = g
-                    .set
-                    .ok_or_else(|| format!("parameter '{name}' is read-only"))?;
-                if !value.is_empty() {
-                    values.insert(g.fields[0].key.to_string(), value);
-                }
-                if values.is_empty() {
-                    return Err(format!(
-                        "nothing to set for '{name}': give {}",
-                        g.fields
-                            .iter()
-                            .map(|f| format!("{} ({})", f.flag, f.key))
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    ));
-                }
-                if core.is_some() && !g.per_core {
-                    return Err(format!("parameter '{name}' is per cache; drop -j"));
-                }
-                let handle = self.checked(cache, core)?;
-                set(&handle, core, &values)?;
-                self.save();
-                Ok(json!({}))
-            }
-            Request::GetParam { cache, core, name } => {
-                let g = params::find(&name)?;
-                let handle = self.checked(cache, core)?;
-                let fields =
-                    |core: Option<u16>| -> std::result::Result<Vec<protocol::ParamField>, String> {
-                        Ok((g.get)(&handle, core)?
-                            .into_iter()
-                            .zip(g.fields)
-                            .map(|(value, f)| protocol::ParamField {
-                                key: f.key.into(),
-                                label: f.label.into(),
-                                value,
-                            })
-                            .collect())
-                    };
-                let (fields, cores) = if g.per_core && core.is_none() {
-                    let mut cores = Vec::new();
-                    for info in handle.cores() {
-                        cores.push(protocol::CoreParams {
-                            core: info.id,
-                            fields: fields(Some(info.id))?,
-                        });
-                    }
-                    (Vec::new(), cores)
-                } else {
-                    (fields(core)?, Vec::new())
-                };
-                let first = fields
-                    .first()
-                    .or_else(|| cores.first().and_then(|c| c.fields.first()))
-                    .map(|f| f.value.clone())
-                    .unwrap_or_default();
-                Ok(serde_json::to_value(protocol::ParamValue {
-                    name: g.name.into(),
-                    value: first,
-                    read_only: g.set.is_none(),
-                    fields,
-                    cores,
-                })
-                .map_err(|e| e.to_string())?)
-            }
+                values,
+            } => self.set_param(cache, core, &name, value, values),
+            Request::GetParam { cache, core, name } => self.get_param(cache, core, &name),
             Request::Version => Ok(json!({ "version": env!("CARGO_PKG_VERSION") })),
-            Request::Shutdown => {
-                let caches = self.state.lock().caches.len();
-                tracing::info!("stop-daemon requested on the control socket");
-                self.shutdown_waiters.fetch_add(1, Ordering::SeqCst);
-                // The main thread's sigwait takes it from here, as for an operator's SIGTERM;
-                // the reply waits for the outcome, so the caller knows whether every cache
-                // was flushed.
-                // SAFETY: kill(2) on our own pid with a valid signal number.
-                unsafe { libc::kill(libc::getpid(), libc::SIGTERM) };
-                let mut outcome = self.shutdown_outcome.lock();
-                while outcome.is_none() {
-                    self.shutdown_done.wait(&mut outcome);
-                }
-                let clean = outcome.unwrap_or(false);
-                drop(outcome);
-                Ok(json!({ "clean": clean, "caches": caches }))
-            }
+            Request::Shutdown => self.stop_daemon(),
             Request::TraceStart {
                 cache,
                 core,
@@ -865,7 +691,10 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
         .map(|text| -> Result<MetricsServer> {
             let addr = parse_listen("--metrics-listen", text)?;
             let view = daemon.clone();
-            MetricsServer::start(addr, Arc::new(move || view.metrics_view()))
+            MetricsServer::start(
+                addr,
+                Arc::new(move || view.state.lock().metrics_view(&view.frontends)),
+            )
         })
         .transpose()
     {

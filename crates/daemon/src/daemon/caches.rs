@@ -551,6 +551,25 @@ impl Daemon {
         }
     }
 
+    /// `stop-daemon`: the reply waits for the shutdown's outcome.
+    pub(super) fn stop_daemon(&self) -> Reply {
+        let caches = self.state.lock().caches.len();
+        tracing::info!("stop-daemon requested on the control socket");
+        self.shutdown_waiters.fetch_add(1, Ordering::SeqCst);
+        // The main thread's sigwait takes it from here, as for an operator's SIGTERM;
+        // the reply waits for the outcome, so the caller knows whether every cache
+        // was flushed.
+        // SAFETY: kill(2) on our own pid with a valid signal number.
+        unsafe { libc::kill(libc::getpid(), libc::SIGTERM) };
+        let mut outcome = self.shutdown_outcome.lock();
+        while outcome.is_none() {
+            self.shutdown_done.wait(&mut outcome);
+        }
+        let clean = outcome.unwrap_or(false);
+        drop(outcome);
+        Ok(json!({ "clean": clean, "caches": caches }))
+    }
+
     /// Stop every cache, flushing its dirty data; returns false if some dirty data could not be
     /// written (it is then kept on the cache device where the cache is persistent).
     pub(super) fn shutdown(&self) -> bool {

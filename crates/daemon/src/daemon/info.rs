@@ -4,8 +4,10 @@
 
 use std::collections::BTreeMap;
 
+use serde_json::json;
+
 use super::{
-    engine_err, export_name, CacheEntry, CoreEntry, Daemon, Reply, Waiting, WAITING_FOR_DEVICE,
+    engine_err, export_name, CacheEntry, CoreEntry, Reply, State, Waiting, WAITING_FOR_DEVICE,
 };
 use crate::frontend::Frontends;
 use crate::metrics::{CacheView, CoreView};
@@ -173,11 +175,45 @@ pub(super) fn io_class_info(c: &hybridcache_engine::ioclass::IoClass) -> protoco
     }
 }
 
-impl Daemon {
-    pub(super) fn stats(&self, cache_id: u16, core: Option<u16>, io_class: Option<u8>) -> Reply {
-        let st = self.state.lock();
-        let c = st.cache(cache_id)?;
-        let info = cache_info(cache_id, c, &self.frontends);
+impl State {
+    /// `-L`: running caches, disconnected ones and those of the configuration not running.
+    pub(super) fn list(&self, frontends: &Frontends) -> Reply {
+        let mut caches: Vec<CacheInfo> = self
+            .caches
+            .iter()
+            .map(|(id, c)| cache_info(*id, c, frontends))
+            .collect();
+        caches.extend(
+            self.disconnected
+                .iter()
+                .map(|(id, d)| d.info(*id, frontends)),
+        );
+        caches.extend(self.waiting.values().map(waiting_info));
+        caches.sort_by_key(|c| c.id);
+        Ok(json!({ "caches": caches }))
+    }
+
+    pub(super) fn reset_counters(&self, cache: u16, core: Option<u16>) -> Reply {
+        let c = self.cache(cache)?;
+        match core {
+            Some(core) => {
+                self.active_core(cache, core)?;
+                c.cache.reset_core_stats(core).map_err(engine_err)?;
+            }
+            None => c.cache.reset_stats(),
+        }
+        Ok(json!({}))
+    }
+
+    pub(super) fn stats(
+        &self,
+        frontends: &Frontends,
+        cache_id: u16,
+        core: Option<u16>,
+        io_class: Option<u8>,
+    ) -> Reply {
+        let c = self.cache(cache_id)?;
+        let info = cache_info(cache_id, c, frontends);
         let core_info = |core: u16| {
             info.cores
                 .iter()
@@ -189,7 +225,7 @@ impl Daemon {
             let (core_info, stats) = match core {
                 Some(core) => {
                     let ci = core_info(core)?;
-                    st.active_core(cache_id, core)?;
+                    self.active_core(cache_id, core)?;
                     (
                         Some(ci),
                         c.cache.core_io_class_stats(core, id).map_err(engine_err)?,
@@ -212,7 +248,7 @@ impl Daemon {
         let (core_info, stats, latency) = match core {
             Some(core) => {
                 let ci = core_info(core)?;
-                st.active_core(cache_id, core)?;
+                self.active_core(cache_id, core)?;
                 (
                     Some(ci),
                     c.cache.core_stats(core).map_err(engine_err)?,
@@ -249,15 +285,14 @@ impl Daemon {
 
     /// What a metrics scrape sees: every cache and core, read under the state lock (the
     /// figures themselves are read from the engine afterwards, outside it).
-    pub(super) fn metrics_view(&self) -> Vec<CacheView> {
-        let st = self.state.lock();
-        st.caches
+    pub(super) fn metrics_view(&self, frontends: &Frontends) -> Vec<CacheView> {
+        self.caches
             .iter()
             .map(|(id, c)| CacheView {
                 id: *id,
                 device: c.device.clone(),
                 // A label must not change with every scrape: the percentage has its own metric.
-                status: cache_info(*id, c, &self.frontends)
+                status: cache_info(*id, c, frontends)
                     .status
                     .split(" (")
                     .next()
@@ -271,8 +306,7 @@ impl Daemon {
                         id: *core_id,
                         device: core.device.clone(),
                         active: core.active,
-                        clients: self
-                            .frontends
+                        clients: frontends
                             .get(Some(core.frontend))
                             .ok()
                             .and_then(|f| f.clients(&export_name(*id, *core_id)))

@@ -2,13 +2,16 @@
 //! remote core's reconnection), block traces, and the handle to a cache that parameter and IO
 //! class requests act on.
 
+use std::collections::BTreeMap;
+use std::path::Path;
 use std::time::Duration;
 
-use hybridcache_engine::{Cache, EngineError};
+use hybridcache_engine::{Cache, CacheMode, EngineError};
+use serde_json::json;
 
-use super::{engine_err, export_name, Daemon, Reply};
+use super::{engine_err, export_name, io_class_info, Daemon, Reply};
 use crate::nbd_volume::is_nbd_uri;
-use std::path::Path;
+use crate::{params, protocol};
 
 /// Attempts of a flush that failed while a remote core was reconnecting: each after the
 /// reconnection, so a server restarted while nothing was sent to it costs no failed flush.
@@ -153,5 +156,166 @@ impl Daemon {
             st.core(cache, core)?;
         }
         Ok(c.cache.clone())
+    }
+}
+
+impl Daemon {
+    /// `load-io-classes`: the whole file is parsed before the cache sees any of it.
+    pub(super) fn load_io_classes(&self, cache: u16, csv: &str, ignore_unsupported: bool) -> Reply {
+        let handle = self.checked(cache, None)?;
+        let opts = hybridcache_engine::ioclass::LoadOptions { ignore_unsupported };
+        let classes = hybridcache_engine::ioclass::IoClasses::parse(csv, &opts).map_err(|e| {
+            format!("IO class file refused, nothing changed: {e}").replace(
+                "load with ignore_unsupported",
+                "load with --ignore-unsupported",
+            )
+        })?;
+        handle.load_io_classes(classes).map_err(engine_err)?;
+        Ok(json!({}))
+    }
+
+    pub(super) fn list_io_classes(&self, cache: u16) -> Reply {
+        let handle = self.checked(cache, None)?;
+        let classes = handle.io_classes().iter().map(io_class_info).collect();
+        serde_json::to_value(protocol::IoClassList { classes }).map_err(|e| e.to_string())
+    }
+
+    /// `set-cache-mode`: the switch (and its flush) runs on a handle, outside the state lock.
+    pub(super) fn set_cache_mode(&self, cache: u16, mode: &str, flush: Option<bool>) -> Reply {
+        let mode: CacheMode = mode.parse()?;
+        let handle = self.state.lock().cache(cache)?.cache.clone();
+        let lazy = |m: CacheMode| matches!(m, CacheMode::Wb | CacheMode::Wo);
+        let from = handle.mode();
+        let flush = match flush {
+            Some(f) => f,
+            // As casadm: leaving write-back or write-only, the operator chooses.
+            None if lazy(from) && !lazy(mode) => {
+                return Err(format!(
+                    "cache {cache} leaves {from} for {mode}: say whether to flush its dirty data first with --flush-cache (-f) yes or no"
+                ))
+            }
+            None => false,
+        };
+        handle.set_mode(mode, flush).map_err(engine_err)?;
+        if let Some(c) = self.state.lock().caches.get_mut(&cache) {
+            c.left_mode = (lazy(from) && !lazy(mode) && !flush).then_some(from);
+        }
+        self.save();
+        Ok(json!({}))
+    }
+
+    pub(super) fn interrupt_flush(&self, cache: u16) -> Reply {
+        let handle = self.state.lock().cache(cache)?.cache.clone();
+        if !handle.interrupt_flush() {
+            return Err(format!("cache {cache} is not flushing"));
+        }
+        tracing::info!("cache {cache}: flush interrupted on request");
+        Ok(json!({}))
+    }
+
+    /// `-F` / `-E`: the flush runs on a handle, outside the state lock, so statistics stay
+    /// readable meanwhile.
+    pub(super) fn flush(&self, cache: u16, core: Option<u16>) -> Reply {
+        let handle = {
+            let st = self.state.lock();
+            let c = st.cache(cache)?;
+            if let Some(core) = core {
+                st.active_core(cache, core)?;
+            }
+            c.cache.clone()
+        };
+        let remote = self.remote_cores(cache, core);
+        let flushed = flush_retrying(&remote, || match core {
+            Some(core) => handle.flush_core(core),
+            None => handle.flush(),
+        });
+        match flushed {
+            Err(EngineError::FlushInterrupted {
+                cleaned_lines,
+                total_lines,
+            }) => Err(interrupted_flush_text(
+                &handle,
+                cache,
+                core,
+                cleaned_lines,
+                total_lines,
+            )),
+            other => other.map(|()| json!({})).map_err(engine_err),
+        }
+    }
+
+    pub(super) fn set_param(
+        &self,
+        cache: u16,
+        core: Option<u16>,
+        name: &str,
+        value: String,
+        mut values: BTreeMap<String, String>,
+    ) -> Reply {
+        let g = params::find(name)?;
+        let set = g
+            .set
+            .ok_or_else(|| format!("parameter '{name}' is read-only"))?;
+        if !value.is_empty() {
+            values.insert(g.fields[0].key.to_string(), value);
+        }
+        if values.is_empty() {
+            return Err(format!(
+                "nothing to set for '{name}': give {}",
+                g.fields
+                    .iter()
+                    .map(|f| format!("{} ({})", f.flag, f.key))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+        }
+        if core.is_some() && !g.per_core {
+            return Err(format!("parameter '{name}' is per cache; drop -j"));
+        }
+        let handle = self.checked(cache, core)?;
+        set(&handle, core, &values)?;
+        self.save();
+        Ok(json!({}))
+    }
+
+    pub(super) fn get_param(&self, cache: u16, core: Option<u16>, name: &str) -> Reply {
+        let g = params::find(name)?;
+        let handle = self.checked(cache, core)?;
+        let fields = |core: Option<u16>| -> std::result::Result<Vec<protocol::ParamField>, String> {
+            Ok((g.get)(&handle, core)?
+                .into_iter()
+                .zip(g.fields)
+                .map(|(value, f)| protocol::ParamField {
+                    key: f.key.into(),
+                    label: f.label.into(),
+                    value,
+                })
+                .collect())
+        };
+        let (fields, cores) = if g.per_core && core.is_none() {
+            let mut cores = Vec::new();
+            for info in handle.cores() {
+                cores.push(protocol::CoreParams {
+                    core: info.id,
+                    fields: fields(Some(info.id))?,
+                });
+            }
+            (Vec::new(), cores)
+        } else {
+            (fields(core)?, Vec::new())
+        };
+        let first = fields
+            .first()
+            .or_else(|| cores.first().and_then(|c| c.fields.first()))
+            .map(|f| f.value.clone())
+            .unwrap_or_default();
+        serde_json::to_value(protocol::ParamValue {
+            name: g.name.into(),
+            value: first,
+            read_only: g.set.is_none(),
+            fields,
+            cores,
+        })
+        .map_err(|e| e.to_string())
     }
 }
