@@ -25,12 +25,11 @@ use hybridcache_nbd::{ExportRegistry, Server};
 use parking_lot::{Condvar, Mutex};
 use serde_json::{json, Value};
 
-use crate::claims::{ClaimedVolume, OwnEndpoints};
+use crate::claims::OwnEndpoints;
 use crate::config::{CacheSection, ConfigFile, CoreSection};
-use crate::devices::{device_key, open_device, DeviceKey};
+use crate::devices::{device_key, DeviceKey};
 use crate::frontend::{Frontends, NbdFrontend};
 use crate::metrics::MetricsServer;
-use crate::nbd_volume::is_nbd_uri;
 
 mod caches;
 mod check;
@@ -38,6 +37,7 @@ mod configure;
 mod control;
 mod cores;
 mod disconnect;
+mod guards;
 mod health;
 mod info;
 mod nbd_limits;
@@ -45,14 +45,13 @@ mod requests;
 mod startup;
 mod watch;
 use crate::protocol::Request;
-use crate::safety::{Consent, Consents, Loss};
+use crate::safety::{Consent, Consents};
 use crate::target::Target;
 use caches::{abandon, check_signatures, cores_text, Start};
 use configure::param_defaults;
-use control::{bind_control, serve_control_client};
+use control::bind_control;
 use cores::not_the_recorded_device;
 use disconnect::Disconnected;
-use hybridcache_volume::VolumeRef;
 use info::{core_info, io_class_info};
 pub use nbd_limits::{nbd_server_config, NbdLimits};
 use requests::flush_retrying;
@@ -65,8 +64,6 @@ pub const DEFAULT_NBD_SOCKET: &str = "/run/hybridcache/nbd.sock";
 /// (docs/performance.md §6). 16 is also nbdkit's default thread count.
 pub const DEFAULT_NBD_WORKERS: usize = 16;
 const MAX_CACHE_ID: u16 = 16384;
-/// How long a stop or removal waits for clients that are disconnecting before it refuses.
-const CLIENT_GONE_GRACE: Duration = Duration::from_secs(2);
 /// The ublk driver's own limit on hardware queues per device (UBLK_MAX_NR_QUEUES).
 const MAX_UBLK_QUEUES: u16 = 4096;
 
@@ -392,58 +389,6 @@ impl Daemon {
             Request::ExportConfig => self.export_config(),
         }
     }
-
-    /// Open the device `spec` names under an exclusive claim (claims.rs) held as long as the
-    /// volume is open. `allow_mounted`: see [`crate::claims::claim`].
-    fn open_claimed(
-        &self,
-        spec: &str,
-        allow_mounted: bool,
-    ) -> std::result::Result<VolumeRef, String> {
-        if is_nbd_uri(spec) && self.own.serves(spec) {
-            return Err(format!(
-                "{spec} is an export of this daemon: a cache cannot use its own export as a device (its I/O would come back into itself and deadlock)"
-            ));
-        }
-        let claim = crate::claims::claim(spec, allow_mounted)?;
-        let volume = open_device(spec)?;
-        Ok(match claim {
-            Some(claim) => Arc::new(ClaimedVolume::new(volume, claim)),
-            None => volume,
-        })
-    }
-
-    /// The in-use guard: taking an export away from connected clients gives them I/O errors
-    /// (a mounted file system aborts its journal), so each busy export is a [`Loss`] that needs
-    /// `--disconnect-clients`. With `grace`, a client that has just disconnected (still counted
-    /// until its connection has wound down on the server's side) is waited for a moment: a
-    /// script that disconnects and then stops must not be refused for that.
-    fn clients_of(&self, exports: &[(String, &'static str)], grace: bool) -> Vec<Loss> {
-        let deadline = Instant::now() + CLIENT_GONE_GRACE;
-        loop {
-            let busy = self.clients_now(exports);
-            if busy.is_empty() || !grace || Instant::now() >= deadline {
-                return busy;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn clients_now(&self, exports: &[(String, &'static str)]) -> Vec<Loss> {
-        exports
-            .iter()
-            .filter_map(|(name, kind)| {
-                let frontend = self.frontends.get(Some(kind)).ok()?;
-                let n = frontend.busy(name).unwrap_or(0);
-                (n > 0).then(|| Loss::Clients {
-                    export: name.clone(),
-                    // A block device is named too: that is what the operator sees mounted.
-                    block_device: frontend.device(name),
-                    connections: n,
-                })
-            })
-            .collect()
-    }
 }
 
 /// Block SIGINT and SIGTERM in the calling thread and every thread it starts afterwards, and
@@ -710,21 +655,7 @@ pub fn run(opts: DaemonOptions) -> Result<()> {
             .unwrap_or(startup::DEFAULT_DEVICE_TIMEOUT_S),
     );
     let deadline = Instant::now() + device_timeout;
-    {
-        let daemon = daemon.clone();
-        std::thread::Builder::new()
-            .name("control-accept".into())
-            .spawn(move || {
-                for stream in listener.incoming() {
-                    let Ok(stream) = stream else { continue };
-                    let daemon = daemon.clone();
-                    let _ = std::thread::Builder::new()
-                        .name("control".into())
-                        .spawn(move || serve_control_client(&daemon, stream));
-                }
-            })
-            .context("cannot start the control thread")?;
-    }
+    control::spawn_accept(daemon.clone(), listener).context("cannot start the control thread")?;
     // The state's setup is only added to a file that is accepted on its own, and a merged
     // setup that the checks refuse falls back to the file: the file alone always starts.
     let mut merged = merged;

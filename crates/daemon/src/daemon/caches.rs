@@ -54,7 +54,7 @@ pub(super) fn abandon(cache: &Cache) {
 /// What formatting `device` as a new cache destroys: the cache it holds (with its dirty lines,
 /// read from its metadata without loading it), hybridcache metadata that cannot be read, or a
 /// file system or other signature (signature.rs).
-pub(super) fn device_losses(
+fn device_losses(
     device: &str,
     volume: &dyn hybridcache_volume::Volume,
 ) -> std::result::Result<Vec<Loss>, String> {
@@ -259,7 +259,7 @@ impl Daemon {
 
     /// Load the cache `volume` holds (the device named `device`, not in use elsewhere), reopen
     /// its cores from their recorded devices (missing ones stay inactive) and export them.
-    pub(super) fn load_locked(
+    fn load_locked(
         &self,
         st: &mut State,
         device: &str,
@@ -523,7 +523,7 @@ impl Daemon {
     /// The front-end of a core whose cache is being loaded: the one that served it before
     /// the daemon restarted (it resumes the same device), else the configuration's, else the
     /// one it had last (the state directory), else the default.
-    pub(super) fn frontend_at_load(&self, name: &str, cache_device: &str) -> &Arc<dyn Frontend> {
+    fn frontend_at_load(&self, name: &str, cache_device: &str) -> &Arc<dyn Frontend> {
         if let Some(f) = self
             .frontends
             .all()

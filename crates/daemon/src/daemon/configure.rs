@@ -67,7 +67,7 @@ pub(super) fn param_defaults(
 }
 
 /// A running cache as the configuration file would say it: its parameters as they are now.
-pub(super) fn cache_config(
+fn cache_config(
     id: u16,
     c: &CacheEntry,
     default_frontend: &str,
@@ -109,7 +109,7 @@ pub(super) fn cache_config(
 }
 
 impl State {
-    pub(super) fn to_config(&self, daemon: &DaemonSection, default_frontend: &str) -> ConfigFile {
+    fn to_config(&self, daemon: &DaemonSection, default_frontend: &str) -> ConfigFile {
         let mut cfg = ConfigFile {
             daemon: daemon.clone(),
             ..ConfigFile::default()
@@ -441,7 +441,7 @@ impl Daemon {
         Ok(())
     }
 
-    pub(super) fn set_param_group(
+    fn set_param_group(
         &self,
         cache: u16,
         name: &str,

@@ -6,6 +6,7 @@ use std::io::{BufRead, BufReader, Read as _, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 
@@ -38,7 +39,7 @@ pub(super) fn bind_control(path: &Path) -> Result<UnixListener> {
 }
 
 /// Who is on the other end of a control connection (the kernel's SO_PEERCRED), for the log.
-pub(super) fn peer_text(stream: &UnixStream) -> String {
+fn peer_text(stream: &UnixStream) -> String {
     match hybridcache_nbd::unix_peer_credentials(stream) {
         Some(c) => format!("pid {} uid {}", c.pid, c.uid),
         None => "an unknown peer".into(),
@@ -46,7 +47,7 @@ pub(super) fn peer_text(stream: &UnixStream) -> String {
 }
 
 /// Requests that change the setup; the others only read it.
-pub(super) fn changes_something(req: &Request) -> bool {
+fn changes_something(req: &Request) -> bool {
     !matches!(
         req,
         Request::List
@@ -90,7 +91,7 @@ pub(super) fn settings(daemon: &Daemon, req: &Request) -> Option<Vec<(String, St
 
 /// One log line per management change: who asked, what, and for settings what changed from
 /// what to what.
-pub(super) fn log_change(
+fn log_change(
     daemon: &Daemon,
     peer: &str,
     req: &Request,
@@ -127,7 +128,25 @@ pub(super) fn log_change(
     }
 }
 
-pub(super) fn serve_control_client(daemon: &Daemon, stream: UnixStream) {
+/// The control socket's accept thread: one thread per client connection.
+pub(super) fn spawn_accept(
+    daemon: Arc<Daemon>,
+    listener: UnixListener,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("control-accept".into())
+        .spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(stream) = stream else { continue };
+                let daemon = daemon.clone();
+                let _ = std::thread::Builder::new()
+                    .name("control".into())
+                    .spawn(move || serve_control_client(&daemon, stream));
+            }
+        })
+}
+
+fn serve_control_client(daemon: &Daemon, stream: UnixStream) {
     let peer = peer_text(&stream);
     let Ok(write_half) = stream.try_clone() else {
         return;
@@ -181,7 +200,7 @@ pub(super) fn serve_control_client(daemon: &Daemon, stream: UnixStream) {
     }
 }
 
-pub(super) fn reply_text(r: Response) -> String {
+fn reply_text(r: Response) -> String {
     serde_json::to_string(&r)
         .unwrap_or_else(|_| r#"{"ok":false,"error":"cannot encode the reply"}"#.to_string())
 }

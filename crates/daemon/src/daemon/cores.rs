@@ -34,7 +34,7 @@ pub(super) fn not_the_recorded_device(rec: &CoreRecord, spec: &str) -> Option<St
 }
 
 /// Where the block device `spec` names is mounted; None for anything else or when unmounted.
-pub(super) fn mounted_block(spec: &str) -> Option<Vec<String>> {
+fn mounted_block(spec: &str) -> Option<Vec<String>> {
     use std::os::unix::fs::{FileTypeExt, MetadataExt};
     let meta = std::fs::metadata(crate::claims::spec_path(spec)?).ok()?;
     if !meta.file_type().is_block_device() {

@@ -13,7 +13,7 @@ use crate::frontend::Frontends;
 use crate::metrics::{CacheView, CoreView};
 use crate::protocol::{self, CacheInfo, CoreInfo, StatsReport};
 
-pub(super) fn cache_info(id: u16, c: &CacheEntry, frontends: &Frontends) -> CacheInfo {
+fn cache_info(id: u16, c: &CacheEntry, frontends: &Frontends) -> CacheInfo {
     let sizes: BTreeMap<u16, u64> = c.cache.cores().iter().map(|i| (i.id, i.size)).collect();
     // As Open CAS: a cache with a core missing is "Incomplete".
     let mut status = if c.cores.values().all(|core| core.active) {
@@ -114,7 +114,7 @@ pub(super) fn core_info(
 }
 
 /// What `-L` shows for a core.
-pub(super) fn core_status(core: &CoreEntry) -> String {
+fn core_status(core: &CoreEntry) -> String {
     if !core.active {
         return if core.pending {
             WAITING_FOR_DEVICE.into()
@@ -128,7 +128,7 @@ pub(super) fn core_status(core: &CoreEntry) -> String {
 }
 
 /// `-L`'s entry for a cache that is not running.
-pub(super) fn waiting_info(w: &Waiting) -> CacheInfo {
+fn waiting_info(w: &Waiting) -> CacheInfo {
     CacheInfo {
         id: w.section.id,
         device: w.section.device.clone(),

@@ -72,7 +72,7 @@ pub(super) fn flush_retrying(
 /// What an interrupted flush did, from the engine's count of the lines it cleaned and the dirty
 /// lines left now: "flush of cache 1 interrupted: cleaned 1,234 of 3,000 dirty lines (4.8 MiB of
 /// 11.7 MiB); 1,766 stay dirty". Nothing is lost, so it is logged at INFO.
-pub(super) fn interrupted_flush_text(
+fn interrupted_flush_text(
     handle: &Cache,
     cache: u16,
     core: Option<u16>,
@@ -133,7 +133,7 @@ impl Daemon {
     }
 
     /// The remote (NBD) cores a flush of `cache` (or of its core `core`) covers, by URI.
-    pub(super) fn remote_cores(&self, cache: u16, core: Option<u16>) -> Vec<String> {
+    fn remote_cores(&self, cache: u16, core: Option<u16>) -> Vec<String> {
         let st = self.state.lock();
         st.caches.get(&cache).map_or_else(Vec::new, |c| {
             c.cores
