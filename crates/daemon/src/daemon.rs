@@ -11,6 +11,14 @@
 //!
 //! Every request validates everything it can before changing anything, so an error leaves the
 //! setup as it was.
+//!
+//! This file holds the registry ([`State`]), the daemon ([`Daemon`]), the request dispatcher
+//! and `run`. The rooms, under daemon/: caches.rs (start, load, stop, shutdown), cores.rs (add,
+//! remove, zero-metadata), configure.rs (the configuration applied, the setup recorded and
+//! exported), info.rs (listings, statistics, the metrics view), requests.rs (flush, mode,
+//! parameters, IO classes, traces), guards.rs (claims, clients in the way), control.rs (the
+//! control socket), nbd_limits.rs, and check.rs, disconnect.rs, health.rs, startup.rs and
+//! watch.rs.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -284,6 +292,13 @@ impl Daemon {
         self.started_cv.notify_all();
     }
 
+    /// One control request, dispatched. Requests that only read or reset what the registry
+    /// holds (`-L`, `-P`, counter resets) are [`State`] handlers run under the state lock. The
+    /// others are methods of the daemon because they need what the registry does not hold:
+    /// devices opened under claims (guards.rs), the front-ends' exports and their clients, the
+    /// state directory's store, block traces: cache lifecycle in caches.rs, core lifecycle in
+    /// cores.rs, the configuration in configure.rs, running-cache requests in requests.rs,
+    /// disconnect and connect in disconnect.rs.
     fn handle(&self, req: Request) -> Reply {
         if self.stopping.load(Ordering::SeqCst) {
             return Err("the daemon is shutting down".into());

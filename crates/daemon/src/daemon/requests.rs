@@ -1,6 +1,8 @@
 //! Requests on a running cache that neither start nor stop anything: flush (retried across a
-//! remote core's reconnection), block traces, and the handle to a cache that parameter and IO
-//! class requests act on.
+//! remote core's reconnection) and its interruption, the cache mode, parameters, IO classes and
+//! block traces. Each takes a handle to the cache under the state lock and acts on it outside
+//! the lock (a flush or a mode switch with a flush takes as long as the dirty data), except a
+//! trace's start, which must see the cores it attaches to stay.
 
 use std::collections::BTreeMap;
 use std::path::Path;
