@@ -62,7 +62,7 @@ fn changes_something(req: &Request) -> bool {
 /// The settings a request is about to change, read before it runs, so the log can say what
 /// they were ("from what to what"): the cache mode, or the parameter group's fields, by name
 /// (per-core groups prefixed with the core).
-pub(super) fn settings(daemon: &Daemon, req: &Request) -> Option<Vec<(String, String)>> {
+fn settings(daemon: &Daemon, req: &Request) -> Option<Vec<(String, String)>> {
     let (cache, core, name) = match req {
         Request::SetCacheMode { cache, .. } => (*cache, None, "cache-mode".to_string()),
         Request::SetParam {
