@@ -576,3 +576,47 @@ fn seq_detect_sets_the_promotion_count() {
     ]);
     assert!(e.contains("promotion-count"), "{e}");
 }
+
+/// A purge under a client's writes: the writes in flight wait for it and none is lost.
+#[test]
+fn purge_core_under_writes_loses_none() {
+    let rig = Rig::new(1);
+    let d = rig.d();
+    let writer = {
+        let mut c = rig.client(1);
+        std::thread::spawn(move || {
+            let chunk = 64 * 1024;
+            for pass in 0..6u8 {
+                for k in 0..(WRITTEN / chunk) {
+                    let data = pattern(20 + pass, chunk as usize);
+                    c.write(&data, k * chunk, false)
+                        .expect("write during the purge");
+                }
+            }
+            c.flush().expect("NBD flush");
+        })
+    };
+    let mut purges = 0;
+    while !writer.is_finished() {
+        d.ok(&["--script", "--purge-core", "-i", "1", "-j", "1"]);
+        d.ok(&["--script", "--purge-cache", "-i", "1"]);
+        purges += 1;
+    }
+    writer.join().expect("the writer");
+    assert!(purges > 0);
+    eprintln!("purges during the writes: {purges}");
+    let chunk = 64 * 1024usize;
+    let mut c = rig.client(1);
+    let mut back = vec![0u8; WRITTEN as usize];
+    c.read(&mut back, 0).expect("read");
+    for (k, got) in back.chunks(chunk).enumerate() {
+        assert!(
+            got == &pattern(25, chunk)[..],
+            "chunk {k} is not the last pass's"
+        );
+    }
+    d.ok(&["-F", "-i", "1"]);
+    assert!(std::fs::read(&rig.cores[0]).unwrap()[..WRITTEN as usize]
+        .chunks(chunk)
+        .all(|got| got == &pattern(25, chunk)[..]));
+}
