@@ -620,3 +620,53 @@ fn purge_core_under_writes_loses_none() {
         .chunks(chunk)
         .all(|got| got == &pattern(25, chunk)[..]));
 }
+
+/// A cache of the configuration file waiting for its device takes its core from the pool when
+/// the device appears.
+#[test]
+fn a_late_cache_takes_its_core_from_the_pool() {
+    let dir = workdir();
+    let cache = dir.path().join("late-cache.img");
+    let core = dir.path().join("core.img");
+    sparse_file(&core, 32 * MIB);
+    let conf = dir.path().join("hybridcache.toml");
+    std::fs::write(
+        &conf,
+        format!(
+            "[[cache]]\nid = 1\ndevice = \"{}\"\nmode = \"wb\"\n\n[[core]]\ncache = 1\nid = 1\ndevice = \"{}\"\n",
+            cache.display(),
+            dir.path().join("core-old-name.img").display()
+        ),
+    )
+    .unwrap();
+    let d = Daemon::start_with(dir.path(), &["--config", path_str(&conf)]);
+    let out = d.ok(&[
+        "--script",
+        "--add-core",
+        "--try-add",
+        "-i",
+        "1",
+        "-j",
+        "1",
+        "--core-device",
+        path_str(&core),
+    ]);
+    assert!(out.contains("added to the core pool"), "{out}");
+    sparse_file(&cache, 64 * MIB);
+    let want = format!("core,1,{},Active", core.display());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let rows = list_rows(&d);
+        if rows.iter().any(|r| r.starts_with(&want)) {
+            assert!(!rows.iter().any(|r| r.starts_with("core pool")), "{rows:?}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "core 1 not attached from the pool: {rows:?}\n{}",
+            d.log_text()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    assert!(d.log_text().contains("core 1 attached from the core pool"));
+}
