@@ -71,6 +71,7 @@ impl Daemon {
                 }
             }
         }
+        // A disconnected cache has its cores under kept exports: refused with how to connect it.
         if st.disconnected.contains_key(&cache) {
             st.cache(cache)?;
         }
