@@ -198,7 +198,7 @@ fn bash_completion_knows_every_casadm_form() {
 }
 
 #[test]
-fn bash_completion_offers_the_daemon_s_ids_and_is_quiet_without_it() {
+fn completions_offer_the_daemon_s_ids_and_are_quiet_without_it() {
     let fc = file_cache(16 << 20, 32 << 20, &[]);
     let d = &fc.daemon;
     d.ok(&["-S", "-d", "ram:16M", "-i", "7"]);
@@ -223,6 +223,24 @@ fn bash_completion_offers_the_daemon_s_ids_and_is_quiet_without_it() {
     // No daemon on this socket: nothing offered, nothing printed (offers() checks stderr).
     let none = dir.path().join("none.sock");
     assert!(at(&format!("--control {} -P -i ", none.display())).is_empty());
+
+    // zsh and fish ask the daemon the same way.
+    type Offers = fn(&Path, &Path, &str) -> Vec<String>;
+    let mut shells: Vec<(&str, PathBuf, Offers)> = Vec::new();
+    if need(&["zsh"]) {
+        shells.push(("zsh", comp.join("_hybridcache"), zsh_offers));
+    }
+    if need(&["fish"]) {
+        shells.push(("fish", comp.join("hybridcache.fish"), fish_offers));
+    }
+    for (shell, script, offers) in shells {
+        let at = |line: &str| offers(&script, dir.path(), line);
+        let ids = at(&format!("--control {control} -P -i "));
+        assert_eq!(ids, sorted(&["1", "7"]), "{shell}");
+        let cores = at(&format!("-R --control {control} -i 1 -j "));
+        assert_eq!(cores, vec!["1".to_string()], "{shell}");
+        assert!(at(&format!("--control {} -P -i ", none.display())).is_empty());
+    }
 }
 
 /// PATH with this build's directory first: the completions run `hybridcache -L` for ids.
