@@ -162,6 +162,12 @@ fn bash_completion_knows_every_casadm_form() {
     );
     assert_eq!(at("-Q -c wb -i 1 -f "), sorted(&["yes", "no"]));
     assert_eq!(at("-L -o "), sorted(&["table", "csv", "json"]));
+    has_all(
+        &at("-P -i 1 -f "),
+        &["all", "conf", "usage", "err"],
+        "-P -f",
+    );
+    assert_eq!(at("-P -i 1 -f conf,u"), vec!["conf,usage".to_string()]);
     has_all(&at("-S -x "), &["4", "64"], "-S -x");
 
     // File names only where a device or a file goes.

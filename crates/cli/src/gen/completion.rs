@@ -20,6 +20,8 @@ use std::fmt::Write as _;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Values {
     Words(Vec<String>),
+    /// Words given comma-separated in one value (`-P -f conf,usage`).
+    List(Vec<String>),
     Files,
     Dirs,
     CacheIds,
@@ -154,7 +156,10 @@ fn values(a: &clap::Arg) -> Values {
         .map(|p| p.get_name().to_string())
         .collect();
     if !possible.is_empty() {
-        return Values::Words(possible);
+        return match a.get_value_delimiter() {
+            Some(',') => Values::List(possible),
+            _ => Values::Words(possible),
+        };
     }
     match a.get_long() {
         Some("cache-id") => return Values::CacheIds,
@@ -209,6 +214,7 @@ fn patterns(key: &str, words: &[String]) -> String {
 fn kind(v: &Values) -> String {
     match v {
         Values::Words(w) => format!("words {}", w.join(" ")),
+        Values::List(w) => format!("list {}", w.join(" ")),
         Values::Files => "files".into(),
         Values::Dirs => "dirs".into(),
         Values::CacheIds => "cache-ids".into(),
@@ -347,6 +353,13 @@ _FUNC() {
     case $kind in
         words\ *)
             COMPREPLY=($(compgen -W "${kind#words }" -- "$cur")) ;;
+        list\ *)
+            # The next word of a comma-separated list, after those typed.
+            if [[ $cur == *,* ]]; then
+                COMPREPLY=($(compgen -P "${cur%,*}," -W "${kind#list }" -- "${cur##*,}"))
+            else
+                COMPREPLY=($(compgen -W "${kind#list }" -- "$cur"))
+            fi ;;
         files)
             if type compopt >/dev/null 2>&1; then compopt -o filenames 2>/dev/null; fi
             local IFS=$'\n'
@@ -468,7 +481,7 @@ fn fish_option(f: &str) -> String {
 
 fn fish_values(v: &Values) -> String {
     match v {
-        Values::Words(w) => format!("-x -a {}", quote(&w.join(" "))),
+        Values::Words(w) | Values::List(w) => format!("-x -a {}", quote(&w.join(" "))),
         Values::Files => "-r -F".into(),
         Values::Dirs => "-x -a '(__fish_complete_directories)'".into(),
         Values::CacheIds => "-x -a '(__hybridcache_ids)'".into(),
