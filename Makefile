@@ -6,11 +6,12 @@ CARGO ?= cargo
 # each file system and volume signature with its own tool. prometheus: the metrics test. tmux: top.
 # jq, socat: the docs' examples, which the doc test (crates/cli/tests/docs.rs) runs. libnbd-bin
 # (nbdinfo, nbdcopy, nbdfuse), fuse3 (fusermount3), e2fsprogs (mkfs.ext4, e2fsck) and mount
-# (losetup, mount): ext4 on an export (crates/cli/tests/ext4_fuse.rs). Every tool a test needs is
+# (losetup, mount): ext4 on an export (crates/cli/tests/ext4_fuse.rs). zsh, fish: the completion
+# test runs each shell's script (crates/cli/tests/completions.rs). Every tool a test needs is
 # here: `make test` runs the tests with HC_REQUIRE_TOOLS=1, so a missing one fails the test
 # (common::need) instead of skipping it.
 DEB_PACKAGES := man-db fio nbdkit libnbd-bin qemu-utils fuse3 python3-libnbd prometheus tmux libclang-dev \
-	xfsprogs btrfs-progs lvm2 fdisk bcache-tools jq socat e2fsprogs mount
+	xfsprogs btrfs-progs lvm2 fdisk bcache-tools jq socat e2fsprogs mount zsh fish
 STAMP := target/.deps-installed
 
 .PHONY: all build deps ceph-deps test test-rust test-guest test-ceph ceph-demo ceph-ops lint fmt bench \

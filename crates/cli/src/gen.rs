@@ -12,9 +12,10 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use clap::{Args, CommandFactory, Subcommand};
-use clap_complete::Shell;
 
 use crate::cli::Cli;
+
+mod completion;
 
 #[derive(Debug, Clone, Args)]
 pub struct GenArgs {
@@ -67,7 +68,7 @@ pub fn man(dir: &Path) -> Result<()> {
     cmd.build();
     let mut verbs = Vec::new();
     for sub in cmd.get_subcommands().filter(|s| !s.is_hide_set()) {
-        page_tree(sub, dir, &mut verbs)?;
+        page_tree(sub, &[], dir, &mut verbs)?;
     }
     let mut main = Vec::new();
     page(&cmd).render(&mut main)?;
@@ -84,18 +85,124 @@ fn page(cmd: &clap::Command) -> clap_mangen::Man {
         .manual("hybridcache")
 }
 
-/// A page for `cmd` and for each of its visible subcommands (bench run, trace start, ...).
-fn page_tree(cmd: &clap::Command, dir: &Path, names: &mut Vec<String>) -> Result<()> {
+/// A page for `cmd` (below the commands `parents`) and for each of its visible subcommands
+/// (bench run, trace start, ...).
+fn page_tree(
+    cmd: &clap::Command,
+    parents: &[&str],
+    dir: &Path,
+    names: &mut Vec<String>,
+) -> Result<()> {
+    let mut path = parents.to_vec();
+    path.push(cmd.get_name());
     for sub in cmd.get_subcommands().filter(|s| !s.is_hide_set()) {
-        page_tree(sub, dir, names)?;
+        page_tree(sub, &path, dir, names)?;
     }
     let man = page(cmd);
     let file = dir.join(man.get_filename());
     let mut out = Vec::new();
     man.render(&mut out)?;
-    write(&file, &out)?;
+    let out = with_synopsis(&out, &synopsis(cmd, parents));
+    write(&file, out.as_bytes())?;
     names.push(cmd.get_display_name().unwrap_or(cmd.get_name()).to_string());
     Ok(())
+}
+
+/// `-` as roff's minus sign, so a copied option is typed as the hyphen it is.
+fn roff_text(s: &str) -> String {
+    s.replace('\\', "\\e").replace('-', "\\-")
+}
+
+fn bold(s: &str) -> String {
+    format!("\\fB{}\\fR", roff_text(s))
+}
+
+fn italic(s: &str) -> String {
+    format!("\\fI{}\\fR", roff_text(s))
+}
+
+/// A verb page's SYNOPSIS: one line per way of typing it, casadm's first
+/// (`hybridcache -S|--start-cache -d DEV [-i CACHE_ID] ...`, then `hybridcache start-cache ...`),
+/// with its options (short form where there is one; optional ones in brackets). The global
+/// options (--control, -H) are left to OPTIONS.
+fn synopsis(cmd: &clap::Command, parents: &[&str]) -> String {
+    let mut args = Vec::new();
+    for a in cmd
+        .get_arguments()
+        .filter(|a| !a.is_hide_set() && !a.is_global_set())
+    {
+        // A short list of possible values reads better than its name (-o table|csv|json).
+        let possible: Vec<String> = a
+            .get_possible_values()
+            .iter()
+            .filter(|p| !p.is_hide_set())
+            .map(|p| p.get_name().to_string())
+            .collect();
+        let value = match a.get_value_names().and_then(|n| n.first()) {
+            _ if !possible.is_empty() && possible.len() <= 6 => possible.join("|"),
+            Some(n) => n.to_string(),
+            None => a.get_id().as_str().to_uppercase(),
+        };
+        let takes = a.get_action().takes_values();
+        let optional_value = a.get_num_args().is_some_and(|n| n.min_values() == 0);
+        let text = if a.is_positional() {
+            italic(&value)
+        } else {
+            let flag = match (a.get_short(), a.get_long()) {
+                (Some(c), _) => format!("-{c}"),
+                (None, Some(l)) => format!("--{l}"),
+                (None, None) => continue,
+            };
+            // `\ ` is roff's unbreakable space: a flag stays on the line of its value.
+            match (takes, optional_value) {
+                (false, _) => bold(&flag),
+                (true, false) => format!("{}\\ {}", bold(&flag), italic(&value)),
+                (true, true) => format!("{}\\ [{}]", bold(&flag), italic(&value)),
+            }
+        };
+        args.push(if a.is_required_set() {
+            text
+        } else {
+            format!("[{text}]")
+        });
+    }
+    if cmd.get_subcommands().any(|s| !s.is_hide_set()) {
+        args.push(italic("COMMAND"));
+    }
+    let args = args.join(" ");
+    let mut forms = Vec::new();
+    let flags: Vec<String> = cmd
+        .get_short_flag()
+        .map(|c| format!("-{c}"))
+        .into_iter()
+        .chain(cmd.get_long_flag().map(|l| format!("--{l}")))
+        .map(|f| bold(&f))
+        .collect();
+    if parents.is_empty() && !flags.is_empty() {
+        forms.push(flags.join("|"));
+    }
+    let mut path: Vec<&str> = parents.to_vec();
+    path.push(cmd.get_name());
+    forms.push(bold(&path.join(" ")));
+    // Unhyphenated and ragged, so no option is split across lines; a hanging indent per form.
+    let mut s = String::from(".SH SYNOPSIS\n.nh\n.ad l\n");
+    for form in forms {
+        s += &format!(".HP 4\n{} {form} {args}\n", bold("hybridcache"));
+    }
+    s += ".ad b\n.hy\n";
+    s
+}
+
+/// The page `rendered` with its SYNOPSIS section replaced by `synopsis`.
+fn with_synopsis(rendered: &[u8], synopsis: &str) -> String {
+    let page = String::from_utf8_lossy(rendered);
+    let Some(start) = page.find(".SH SYNOPSIS\n") else {
+        return page.into_owned();
+    };
+    let end = page[start + 1..]
+        .find("\n.SH ")
+        .map_or(page.len(), |i| start + 1 + i + 1);
+    format!("{}{synopsis}{}", &page[..start], &page[end..])
 }
 
 /// FILES and SEE ALSO for hybridcache(8): the configuration page and the verbs' pages.
@@ -119,13 +226,23 @@ fn see_also(out: &mut Vec<u8>, verbs: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// hybridcache.bash, _hybridcache (zsh) and hybridcache.fish, from one walk of the definition
+/// (completion.rs says why not clap_complete's).
 pub fn completions(dir: &Path) -> Result<()> {
     create_dir(dir)?;
-    for shell in [Shell::Bash, Shell::Zsh, Shell::Fish] {
-        let mut cmd = Cli::command();
-        clap_complete::generate_to(shell, &mut cmd, "hybridcache", dir)
-            .with_context(|| format!("cannot write the {shell} completion"))?;
-    }
+    let mut cmd = Cli::command();
+    // build() puts the global options (--control, -H) into every subcommand.
+    cmd.build();
+    let tree = completion::tree(&cmd);
+    write(
+        &dir.join("hybridcache.bash"),
+        completion::bash(&tree, "_hybridcache").as_bytes(),
+    )?;
+    write(&dir.join("_hybridcache"), completion::zsh(&tree).as_bytes())?;
+    write(
+        &dir.join("hybridcache.fish"),
+        completion::fish(&tree).as_bytes(),
+    )?;
     Ok(())
 }
 
