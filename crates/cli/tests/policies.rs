@@ -174,9 +174,11 @@ fn every_group_is_set_read_back_and_survives_a_restart() {
 
     // Presets set their values and select their policy.
     d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "alru-lazy"]);
-    // A preset reads back as the policy casadm knows, its tunables holding its values: casadm
-    // has no presets (tests/casadm_compat.rs).
+    // A preset reads back as the policy casadm knows (-G, -P), its tunables holding its values:
+    // casadm has no presets (tests/casadm_compat.rs).
     assert_eq!(d.param("cleaning", 1, "Cleaning policy type"), "alru");
+    let p = d.ok(&["-P", "-i", "1", "-o", "csv"]);
+    assert!(!p.contains("alru-lazy"), "{p}");
     assert!(csv(&d, "cleaning-alru").contains("Wake up time [s],2\nStale buffer time [s],5\nFlush max buffers,256\nActivity threshold [ms],500"));
     d.ok(&[
         "-X",
