@@ -28,7 +28,9 @@ pub fn list(caches: &[CacheInfo], format: OutputFormat) -> String {
         "status",
         "write policy",
         "device",
-        "clients",
+        // NBD connections open on the export (one nbdfuse mount opens 4); a ublk device held
+        // open counts 1. JSON keeps the name `clients`.
+        "connections",
     ];
     let mut rows: Vec<[String; 7]> = Vec::new();
     for c in caches {
@@ -786,7 +788,7 @@ fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
             "Seq cutoff policy",
             core.seq_cutoff_policy.clone().unwrap_or_else(|| "-".into()),
         ));
-        v.push(("clients", "Clients", core.clients.to_string()));
+        v.push(("clients", "NBD connections", core.clients.to_string()));
         v.push(("cache_id", "Cache Id", c.id.to_string()));
     } else {
         v.push(("cache_id", "Cache Id", c.id.to_string()));
@@ -827,7 +829,7 @@ fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
         v.push(("status", "Status", c.status.clone()));
         v.push(("lazy_flush", "Lazy Flush", c.lazy_flush.clone()));
         let clients: usize = c.cores.iter().map(|k| k.clients).sum();
-        v.push(("clients", "Clients", clients.to_string()));
+        v.push(("clients", "NBD connections", clients.to_string()));
     }
     v
 }
@@ -2092,11 +2094,11 @@ mod tests {
         assert!(lines[0].starts_with("type"));
         assert!(lines[1].starts_with("cache"));
         assert!(lines[2].starts_with("└core") && lines[2].ends_with("cas1-1   2"));
-        assert!(lines[0].ends_with("clients"));
+        assert!(lines[0].ends_with("connections"));
         let csv = list(std::slice::from_ref(&r.cache), OutputFormat::Csv);
         assert!(csv.lines().nth(2).unwrap().ends_with(",cas1-1,2"), "{csv}");
         let t = stats(&r, OutputFormat::Table);
-        assert!(t.contains("Clients"), "{t}");
+        assert!(t.contains("NBD connections"), "{t}");
         assert_eq!(list(&[], OutputFormat::Table), "No caches running\n");
     }
 }

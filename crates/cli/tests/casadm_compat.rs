@@ -368,3 +368,77 @@ fn a_casadm_users_script_runs_unchanged() {
     assert_eq!(code, Some(3), "stdout:\n{out}\nstderr:\n{err}");
     assert!(err.contains("cache engine not loaded"), "{err}");
 }
+
+/// One nbdfuse mount opens several NBD connections (4 by default): `-L` and the `-T` refusal
+/// count connections and say so, the same number in both, rather than calling them clients.
+#[test]
+fn an_nbdfuse_mount_shows_as_connections() {
+    if !need(&["nbdfuse", "fusermount3"]) {
+        return;
+    }
+    let FileCache { dir, daemon: d, .. } = file_cache(32 << 20, 64 << 20, &["-c", "wt"]);
+    let fuse_dir = dir.path().join("fuse");
+    std::fs::create_dir_all(&fuse_dir).expect("mount point");
+    let pidfile = dir.path().join("nbdfuse.pid");
+    let child = Command::new("nbdfuse")
+        .arg("-P")
+        .arg(&pidfile)
+        .arg(fuse_dir.join("disk"))
+        .arg(d.uri("cas1-1"))
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn nbdfuse");
+    let _fuse = Kill(child);
+    let _unmount = Unmount(fuse_dir.clone());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let connections = |d: &Daemon| -> usize {
+        let csv = d.ok(&["-L", "-o", "csv"]);
+        let (head, rows) = csv_rows(&csv);
+        assert_eq!(
+            head.last().map(String::as_str),
+            Some("connections"),
+            "{csv}"
+        );
+        rows.iter()
+            .find(|r| r[0] == "core")
+            .and_then(|r| r.last()?.parse().ok())
+            .unwrap_or(0)
+    };
+    // nbdfuse opens its connections once it serves: wait for them all to settle.
+    let mut seen = 0;
+    loop {
+        let n = connections(&d);
+        if pidfile.exists() && n > 1 && n == seen {
+            break;
+        }
+        seen = n;
+        assert!(
+            std::time::Instant::now() < deadline,
+            "nbdfuse never connected (last count {n})"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(300));
+    }
+    let err = d.fails(&["-T", "-i", "1"]);
+    assert!(
+        err.contains(&format!(
+            "cas1-1 has {seen} NBD connections open: disconnect them first"
+        )),
+        "{err}"
+    );
+    let out = d.ok(&["-T", "-i", "1", "--disconnect-clients"]);
+    assert!(
+        out.contains(&format!("closed {seen} NBD connections of cas1-1")),
+        "{out}"
+    );
+}
+
+/// Unmounts a FUSE mount point when dropped, so a failing test leaves no mount behind.
+struct Unmount(std::path::PathBuf);
+
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        let _ = Command::new("fusermount3").arg("-u").arg(&self.0).output();
+    }
+}
