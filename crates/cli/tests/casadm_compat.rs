@@ -442,3 +442,58 @@ impl Drop for Unmount {
         let _ = Command::new("fusermount3").arg("-u").arg(&self.0).output();
     }
 }
+
+/// A device that is not there is refused with every form a device can be named in, the NBD
+/// URIs included (an operator moving a core to a remote server looks for them there).
+#[test]
+fn a_missing_device_is_refused_with_every_form_nbd_uris_included() {
+    let FileCache { dir, daemon: d, .. } = file_cache(64 << 20, 64 << 20, &["-c", "wt"]);
+    let missing = dir.path().join("no-such-disk");
+    let missing = missing.to_str().expect("UTF-8 path");
+    for args in [
+        vec!["-S", "-d", missing, "-i", "2"],
+        vec!["-A", "-i", "1", "-d", missing],
+        vec!["-S", "-d", "nope:1", "-i", "2"],
+    ] {
+        let err = d.fails(&args);
+        for form in [
+            "path of an existing file or block device",
+            "nbd://HOST[:PORT]/EXPORT",
+            "nbd+unix:///EXPORT?socket=PATH",
+            "ram:SIZE",
+        ] {
+            assert!(err.contains(form), "{args:?}: {form} in {err}");
+        }
+    }
+}
+
+/// `-S -H` names the cache id range once, and a bad id is refused in the help's words, not in
+/// Rust's range syntax.
+#[test]
+fn id_ranges_are_said_once_and_never_in_rust_syntax() {
+    let out = Command::new(BIN)
+        .args(["-S", "-H"])
+        .output()
+        .expect("run the CLI");
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(help.matches("1..16384").count(), 1, "{help}");
+    let id_line = help
+        .lines()
+        .find(|l| l.contains("--cache-id"))
+        .unwrap_or_default();
+    assert_eq!(id_line.matches("Cache id").count(), 1, "{id_line}");
+    for (args, range) in [
+        (vec!["-S", "-d", "ram:64M", "-i", "0"], "(1..16384)"),
+        (vec!["-T", "-i", "16385"], "(1..16384)"),
+        (vec!["-R", "-i", "1", "-j", "4096"], "(0..4095)"),
+        (vec!["-P", "-i", "1", "-d", "34"], "(0..33)"),
+    ] {
+        let out = Command::new(BIN).args(&args).output().expect("run the CLI");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.contains(range) && !err.contains("..="),
+            "{args:?}: {err}"
+        );
+    }
+}
