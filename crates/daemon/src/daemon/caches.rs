@@ -1,0 +1,614 @@
+//! Cache lifecycle: `start-cache` (create, `--load`, or the configuration file's load-or-create),
+//! loading what a cache device holds, `-T` (stop), and the daemon's shutdown, which stops them all.
+//!
+//! These handlers are methods of [`Daemon`], not of [`State`]: besides the registry they open
+//! devices under claims (`open_claimed`, which refuses the daemon's own exports), start and stop
+//! exports on the front-ends, record the setup in the state directory, and end block traces.
+//! Each takes the state lock itself and holds it from its checks to its last change, so no other
+//! request sees a cache half started or half stopped.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use hybridcache_engine::{
+    Cache, CacheConfig, CacheMode, CoreRecord, CoreStatus, EngineError, LineSize,
+};
+use hybridcache_volume::VolumeRef;
+use serde_json::json;
+
+use super::{
+    engine_err, export_name, flush_retrying, not_the_recorded_device, CacheEntry, CoreEntry,
+    Daemon, Reply, State, MAX_CACHE_ID,
+};
+use crate::devices::{device_key, DeviceKey};
+use crate::frontend::{ExportSpec, Frontend};
+use crate::nbd_volume::is_nbd_uri;
+use crate::protocol;
+use crate::safety::{self, Consent, Consents, Loss};
+use crate::target::Target;
+
+/// How `start-cache` gets its cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Start {
+    /// A new cache; `force` overwrites a cache the device holds.
+    Create { force: bool },
+    /// The cache the device holds (`--load`).
+    Load,
+    /// The configuration file: load the cache the device holds, create one otherwise.
+    LoadOrCreate,
+}
+
+/// Give up a cache just loaded: stop it keeping its dirty data, so it loads again later.
+pub(super) fn abandon(cache: &Cache) {
+    if let Err(e) = cache.stop(false) {
+        tracing::warn!(
+            "releasing cache {} again failed: {}",
+            cache.id(),
+            engine_err(e)
+        );
+    }
+}
+
+/// What formatting `device` as a new cache destroys: the cache it holds (with its dirty lines,
+/// read from its metadata without loading it), hybridcache metadata that cannot be read, or a
+/// file system or other signature (signature.rs).
+fn device_losses(
+    device: &str,
+    volume: &dyn hybridcache_volume::Volume,
+) -> std::result::Result<Vec<Loss>, String> {
+    match hybridcache_engine::read_summary(volume) {
+        Ok(Some(summary)) => {
+            return Ok(vec![Loss::CacheMetadata {
+                device: device.to_string(),
+                cache: summary.superblock.cache_id,
+                cores: cores_text(&summary.superblock),
+                dirty_lines: summary.total_dirty_lines(),
+                dirty_bytes: summary.dirty_bytes(),
+            }])
+        }
+        Ok(None) => {}
+        // A newer build's cache, or metadata damaged in both copies: what it holds cannot be
+        // told, only that --force destroys it.
+        Err(e) => {
+            return Ok(vec![Loss::Signature {
+                device: device.to_string(),
+                what: format!(
+                    "hybridcache metadata this build cannot read ({})",
+                    engine_err(e)
+                ),
+            }])
+        }
+    }
+    if hybridcache_engine::holds_metadata(volume).map_err(engine_err)? {
+        return Ok(vec![Loss::Signature {
+            device: device.to_string(),
+            what: "a damaged hybridcache superblock (no copy of it loads)".into(),
+        }]);
+    }
+    let Some(path) = crate::claims::spec_path(device) else {
+        return Ok(Vec::new());
+    };
+    Ok(crate::signature::detect(Path::new(path))?
+        .map(|what| Loss::Signature {
+            device: device.to_string(),
+            what,
+        })
+        .into_iter()
+        .collect())
+}
+
+/// Refuse to format a device that holds data of another kind (signature.rs). A hybridcache
+/// cache is left to the engine, which refuses it unless forced and lets the configuration file
+/// load it.
+pub(super) fn check_signatures(
+    device: &str,
+    volume: &dyn hybridcache_volume::Volume,
+    how: Start,
+) -> std::result::Result<(), String> {
+    if Cache::peek(volume).is_ok() {
+        return Ok(());
+    }
+    let Some(path) = crate::claims::spec_path(device) else {
+        return Ok(());
+    };
+    match crate::signature::detect(Path::new(path))? {
+        None => Ok(()),
+        Some(found) if how == Start::LoadOrCreate => Err(format!(
+            "{device} holds {found}; the configuration file does not overwrite it (format it with start-cache --force, or fix the device name)"
+        )),
+        Some(found) => Err(format!(
+            "{device} holds {found}; use --force to overwrite it"
+        )),
+    }
+}
+
+/// A cache's cores as its superblock records them, for a refusal ("1 (/dev/sdb)").
+pub(super) fn cores_text(sb: &hybridcache_engine::Superblock) -> String {
+    sb.cores
+        .iter()
+        .map(|c| format!("{} ({})", c.id, c.path))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+impl Daemon {
+    pub(super) fn start_cache(
+        &self,
+        device: &str,
+        id: Option<u16>,
+        mode: Option<&str>,
+        line_kib: Option<u32>,
+        how: Start,
+    ) -> Reply {
+        let mut st = self.state.lock();
+        // The device watcher calls this outside `handle`: once shutdown holds the lock no cache
+        // may start, or it would escape the shutdown's flush.
+        if self.stopping.load(Ordering::SeqCst) {
+            return Err("the daemon is shutting down".into());
+        }
+        if let Some(id) = id {
+            if id == 0 || id > MAX_CACHE_ID {
+                return Err(format!(
+                    "cache id {id} is out of range (1..={MAX_CACHE_ID})"
+                ));
+            }
+            if st.caches.contains_key(&id) {
+                return Err(format!("cache {id} already exists"));
+            }
+            if st.disconnected.contains_key(&id) {
+                return Err(format!(
+                    "cache {id} is disconnected, its exports kept; connect it with --script --connect-cache or stop it with -T -i {id}"
+                ));
+            }
+            if let Some(w) = st.waiting.get(&id) {
+                return Err(format!(
+                    "cache {id} of the configuration is not running ({}: {}); stop it with -T -i {id} to drop it first",
+                    w.status, w.section.device
+                ));
+            }
+        }
+        // ram: and null: devices start empty every time: their metadata stays in RAM.
+        let volatile = device.starts_with("ram:") || device.starts_with("null:");
+        if how == Start::Load {
+            if mode.is_some() || line_kib.is_some() {
+                return Err("--load takes the cache mode and line size recorded on the device; omit -c and -x (switch the mode afterwards with set-cache-mode)".into());
+            }
+            if volatile {
+                return Err(format!(
+                    "{device} cannot hold a cache to load: ram: and null: devices start empty"
+                ));
+            }
+            let key = st.check_free(device)?;
+            let volume = self.open_claimed(device, false)?;
+            let loaded = self.load_locked(&mut st, device, key, id, volume);
+            if let Err(e) = &loaded {
+                self.abandon_exports(device, e);
+            }
+            return loaded;
+        }
+        let mode: CacheMode = mode.unwrap_or("wt").parse()?;
+        let line_size = LineSize::from_kib(line_kib.unwrap_or(4))?;
+        let id = match id {
+            Some(id) => id,
+            None => (1..=MAX_CACHE_ID)
+                .find(|i| !st.id_taken(*i))
+                .ok_or("every cache id is in use")?,
+        };
+        let key = st.check_free(device)?;
+        let volume = self.open_claimed(device, false)?;
+        let what = format!("starting a cache on {device}");
+        let accepted = match how {
+            Start::Create { force } if !volatile => {
+                let given = Consents::none().with(Consent::Overwrite, force);
+                safety::decide(&what, device_losses(device, &*volume)?, &given)?
+            }
+            Start::LoadOrCreate if !volatile => {
+                check_signatures(device, &*volume, how)?;
+                Vec::new()
+            }
+            _ => Vec::new(),
+        };
+        let config = CacheConfig {
+            id,
+            line_size,
+            mode,
+        };
+        let created = if volatile {
+            Cache::new(volume, config)
+        } else {
+            let force = matches!(how, Start::Create { force: true });
+            match Cache::create(volume.clone(), config, force) {
+                Err(EngineError::ExistingCache { .. }) if how == Start::LoadOrCreate => {
+                    return self.load_locked(&mut st, device, key, Some(id), volume);
+                }
+                other => other,
+            }
+        };
+        let cache = created.map_err(|e| format!("{device}: {}", engine_err(e)))?;
+        let persistent = cache.persistent();
+        st.caches.insert(
+            id,
+            CacheEntry {
+                cache,
+                device: device.to_string(),
+                key,
+                cores: BTreeMap::new(),
+                ioclass: (None, None),
+                lazy_startup: None,
+                left_mode: None,
+            },
+        );
+        self.save_locked(&st);
+        tracing::info!(
+            "started {} cache {id} on {device} ({mode}, {} KiB lines)",
+            if persistent { "persistent" } else { "volatile" },
+            line_size.kib()
+        );
+        let mut started = serde_json::to_value(protocol::Started {
+            id,
+            loaded: false,
+            inactive: Vec::new(),
+            why_inactive: Default::default(),
+        })
+        .map_err(|e| e.to_string())?;
+        started["losses"] = safety::record(&what, &accepted);
+        Ok(started)
+    }
+
+    /// Load the cache `volume` holds (the device named `device`, not in use elsewhere), reopen
+    /// its cores from their recorded devices (missing ones stay inactive) and export them.
+    fn load_locked(
+        &self,
+        st: &mut State,
+        device: &str,
+        key: Option<DeviceKey>,
+        want_id: Option<u16>,
+        volume: VolumeRef,
+    ) -> Reply {
+        let mut notes = Vec::new();
+        let mut in_use: Option<String> = None;
+        let loaded = {
+            let st: &State = st;
+            let mut open_core = |rec: &CoreRecord| -> Option<VolumeRef> {
+                if let Some(user) = device_key(&rec.path).and_then(|k| st.user_of(&k)) {
+                    in_use.get_or_insert(format!(
+                        "core {} of the cache on {device} ({}) is already in use as {user}",
+                        rec.id, rec.path
+                    ));
+                    return None;
+                }
+                match self.open_claimed(&rec.path, false) {
+                    Ok(v) => match not_the_recorded_device(rec, &rec.path) {
+                        None => Some(v),
+                        Some(why) => {
+                            notes.push((rec.id, why));
+                            None
+                        }
+                    },
+                    Err(e) => {
+                        notes.push((rec.id, format!("its device cannot be opened ({e})")));
+                        None
+                    }
+                }
+            };
+            Cache::load(volume, &mut open_core)
+        };
+        let cache =
+            loaded.map_err(|e| format!("cannot load the cache on {device}: {}", engine_err(e)))?;
+        let id = cache.id();
+        let problem = if let Some(p) = in_use {
+            Some(p)
+        } else if want_id.is_some_and(|w| w != id) {
+            Some(format!(
+                "{device} holds cache {id}, not cache {}",
+                want_id.unwrap_or(0)
+            ))
+        } else if st.caches.contains_key(&id) {
+            Some(format!(
+                "{device} holds cache {id}, but cache {id} already exists; stop it first"
+            ))
+        } else if st.disconnected.contains_key(&id) {
+            Some(format!(
+                "{device} holds cache {id}, which is disconnected; bring it back with --script --connect-cache -d {device}"
+            ))
+        } else {
+            None
+        };
+        if let Some(p) = problem {
+            abandon(&cache);
+            return Err(p);
+        }
+        let line = cache.line_size().bytes();
+        let mut cores = BTreeMap::new();
+        let mut exported: Vec<(String, &Arc<dyn Frontend>)> = Vec::new();
+        let mut inactive = Vec::new();
+        for info in cache.cores() {
+            let active = info.status == CoreStatus::Active;
+            let name = export_name(id, info.id);
+            let frontend = self.frontend_at_load(&name, device);
+            let mut target = None;
+            if active {
+                let description = format!("core {} ({}) of cache {id}", info.id, info.name);
+                let added = cache.core(info.id).map_err(engine_err).and_then(|core| {
+                    let t = Target::new(core);
+                    target = Some(t.clone());
+                    frontend.start(ExportSpec {
+                        name: name.clone(),
+                        description,
+                        core: t,
+                        line_size: line,
+                        cache_device: device.to_string(),
+                    })
+                });
+                if let Err(e) = added {
+                    for (n, f) in &exported {
+                        f.stop(n);
+                    }
+                    abandon(&cache);
+                    return Err(format!("cannot export {name}: {e}"));
+                }
+                self.kinds.set(&name, device, frontend.kind());
+                exported.push((name, frontend));
+            } else {
+                inactive.push(info.id);
+            }
+            cores.insert(
+                info.id,
+                CoreEntry {
+                    key: if active { device_key(&info.name) } else { None },
+                    device: info.name,
+                    active,
+                    pending: false,
+                    frontend: frontend.kind(),
+                    target,
+                    lazy_startup: None,
+                },
+            );
+        }
+        let mode = cache.mode();
+        let line_kib = cache.line_size().kib();
+        let count = cores.len();
+        st.caches.insert(
+            id,
+            CacheEntry {
+                cache,
+                device: device.to_string(),
+                key,
+                cores,
+                ioclass: (None, None),
+                lazy_startup: None,
+                left_mode: None,
+            },
+        );
+        self.save_locked(st);
+        tracing::info!(
+            "loaded cache {id} from {device} ({mode}, {line_kib} KiB lines, {count} cores, {} inactive)",
+            inactive.len()
+        );
+        for (core, why) in &notes {
+            tracing::info!("cache {id}: core {core} is inactive: {why}");
+        }
+        serde_json::to_value(protocol::Started {
+            id,
+            loaded: true,
+            inactive,
+            why_inactive: notes.into_iter().collect(),
+        })
+        .map_err(|e| e.to_string())
+    }
+
+    /// `-T`: connected clients are the only loss (dirty data is flushed, or with `-n` kept on
+    /// the cache device for the next load), so `--disconnect-clients` is the only consent.
+    pub(super) fn stop_cache(&self, id: u16, no_data_flush: bool, given: &Consents) -> Reply {
+        let mut st = self.state.lock();
+        if let Some(w) = st.waiting.remove(&id) {
+            // Not running: nothing to flush; the operator drops it from the setup.
+            self.save_locked(&st);
+            tracing::info!(
+                "cache {id} ({}, {}) dropped from the setup",
+                w.section.device,
+                w.status
+            );
+            return Ok(json!({}));
+        }
+        if st.disconnected.contains_key(&id) {
+            return self.stop_disconnected(&mut st, id, given);
+        }
+        let entry = st.cache(id)?;
+        let what = format!("stopping cache {id}");
+        let names: Vec<(String, &'static str)> = entry
+            .cores
+            .iter()
+            .map(|(c, e)| (export_name(id, *c), e.frontend))
+            .collect();
+        let clients = self.clients_of(&names, !given.gives(Consent::DisconnectClients));
+        let accepted = safety::decide(&what, clients, given)?;
+        let cache = entry.cache.clone();
+        let device = entry.device.clone();
+        if no_data_flush && !cache.persistent() && cache.stats().usage.dirty_lines != 0 {
+            return Err(format!(
+                "cache {id} on {device} keeps its metadata in RAM only, so its dirty data cannot outlive a stop; stop it without --no-data-flush"
+            ));
+        }
+        // Its traces end here, before the exports go (trace.rs); they stay listed.
+        self.traces.cache_stopped(&self.registry, id);
+        // New connections must not reach a cache that is going away; established ones get
+        // errors once the engine stops it.
+        let removed: Vec<_> = entry
+            .cores
+            .iter()
+            .filter(|(_, c)| c.active)
+            .filter_map(|(c, e)| {
+                let name = export_name(id, *c);
+                let frontend = self.frontends.get(Some(e.frontend)).ok()?;
+                frontend.stop(&name).then_some((
+                    *c,
+                    e.device.clone(),
+                    name,
+                    frontend,
+                    e.target.clone(),
+                ))
+            })
+            .collect();
+        if !no_data_flush {
+            // Flush first while the cache still serves: a failure here changes nothing.
+            let remote: Vec<String> = entry
+                .cores
+                .values()
+                .filter(|e| is_nbd_uri(&e.device))
+                .map(|e| e.device.clone())
+                .collect();
+            if let Err(e) = flush_retrying(&remote, || cache.flush()) {
+                let line = cache.line_size().bytes();
+                for (core_id, core_device, name, frontend, target) in &removed {
+                    // The entry's own target goes back, so a later disconnect finds it.
+                    let target = match target {
+                        Some(t) => Ok(t.clone()),
+                        None => cache.core(*core_id).map(Target::new).map_err(engine_err),
+                    };
+                    let back = target.and_then(|core| {
+                        frontend.start(ExportSpec {
+                            name: name.clone(),
+                            description: format!("core {core_id} ({core_device}) of cache {id}"),
+                            core,
+                            line_size: line,
+                            cache_device: device.clone(),
+                        })
+                    });
+                    if let Err(e) = back {
+                        tracing::error!("cache {id}: {name} cannot be served again: {e}");
+                    }
+                }
+                return Err(format!(
+                    "cache {id} was not stopped: flushing failed: {}",
+                    engine_err(e)
+                ));
+            }
+        }
+        let stopped = cache.stop(!no_data_flush);
+        // From here on the engine refuses requests: the cache is gone either way.
+        self.note_stop(&st, id);
+        st.caches.remove(&id);
+        self.save_locked(&st);
+        let losses = safety::record(&what, &accepted);
+        match stopped {
+            Ok(()) => {
+                let dirty = cache.stats().usage.dirty_lines;
+                tracing::info!(
+                    "stopped cache {id}{}",
+                    if dirty > 0 {
+                        format!(" ({dirty} dirty lines kept on {device})")
+                    } else {
+                        String::new()
+                    }
+                );
+                Ok(json!({ "losses": losses }))
+            }
+            Err(e) => {
+                let e = engine_err(e);
+                tracing::error!("cache {id}: stopping failed: {e}");
+                if !no_data_flush && cache.persistent() && cache.stop(false).is_ok() {
+                    Err(format!("cache {id} was stopped without flushing all dirty data ({e}); the dirty data is kept on {device}: load it with start-cache --load"))
+                } else if cache.persistent() {
+                    Err(format!("cache {id} was stopped, but writing its metadata failed ({e}); the next start-cache --load recovers it as after a crash"))
+                } else {
+                    Err(format!("cache {id} was stopped with an error: {e}"))
+                }
+            }
+        }
+    }
+
+    /// The front-end of a core whose cache is being loaded: the one that served it before
+    /// the daemon restarted (it resumes the same device), else the configuration's, else the
+    /// one it had last (the state directory), else the default.
+    fn frontend_at_load(&self, name: &str, cache_device: &str) -> &Arc<dyn Frontend> {
+        if let Some(f) = self
+            .frontends
+            .all()
+            .find(|f| f.remembers(name, cache_device))
+        {
+            return f;
+        }
+        let preferred = self
+            .preferred
+            .lock()
+            .get(name)
+            .cloned()
+            .or_else(|| self.kinds.get(name, cache_device));
+        self.frontends
+            .get(preferred.as_deref())
+            .or_else(|_| self.frontends.get(None))
+            .expect("the default front-end exists")
+    }
+
+    /// The cache on `device` cannot be loaded: exports a previous daemon left for it (ublk
+    /// devices holding their requests) are given up, with the reason in the log.
+    pub(super) fn abandon_exports(&self, device: &str, why: &str) {
+        for f in self.frontends.all() {
+            f.abandon(device, why);
+        }
+    }
+
+    /// `stop-daemon`: the reply waits for the shutdown's outcome.
+    pub(super) fn stop_daemon(&self) -> Reply {
+        let caches = self.state.lock().caches.len();
+        tracing::info!("stop-daemon requested on the control socket");
+        self.shutdown_waiters.fetch_add(1, Ordering::SeqCst);
+        // The main thread's sigwait takes it from here, as for an operator's SIGTERM;
+        // the reply waits for the outcome, so the caller knows whether every cache
+        // was flushed.
+        // SAFETY: kill(2) on our own pid with a valid signal number.
+        unsafe { libc::kill(libc::getpid(), libc::SIGTERM) };
+        let mut outcome = self.shutdown_outcome.lock();
+        while outcome.is_none() {
+            self.shutdown_done.wait(&mut outcome);
+        }
+        let clean = outcome.unwrap_or(false);
+        drop(outcome);
+        Ok(json!({ "clean": clean, "caches": caches }))
+    }
+
+    /// Stop every cache, flushing its dirty data; returns false if some dirty data could not be
+    /// written (it is then kept on the cache device where the cache is persistent).
+    pub(super) fn shutdown(&self) -> bool {
+        self.stopping.store(true, Ordering::SeqCst);
+        self.traces.stop_all(&self.registry);
+        let mut st = self.state.lock();
+        // Requests held for a disconnected cache fail now rather than hold up the front-ends'
+        // stop (and a pass-through route lets go of its core).
+        for d in st.disconnected.values() {
+            d.take_down();
+        }
+        st.disconnected.clear();
+        // Block devices go before their caches stop, so their last requests are served.
+        for f in self.frontends.all() {
+            f.stop_all();
+        }
+        let mut clean = true;
+        for (id, c) in &st.caches {
+            if let Err(e) = c.cache.stop(true) {
+                tracing::error!(
+                    "cache {id}: stopping with a flush failed: {}",
+                    engine_err(e)
+                );
+                clean = false;
+                if c.cache.persistent() {
+                    match c.cache.stop(false) {
+                        Ok(()) => tracing::info!(
+                            "cache {id}: its dirty data is kept on {}",
+                            c.device
+                        ),
+                        Err(e) => tracing::error!(
+                            "cache {id}: writing the metadata failed too ({}); the next load recovers it as after a crash",
+                            engine_err(e)
+                        ),
+                    }
+                }
+            }
+        }
+        st.caches.clear();
+        clean
+    }
+}
