@@ -212,6 +212,15 @@ fn presets_show_as_casadms_policy_and_its_parameters() {
     );
     let text = d.ok(&["-G", "-n", "cleaning", "-i", "1"]);
     assert!(!text.contains("aggressive"), "{text}");
+    // -P's Cleaning Policy, casadm's row, likewise.
+    let stats = d.ok(&["-P", "-i", "1", "-f", "conf", "-o", "csv"]);
+    let (head, rows) = csv_rows(&stats);
+    let col = head.iter().position(|h| h == "Cleaning Policy");
+    assert_eq!(
+        col.and_then(|i| rows.first()?.get(i)).map(String::as_str),
+        Some("acp"),
+        "{stats}"
+    );
 
     d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "alru-lazy"]);
     assert_eq!(
@@ -496,4 +505,99 @@ fn id_ranges_are_said_once_and_never_in_rust_syntax() {
             "{args:?}: {err}"
         );
     }
+}
+
+/// casadm's `-L` shows the mode a cache runs, and `wb->MODE` only while a flush switches it
+/// (casadm/cas_lib.c, `list_caches`: the mode string is "wb->..." only when there is flush
+/// progress). After `-Q -c wt -f no` the cache runs wt with dirty data left: `-L` says wt, as
+/// it does after a stop without flush and a load of that cache; `-P` shows the dirty data.
+#[test]
+fn list_shows_the_mode_the_cache_runs_after_a_switch_without_flush() {
+    let FileCache {
+        dir: _dir,
+        spec,
+        daemon: d,
+        ..
+    } = file_cache(64 << 20, 64 << 20, &["-c", "wb"]);
+    d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "nop"]);
+    {
+        let mut c = hybridcache_nbd::Client::connect_unix(&d.nbd, "cas1-1").expect("connect");
+        c.write(&[0x5a; 65536], 0, false).expect("write");
+        c.disconnect().expect("disconnect");
+    }
+    d.ok(&["-Q", "-c", "wt", "-i", "1", "-f", "no"]);
+    let mode = |d: &Daemon| -> String {
+        let csv = d.ok(&["-L", "-o", "csv"]);
+        let (_, rows) = csv_rows(&csv);
+        rows.iter()
+            .find(|r| r[0] == "cache" && r[1] == "1")
+            .map(|r| r[4].clone())
+            .unwrap_or_default()
+    };
+    let dirty = |d: &Daemon| d.stats_json(1, None)["usage"]["dirty"]["count"].as_u64();
+    assert_eq!(mode(&d), "wt");
+    assert_eq!(dirty(&d), Some(16));
+    d.ok(&["-T", "-i", "1", "-n"]);
+    d.ok(&["-S", "-d", &spec, "--load"]);
+    assert_eq!(mode(&d), "wt");
+    assert_eq!(dirty(&d), Some(16));
+}
+
+/// A cache device too small for one line and its metadata is refused with the size it needs at
+/// least: a file of exactly that size starts, one a sector smaller is refused.
+#[test]
+fn a_too_small_cache_device_is_refused_with_the_minimum_size() {
+    let dir = workdir();
+    let d = Daemon::start(dir.path());
+    let file = dir.path().join("small.img");
+    let spec = file.to_str().expect("UTF-8 path");
+    // Two 1 MiB superblock slots, the metadata rounded up to a MiB, one line.
+    for (kib, min) in [(4u64, 3_149_824u64), (64, 3_211_264)] {
+        let kib_s = kib.to_string();
+        for (size, starts) in [(1u64 << 20, false), (min - 512, false), (min, true)] {
+            let _ = std::fs::remove_file(&file);
+            sparse_file(&file, size);
+            let args = ["-S", "-d", spec, "-i", "1", "-x", &kib_s];
+            if starts {
+                d.ok(&args);
+                d.ok(&["-T", "-i", "1"]);
+                continue;
+            }
+            let err = d.fails(&args);
+            let grouped = |n: u64| {
+                let s = n.to_string();
+                let mut out = String::new();
+                for (i, c) in s.chars().enumerate() {
+                    if i > 0 && (s.len() - i) % 3 == 0 {
+                        out.push(',');
+                    }
+                    out.push(c);
+                }
+                out
+            };
+            assert!(
+                err.contains(&format!(
+                    "{spec} is too small for a cache: it holds {} bytes, and a persistent cache \
+                     with {kib} KiB lines needs at least {} bytes",
+                    grouped(size),
+                    grouped(min)
+                )),
+                "{err}"
+            );
+        }
+    }
+    let err = d.fails(&["-S", "-d", "ram:2K", "-i", "2"]);
+    assert!(
+        err.contains("a volatile cache with 4 KiB lines needs at least 4,096 bytes (one line)"),
+        "{err}"
+    );
+    // The configuration file's id check says the range as the CLI does.
+    let cfg = dir.path().join("bad.toml");
+    std::fs::write(&cfg, "[[cache]]\nid = 16385\ndevice = \"ram:16M\"\n").expect("config");
+    let other = workdir();
+    let err = daemon_refuses_to_start(other.path(), &["--config", cfg.to_str().expect("UTF-8")]);
+    assert!(
+        err.contains("cache 16385: id out of range (1..16384)") && !err.contains("..="),
+        "{err}"
+    );
 }

@@ -394,8 +394,10 @@ fn config_file_applied_and_saved() {
     let err = d.fails(&["-Q", "-c", "wt", "-i", "3"]);
     assert!(err.contains("--flush-cache (-f) yes or no"), "{err}");
     assert!(d.ok(&["-L"]).contains("wb"));
-    // Dirty data left by `-f no` shows as wb->wt in -L until it has drained (here: flushed;
-    // cleaning nop keeps it until then).
+    // As casadm, -L shows the mode the cache runs: after `-f no` that is wt, with the dirty
+    // data left in -P's Dirty rows until it drains (here: flushed; cleaning nop keeps it until
+    // then); `wb->wt` only while a flush switches the mode (tests/flush_progress.rs); after a
+    // stop without flush and a load too (tests/casadm_compat.rs).
     d.ok(&["-X", "-n", "cleaning", "-i", "3", "-p", "nop"]);
     {
         let mut c = hybridcache_nbd::Client::connect_unix(&d.nbd, "cas3-2").expect("connect");
@@ -403,8 +405,16 @@ fn config_file_applied_and_saved() {
         c.disconnect().unwrap();
     }
     d.ok(&["-Q", "-c", "wt", "-i", "3", "-f", "no"]);
-    let list = d.ok(&["-L"]);
-    assert!(list.contains("wb->wt"), "{list}");
+    let mode = |d: &Daemon| -> String {
+        let csv = d.ok(&["-L", "-o", "csv"]);
+        csv.lines()
+            .find(|l| l.starts_with("cache,3,"))
+            .and_then(|l| l.split(',').nth(4))
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert_eq!(mode(&d), "wt");
+    assert!(d.stats_json(3, None)["usage"]["dirty"]["count"].as_u64() > Some(0));
     d.ok(&["-F", "-i", "3"]);
     let list = d.ok(&["-L"]);
     assert!(list.contains("wt") && !list.contains("wb->wt"), "{list}");
