@@ -844,37 +844,39 @@ fn sample_matches(want: &[String], got: &str) -> Result<(), String> {
         want.pop();
     }
     let got: Vec<&str> = got.lines().collect();
-    sample_walk(&want, &got, 0, 0)
+    sample_walk(&want, &got, 0, 0).map_err(|(_, e)| e)
 }
 
-fn sample_walk(want: &[&str], got: &[&str], w0: usize, g0: usize) -> Result<(), String> {
+/// Err carries how many of the doc's lines matched before the mismatch, so that after a `...`
+/// the mismatch reported is the one of the alignment that got furthest.
+fn sample_walk(want: &[&str], got: &[&str], w0: usize, g0: usize) -> Result<(), (usize, String)> {
     match want.first() {
         None if got.is_empty() => Ok(()),
-        None => Err(format!(
-            "output line {} `{}` is not in the doc",
-            g0 + 1,
-            got[0]
+        None => Err((
+            w0,
+            format!("output line {} `{}` is not in the doc", g0 + 1, got[0]),
         )),
         Some(l) if l.trim() == "..." => {
             let rest = &want[1..];
-            let mut first_err = None;
+            let mut best: Option<(usize, String)> = None;
             for skip in 0..=got.len() {
                 match sample_walk(rest, &got[skip..], w0 + 1, g0 + skip) {
                     Ok(()) => return Ok(()),
                     Err(e) => {
-                        first_err.get_or_insert(e);
+                        if best.as_ref().map_or(true, |b| e.0 > b.0) {
+                            best = Some(e);
+                        }
                     }
                 }
             }
-            Err(first_err.unwrap_or_default())
+            Err(best.unwrap_or_default())
         }
         Some(l) => match got.first() {
-            None => Err(format!("the doc's line {} `{l}` is missing", w0 + 1)),
+            None => Err((w0, format!("the doc's line {} `{l}` is missing", w0 + 1))),
             Some(g) if sample_line(l, g) => sample_walk(&want[1..], &got[1..], w0 + 1, g0 + 1),
-            Some(g) => Err(format!(
-                "the doc's line {} `{l}`, got line {} `{g}`",
-                w0 + 1,
-                g0 + 1
+            Some(g) => Err((
+                w0,
+                format!("the doc's line {} `{l}`, got line {} `{g}`", w0 + 1, g0 + 1),
             )),
         },
     }
