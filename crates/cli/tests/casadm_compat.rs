@@ -15,8 +15,8 @@ use common::*;
 /// group prints, and their order (the order of `kcas_core_param_id`/`kcas_cache_param_id` in
 /// modules/include/cas_ioctl_codes.h, as `core_params_get`/`cache_params_get` in casadm/cas_lib.c
 /// walk the table): `get_param_namespace_handle_option` in casadm/cas_main.c. `prefetch` and
-/// `prefetch-readahead` exist only on casadm master (same file and functions), so their labels
-/// are master's.
+/// `prefetch-readahead` (and `seq-detect`) exist only on casadm master (same file and
+/// functions), so their labels are master's.
 const CASADM_ROWS: &[(&str, &[&str])] = &[
     (
         "seq-cutoff",
@@ -46,7 +46,18 @@ const CASADM_ROWS: &[(&str, &[&str])] = &[
     ),
     ("prefetch", &["Prefetch policy"]),
     ("prefetch-readahead", &["Readahead threshold [KiB]"]),
+    // Master only, per core (issue 33 asks for it; this table is ready for when it exists).
+    (
+        "seq-detect",
+        &[
+            "Sequence detector promotion request count",
+            "Sequence detector promotion threshold [KiB]",
+        ],
+    ),
 ];
+
+/// casadm's per-core groups: its `-G` names a core (`-j`).
+const PER_CORE: &[&str] = &["seq-cutoff", "seq-detect"];
 
 /// Groups casadm has no `-G` namespace for: every row is ours (and still in casadm's table).
 const OURS_ONLY: &[&str] = &[
@@ -118,10 +129,15 @@ fn get_param_prints_casadms_table_with_casadms_labels_for_every_group() {
         ..
     } = file_cache(64 << 20, 256 << 20, &["-c", "wb"]);
     let groups = every_group();
-    assert!(
-        groups.len() >= CASADM_ROWS.len() + OURS_ONLY.len(),
-        "{groups:?}"
-    );
+    // Every group named above exists (seq-detect aside, which is still to come).
+    for name in CASADM_ROWS
+        .iter()
+        .map(|(n, _)| *n)
+        .filter(|n| *n != "seq-detect")
+        .chain(OURS_ONLY.iter().copied())
+    {
+        assert!(groups.iter().any(|g| g == name), "{name} in {groups:?}");
+    }
     for g in &groups {
         let casadm: &[&str] = match CASADM_ROWS.iter().find(|(n, _)| n == g) {
             Some((_, rows)) => rows,
@@ -134,8 +150,7 @@ fn get_param_prints_casadms_table_with_casadms_labels_for_every_group() {
             }
         };
         let mut args = vec!["-G", "-n", g, "-i", "1"];
-        if g == "seq-cutoff" {
-            // Per core: casadm's `-G -n seq-cutoff` names one.
+        if PER_CORE.contains(&g.as_str()) {
             args.extend(["-j", "1"]);
         }
         let (head, text_rows) = table_rows(&d.ok(&args));
