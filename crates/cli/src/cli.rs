@@ -314,6 +314,15 @@ pub enum Command {
         force: bool,
     },
 
+    /// Take a core device out of the core pool, where --script --add-core --try-add keeps a
+    /// core whose cache does not run yet.
+    #[command(long_flag = "remove-detached")]
+    RemoveDetached {
+        /// The pooled core device.
+        #[arg(short = 'd', long = "device")]
+        device: String,
+    },
+
     /// Wipe a cache device's hybridcache metadata so it no longer loads (refused while a
     /// cache or another program holds the device).
     #[command(long_flag = "zero-metadata")]
@@ -329,10 +338,43 @@ pub enum Command {
 
     /// casadm's hidden script commands: `--script --disconnect-cache -i ID [--no-flush]
     /// [--pass-through]` stops a cache but keeps its exports (their requests wait, or go to the
-    /// cores with --pass-through); `--script --connect-cache -d DEV` brings it back.
+    /// cores with --pass-through); `--script --connect-cache -d DEV` brings it back;
+    /// `--script --check-cache-device -d DEV` says whether DEV holds a cache, clean or dirty;
+    /// `--script --purge-cache -i ID` and `--script --purge-core -i ID -j CORE` flush, then
+    /// invalidate what the cache holds (of the cache, or of one core).
     #[command(long_flag = "script", hide = true)]
-    #[command(group(clap::ArgGroup::new("script_command").required(true).args(["disconnect_cache", "connect_cache"])))]
+    #[command(group(clap::ArgGroup::new("script_command").required(true).args(["disconnect_cache", "connect_cache", "check_cache_device", "purge_cache", "purge_core", "add_core", "remove_core"])))]
     Script {
+        /// Add a core (as -A); with --try-add, attach a core the cache records as inactive, or
+        /// keep it in the core pool until its cache runs.
+        #[arg(long, requires_all = ["id", "core_device"], conflicts_with_all = ["device", "no_flush", "pass_through"])]
+        add_core: bool,
+        /// The core device of --add-core.
+        #[arg(long, value_name = "DEV", requires = "add_core")]
+        core_device: Option<String>,
+        /// With --add-core: attach a known core, or keep it in the core pool (needs --core-id).
+        #[arg(long, requires_all = ["add_core", "core"])]
+        try_add: bool,
+        /// Remove a core (as -R): its dirty data is flushed first; --no-flush (or --force)
+        /// discards it instead.
+        #[arg(long, requires_all = ["id", "core"], conflicts_with_all = ["device", "pass_through"])]
+        remove_core: bool,
+        /// With --remove-core: casadm's --no-flush under our safety model's name.
+        #[arg(short = 'f', long, requires = "remove_core")]
+        force: bool,
+        /// Whether the device holds a hybridcache cache, stopped cleanly or not, dirty or not
+        /// (casadm's `Is cache,Clean Shutdown,Cache dirty`).
+        #[arg(long, requires = "device", conflicts_with_all = ["id", "core", "no_flush", "pass_through"])]
+        check_cache_device: bool,
+        /// Flush the cache, then invalidate every line it holds; its exports stay.
+        #[arg(long, requires = "id", conflicts_with_all = ["device", "core", "no_flush", "pass_through"])]
+        purge_cache: bool,
+        /// Flush one core, then invalidate its lines; its export stays.
+        #[arg(long, requires_all = ["id", "core"], conflicts_with_all = ["device", "no_flush", "pass_through"])]
+        purge_core: bool,
+        /// Core id (0..4095), of --purge-core.
+        #[arg(short = 'j', long = "core-id", value_parser = core_id, conflicts_with_all = ["disconnect_cache", "connect_cache", "purge_cache", "check_cache_device"])]
+        core: Option<u16>,
         /// Stop the cache but keep its exported volumes.
         #[arg(long, requires = "id")]
         disconnect_cache: bool,
@@ -351,8 +393,9 @@ pub enum Command {
             conflicts_with = "disconnect_cache"
         )]
         device: Option<String>,
-        /// Keep dirty data on the cache device instead of flushing it (the same device must be
-        /// connected again).
+        /// With --disconnect-cache: keep dirty data on the cache device instead of flushing it
+        /// (the same device must be connected again). With --remove-core: remove the core
+        /// without flushing, its dirty data discarded (the count and size are printed).
         #[arg(long, conflicts_with = "connect_cache")]
         no_flush: bool,
         /// Serve the exports from the cores directly while disconnected (flushes first).
@@ -526,9 +569,12 @@ pub enum Command {
         /// nhit trigger: occupancy percent above which nhit applies.
         #[arg(short = 'o', long = "trigger")]
         trigger: Option<String>,
-        /// seq-cutoff: sequential requests before a stream counts.
+        /// seq-cutoff, seq-detect: sequential requests before a stream counts.
         #[arg(long = "promotion-count")]
         promotion_count: Option<String>,
+        /// seq-detect (casadm master): refused, the sequence detector has no byte threshold.
+        #[arg(long = "promotion-threshold")]
+        promotion_threshold: Option<String>,
         /// cleaning-io: largest cleaning write, KiB.
         #[arg(long = "merge-max")]
         merge_max: Option<String>,
@@ -646,6 +692,9 @@ pub enum Command {
     /// Write the man pages or the shell completions (for `make install`; hidden).
     #[command(hide = true)]
     Gen(crate::gen::GenArgs),
+
+    /// Open CAS's casctl verbs over the running caches: `casctl stop [--flush]`.
+    Casctl(crate::script_cmd::CasctlArgs),
 }
 
 impl Command {
@@ -663,6 +712,7 @@ impl Command {
             | Command::Serve(_)
             | Command::Top(_)
             | Command::Gen(_)
+            | Command::Casctl(_)
             | Command::Bench(_) => return None,
             Command::StartCache {
                 device,
@@ -725,6 +775,65 @@ impl Command {
             Command::ZeroMetadata { device, force } => Request::ZeroMetadata {
                 device: device_from_here(device),
                 force: *force,
+            },
+            Command::RemoveDetached { device } => Request::RemoveDetached {
+                device: device_from_here(device),
+            },
+            Command::Script {
+                add_core: true,
+                id: Some(id),
+                core_device: Some(device),
+                core,
+                try_add,
+                ..
+            } => match (try_add, core) {
+                (true, Some(core)) => Request::TryAddCore {
+                    cache: *id,
+                    core: *core,
+                    device: device_from_here(device),
+                },
+                _ => Request::AddCore {
+                    cache: *id,
+                    device: device_from_here(device),
+                    core: *core,
+                    force: false,
+                    frontend: None,
+                },
+            },
+            Command::Script {
+                remove_core: true,
+                id: Some(id),
+                core: Some(core),
+                no_flush,
+                force,
+                ..
+            } => Request::RemoveCore {
+                cache: *id,
+                core: *core,
+                force: *no_flush || *force,
+                disconnect_clients: false,
+                inactive_only: false,
+            },
+            Command::Script {
+                check_cache_device: true,
+                device: Some(device),
+                ..
+            } => Request::CheckCacheDevice {
+                device: device_from_here(device),
+            },
+            Command::Script {
+                purge_cache: true,
+                id: Some(id),
+                ..
+            } => Request::PurgeCache { cache: *id },
+            Command::Script {
+                purge_core: true,
+                id: Some(id),
+                core: Some(core),
+                ..
+            } => Request::PurgeCore {
+                cache: *id,
+                core: *core,
             },
             Command::Script {
                 disconnect_cache: true,
@@ -799,6 +908,7 @@ impl Command {
                 dirty_ratio_inertia,
                 trigger,
                 promotion_count,
+                promotion_threshold,
                 merge_max,
                 max_bandwidth,
                 distance,
@@ -816,6 +926,7 @@ impl Command {
                     ("--dirty-ratio-inertia", dirty_ratio_inertia),
                     ("-o", trigger),
                     ("--promotion-count", promotion_count),
+                    ("--promotion-threshold", promotion_threshold),
                     ("--merge-max", merge_max),
                     ("--max-bandwidth", max_bandwidth),
                     ("--distance", distance),
@@ -943,6 +1054,120 @@ mod tests {
             ],
             &["--script", "--connect-cache", "-d", "x", "--no-flush"],
             &["--script", "--disconnect-cache", "-i", "1", "-d", "x"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?} should be refused");
+        }
+    }
+
+    #[test]
+    fn script_check_purge_add_remove_take_casadm_s_options() {
+        match req(&[
+            "--script",
+            "--check-cache-device",
+            "--cache-device",
+            "/dev/sdb",
+        ]) {
+            Request::CheckCacheDevice { device } => assert_eq!(device, "/dev/sdb"),
+            other => panic!("{other:?}"),
+        }
+        match req(&["--script", "--purge-cache", "--cache-id", "2"]) {
+            Request::PurgeCache { cache: 2 } => {}
+            other => panic!("{other:?}"),
+        }
+        match req(&[
+            "--script",
+            "--purge-core",
+            "--cache-id",
+            "2",
+            "--core-id",
+            "0",
+        ]) {
+            Request::PurgeCore { cache: 2, core: 0 } => {}
+            other => panic!("{other:?}"),
+        }
+        match req(&[
+            "--script",
+            "--add-core",
+            "--try-add",
+            "--cache-id",
+            "2",
+            "--core-id",
+            "3",
+            "--core-device",
+            "/dev/sdc",
+        ]) {
+            Request::TryAddCore {
+                cache: 2,
+                core: 3,
+                device,
+            } => assert_eq!(device, "/dev/sdc"),
+            other => panic!("{other:?}"),
+        }
+        match req(&[
+            "--script",
+            "--add-core",
+            "-i",
+            "2",
+            "--core-device",
+            "/dev/sdc",
+        ]) {
+            Request::AddCore {
+                cache: 2,
+                core: None,
+                force: false,
+                ..
+            } => {}
+            other => panic!("{other:?}"),
+        }
+        match req(&[
+            "--script",
+            "--remove-core",
+            "-i",
+            "2",
+            "-j",
+            "3",
+            "--no-flush",
+        ]) {
+            Request::RemoveCore {
+                cache: 2,
+                core: 3,
+                force: true,
+                disconnect_clients: false,
+                inactive_only: false,
+            } => {}
+            other => panic!("{other:?}"),
+        }
+        match req(&["--remove-detached", "-d", "/dev/sdc"]) {
+            Request::RemoveDetached { device } => assert_eq!(device, "/dev/sdc"),
+            other => panic!("{other:?}"),
+        }
+        for bad in [
+            &["--script", "--check-cache-device"][..],
+            &["--script", "--check-cache-device", "-d", "x", "-i", "1"],
+            &["--script", "--purge-cache"],
+            &["--script", "--purge-cache", "-i", "1", "-j", "1"],
+            &["--script", "--purge-core", "-i", "1"],
+            &[
+                "--script",
+                "--purge-cache",
+                "--purge-core",
+                "-i",
+                "1",
+                "-j",
+                "1",
+            ],
+            &["--script", "--add-core", "-i", "1"],
+            &[
+                "--script",
+                "--add-core",
+                "--try-add",
+                "-i",
+                "1",
+                "--core-device",
+                "x",
+            ],
+            &["--script", "--remove-core", "-i", "1"],
+            &["--script", "--disconnect-cache", "-i", "1", "-j", "1"],
         ] {
             assert!(parse(bad).is_err(), "{bad:?} should be refused");
         }

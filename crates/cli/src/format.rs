@@ -19,8 +19,15 @@ pub enum OutputFormat {
     Json,
 }
 
-/// `list`: cache rows, each followed by its indented core rows.
+/// [`list_with_pool`] without a core pool, as the tests call it.
+#[cfg(test)]
 pub fn list(caches: &[CacheInfo], format: OutputFormat) -> String {
+    list_with_pool(caches, &[], format)
+}
+
+/// `list`: the core pool's devices (`--try-add` before their cache runs), then cache rows, each
+/// followed by its indented core rows.
+pub fn list_with_pool(caches: &[CacheInfo], core_pool: &[String], format: OutputFormat) -> String {
     let header = [
         "type",
         "id",
@@ -33,6 +40,35 @@ pub fn list(caches: &[CacheInfo], format: OutputFormat) -> String {
         "connections",
     ];
     let mut rows: Vec<[String; 7]> = Vec::new();
+    // casadm lists the core pool first (cas_lib.c, `list_caches`): a `core pool` row, then each
+    // pooled core, Detached.
+    if !core_pool.is_empty() {
+        rows.push([
+            "core pool".into(),
+            "-".into(),
+            "-".into(),
+            "-".into(),
+            "-".into(),
+            "-".into(),
+            "-".into(),
+        ]);
+        for (i, device) in core_pool.iter().enumerate() {
+            let branch = if i + 1 == core_pool.len() {
+                "└core"
+            } else {
+                "├core"
+            };
+            rows.push([
+                branch.into(),
+                "-".into(),
+                device.clone(),
+                "Detached".into(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+            ]);
+        }
+    }
     for c in caches {
         rows.push([
             "cache".into(),
@@ -106,7 +142,7 @@ pub fn list(caches: &[CacheInfo], format: OutputFormat) -> String {
             out
         }
         OutputFormat::Json => {
-            let v = json!({ "caches": caches });
+            let v = json!({ "caches": caches, "core_pool": core_pool });
             serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
         }
     }

@@ -18,6 +18,7 @@ mod flush;
 mod format;
 mod gen;
 mod report_charts;
+mod script_cmd;
 mod serve;
 mod top;
 mod trace;
@@ -161,6 +162,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::Gen(args) => return gen::run(args),
         Command::Trace(args) => return trace::run_cli(args, &control),
         Command::Config(args) => return config_cmd::run(args, &control),
+        Command::Casctl(args) => {
+            return script_cmd::casctl(args, &control, call::<serde_json::Value>)
+        }
         Command::Version { output } => {
             let cli = env!("CARGO_PKG_VERSION");
             // As casadm with its module not loaded: a daemon that is not running is a row that
@@ -233,7 +237,10 @@ fn run(cli: Cli) -> Result<()> {
             if *by_id_path {
                 list.caches.iter_mut().for_each(format::by_id_paths);
             }
-            print!("{}", format::list(&list.caches, *output));
+            print!(
+                "{}",
+                format::list_with_pool(&list.caches, &list.core_pool, *output)
+            );
         }
         Command::Stats {
             id,
@@ -300,6 +307,58 @@ fn run(cli: Cli) -> Result<()> {
             } else {
                 println!("cache {} started", v.id);
             }
+        }
+        Command::Script { add_core: true, .. } => match &req {
+            Request::TryAddCore { cache, device, .. } => {
+                let v: serde_json::Value = call(&control, &req)?;
+                if v.get("pooled").and_then(serde_json::Value::as_bool) == Some(true) {
+                    println!("{device} added to the core pool: cache {cache} is not running; it is attached when the cache starts");
+                } else {
+                    let v: protocol::CoreAdded = serde_json::from_value(v)?;
+                    println!(
+                        "core {} attached again to cache {}, exported as {}",
+                        v.core, v.cache, v.export
+                    );
+                }
+            }
+            _ => {
+                let v: protocol::CoreAdded = call(&control, &req)?;
+                println!(
+                    "core {} added to cache {}, exported as {}",
+                    v.core, v.cache, v.export
+                );
+            }
+        },
+        Command::RemoveDetached { device } => {
+            let _: serde_json::Value = call(&control, &req)?;
+            println!("{device} removed from the core pool");
+        }
+        Command::Script {
+            check_cache_device: true,
+            ..
+        } => {
+            let v: protocol::CacheDeviceCheck = call(&control, &req)?;
+            print!("{}", script_cmd::cache_device_check(&v));
+        }
+        Command::Script {
+            purge_cache: true,
+            id: Some(id),
+            ..
+        } => {
+            let v: protocol::Purged = call(&control, &req)?;
+            println!("cache {id} purged: {}", script_cmd::purged(&v));
+        }
+        Command::Script {
+            purge_core: true,
+            id: Some(id),
+            core: Some(core),
+            ..
+        } => {
+            let v: protocol::Purged = call(&control, &req)?;
+            println!(
+                "core {core} of cache {id} purged: {}",
+                script_cmd::purged(&v)
+            );
         }
         Command::Script {
             disconnect_cache: true,

@@ -161,7 +161,28 @@ impl ConfigFile {
     pub fn load(path: &Path) -> Result<ConfigFile> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read configuration file {}", path.display()))?;
+        if crate::opencas_conf::looks_like_opencas(&text) {
+            return Self::load_opencas(&text, path);
+        }
         Self::parse(&text).with_context(|| format!("configuration file {}", path.display()))
+    }
+
+    /// casctl's file, read as it is: what it names starts as `hybridcache config import` would
+    /// write it, and what cannot be carried over is logged at WARN with its line.
+    fn load_opencas(text: &str, path: &Path) -> Result<ConfigFile> {
+        let conf = crate::opencas_conf::OpenCasConf::parse(text)
+            .with_context(|| format!("opencas.conf file {}", path.display()))?;
+        tracing::info!(
+            "{}: read as Open CAS's opencas.conf (version={}): {} caches, {} cores",
+            path.display(),
+            conf.version,
+            conf.caches.len(),
+            conf.cores.len()
+        );
+        for note in conf.notes() {
+            tracing::warn!("{}: {note}", path.display());
+        }
+        Ok(conf.config())
     }
 
     pub fn parse(text: &str) -> Result<ConfigFile> {

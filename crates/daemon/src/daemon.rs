@@ -17,8 +17,8 @@
 //! remove, zero-metadata), configure.rs (the configuration applied, the setup recorded and
 //! exported), info.rs (listings, statistics, the metrics view), requests.rs (flush, mode,
 //! parameters, IO classes, traces), guards.rs (claims, clients in the way), control.rs (the
-//! control socket), nbd_limits.rs, and check.rs, disconnect.rs, health.rs, startup.rs and
-//! watch.rs.
+//! control socket), nbd_limits.rs, purge.rs (casadm's purge and check-cache-device), pool.rs
+//! (the core pool), and check.rs, disconnect.rs, health.rs, startup.rs and watch.rs.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -49,6 +49,8 @@ mod guards;
 mod health;
 mod info;
 mod nbd_limits;
+mod pool;
+mod purge;
 mod requests;
 mod startup;
 mod watch;
@@ -153,6 +155,8 @@ struct State {
     waiting: BTreeMap<u16, Waiting>,
     /// Caches taken away by `--script --disconnect-cache`, their exports kept.
     disconnected: BTreeMap<u16, Disconnected>,
+    /// Cores added with `--try-add` before their cache runs (pool.rs).
+    core_pool: Vec<pool::Pooled>,
 }
 
 struct Daemon {
@@ -251,7 +255,7 @@ impl State {
                 return Some(user);
             }
         }
-        None
+        self.pool_user_of(key)
     }
 
     fn check_free(&self, spec: &str) -> std::result::Result<Option<DeviceKey>, String> {
@@ -317,7 +321,8 @@ impl Daemon {
                 } else {
                     Start::Create { force }
                 };
-                self.start_cache(&device, id, mode.as_deref(), line_size_kib, how)
+                let started = self.start_cache(&device, id, mode.as_deref(), line_size_kib, how)?;
+                Ok(self.attach_pooled_after_start(started))
             }
             Request::StopCache {
                 id,
@@ -358,6 +363,15 @@ impl Daemon {
                 detach,
             } => self.disconnect_cache(id, no_flush, pass_through || detach, detach),
             Request::ConnectCache { device, id, force } => self.connect_cache(&device, id, force),
+            Request::CheckCacheDevice { device } => self.check_cache_device(&device),
+            Request::TryAddCore {
+                cache,
+                core,
+                device,
+            } => self.try_add_core(cache, core, &device),
+            Request::RemoveDetached { device } => self.remove_detached(&device),
+            Request::PurgeCache { cache } => self.purge_cache(cache),
+            Request::PurgeCore { cache, core } => self.purge_core(cache, core),
             Request::List => self.state.lock().list(&self.frontends),
             Request::Stats {
                 cache,

@@ -19,6 +19,7 @@ pub mod log;
 pub mod metrics;
 pub mod nbd_volume;
 pub mod notify;
+pub mod opencas_conf;
 pub mod params;
 pub mod protocol;
 pub mod safety;

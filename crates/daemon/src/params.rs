@@ -269,6 +269,28 @@ fn set_seq_cutoff(
     Ok(())
 }
 
+/// casadm master's `seq-detect` group (cas_main.c, `set_param_seq_detect_handle_option`): its
+/// promotion count is the engine's, which v26.03's `seq-cutoff` also sets; its promotion
+/// threshold has no equivalent here.
+fn get_seq_detect(c: &Cache, core: Option<CoreId>) -> Result<Vec<String>, String> {
+    let core = core.ok_or("seq-detect is per core: name one with -j")?;
+    Ok(vec![engine(c.seq_cutoff(core))?
+        .promotion_count
+        .to_string()])
+}
+
+fn set_seq_detect(
+    c: &Cache,
+    core: Option<CoreId>,
+    v: &BTreeMap<String, String>,
+) -> Result<(), String> {
+    if v.contains_key("--promotion-threshold") {
+        return Err("seq-detect: --promotion-threshold is not supported: hybridcache's sequence detector promotes a stream by its request count only (--promotion-count); it has no byte threshold".into());
+    }
+    each("seq-detect", v, |k, _| Ok(k == "promotion-count"))?;
+    set_seq_cutoff(c, core, v)
+}
+
 fn get_promotion(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
     Ok(vec![c.promotion().policy.to_string()])
 }
@@ -494,6 +516,19 @@ pub const GROUPS: &[Group] = &[
         in_config: false,
         get: get_seq_cutoff,
         set: Some(set_seq_cutoff),
+    },
+    Group {
+        name: "seq-detect",
+        help: "sequence detector, per core (-j; --promotion-count), casadm master's group",
+        fields: &[field(
+            "promotion-count",
+            "--promotion-count",
+            "Sequence detector promotion request count",
+        )],
+        per_core: true,
+        in_config: false,
+        get: get_seq_detect,
+        set: Some(set_seq_detect),
     },
     Group {
         name: "promotion",

@@ -162,6 +162,34 @@ pub enum Request {
         #[serde(default)]
         force: bool,
     },
+    /// `--script --check-cache-device -d DEV`: whether the device holds a hybridcache cache,
+    /// stopped cleanly or not, with dirty data or not. Result: [`CacheDeviceCheck`].
+    CheckCacheDevice {
+        device: String,
+    },
+    /// `--script --add-core --try-add -i ID -j CORE --core-device DEV`: attach a core the
+    /// running cache records as inactive, or, when the cache does not run, keep the device in
+    /// the core pool until it does.
+    TryAddCore {
+        cache: u16,
+        core: u16,
+        device: String,
+    },
+    /// `--remove-detached -d DEV`: take a device out of the core pool.
+    RemoveDetached {
+        device: String,
+    },
+    /// `--script --purge-cache -i ID`: flush the cache, then invalidate every line it holds.
+    /// Result: [`Purged`].
+    PurgeCache {
+        cache: u16,
+    },
+    /// `--script --purge-core -i ID -j CORE`: flush one core, then invalidate its lines.
+    /// Result: [`Purged`].
+    PurgeCore {
+        cache: u16,
+        core: u16,
+    },
     /// Stop the daemon as SIGTERM would (flush every cache, remove the sockets). The reply
     /// ([`Stopped`]) comes once every cache is stopped.
     Shutdown,
@@ -263,6 +291,10 @@ pub struct Stopped {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct CacheList {
     pub caches: Vec<CacheInfo>,
+    /// Devices in the core pool (`--try-add` before their cache runs), listed by `-L` as casadm
+    /// lists them.
+    #[serde(default)]
+    pub core_pool: Vec<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -664,4 +696,30 @@ pub struct Connected {
     /// True: the cache the device holds was loaded; false: a new cache was started on it with
     /// the disconnected cache's settings and cores.
     pub loaded: bool,
+}
+
+/// Result of [`Request::CheckCacheDevice`]; casadm prints it as `Is cache,Clean Shutdown,Cache
+/// dirty`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CacheDeviceCheck {
+    pub is_cache: bool,
+    /// The cache id its superblock records (None when it is no cache).
+    #[serde(default)]
+    pub cache_id: Option<u16>,
+    /// Stopped with its clean-shutdown mark (not after a crash or a kill).
+    #[serde(default)]
+    pub clean_shutdown: Option<bool>,
+    #[serde(default)]
+    pub dirty_lines: u64,
+    #[serde(default)]
+    pub dirty_bytes: u64,
+}
+
+/// Result of [`Request::PurgeCache`] and [`Request::PurgeCore`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Purged {
+    /// Dirty lines written to the core(s) before the invalidation.
+    pub flushed_lines: u64,
+    /// Lines the cache held (so no longer holds) when the purge began, dirty ones included.
+    pub invalidated_lines: u64,
 }

@@ -56,6 +56,7 @@ fn changes_something(req: &Request) -> bool {
             | Request::ListIoClasses { .. }
             | Request::Version
             | Request::TraceStatus
+            | Request::CheckCacheDevice { .. }
     )
 }
 

@@ -241,7 +241,7 @@ fn settings_of(
 impl Daemon {
     /// Claim a device the engine has just let go of, giving a stopped cache's last handles a
     /// moment to drop.
-    fn claim_released(&self, spec: &str) -> std::result::Result<VolumeRef, String> {
+    pub(super) fn claim_released(&self, spec: &str) -> std::result::Result<VolumeRef, String> {
         let deadline = Instant::now() + RELEASE_WAIT;
         loop {
             match self.open_claimed(spec, false) {

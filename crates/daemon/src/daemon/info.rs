@@ -185,7 +185,7 @@ impl State {
         );
         caches.extend(self.waiting.values().map(waiting_info));
         caches.sort_by_key(|c| c.id);
-        Ok(json!({ "caches": caches }))
+        Ok(json!({ "caches": caches, "core_pool": self.pool_devices() }))
     }
 
     pub(super) fn reset_counters(&self, cache: u16, core: Option<u16>) -> Reply {

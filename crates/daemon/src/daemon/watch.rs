@@ -154,8 +154,9 @@ impl Daemon {
         match self.start_configured(&w.section, &w.cores, Start::LoadOrCreate) {
             Ok(()) => {
                 seen.errors.remove(device);
-                self.save();
                 tracing::info!("cache {id}: started on its late device {device}");
+                self.attach_pooled(id);
+                self.save();
             }
             Err(e) => {
                 seen.failed(
