@@ -43,14 +43,14 @@ pub struct Cli {
 pub(crate) fn cache_id(s: &str) -> Result<u16, String> {
     match s.parse::<u32>() {
         Ok(n @ 1..=16384) => Ok(n as u16),
-        _ => Err(format!("'{s}' is not a cache id (1..=16384)")),
+        _ => Err(format!("'{s}' is not a cache id (1..16384)")),
     }
 }
 
 fn core_id(s: &str) -> Result<u16, String> {
     match s.parse::<u32>() {
         Ok(n @ 0..=4095) => Ok(n as u16),
-        _ => Err(format!("'{s}' is not a core id (0..=4095)")),
+        _ => Err(format!("'{s}' is not a core id (0..4095)")),
     }
 }
 
@@ -88,7 +88,7 @@ fn device_from_here(spec: &str) -> String {
 fn io_class_id(s: &str) -> Result<u8, String> {
     match s.parse::<u8>() {
         Ok(n @ 0..=33) => Ok(n),
-        _ => Err(format!("'{s}' is not an IO class id (0..=33)")),
+        _ => Err(format!("'{s}' is not an IO class id (0..33)")),
     }
 }
 
@@ -219,8 +219,7 @@ pub enum Command {
         /// Cache device: a path, file:PATH, ram:SIZE, null:SIZE or an NBD URI.
         #[arg(short = 'd', long = "cache-device", value_name = "DEV")]
         device: String,
-        /// Cache id [default: the lowest free].
-        /// Cache id (1..16384).
+        /// Cache id (1..16384) [default: the lowest free].
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
         id: Option<u16>,
         /// Cache mode [default: wt].

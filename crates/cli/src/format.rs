@@ -35,7 +35,9 @@ pub fn list_with_pool(caches: &[CacheInfo], core_pool: &[String], format: Output
         "status",
         "write policy",
         "device",
-        "clients",
+        // NBD connections open on the export (one nbdfuse mount opens 4); a ublk device held
+        // open counts 1. JSON keeps the name `clients`.
+        "connections",
     ];
     let mut rows: Vec<[String; 7]> = Vec::new();
     // casadm lists the core pool first (cas_lib.c, `list_caches`): a `core pool` row, then each
@@ -294,86 +296,81 @@ pub fn io_classes(l: &crate::protocol::IoClassList, format: OutputFormat) -> Str
     }
 }
 
-/// `get-param`: casadm's two-column table ("Parameter name", "Value"), CSV, or JSON. A per-core
-/// group shown for every core gets a "Core" column.
+/// `get-param`: casadm's two-column table ("Parameter name", "Value") or its CSV in every case,
+/// a one-field group included (casadm/cas_lib.c, `cache_params_get` and `core_params_get`, print
+/// the header and a row per parameter whatever their number), or JSON. A per-core group shown
+/// for every core gets a "Core" column first.
 pub fn params(p: &crate::protocol::ParamValue, format: OutputFormat) -> String {
-    let mut rows: Vec<(Option<u16>, &str, &str)> = p
-        .fields
-        .iter()
-        .map(|f| (None, f.label.as_str(), f.value.as_str()))
-        .collect();
-    for c in &p.cores {
-        rows.extend(
-            c.fields
-                .iter()
-                .map(|f| (Some(c.core), f.label.as_str(), f.value.as_str())),
-        );
-    }
     let per_core = !p.cores.is_empty();
+    let mut rows: Vec<Vec<String>> = Vec::new();
+    for f in &p.fields {
+        rows.push(vec![f.label.clone(), f.value.clone()]);
+    }
+    for c in &p.cores {
+        for f in &c.fields {
+            rows.push(vec![c.core.to_string(), f.label.clone(), f.value.clone()]);
+        }
+    }
+    let heads: &[&str] = if per_core {
+        &["Core", "Parameter name", "Value"]
+    } else {
+        &["Parameter name", "Value"]
+    };
     match format {
         OutputFormat::Json => {
             let mut v = serde_json::to_value(p).unwrap_or(Value::Null);
             numbers_as_numbers(&mut v);
             serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
         }
-        OutputFormat::Csv => {
-            let mut out = String::from(if per_core {
-                "Core,Parameter name,Value\n"
-            } else {
-                "Parameter name,Value\n"
-            });
-            for (core, label, value) in rows {
-                if let Some(c) = core {
-                    let _ = write!(out, "{c},");
-                }
-                let _ = writeln!(out, "{},{}", csv_cell(label), csv_cell(value));
-            }
-            out
-        }
-        // A single value (cache-mode, cleaning, promotion...) prints bare, so that scripts can
-        // read it as `$(hybridcache -G -n cache-mode -i 1)`.
-        OutputFormat::Table if rows.len() == 1 && !per_core => format!("{}\n", rows[0].2),
-        OutputFormat::Table => {
-            let w0 = rows
-                .iter()
-                .map(|r| r.1.len())
-                .chain([14])
-                .max()
-                .unwrap_or(14);
-            let w1 = rows.iter().map(|r| r.2.len()).chain([5]).max().unwrap_or(5);
-            let wc = if per_core { 6 } else { 0 };
-            let bar = |l: &str, m: &str, r: &str| {
-                let core = if per_core {
-                    format!("{}{m}", "═".repeat(wc + 2))
-                } else {
-                    String::new()
-                };
-                format!(
-                    "{l}{core}{}{m}{}{r}\n",
-                    "═".repeat(w0 + 2),
-                    "═".repeat(w1 + 2)
-                )
-            };
-            let mut out = bar("╔", "╤", "╗");
-            let core_head = if per_core {
-                format!(" {:<wc$} │", "Core")
-            } else {
-                String::new()
-            };
-            let _ = writeln!(
-                out,
-                "║{core_head} {:<w0$} │ {:<w1$} ║",
-                "Parameter name", "Value"
-            );
-            out.push_str(&bar("╠", "╪", "╣"));
-            for (core, label, value) in rows {
-                let core = core.map(|c| format!(" {c:<wc$} │")).unwrap_or_default();
-                let _ = writeln!(out, "║{core} {label:<w0$} │ {value:<w1$} ║");
-            }
-            out.push_str(&bar("╚", "╧", "╝"));
-            out
-        }
+        OutputFormat::Csv => csv_table(heads, &rows),
+        OutputFormat::Table => box_table(heads, &rows),
     }
+}
+
+/// A header line and a line per row, cells quoted where they hold a comma, as casadm's raw CSV.
+fn csv_table(heads: &[&str], rows: &[Vec<String>]) -> String {
+    let mut out = heads.join(",");
+    out.push('\n');
+    for r in rows {
+        let cells: Vec<String> = r.iter().map(|c| csv_cell(c)).collect();
+        out.push_str(&cells.join(","));
+        out.push('\n');
+    }
+    out
+}
+
+/// casadm's text table (casadm/statistics_view_text.c): a double-lined box, a header row, a
+/// rule, the rows, each column as wide as its widest cell.
+fn box_table(heads: &[&str], rows: &[Vec<String>]) -> String {
+    let widths: Vec<usize> = (0..heads.len())
+        .map(|i| {
+            rows.iter()
+                .filter_map(|r| r.get(i))
+                .map(|c| c.chars().count())
+                .chain([heads[i].chars().count()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let bar = |l: &str, m: &str, r: &str| {
+        let cells: Vec<String> = widths.iter().map(|w| "═".repeat(w + 2)).collect();
+        format!("{l}{}{r}\n", cells.join(m))
+    };
+    let line = |cells: &mut dyn Iterator<Item = &str>| {
+        let cells: Vec<String> = cells
+            .zip(&widths)
+            .map(|(c, w)| format!(" {c}{} ", " ".repeat(w - c.chars().count())))
+            .collect();
+        format!("║{}║\n", cells.join("│"))
+    };
+    let mut out = bar("╔", "╤", "╗");
+    out.push_str(&line(&mut heads.iter().copied()));
+    out.push_str(&bar("╠", "╪", "╣"));
+    for r in rows {
+        out.push_str(&line(&mut r.iter().map(String::as_str)));
+    }
+    out.push_str(&bar("╚", "╧", "╝"));
+    out
 }
 
 fn csv_cell(s: &str) -> String {
@@ -827,7 +824,7 @@ fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
             "Seq cutoff policy",
             core.seq_cutoff_policy.clone().unwrap_or_else(|| "-".into()),
         ));
-        v.push(("clients", "Clients", core.clients.to_string()));
+        v.push(("clients", "NBD connections", core.clients.to_string()));
         v.push(("cache_id", "Cache Id", c.id.to_string()));
     } else {
         v.push(("cache_id", "Cache Id", c.id.to_string()));
@@ -868,7 +865,7 @@ fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
         v.push(("status", "Status", c.status.clone()));
         v.push(("lazy_flush", "Lazy Flush", c.lazy_flush.clone()));
         let clients: usize = c.cores.iter().map(|k| k.clients).sum();
-        v.push(("clients", "Clients", clients.to_string()));
+        v.push(("clients", "NBD connections", clients.to_string()));
     }
     v
 }
@@ -928,23 +925,24 @@ fn shown(filter: &[StatsFilter], key: &str) -> bool {
     filter.contains(&want)
 }
 
-/// `-V`: the CLI's version and the daemon's (None: not reachable).
+/// casadm's `-V` row for what does the caching (its kernel module; here the daemon) when there
+/// is none to ask, as casadm/cas_main.c `handle_version` says it.
+pub const NOT_LOADED: &str = "Not Loaded";
+
+/// `-V`: casadm's `Name,Version` table (casadm/cas_main.c, `handle_version`): first what does
+/// the caching (casadm: the kernel module; here the daemon, "Not Loaded" when none answers), then
+/// the command-line utility. Text and CSV carry the same rows; JSON gives `null` for no daemon.
 pub fn version(cli: &str, daemon: Option<&str>, format: OutputFormat) -> String {
+    let rows = vec![
+        vec![
+            "hybridcache Cache Daemon".to_string(),
+            daemon.unwrap_or(NOT_LOADED).to_string(),
+        ],
+        vec!["hybridcache CLI Utility".to_string(), cli.to_string()],
+    ];
     match format {
-        OutputFormat::Table => {
-            let mut out = format!("hybridcache CLI {cli}\n");
-            if let Some(d) = daemon {
-                let _ = writeln!(out, "hybridcache daemon {d}");
-            }
-            out
-        }
-        OutputFormat::Csv => {
-            let mut out = format!("Name,Version\nhybridcache CLI,{}\n", csv_cell(cli));
-            if let Some(d) = daemon {
-                let _ = writeln!(out, "hybridcache daemon,{}", csv_cell(d));
-            }
-            out
-        }
+        OutputFormat::Table => box_table(&["Name", "Version"], &rows),
+        OutputFormat::Csv => csv_table(&["Name", "Version"], &rows),
         OutputFormat::Json => {
             let v = json!({ "cli": cli, "daemon": daemon });
             serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
@@ -1858,8 +1856,9 @@ mod tests {
         assert_eq!(j.as_array().map(Vec::len), Some(2));
         assert_eq!(
             version("1.0", Some("1.1"), OutputFormat::Csv),
-            "Name,Version\nhybridcache CLI,1.0\nhybridcache daemon,1.1\n"
+            "Name,Version\nhybridcache Cache Daemon,1.1\nhybridcache CLI Utility,1.0\n"
         );
+        assert!(version("1.0", None, OutputFormat::Csv).contains("Daemon,Not Loaded\n"));
         let j: Value = serde_json::from_str(&version("1.0", None, OutputFormat::Json)).unwrap();
         assert!(j["daemon"].is_null() && j["cli"] == "1.0");
     }
@@ -2131,11 +2130,11 @@ mod tests {
         assert!(lines[0].starts_with("type"));
         assert!(lines[1].starts_with("cache"));
         assert!(lines[2].starts_with("└core") && lines[2].ends_with("cas1-1   2"));
-        assert!(lines[0].ends_with("clients"));
+        assert!(lines[0].ends_with("connections"));
         let csv = list(std::slice::from_ref(&r.cache), OutputFormat::Csv);
         assert!(csv.lines().nth(2).unwrap().ends_with(",cas1-1,2"), "{csv}");
         let t = stats(&r, OutputFormat::Table);
-        assert!(t.contains("Clients"), "{t}");
+        assert!(t.contains("NBD connections"), "{t}");
         assert_eq!(list(&[], OutputFormat::Table), "No caches running\n");
     }
 }

@@ -167,12 +167,22 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Version { output } => {
             let cli = env!("CARGO_PKG_VERSION");
-            // The CLI's own version is printed either way; an unreachable daemon is still an
-            // error (exit 1), so `hybridcache -V` tells a script whether the daemon is up.
-            let daemon = call::<VersionInfo>(&control, &Request::Version);
-            let daemon_version = daemon.as_ref().ok().map(|v| v.version.as_str());
-            print!("{}", format::version(cli, daemon_version, *output));
-            daemon?;
+            // As casadm with its module not loaded: a daemon that is not running is a row that
+            // says so ("Not Loaded"), and exit 0. A daemon that runs but cannot be asked (the
+            // socket refuses this user, or something else answers) is still an error.
+            let not_running = matches!(
+                std::os::unix::net::UnixStream::connect(&control),
+                Err(e) if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+                )
+            );
+            let daemon = if not_running {
+                None
+            } else {
+                Some(call::<VersionInfo>(&control, &Request::Version)?.version)
+            };
+            print!("{}", format::version(cli, daemon.as_deref(), *output));
             return Ok(());
         }
         Command::StopDaemon => {

@@ -2,8 +2,9 @@
 //! size down to 80x24 (over ssh too).
 //!
 //! The top table has a row per cache and per core: IOPS, MB/s (client traffic on the exported
-//! volumes), hit ratio and dirty % over the last interval, cleaning MB/s, and p99 latency (since the
-//! statistics were last reset). Below it, the selected cache's detail: its latency percentiles and
+//! volumes), hit ratio over the last interval, occupancy and dirty % of the cache's lines, cleaning
+//! MB/s, p99 latency and device errors (both since the statistics were last reset), and the NBD
+//! connections open on the exports (`-L`'s count; a cache's row sums its cores'). Below it, the selected cache's detail: its latency percentiles and
 //! a minute of IOPS history. Keys: q or Esc quits, Tab / left / right select the cache, s cycles
 //! the sort order (id, IOPS, dirty %). Everything comes from the daemon's control socket, as `-L`
 //! and `-P` would read it.
@@ -49,6 +50,9 @@ struct Sample {
     bytes: u64,
     cleaned_bytes: u64,
     dirty_pct: f64,
+    occupancy_pct: f64,
+    /// Cache and core read and write errors, as `-P`'s error statistics count them.
+    errors: u64,
     p99_us: Option<f64>,
 }
 
@@ -66,17 +70,35 @@ fn sample(r: &StatsReport) -> Sample {
         cached_requests: cached,
         bytes: s.exported_read_bytes + s.exported_written_bytes,
         cleaned_bytes: r.cleaning.map_or(0, |c| c.core_write_bytes),
-        dirty_pct: if s.total_lines == 0 {
-            0.0
-        } else {
-            s.dirty_lines as f64 * 100.0 / s.total_lines as f64
-        },
+        dirty_pct: pct(s.dirty_lines, s.total_lines),
+        occupancy_pct: pct(s.occupancy_lines, s.total_lines),
+        errors: s.cache_read_errors
+            + s.cache_write_errors
+            + s.core_read_errors
+            + s.core_write_errors,
         p99_us: r
             .latency
             .iter()
             .filter(|l| l.key == "read" || l.key == "write")
             .filter_map(|l| l.p99_us)
             .fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v)))),
+    }
+}
+
+fn pct(part: u64, whole: u64) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        part as f64 * 100.0 / whole as f64
+    }
+}
+
+/// A count in at most 4 characters: 9999, then 10k .. 999k, then 1M ...
+fn count4(n: u64) -> String {
+    match n {
+        0..=9_999 => n.to_string(),
+        10_000..=999_999 => format!("{}k", n / 1000),
+        _ => format!("{}M", n / 1_000_000),
     }
 }
 
@@ -241,6 +263,7 @@ impl View {
             };
             let r = self.rates.get(&(c.id, None)).copied().unwrap_or_default();
             let s = self.last.get(&(c.id, None)).copied().unwrap_or_default();
+            let connections: usize = c.cores.iter().map(|k| k.clients).sum();
             rows.push(
                 Row::new(vec![
                     format!("cache {}", c.id),
@@ -248,9 +271,12 @@ impl View {
                     format!("{:.0}", r.iops),
                     fmt1(r.mb_s),
                     r.hit_pct.map_or("-".into(), fmt1),
+                    fmt1(s.occupancy_pct),
                     fmt1(s.dirty_pct),
                     fmt1(r.clean_mb_s),
                     s.p99_us.map_or("-".into(), |v| format!("{v:.0}")),
+                    count4(s.errors),
+                    count4(connections as u64),
                 ])
                 .style(style),
             );
@@ -267,38 +293,40 @@ impl View {
                     .unwrap_or_default();
                 rows.push(Row::new(vec![
                     format!(" core {}", core.id),
-                    core.status.chars().take(12).collect(),
+                    core.status.chars().take(10).collect(),
                     format!("{:.0}", r.iops),
                     fmt1(r.mb_s),
                     r.hit_pct.map_or("-".into(), fmt1),
+                    fmt1(s.occupancy_pct),
                     fmt1(s.dirty_pct),
                     String::new(),
                     s.p99_us.map_or("-".into(), |v| format!("{v:.0}")),
+                    count4(s.errors),
+                    count4(core.clients as u64),
                 ]));
             }
         }
+        // 80 columns: 68 of cells, 10 between them, 2 of border. "clean" is cleaning's MB/s,
+        // "errs" device errors, "conns" NBD connections (nbdfuse opens several per mount).
         let header = Row::new(vec![
-            "",
-            "state",
-            "IOPS",
-            "MB/s",
-            "hit %",
-            "dirty %",
-            "clean MB/s",
-            "p99 us",
+            "", "state", "IOPS", "MB/s", "hit%", "occ%", "dirty%", "clean", "p99us", "errs",
+            "conns",
         ])
         .style(Style::default().add_modifier(Modifier::BOLD));
         let table = Table::new(
             rows,
             [
                 Constraint::Length(9),
-                Constraint::Length(14),
-                Constraint::Length(8),
+                Constraint::Length(10),
                 Constraint::Length(7),
                 Constraint::Length(6),
-                Constraint::Length(7),
-                Constraint::Length(10),
-                Constraint::Length(8),
+                Constraint::Length(5),
+                Constraint::Length(5),
+                Constraint::Length(6),
+                Constraint::Length(5),
+                Constraint::Length(6),
+                Constraint::Length(4),
+                Constraint::Length(5),
             ],
         )
         .header(header)
@@ -380,14 +408,37 @@ impl View {
     }
 }
 
+/// The status as the state column's 10 characters leave room for after the mode: a flush as its
+/// percentage ("wb->wt 42%"; the detail pane says "flushing"), others as they are, cut.
 fn short_status(s: &str) -> String {
-    s.replace("Flushing", "Flush").chars().take(12).collect()
+    let flushing = s
+        .strip_prefix("Flushing (")
+        .and_then(|r| r.strip_suffix(" %)"))
+        .and_then(|p| p.parse::<f64>().ok());
+    match flushing {
+        Some(p) => format!("{p:.0}%"),
+        None => s.to_string(),
+    }
 }
 
 /// Run the live view until the user quits.
 pub fn run(args: &TopArgs, control: &Path) -> Result<()> {
-    // Fail before taking over the terminal when the daemon is not there.
-    let _: CacheList = crate::call(control, &Request::List)?;
+    // Fail before taking over the terminal when the daemon is not there, or the cache asked
+    // for is not: a view of a cache that does not exist would show another one instead.
+    let list: CacheList = crate::call(control, &Request::List)?;
+    if let Some(id) = args.id {
+        if !list.caches.iter().any(|c| c.id == id) {
+            let running: Vec<String> = list.caches.iter().map(|c| c.id.to_string()).collect();
+            anyhow::bail!(
+                "cache {id} does not exist ({})",
+                if running.is_empty() {
+                    "no caches running".to_string()
+                } else {
+                    format!("running: {}", running.join(", "))
+                }
+            );
+        }
+    }
     let mut terminal = ratatui::try_init().context("cannot set up the terminal")?;
     let result = run_loop(&mut terminal, args, control);
     ratatui::restore();

@@ -79,7 +79,7 @@ pub enum TraceCmd {
 fn core_id(s: &str) -> Result<u16, String> {
     match s.parse::<u32>() {
         Ok(n @ 0..=4095) => Ok(n as u16),
-        _ => Err(format!("'{s}' is not a core id (0..=4095)")),
+        _ => Err(format!("'{s}' is not a core id (0..4095)")),
     }
 }
 

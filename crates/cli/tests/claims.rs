@@ -596,11 +596,11 @@ fn stop_and_remove_are_refused_while_nbdfuse_holds_the_export() {
     let refused = || {
         let e = d.fails(&["-T", "-i", "1"]);
         assert!(
-            e.contains("cas1-1 has 2 clients connected: disconnect them first, or give --disconnect-clients"),
+            e.contains("cas1-1 has 2 NBD connections open: disconnect them first, or give --disconnect-clients"),
             "{e}"
         );
         let e = d.fails(&["-R", "-i", "1", "-j", "1"]);
-        assert!(e.contains("cas1-1 has 2 clients connected"), "{e}");
+        assert!(e.contains("cas1-1 has 2 NBD connections open"), "{e}");
     };
     refused();
     // ext4 over the export, mounted through a loop device, as issue 12 found it.
@@ -627,7 +627,7 @@ fn stop_and_remove_are_refused_while_nbdfuse_holds_the_export() {
     let p = d.stats_json(1, Some(1));
     assert_eq!(p["info"]["clients"], 2, "{p}");
     assert_eq!(d.stats_json(1, None)["info"]["clients"], 2);
-    assert!(d.ok(&["-P", "-i", "1"]).contains("Clients"));
+    assert!(d.ok(&["-P", "-i", "1"]).contains("NBD connections"));
     // The file system never noticed: it unmounts and checks clean, its file intact.
     sh("sync", &[]).expect("sync");
     assert_eq!(
@@ -680,12 +680,12 @@ fn stop_and_remove_are_refused_while_fio_runs() {
                 > 0
     });
     let e = d.fails(&["-R", "-i", "1", "-j", "1"]);
-    assert!(e.contains("cas1-1 has 1 client connected"), "{e}");
+    assert!(e.contains("cas1-1 has 1 NBD connection open"), "{e}");
     let e = d.fails(&["-T", "-i", "1"]);
     assert!(e.contains("give --disconnect-clients"), "{e}");
     // --force alone discards the dirty data but does not take the export from fio (issue 30).
     let e = d.fails(&["-R", "-i", "1", "-j", "1", "--force"]);
-    assert!(e.contains("cas1-1 has 1 client connected"), "{e}");
+    assert!(e.contains("cas1-1 has 1 NBD connection open"), "{e}");
     // Both consents: fio loses the export (and gets errors), the dirty data is discarded.
     let out = d.ok(&[
         "-R",
@@ -696,7 +696,7 @@ fn stop_and_remove_are_refused_while_fio_runs() {
         "--force",
         "--disconnect-clients",
     ]);
-    assert!(out.contains("disconnected 1 client of cas1-1"), "{out}");
+    assert!(out.contains("closed 1 NBD connection of cas1-1"), "{out}");
     assert!(!d.ok(&["-L"]).contains("cas1-1"));
 }
 

@@ -15,7 +15,7 @@
 //!   block that begins a new story; `<!-- doc-test: setup COMMAND -->` runs COMMAND first, by the
 //!   same rules, and it must succeed: the state the prose describes but the block does not show.
 //! - **Lines.** A command line runs when each program in it (`a && b`, `a | b`, `$(...)`) is
-//!   `hybridcache` or one of [`TOOLS`] (file set-up, NBD clients, `jq` and `socat`); a tool that is
+//!   `hybridcache` or one of [`TOOLS`] (file set-up, `sleep`, NBD clients, `jq` and `socat`); a tool that is
 //!   not installed skips the line through `common::need` (which fails in CI). Every other line is
 //!   not run and is listed as such: building and installing (`cargo`, `make`), what needs root or
 //!   a kernel driver (`modprobe`, `mount`, `losetup`, `nbdfuse`, `nbd-client`, `systemctl`,
@@ -42,6 +42,25 @@
 //!   first two words are the doc's. When the doc shows output, the first line must have the same
 //!   shape (numbers and whitespace aside; `...` ends the comparison). Failures name the file and
 //!   line, the command as written and as run, and its stderr.
+//!
+//! # Output samples (docs/observability.md, docs/policies.md)
+//!
+//! These two docs show what the program prints. There only ```` ```console ```` blocks run (their
+//! other blocks are synopses, configuration and log excerpts), each a transcript as above, and a
+//! command's **whole** output must be the doc's: stdout, or stderr when the doc shows an error.
+//! Line by line, with these allowances and no others:
+//!
+//! - runs of spaces count as one, and runs of `═` as one (a table's columns are as wide as its
+//!   widest cell, so its padding and rules follow the values);
+//! - `<N>` in the doc stands for one number that varies from run to run (a time, a rate, a
+//!   count that depends on timing): digits with an optional sign, decimal point and thousands
+//!   commas. Everything else, other numbers included, must be as shown;
+//! - a line `...` alone stands for any number of lines (none included), to shorten a long
+//!   output; the lines after it must follow in order.
+//!
+//! The blocks' paths and sockets are substituted as everywhere (in the output too). A block runs
+//! after the `setup` markers before it: the state it shows is made there, so the sample shows
+//! only what the prose is about.
 
 mod common;
 
@@ -56,6 +75,7 @@ use common::{have, nbdkit, need, sparse_file, workdir, Daemon, Kill, BIN};
 /// Programs other than `hybridcache` that a doc line may run.
 const TOOLS: &[&str] = &[
     "mkdir",
+    "sleep",
     "truncate",
     "echo",
     "cat",
@@ -69,7 +89,7 @@ const TOOLS: &[&str] = &[
 ];
 
 /// Programs that are always there (coreutils); the others go through `common::need`.
-const BASE_TOOLS: &[&str] = &["mkdir", "truncate", "echo", "cat"];
+const BASE_TOOLS: &[&str] = &["mkdir", "sleep", "truncate", "echo", "cat"];
 
 /// Size of each device the docs name: large enough for any cache or core of the examples.
 const DEVICE_BYTES: u64 = 1 << 30;
@@ -79,6 +99,9 @@ const COMMAND_TIMEOUT: Duration = Duration::from_secs(60);
 
 const DOCS: &[&str] = &["README.md", "docs/cli.md"];
 
+/// Docs whose ```console blocks are output samples, compared whole (module doc).
+const SAMPLE_DOCS: &[&str] = &["docs/observability.md", "docs/policies.md"];
+
 #[test]
 fn every_command_of_the_docs_runs() {
     let root = workspace_root();
@@ -87,6 +110,11 @@ fn every_command_of_the_docs_runs() {
         let path = root.join(doc);
         let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{doc}: {e}"));
         run_file(doc, &text, &mut report);
+    }
+    for doc in SAMPLE_DOCS {
+        let path = root.join(doc);
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{doc}: {e}"));
+        run_samples(doc, &text, &mut report);
     }
     eprintln!("{}", report.summary());
     assert!(
@@ -216,6 +244,8 @@ struct DocCommand {
     line: usize,
     written: String,
     output: Vec<String>,
+    /// An output sample: the whole output must be the doc's (module doc), not only its shape.
+    whole: bool,
 }
 
 fn commands(block: &Block) -> Vec<DocCommand> {
@@ -236,6 +266,7 @@ fn commands(block: &Block) -> Vec<DocCommand> {
                     line: *n,
                     written,
                     output: Vec::new(),
+                    whole: false,
                 });
             } else if let Some(last) = out.last_mut() {
                 last.output.push(l.clone());
@@ -251,6 +282,7 @@ fn commands(block: &Block) -> Vec<DocCommand> {
                 line: *n,
                 written,
                 output: Vec::new(),
+                whole: false,
             });
         }
     }
@@ -751,6 +783,105 @@ fn same_shape(doc: &str, actual: &str) -> bool {
     }
 }
 
+/// A line as an output sample compares it: runs of spaces and of `═` as one (module doc).
+fn sample_norm(s: &str) -> String {
+    let mut out = String::new();
+    let mut last: Option<char> = None;
+    for c in s.trim_end().chars() {
+        let c = if c.is_whitespace() { ' ' } else { c };
+        if (c == ' ' || c == '═') && last == Some(c) {
+            continue;
+        }
+        out.push(c);
+        last = Some(c);
+    }
+    out
+}
+
+/// The length of the number `s` starts with (module doc: `<N>`), 0 when none.
+fn number_len(s: &str) -> usize {
+    let mut end = 0;
+    for (i, c) in s.char_indices() {
+        let part = c.is_ascii_digit() || (i == 0 && c == '-') || (i > 0 && (c == '.' || c == ','));
+        if !part {
+            break;
+        }
+        if c.is_ascii_digit() {
+            // A trailing comma or point is the text's, not the number's.
+            end = i + 1;
+        }
+    }
+    end
+}
+
+/// Whether `got` is the doc's sample line `want`, where `<N>` stands for any one number.
+fn sample_line(want: &str, got: &str) -> bool {
+    let want = sample_norm(want);
+    let got = sample_norm(got);
+    let mut parts = want.split("<N>");
+    let first = parts.next().unwrap_or("");
+    let Some(mut rest) = got.strip_prefix(first) else {
+        return false;
+    };
+    for part in parts {
+        let n = number_len(rest);
+        if n == 0 {
+            return false;
+        }
+        let Some(after) = rest[n..].strip_prefix(part) else {
+            return false;
+        };
+        rest = after;
+    }
+    rest.is_empty()
+}
+
+/// Whether a command's whole output is the doc's sample (module doc); Err says where not.
+fn sample_matches(want: &[String], got: &str) -> Result<(), String> {
+    // Trailing blank lines of the block are the doc's layout, not output.
+    let mut want: Vec<&str> = want.iter().map(String::as_str).collect();
+    while want.last().is_some_and(|l| l.trim().is_empty()) {
+        want.pop();
+    }
+    let got: Vec<&str> = got.lines().collect();
+    sample_walk(&want, &got, 0, 0).map_err(|(_, e)| e)
+}
+
+/// Err carries how many of the doc's lines matched before the mismatch, so that after a `...`
+/// the mismatch reported is the one of the alignment that got furthest.
+fn sample_walk(want: &[&str], got: &[&str], w0: usize, g0: usize) -> Result<(), (usize, String)> {
+    match want.first() {
+        None if got.is_empty() => Ok(()),
+        None => Err((
+            w0,
+            format!("output line {} `{}` is not in the doc", g0 + 1, got[0]),
+        )),
+        Some(l) if l.trim() == "..." => {
+            let rest = &want[1..];
+            let mut best: Option<(usize, String)> = None;
+            for skip in 0..=got.len() {
+                match sample_walk(rest, &got[skip..], w0 + 1, g0 + skip) {
+                    Ok(()) => return Ok(()),
+                    Err(e) => {
+                        if best.as_ref().map_or(true, |b| e.0 > b.0) {
+                            best = Some(e);
+                        }
+                    }
+                }
+            }
+            Err(best.unwrap_or_default())
+        }
+        Some(l) => match got.first() {
+            None => Err((w0, format!("the doc's line {} `{l}` is missing", w0 + 1))),
+            Some(g) if sample_line(l, g) => sample_walk(&want[1..], &got[1..], w0 + 1, g0 + 1),
+            Some(g) => Err((
+                w0,
+                format!("the doc's line {} `{l}`, got line {} `{g}`", w0 + 1, g0 + 1),
+            )),
+        },
+    }
+}
+
 const ERROR_PREFIX: &str = "hybridcache: ";
 
 fn first_words(s: &str, n: usize) -> String {
@@ -758,6 +889,15 @@ fn first_words(s: &str, n: usize) -> String {
 }
 
 fn run_file(doc: &str, text: &str, report: &mut Report) {
+    run_blocks(doc, text, false, report)
+}
+
+/// A doc of output samples (module doc): its ```console blocks only, outputs compared whole.
+fn run_samples(doc: &str, text: &str, report: &mut Report) {
+    run_blocks(doc, text, true, report)
+}
+
+fn run_blocks(doc: &str, text: &str, samples: bool, report: &mut Report) {
     let blocks = match blocks(doc, text) {
         Ok(b) => b,
         Err(e) => {
@@ -771,7 +911,14 @@ fn run_file(doc: &str, text: &str, report: &mut Report) {
         if block.lang == "toml" {
             world.last_toml = Some(block.lines.iter().map(|(_, l)| format!("{l}\n")).collect());
         }
-        if !is_command_block(&block.lang) {
+        if !is_command_block(&block.lang) || (samples && block.lang != "console") {
+            continue;
+        }
+        if samples && !block.lines.iter().any(|(_, l)| l.starts_with("$ ")) {
+            report.failures.push(format!(
+                "{doc}:{}: an output sample must be a transcript (`$ ` before each command)",
+                block.line
+            ));
             continue;
         }
         if let Some(reason) = &block.skip {
@@ -785,10 +932,12 @@ fn run_file(doc: &str, text: &str, report: &mut Report) {
             line: *n,
             written: c.clone(),
             output: Vec::new(),
+            whole: false,
         });
         let setup_count = block.setup.len();
-        for (k, cmd) in setup.chain(commands(block)).enumerate() {
+        for (k, mut cmd) in setup.chain(commands(block)).enumerate() {
             let is_setup = k < setup_count;
+            cmd.whole = samples && !is_setup;
             run_command(doc, &cmd, is_setup, &mut world, &mut have_cache, report);
         }
     }
@@ -886,6 +1035,37 @@ fn run_checked(
             .collect::<Vec<_>>()
             .join("\n          "),
     );
+    if cmd.whole {
+        // The doc shows the error (stderr) when its output starts with the CLI's prefix.
+        let error = cmd
+            .output
+            .first()
+            .is_some_and(|l| l.starts_with(ERROR_PREFIX));
+        if error == (ran.code == Some(0)) {
+            return fail(format!(
+                "{}\n{details}",
+                if error {
+                    "the doc shows this failing, but it succeeded"
+                } else {
+                    "exited non-zero"
+                }
+            ));
+        }
+        let mut want = Vec::new();
+        for l in &cmd.output {
+            match world.substitute(l, false) {
+                Ok(l) => want.push(l),
+                Err(e) => return fail(e),
+            }
+        }
+        let got = if error { &ran.stderr } else { &ran.stdout };
+        if let Err(e) = sample_matches(&want, got) {
+            fail(format!(
+                "output differs from the doc's sample: {e}\n{details}"
+            ));
+        }
+        return;
+    }
     let expected = match cmd.output.first() {
         Some(l) => match world.substitute(l, false) {
             Ok(l) => Some(l),
@@ -1022,6 +1202,74 @@ fn a_doc_that_drifted_fails_with_its_lines() {
         f[2].starts_with("t.md:7: the doc shows this failing, but it succeeded"),
         "{}",
         f[2]
+    );
+}
+
+#[test]
+fn samples_compare_the_whole_output() {
+    assert!(sample_line(
+        "║ Wake up time [s] │ 20 ║",
+        "║ Wake up time [s]    │ 20    ║"
+    ));
+    assert!(sample_line("╔═══╤═╗", "╔══════════╤═══════╗"));
+    assert!(!sample_line(
+        "║ Wake up time [s] │ 20 ║",
+        "║ Wake up time [s] │ 30 ║"
+    ));
+    assert!(sample_line("Dirty for,<N> [s]", "Dirty for,23 [s]"));
+    assert!(sample_line(
+        "rate <N> MB/s, <N> lines",
+        "rate 1,234.5 MB/s, 7 lines"
+    ));
+    assert!(!sample_line("Dirty for,<N> [s]", "Dirty for,2 [m] 3 [s]"));
+    assert!(!sample_line("<N>", "x"));
+    let lines = |s: &str| s.lines().map(str::to_string).collect::<Vec<_>>();
+    assert!(sample_matches(&lines("a\n...\nd"), "a\nb\nc\nd\n").is_ok());
+    assert!(sample_matches(&lines("a\n...\nd"), "a\nd\n").is_ok());
+    assert!(sample_matches(&lines("a\nb"), "a\nb\nc\n").is_err());
+    assert!(sample_matches(&lines("a\nb\n"), "a\n").is_err());
+}
+
+/// A sample that is not what the program prints fails, with the line that differs; blocks other
+/// than ```console are not run in a samples doc.
+#[test]
+fn a_sample_that_drifted_fails() {
+    let md = "```\n\
+              hybridcache -X -n no-such-group -i 1 -p x|y\n\
+              ```\n\
+              <!-- doc-test: setup hybridcache -S -d /dev/nvme0n1 -c wb -->\n\
+              ```console\n\
+              $ hybridcache -G -n cleaning -i 1 -o csv\n\
+              Parameter name,Value\n\
+              Cleaning policy type,alru\n\
+              $ hybridcache -G -n cleaning -i 1 -o csv\n\
+              Parameter name,Value\n\
+              Cleaning policy type,acp\n\
+              $ hybridcache -G -n cleaning -i 1 -o csv\n\
+              Parameter name,Value\n\
+              $ hybridcache -T -i 7\n\
+              hybridcache: cache 7 does not exist\n\
+              ```\n";
+    let mut report = Report::default();
+    run_samples("t.md", md, &mut report);
+    assert_eq!(report.ran, 5, "{:#?}", report.failures);
+    let f = &report.failures;
+    assert_eq!(f.len(), 2, "{f:#?}");
+    assert!(
+        f[0].starts_with(
+            "t.md:9: output differs from the doc's sample: the doc's line 2 \
+             `Cleaning policy type,acp`, got line 2 `Cleaning policy type,alru`"
+        ),
+        "{}",
+        f[0]
+    );
+    assert!(
+        f[1].starts_with(
+            "t.md:12: output differs from the doc's sample: output line 2 \
+             `Cleaning policy type,alru` is not in the doc"
+        ),
+        "{}",
+        f[1]
     );
 }
 

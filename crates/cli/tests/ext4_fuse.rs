@@ -230,7 +230,7 @@ fn ext4_on_nbdfuse_loop_device() {
         "{}",
         d.log_text()
     );
-    assert_eq!(d.ok(&["-G", "-n", "cache-mode", "-i", "1"]), "wt\n");
+    assert_eq!(d.param("cache-mode", 1, "Cache mode"), "wt");
     let loopdev = attach(&mut stack, &d, dir.path(), "cas1-1").expect("the same stack again");
     sh("e2fsck", &["-fn", &loopdev]).expect("e2fsck after the restart");
 

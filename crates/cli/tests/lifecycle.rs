@@ -765,12 +765,16 @@ fn the_file_s_parameters_win_over_the_superblock_s() {
     d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "nop"]);
     assert!(d.stop(), "the first daemon stops cleanly");
     let mut d = start(&plain);
-    assert_eq!(d.ok(&["-G", "-n", "cleaning", "-i", "1"]), "nop\n", "kept");
+    assert_eq!(
+        d.param("cleaning", 1, "Cleaning policy type"),
+        "nop",
+        "kept"
+    );
     assert!(d.stop(), "the second daemon stops cleanly");
     let d = start(&with_params);
     assert_eq!(
-        d.ok(&["-G", "-n", "cleaning", "-i", "1"]),
-        "acp\n",
+        d.param("cleaning", 1, "Cleaning policy type"),
+        "acp",
         "the file wins"
     );
 }

@@ -131,7 +131,7 @@ fn stop_without_flush_keeps_dirty_data() {
         list.contains("Running") && list.contains("wb") && list.contains("Active"),
         "{list}"
     );
-    assert_eq!(d.ok(&["-G", "-n", "cache-line-size", "-i", "1"]), "8\n");
+    assert_eq!(d.param("cache-line-size", 1, "Cache line size [KiB]"), "8");
     assert_eq!(dirty(&d, 1), before, "the dirty lines survive");
     assert!(
         read(&d, "cas1-1", data.len(), 1 << 20) == data,

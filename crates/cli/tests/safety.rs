@@ -142,7 +142,7 @@ fn removing_a_core_with_a_client_never_loses_data_by_following_the_hint() {
     let s = Setup::new(2, 3);
     let client = s.write_dirty(7);
     let e = s.d().fails(&["-R", "-i", "2", "-j", "3"]);
-    assert!(e.contains("cas2-3 has 1 client connected"), "{e}");
+    assert!(e.contains("cas2-3 has 1 NBD connection open"), "{e}");
     let hint = flags_in(&e);
     assert!(!hint.is_empty(), "the refusal names a flag: {e}");
     let mut args: Vec<&str> = vec!["-R", "-i", "2", "-j", "3"];
@@ -168,7 +168,7 @@ fn forced_removal_names_the_discarded_lines() {
     let s = Setup::new(2, 3);
     let client = s.write_dirty(9);
     let e = s.d().fails(&["-R", "-i", "2", "-j", "3", "--force"]);
-    assert!(e.contains("cas2-3 has 1 client connected"), "{e}");
+    assert!(e.contains("cas2-3 has 1 NBD connection open"), "{e}");
     assert!(e.contains("--disconnect-clients"), "{e}");
     drop(client);
     let out = s.d().ok(&["-R", "-i", "2", "-j", "3", "--force"]);
@@ -193,7 +193,7 @@ fn forced_removal_names_the_discarded_lines() {
         "--disconnect-clients",
     ]);
     assert!(out.contains(said), "{out}");
-    assert!(out.contains("disconnected 1 client of cas2-3"), "{out}");
+    assert!(out.contains("closed 1 NBD connection of cas2-3"), "{out}");
 }
 
 /// `-T` with a client: the same consent flag as `-R`; its old `--force` stays an alias.
@@ -202,11 +202,11 @@ fn stopping_with_a_client_names_the_client_consent_and_flushes() {
     let s = Setup::new(1, 1);
     let _client = s.write_dirty(5);
     let e = s.d().fails(&["-T", "-i", "1"]);
-    assert!(e.contains("cas1-1 has 1 client connected"), "{e}");
+    assert!(e.contains("cas1-1 has 1 NBD connection open"), "{e}");
     assert!(e.contains("--disconnect-clients"), "{e}");
     assert!(!e.contains("--force"), "{e}");
     let out = s.d().ok(&["-T", "-i", "1", "--disconnect-clients"]);
-    assert!(out.contains("disconnected 1 client of cas1-1"), "{out}");
+    assert!(out.contains("closed 1 NBD connection of cas1-1"), "{out}");
     assert!(s.core_has(5), "-T --disconnect-clients flushes");
 }
 
@@ -342,7 +342,7 @@ fn table() -> Vec<Row> {
 /// Bring a fresh setup into the row's situation; what it returns must outlive the command.
 fn situation(s: &Setup, what: &str) -> Vec<Client> {
     match what {
-        "a client connected" => {
+        "an NBD connection open" => {
             vec![Client::connect_unix(&s.d().nbd, &s.export()).expect("client")]
         }
         "dirty data on the core" => {

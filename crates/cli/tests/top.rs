@@ -24,6 +24,19 @@ fn cache_iops(screen: &str) -> Option<u64> {
         .ok()
 }
 
+/// The cells of the `cache 1` row from the state on (the name split off): state (mode and
+/// status), IOPS, MB/s, hit%, occ%, dirty%, clean, p99us, errs, conns.
+fn cache_cells(screen: &str) -> Option<Vec<String>> {
+    let line = screen.lines().find(|l| l.contains("cache 1 "))?;
+    let cells: Vec<String> = line
+        .trim_matches(|c| c == '│' || c == ' ')
+        .split_whitespace()
+        .skip(2)
+        .map(str::to_string)
+        .collect();
+    Some(cells)
+}
+
 /// The screen line of cache `id`'s row in the table.
 fn row(screen: &str, id: u16) -> Option<usize> {
     let label = format!("cache {id} ");
@@ -45,6 +58,41 @@ impl Drop for Session {
             .args(["kill-session", "-t", &self.0])
             .output();
     }
+}
+
+fn wait_for(screen: &dyn Fn() -> String, what: &str, ok: &dyn Fn(&str) -> bool) -> String {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let s = screen();
+        if ok(&s) {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "never saw {what}:\n{s}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `top -i N` of a cache that does not exist is refused before the terminal is taken over,
+/// with the caches that do exist.
+#[test]
+fn top_of_a_cache_that_does_not_exist_is_an_error() {
+    let dir = workdir();
+    let d = Daemon::start(dir.path());
+    d.ok(&["-S", "-d", "ram:16M", "-i", "1"]);
+    let out = d.cli(&["top", "-i", "9"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(
+        err.trim_end(),
+        "hybridcache: cache 9 does not exist (running: 1)",
+        "{err}"
+    );
+    d.ok(&["-T", "-i", "1"]);
+    let err = String::from_utf8_lossy(&d.cli(&["top", "-i", "9"]).stderr).into_owned();
+    assert!(
+        err.contains("cache 9 does not exist (no caches running)"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -89,8 +137,27 @@ fn top_shows_the_caches_and_moves_while_fio_runs() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    // Every line fits the 80 columns.
-    assert!(screen().lines().all(|l| l.chars().count() <= 80));
+    // Every line fits the 80 columns, the new columns too.
+    let s = screen();
+    assert!(s.lines().all(|l| l.chars().count() <= 80), "{s}");
+    let header = s.lines().find(|l| l.contains("IOPS")).unwrap_or_default();
+    let names: Vec<&str> = header
+        .trim_matches(|c| c == '│' || c == ' ')
+        .split_whitespace()
+        .collect();
+    assert_eq!(
+        names,
+        ["state", "IOPS", "MB/s", "hit%", "occ%", "dirty%", "clean", "p99us", "errs", "conns"],
+        "{s}"
+    );
+    // Idle and empty: nothing cached, no error, no connection.
+    let idle = cache_cells(&s).unwrap_or_default();
+    assert_eq!(idle.len(), 11, "{s}");
+    assert_eq!(
+        (idle[5].as_str(), idle[9].as_str(), idle[10].as_str()),
+        ("0.0", "0", "0"),
+        "{s}"
+    );
 
     let fio = {
         let uri = d.uri("cas1-1");
@@ -114,17 +181,40 @@ fn top_shows_the_caches_and_moves_while_fio_runs() {
                 .expect("fio")
         })
     };
-    // The figures move: IOPS above zero while fio writes.
+    // The figures move: IOPS above zero while fio writes, through one NBD connection, and the
+    // cache fills.
     let deadline = Instant::now() + Duration::from_secs(20);
+    let mut connected = false;
     loop {
         let s = screen();
-        if cache_iops(&s).is_some_and(|v| v > 0) {
+        let cells = cache_cells(&s).unwrap_or_default();
+        connected |= cells.get(10).is_some_and(|c| c == "1");
+        if cache_iops(&s).is_some_and(|v| v > 0) && connected {
             break;
         }
-        assert!(Instant::now() < deadline, "IOPS never moved:\n{s}");
+        assert!(
+            Instant::now() < deadline,
+            "IOPS or the connection never showed:\n{s}"
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
     assert!(fio.join().unwrap().success());
+    let s = wait_for(&screen, "occupancy", &|s| {
+        cache_cells(s)
+            .and_then(|c| c.get(5)?.parse::<f64>().ok())
+            .is_some_and(|o| o > 0.0)
+    });
+    let occ: f64 = cache_cells(&s).unwrap_or_default()[5]
+        .parse()
+        .unwrap_or(0.0);
+    let stats = d.stats_json(1, None);
+    let want = stats["usage"]["occupancy"]["percent"]
+        .as_f64()
+        .unwrap_or(-1.0);
+    assert!(
+        (occ - want).abs() < 0.2,
+        "occupancy {occ} vs -P {want}:\n{s}"
+    );
 
     // A second cache, dirtier than the first (cache 1 has at most 32 of its 64 MiB dirty).
     d.ok(&["-S", "-d", "ram:16M", "-i", "2", "-c", "wb"]);

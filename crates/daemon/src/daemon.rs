@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use hybridcache_engine::{Cache, CacheMode, EngineError};
+use hybridcache_engine::{Cache, EngineError};
 use hybridcache_nbd::{ExportRegistry, Server};
 use parking_lot::{Condvar, Mutex};
 use serde_json::{json, Value};
@@ -146,9 +146,6 @@ struct CacheEntry {
     ioclass: (Option<PathBuf>, Option<bool>),
     /// The configuration file's `lazy_startup`, kept so that saving the file keeps it.
     lazy_startup: Option<bool>,
-    /// The write-back mode a `-Q ... -f no` left while dirty data remained: `-L` shows
-    /// `wb->wt` until that data has drained.
-    left_mode: Option<CacheMode>,
 }
 
 #[derive(Default)]

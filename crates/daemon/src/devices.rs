@@ -120,6 +120,12 @@ pub fn identity(spec: &str) -> Option<String> {
     }
 }
 
+/// The device forms `open_device` takes, as a refusal lists them: a device of the machine
+/// first, then the remote ones, then the emulated ones.
+pub const DEVICE_FORMS: &str = "expected the path of an existing file or block device, \
+     file:PATH, an NBD URI (nbd://HOST[:PORT]/EXPORT or nbd+unix:///EXPORT?socket=PATH), ram:SIZE, \
+     null:SIZE, throttle:PARAMS:SPEC, hdd:PARAMS, raid:PARAMS or ssd:PARAMS";
+
 /// Open the device `spec` names: anything `open_volume` takes, or an `nbd://` / `nbd+unix://` URI.
 pub fn open_device(spec: &str) -> Result<VolumeRef, String> {
     let opened = if is_nbd_uri(spec) {
@@ -127,7 +133,10 @@ pub fn open_device(spec: &str) -> Result<VolumeRef, String> {
     } else {
         open_volume(spec)
     };
-    opened.map_err(|e| volume_error_text(&e))
+    // The volume crate lists the forms it opens; the daemon opens NBD URIs too, which an
+    // operator looking for how to name a remote device must find in the same list.
+    opened
+        .map_err(|e| volume_error_text(&e).replace(hybridcache_volume::VOLUME_FORMS, DEVICE_FORMS))
 }
 
 /// Whether `spec` names a local path that does not exist (yet): a late device, as opposed to

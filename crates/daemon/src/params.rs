@@ -23,7 +23,10 @@ pub struct Field {
     pub key: &'static str,
     /// The command-line flag that sets it with `-X` (see cli.rs).
     pub flag: &'static str,
-    /// What `-G` prints, with the unit.
+    /// What `-G` prints, with the unit: casadm's own label where casadm has the parameter
+    /// (casadm/cas_main.c, `cas_cache_params` and `cas_core_params`: v26.03's, or master's for a
+    /// parameter only master has), so a script that looks a row up by name finds it; ours for
+    /// the parameters casadm lacks, which come after casadm's in their group.
     pub label: &'static str,
 }
 
@@ -111,7 +114,9 @@ fn get_line_size(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
 }
 
 fn get_cleaning(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
-    Ok(vec![c.cleaning().policy_name()])
+    // The policy casadm knows (nop, alru, acp), never a preset's name: casadm has none, and a
+    // preset is only that policy with the tunables `cleaning-alru`/`cleaning-acp` show.
+    Ok(vec![c.cleaning().policy.to_string()])
 }
 
 fn set_cleaning(c: &Cache, _: Option<CoreId>, v: &BTreeMap<String, String>) -> Result<(), String> {
@@ -214,8 +219,8 @@ fn get_seq_cutoff(c: &Cache, core: Option<CoreId>) -> Result<Vec<String>, String
     let core = core.ok_or("seq-cutoff is per core: name one with -j")?;
     let s = engine(c.seq_cutoff(core))?;
     Ok(vec![
-        s.policy.to_string(),
         s.threshold_kib.to_string(),
+        s.policy.to_string(),
         s.promotion_count.to_string(),
     ])
 }
@@ -449,11 +454,15 @@ pub const GROUPS: &[Group] = &[
             field("staleness-time", "-s", "Stale buffer time [s]"),
             field("flush-max-buffers", "-b", "Flush max buffers"),
             field("activity-threshold", "-t", "Activity threshold [ms]"),
-            field("dirty-ratio-threshold", "-d", "Dirty ratio threshold [%]"),
+            field(
+                "dirty-ratio-threshold",
+                "-d",
+                "Dirty ratio trigger threshold [%]",
+            ),
             field(
                 "dirty-ratio-inertia",
                 "--dirty-ratio-inertia",
-                "Dirty ratio inertia [MiB]",
+                "Dirty ratio trigger inertia [MiB]",
             ),
         ],
         per_core: false,
@@ -492,9 +501,11 @@ pub const GROUPS: &[Group] = &[
     Group {
         name: "seq-cutoff",
         help: "sequential cutoff, per core (-j; -p -t --promotion-count)",
+        // casadm's order (modules/include/cas_ioctl_codes.h, `kcas_core_param_id`), which is
+        // the order `-G` prints them in.
         fields: &[
-            field("policy", "-p", "Sequential cutoff policy"),
             field("threshold", "-t", "Sequential cutoff threshold [KiB]"),
+            field("policy", "-p", "Sequential cutoff policy"),
             field(
                 "promotion-count",
                 "--promotion-count",
@@ -564,8 +575,10 @@ pub const GROUPS: &[Group] = &[
         name: "prefetch-readahead",
         help: "read-ahead tunables (-t threshold KiB, --distance KiB, --max-in-flight)",
         fields: &[
-            field("threshold", "-t", "Read-ahead threshold [KiB]"),
-            field("distance", "--distance", "Read-ahead distance [KiB]"),
+            // casadm master's label (casadm/cas_main.c, `cas_cache_params`); v26.03 has no
+            // prefetch. The other two are ours.
+            field("threshold", "-t", "Readahead threshold [KiB]"),
+            field("distance", "--distance", "Readahead distance [KiB]"),
             field(
                 "max-in-flight",
                 "--max-in-flight",

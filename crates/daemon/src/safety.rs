@@ -132,17 +132,22 @@ impl Loss {
                 "{} of core {core} of cache {cache} would be discarded",
                 lines_text(*lines, *bytes)
             ),
+            // An NBD export counts connections, not clients: one nbdfuse mount opens 4. A
+            // block device (ublk) counts 1 while something holds it: a client, a mount.
             Loss::Clients {
                 export,
-                block_device,
+                block_device: None,
                 connections,
             } => format!(
-                "{}{} has {connections} client{} connected",
+                "{export} has {connections} NBD connection{} open",
+                if *connections == 1 { "" } else { "s" }
+            ),
+            Loss::Clients {
                 export,
-                block_device
-                    .as_ref()
-                    .map(|d| format!(" ({d})"))
-                    .unwrap_or_default(),
+                block_device: Some(device),
+                connections,
+            } => format!(
+                "{export} ({device}) has {connections} client{} connected",
                 if *connections == 1 { "" } else { "s" }
             ),
             Loss::CacheMetadata {
@@ -191,15 +196,19 @@ impl Loss {
             ),
             Loss::Clients {
                 export,
-                block_device,
+                block_device: None,
                 connections,
             } => format!(
-                "disconnected {connections} client{} of {export}{}",
-                if *connections == 1 { "" } else { "s" },
-                block_device
-                    .as_ref()
-                    .map(|d| format!(" ({d})"))
-                    .unwrap_or_default()
+                "closed {connections} NBD connection{} of {export}",
+                if *connections == 1 { "" } else { "s" }
+            ),
+            Loss::Clients {
+                export,
+                block_device: Some(device),
+                connections,
+            } => format!(
+                "disconnected {connections} client{} of {export} ({device})",
+                if *connections == 1 { "" } else { "s" }
             ),
             Loss::CacheMetadata {
                 device,
@@ -373,7 +382,7 @@ mod tests {
             &Consents::none(),
         )
         .unwrap_err();
-        assert!(e.contains("cas2-3 has 4 clients connected"), "{e}");
+        assert!(e.contains("cas2-3 has 4 NBD connections open"), "{e}");
         assert!(e.contains("give --disconnect-clients to accept"), "{e}");
         assert!(!e.contains("--force"), "{e}");
     }

@@ -36,7 +36,7 @@ pub use fault::{CrashVolume, FaultConfig, FaultyVolume, WriteFate};
 pub use file::{FileVolume, IoEngine, IoPath};
 pub use null::NullVolume;
 pub use ram::RamVolume;
-pub use uri::open_volume;
+pub use uri::{open_volume, FORMS as VOLUME_FORMS};
 pub use uring::{IoChoice, IO_ENV};
 
 /// The operation that failed, for error messages.

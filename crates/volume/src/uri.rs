@@ -287,7 +287,10 @@ fn ssd_config(text: &str) -> ParamResult<(SsdConfig, Backing)> {
     Ok((c, backing))
 }
 
-const FORMS: &str = "expected ram:SIZE, null:SIZE, file:PATH, throttle:PARAMS:SPEC, hdd:PARAMS, \
+/// The forms `open_volume` takes, as its errors list them (the daemon adds the NBD URIs it opens
+/// itself: `hybridcache_daemon::devices::open_device`).
+pub const FORMS: &str =
+    "expected ram:SIZE, null:SIZE, file:PATH, throttle:PARAMS:SPEC, hdd:PARAMS, \
      raid:PARAMS, ssd:PARAMS, or the path of an existing file or block device";
 
 /// Open the volume a spec names: `ram:SIZE` (e.g. `ram:1G`), `null:SIZE`, `file:PATH`, or a

@@ -345,3 +345,16 @@ pub fn daemon_refuses_to_start(dir: &Path, args: &[&str]) -> String {
     );
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
+
+impl Daemon {
+    /// One row of `-G -n GROUP -i CACHE -o csv`, looked up by casadm's label, as scripts read
+    /// it (tests/casadm_compat.rs checks the labels).
+    pub fn param(&self, group: &str, cache: u16, label: &str) -> String {
+        let csv = self.ok(&["-G", "-n", group, "-i", &cache.to_string(), "-o", "csv"]);
+        csv.lines()
+            .skip(1)
+            .find_map(|l| l.strip_prefix(label)?.strip_prefix(','))
+            .unwrap_or_else(|| panic!("no row '{label}' in -G -n {group}: {csv}"))
+            .to_string()
+    }
+}

@@ -150,9 +150,7 @@ impl Daemon {
         }
         if let Some(id) = id {
             if id == 0 || id > MAX_CACHE_ID {
-                return Err(format!(
-                    "cache id {id} is out of range (1..={MAX_CACHE_ID})"
-                ));
+                return Err(format!("cache id {id} is out of range (1..{MAX_CACHE_ID})"));
             }
             if st.caches.contains_key(&id) {
                 return Err(format!("cache {id} already exists"));
@@ -226,7 +224,10 @@ impl Daemon {
                 other => other,
             }
         };
-        let cache = created.map_err(|e| format!("{device}: {}", engine_err(e)))?;
+        let cache = created.map_err(|e| match e {
+            EngineError::CacheTooSmall { bytes, line } => too_small(device, bytes, line, volatile),
+            e => format!("{device}: {}", engine_err(e)),
+        })?;
         let persistent = cache.persistent();
         st.caches.insert(
             id,
@@ -237,7 +238,6 @@ impl Daemon {
                 cores: BTreeMap::new(),
                 ioclass: (None, None),
                 lazy_startup: None,
-                left_mode: None,
             },
         );
         self.save_locked(&st);
@@ -379,7 +379,6 @@ impl Daemon {
                 cores,
                 ioclass: (None, None),
                 lazy_startup: None,
-                left_mode: None,
             },
         );
         self.save_locked(st);
@@ -611,4 +610,31 @@ impl Daemon {
         st.caches.clear();
         clean
     }
+}
+
+/// What a persistent cache device holds besides its lines: the two 1 MiB superblock slots, then
+/// the per-line metadata, rounded up to a MiB so that lines stay aligned (docs/format.md). For
+/// one line that metadata is a few sectors, so the smallest cache device is this plus one line
+/// (crates/cli/tests/casadm_compat.rs starts one of exactly that size and one a sector smaller).
+const PERSISTENT_OVERHEAD: u64 = 3 << 20;
+
+/// A cache device too small for one line: the refusal says how large it must be at least.
+fn too_small(device: &str, bytes: u64, line: u32, volatile: bool) -> String {
+    let line = u64::from(line);
+    let (min, what) = if volatile {
+        (line, "one line")
+    } else {
+        (
+            PERSISTENT_OVERHEAD + line,
+            "3 MiB of superblock and metadata, and one line",
+        )
+    };
+    format!(
+        "{device} is too small for a cache: it holds {} bytes, and a {} cache with {} KiB lines \
+         needs at least {} bytes ({what})",
+        safety::count_text(bytes),
+        if volatile { "volatile" } else { "persistent" },
+        line / 1024,
+        safety::count_text(min),
+    )
 }

@@ -74,7 +74,7 @@ pub(super) fn check_config(cfg: &ConfigFile, st: &State) -> Result<(), String> {
     for c in &cfg.caches {
         let who = format!("cache {}", c.id);
         if c.id == 0 || c.id > MAX_CACHE_ID {
-            problems.push(format!("{who}: id out of range (1..={MAX_CACHE_ID})"));
+            problems.push(format!("{who}: id out of range (1..{MAX_CACHE_ID})"));
         }
         if !cache_ids.insert(c.id) {
             problems.push(format!("{who}: named twice"));
@@ -116,7 +116,7 @@ pub(super) fn check_config(cfg: &ConfigFile, st: &State) -> Result<(), String> {
             problems.push(format!("{who}: the file has no cache {}", core.cache));
         }
         if core.id as u32 > MAX_CORE_ID {
-            problems.push(format!("{who}: id out of range (0..={MAX_CORE_ID})"));
+            problems.push(format!("{who}: id out of range (0..{MAX_CORE_ID})"));
         }
         if !core_ids.insert((core.cache, core.id)) {
             problems.push(format!("{who}: named twice"));
@@ -253,7 +253,7 @@ mod tests {
             "core 1 of cache 9: the file has no cache 9",
             "core 1 of cache 9: device file:",
             "is the same device as that of cache 1",
-            "core 4096 of cache 2: id out of range (0..=4095)",
+            "core 4096 of cache 2: id out of range (0..4095)",
             "core 5 of cache 2: device /no/such/dev is the same device as that of core 4096 of cache 2",
         ] {
             assert!(e.contains(want), "missing '{want}' in: {e}");

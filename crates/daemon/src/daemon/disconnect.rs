@@ -634,7 +634,6 @@ impl Daemon {
                 cores,
                 ioclass,
                 lazy_startup,
-                left_mode: None,
             },
         );
         self.save_locked(&st);

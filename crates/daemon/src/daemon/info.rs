@@ -44,12 +44,6 @@ fn cache_info(id: u16, c: &CacheEntry, frontends: &Frontends) -> CacheInfo {
         }
     });
     let mut mode = c.cache.mode().to_string();
-    if let Some(from) = c.left_mode {
-        // Dirty data left by a switch without flush drains: as casadm, "wb->wt".
-        if c.cache.dirty_for(None).is_some() {
-            mode = format!("{from}->{mode}");
-        }
-    }
     if let Some(f) = &flush {
         // As casadm: "Flushing" with how far, and the mode switch in progress.
         status = format!("Flushing ({:.1} %)", f.percent);
@@ -66,7 +60,8 @@ fn cache_info(id: u16, c: &CacheEntry, frontends: &Frontends) -> CacheInfo {
         mode,
         line_size_kib: c.cache.line_size().kib(),
         lines: c.cache.line_count(),
-        cleaning: c.cache.cleaning().policy_name(),
+        // The policy casadm knows, never a preset's name (casadm has none; docs/policies.md).
+        cleaning: c.cache.cleaning().policy.to_string(),
         promotion: c.cache.promotion().policy.to_string(),
         lazy_flush: hybridcache_engine::policy::on_off(c.cache.lazy_flush().enabled).into(),
         prefetch: c.cache.prefetch().policy.to_string(),

@@ -198,10 +198,10 @@ impl Daemon {
             }
             None => false,
         };
+        // As casadm, the cache runs the new mode at once; dirty data a switch without flush
+        // leaves drains by cleaning, and `-L` shows the mode it runs (`wb->wt` only while a
+        // flush switches it).
         handle.set_mode(mode, flush).map_err(engine_err)?;
-        if let Some(c) = self.state.lock().caches.get_mut(&cache) {
-            c.left_mode = (lazy(from) && !lazy(mode) && !flush).then_some(from);
-        }
         self.save();
         Ok(json!({}))
     }
