@@ -39,13 +39,14 @@ use hybridcache_volume::{Volume, VolumeError, VolumeRef};
 use parking_lot::{Mutex, RwLock};
 
 use crate::bits::{self, Mask};
-use crate::classes::{ClassState, CoreClassCounters, CoreClassGauges, ReqClass};
+use crate::core_state::{CoreGauges, CoreState};
+use crate::classes::{ClassState, ReqClass};
 use crate::cleaner::{CleaningCounters, CleaningStats, Pacer};
-use crate::cleaning::{CleanerSignal, CleanerState, CleanerThread, CleaningTick, ACP_CHUNK_BYTES};
-use crate::core_flush::{self, CoreWatch};
+use crate::cleaning::{CleanerState, CleanerThread, CleaningTick, ACP_CHUNK_BYTES};
+use crate::room_wait::{CleanerSignal, RoomWaiter};
 use crate::format::{ConfigSlot, CoreRecord, Geometry, Superblock};
 use crate::ioclass::{ClassId, IoClasses};
-use crate::latency::{self, Latency, LatencyKind, LatencyStats};
+use crate::latency::{self, LatencyKind, LatencyStats};
 use crate::lists::{ListKind, Lists, RUN};
 use crate::locks::{Span, SpanKind, StripeGuard, StripedLocks, WaitFor};
 use crate::meta::{Key, LineTable, MAX_CORE_LINES, NONE};
@@ -53,13 +54,15 @@ use crate::offload::{Offload, OffloadState};
 use crate::persist::{self, new_uuid, Persist};
 use crate::policy::{
     CleaningConfig, LazyFlush, PolicyRecord, Prefetch, Promotion, PromotionPolicy, PromotionState,
-    SeqCutoff, SeqState, FLUSH_BUFFERS,
+    SeqCutoff, FLUSH_BUFFERS,
 };
-use crate::prefetch::{PrefetchState, PrefetchThread, ReadStreams};
+use crate::prefetch::PrefetchState;
+use crate::readahead::PrefetchThread;
 use crate::progress::{FlushProgress, FlushStatus};
 use crate::read_batch::ReadPlan;
+use crate::segment::{push_run, span_of, Run, Seg};
 use crate::stats::{
-    thread_slot, BackgroundErrorLog, BackgroundErrors, Counter, Counters, Stats, Usage, SLOTS,
+    thread_slot, BackgroundErrorLog, BackgroundErrors, Counter, Stats, Usage,
 };
 use crate::{
     CacheConfig, CacheMode, CoreId, EngineError, LineSize, Result, MAX_CORES, MAX_CORE_ID,
@@ -149,184 +152,6 @@ pub(crate) struct CacheInner {
     seq_cutoff_inactive: RwLock<BTreeMap<CoreId, SeqCutoff>>,
 }
 
-#[derive(Default)]
-pub(crate) struct CoreGauges {
-    pub(crate) occupancy: AtomicU64,
-    pub(crate) dirty: AtomicU64,
-    /// When the core last went from no dirty line to some (ms on the process clock), 0 while
-    /// clean: "Dirty for" in -P. Written only on those transitions, never per request.
-    dirty_since_ms: AtomicU64,
-    /// Dirty lines per 100 MiB chunk of the core, for acp. Sized when the core is attached.
-    pub(crate) chunks: RwLock<Box<[std::sync::atomic::AtomicU32]>>,
-    /// The core's device failed a write or a flush, and no flush has succeeded since: commits
-    /// record its lines dirty (persist.rs) and background cleaning passes it by.
-    pub(crate) failing: AtomicBool,
-    /// The core's lines by IO class (`-P -j CORE -d`).
-    pub(crate) classes: CoreClassGauges,
-}
-
-impl CoreGauges {
-    fn dirty_up(&self) {
-        if self.dirty.fetch_add(1, Ordering::Relaxed) == 0 {
-            let _ = self.dirty_since_ms.compare_exchange(
-                0,
-                clock_ms(),
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            );
-        }
-    }
-
-    fn dirty_down(&self) {
-        if self.dirty.fetch_sub(1, Ordering::Relaxed) == 1 {
-            self.dirty_since_ms.store(0, Ordering::Relaxed);
-        }
-    }
-
-    /// How long the core has held dirty data; None while clean. A race between the last line
-    /// going clean and a new one going dirty can leave the mark unset: it is set on read then.
-    fn dirty_for(&self) -> Option<std::time::Duration> {
-        if self.dirty.load(Ordering::Relaxed) == 0 {
-            return None;
-        }
-        let now = clock_ms();
-        let since =
-            match self
-                .dirty_since_ms
-                .compare_exchange(0, now, Ordering::Relaxed, Ordering::Relaxed)
-            {
-                Ok(_) => now,
-                Err(since) => since,
-            };
-        Some(std::time::Duration::from_millis(now.saturating_sub(since)))
-    }
-}
-
-/// Milliseconds on a process-wide monotonic clock, never 0 (0 means "unset").
-fn clock_ms() -> u64 {
-    static START: OnceLock<std::time::Instant> = OnceLock::new();
-    START
-        .get_or_init(std::time::Instant::now)
-        .elapsed()
-        .as_millis() as u64
-        + 1
-}
-
-#[repr(align(128))]
-struct InFlight(AtomicU64);
-
-pub(crate) struct CoreState {
-    pub(crate) id: CoreId,
-    pub(crate) volume: VolumeRef,
-    pub(crate) size: u64,
-    pub(crate) counters: Counters,
-    /// Set when the core is being removed or the cache stopped; new requests are refused.
-    removed: AtomicBool,
-    stopped: AtomicBool,
-    /// Requests in progress, per thread slot; removal waits for these to drain.
-    in_flight: Box<[InFlight]>,
-    pub(crate) seq: SeqState,
-    /// Writes reached the device since its last flush: the next commit flushes it.
-    pub(crate) unflushed: AtomicBool,
-    pub(crate) read_streams: ReadStreams,
-    pub(crate) latency: Latency,
-    /// The core's requests and blocks by IO class (`-P -j CORE -d`).
-    pub(crate) classes: CoreClassCounters,
-    /// Its device's outstanding writes and flushes, to bound flushes on a hung device
-    /// (core_flush.rs).
-    pub(crate) watch: Arc<CoreWatch>,
-}
-
-/// Held by a request for its duration; see [`CoreState::enter`].
-pub(crate) struct Entered<'a>(&'a CoreState, usize);
-
-impl CoreState {
-    /// Register a request. Fails once removal has begun. The increment comes before the check
-    /// (both SeqCst) and removal sets the flag before summing, so either removal sees this request
-    /// or this request sees removal.
-    pub(crate) fn enter(&self) -> Result<Entered<'_>> {
-        let slot = thread_slot() % SLOTS;
-        self.in_flight[slot].0.fetch_add(1, Ordering::SeqCst);
-        let entered = Entered(self, slot);
-        if self.removed.load(Ordering::SeqCst) {
-            return Err(if self.stopped.load(Ordering::SeqCst) {
-                EngineError::Stopped
-            } else {
-                EngineError::CoreRemoved(self.id)
-            });
-        }
-        Ok(entered)
-    }
-
-    fn in_flight(&self) -> u64 {
-        self.in_flight
-            .iter()
-            .map(|c| c.0.load(Ordering::SeqCst))
-            .sum()
-    }
-}
-
-impl Drop for Entered<'_> {
-    fn drop(&mut self) {
-        self.0.in_flight[self.1].0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-/// The part of a request that falls in one core line.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Seg {
-    pub(crate) key: Key,
-    /// First sector within the line, and sector count.
-    pub(crate) first: u32,
-    pub(crate) count: u32,
-    /// Byte offset of this segment in the request buffer.
-    pub(crate) buf_off: usize,
-    /// The cache line holding this core line, or NONE.
-    pub(crate) line: u32,
-    pub(crate) valid: Mask,
-    pub(crate) dirty: Mask,
-}
-
-impl Seg {
-    fn mask(&self) -> Mask {
-        bits::range(self.first, self.count)
-    }
-    fn mapped(&self) -> bool {
-        self.line != NONE
-    }
-}
-
-/// A contiguous piece of device IO covering a contiguous piece of the request buffer.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Run {
-    pub(crate) dev_off: u64,
-    pub(crate) buf_off: usize,
-    pub(crate) len: usize,
-}
-
-/// Append a run, merging it into the previous one when both the device and buffer ranges continue.
-pub(crate) fn push_run(runs: &mut Vec<Run>, dev_off: u64, buf_off: usize, len: usize) {
-    if let Some(last) = runs.last_mut() {
-        if last.dev_off + last.len as u64 == dev_off && last.buf_off + last.len == buf_off {
-            last.len += len;
-            return;
-        }
-    }
-    runs.push(Run {
-        dev_off,
-        buf_off,
-        len,
-    });
-}
-
-/// The core lines `segs` cover: a request's segments are consecutive lines of one core.
-pub(crate) fn span_of(segs: &[Seg]) -> Span {
-    match (segs.first(), segs.last()) {
-        (Some(first), Some(last)) => Span::new(first.key, last.key),
-        _ => Span::none(),
-    }
-}
-
 fn home_shard(n: usize) -> usize {
     crate::lists::home_of(thread_slot(), n)
 }
@@ -345,6 +170,51 @@ fn classify(
     } else {
         partial
     }
+}
+
+/// A write-back write's one admission decision (`decide_write_back`).
+#[derive(Clone, Copy)]
+struct Decision {
+    /// Promotion (nhit) declines to insert its unmapped lines.
+    declined: bool,
+    /// Offload sends it to the core.
+    offloaded: bool,
+}
+
+/// A write-back write between its rounds of placing: the lines it has taken (kept across
+/// rounds) and its place in the room-waiting protocol (room_wait.rs).
+#[derive(Default)]
+struct Placing<'a> {
+    spare: Vec<u32>,
+    round: usize,
+    deadline: Option<std::time::Instant>,
+    /// Counted among the writes waiting for a line while set.
+    waiter: Option<RoomWaiter<'a>>,
+    /// It waited for another request's stripes (a hit is then also deferred).
+    waited: bool,
+}
+
+impl<'a> Placing<'a> {
+    fn placed(self, locks: StripeGuard<'a>, decision: Decision, short: bool) -> Placed<'a> {
+        debug_assert!(self.waiter.is_none(), "a placed write has left the room waiters");
+        Placed {
+            locks,
+            spare: self.spare,
+            decision,
+            waited: self.waited,
+            short,
+        }
+    }
+}
+
+/// A placed write-back write: its stripes, the new lines it holds, and whether what has no
+/// line goes to the core (lazy flush).
+struct Placed<'a> {
+    locks: StripeGuard<'a>,
+    spare: Vec<u32>,
+    decision: Decision,
+    waited: bool,
+    short: bool,
 }
 
 impl CacheInner {
@@ -1040,6 +910,11 @@ impl CacheInner {
             .count(&core.classes, class, Counter::PassThroughWrites, 1);
     }
 
+    /// Write-back: the request's lines take the data and turn dirty; cleaning takes it to the
+    /// core later. In phases: plan (segments; each round locks and looks them up), decide (one
+    /// promotion and offload decision), place (lines for the unmapped segments, or room
+    /// waiting), apply (the cache write, then the line updates), and the core part (what got no
+    /// line, or whose cache write failed).
     fn write_back(
         &self,
         core: &CoreState,
@@ -1048,66 +923,80 @@ impl CacheInner {
         class: Option<ReqClass>,
     ) -> Result<()> {
         let mut segs = self.segments(core.id, offset, buf.len() as u64);
-        // Lines taken in an earlier round stay ours across rounds.
-        let mut spare: Vec<u32> = Vec::new();
-        let mut round = 0;
-        let mut declined = false;
-        let mut offloaded = false;
+        let Placed {
+            locks,
+            mut spare,
+            decision,
+            waited,
+            short,
+        } = self.place_write_back(core, &mut segs, class)?;
+        self.count_write_back(core, &segs, class, decision, waited);
+        // Lines were taken in ascending order and are handed out by pop(): reversed, so that
+        // neighbouring segments get neighbouring lines and their copies (and later their
+        // cleaning reads) merge into one.
+        spare.reverse();
+        let (targets, core_runs) = self.homes(&segs, spare);
+        if short {
+            self.count_lazy_flush(core, class, &core_runs);
+            self.cleaner_signal.want_room();
+        }
+        let fallback = self.apply_write_back(core, buf, &segs, &targets, class);
+        self.write_back_core_part(core, buf, &segs, locks, core_runs, fallback)
+    }
+
+    /// Decide, once per write-back write (under its first locks): whether promotion declines
+    /// its unmapped lines, or offload sends them to the core.
+    fn decide_write_back(&self, core: &CoreState, segs: &[Seg]) -> Decision {
+        let declined = self.promotion_declines(segs);
+        // Offload takes only write misses: with no core line mapped (under the locks) there is
+        // no cached copy that the core's new data could leave stale.
+        let offloaded = !declined
+            && segs.iter().all(|s| !s.mapped())
+            && self.offload.take(core.id as usize);
+        Decision {
+            declined,
+            offloaded,
+        }
+    }
+
+    /// Place: lock and look the segments up, decide, and take a line for every unmapped
+    /// segment, making room (or, with lazy flush, waiting for the room cleaning makes) as the
+    /// module doc says. Returns with the stripes locked; `short` when what has no line goes to
+    /// the core (lazy flush). On an error nothing has changed and no line is kept.
+    fn place_write_back<'a>(
+        &'a self,
+        core: &CoreState,
+        segs: &mut [Seg],
+        class: Option<ReqClass>,
+    ) -> Result<Placed<'a>> {
         let lazy = self.lazy_flush.load(Ordering::Relaxed);
-        let mut room_deadline: Option<std::time::Instant> = None;
-        // Counted among the writes waiting for a line (see `queued` below) while set.
-        let mut waiter = None;
-        let mut asked = false;
-        let mut waited = false;
-        let (locks, short) = loop {
-            let locks = self.lock_segs(&segs, WaitFor::All);
-            waited |= locks.waited();
-            self.lookup(&mut segs);
+        let sig = &*self.cleaner_signal;
+        let mut p = Placing::default();
+        let mut decision = None;
+        loop {
+            let locks = self.lock_segs(segs, WaitFor::All);
+            p.waited |= locks.waited();
+            self.lookup(segs);
             // Promotion is asked once: a retry after making room must not count accesses again.
-            if !asked {
-                asked = true;
-                declined = self.promotion_declines(&segs);
-                // Offload takes only write misses: with no core line mapped (under the locks)
-                // there is no cached copy that the core's new data could leave stale.
-                offloaded = !declined
-                    && segs.iter().all(|s| !s.mapped())
-                    && self.offload.take(core.id as usize);
-            }
+            let d = *decision.get_or_insert_with(|| self.decide_write_back(core, segs));
             // Declined or offloaded: unmapped segments go to the core, mapped ones are still
             // updated here.
-            let needed = if declined || offloaded {
+            let needed = if d.declined || d.offloaded {
                 0
             } else {
                 segs.iter().filter(|s| !s.mapped()).count()
             };
-            let sig = &self.cleaner_signal;
             let can_wait = lazy && sig.room_coming();
-            // Writes already waiting for a line go first: one that has not waited takes none
-            // while others wait, and joins them. Otherwise the lines a commit frees go to the
-            // writes that happen to come back first (those that just got one), and a waiting
-            // write can lose every round until it times out and goes to the core.
-            // A class at its allocation takes its own lines, which waiting writes of other
-            // classes could not take: it does not queue.
-            let queued = can_wait
-                && !class.is_some_and(|c| self.classes.full(c))
-                && waiter.is_none()
-                && spare.len() < needed
-                && sig.waiters.load(Ordering::SeqCst) > 0;
-            while !queued && spare.len() < needed {
-                match self.alloc_line(class) {
-                    Some(line) => spare.push(line),
-                    None => break,
-                }
-            }
+            self.take_lines(&mut p, needed, class, can_wait);
             // A class at its allocation takes only its own clean lines: cleaning other lines
             // would not make room for it, so what it cannot place goes to the core.
             let capped = class.is_some_and(|c| self.classes.full(c));
-            if spare.len() >= needed || round == MAKE_ROOM_ROUNDS || capped {
-                if waiter.take().is_some() && needed > 0 {
+            if p.spare.len() >= needed || p.round == MAKE_ROOM_ROUNDS || capped {
+                if p.waiter.take().is_some() && needed > 0 {
                     // Lines may be left: let the next waiting write look.
                     sig.room_made();
                 }
-                break (locks, false);
+                return Ok(p.placed(locks, d, false));
             }
             if lazy {
                 // Background cleaning is under way: the lines it cleans become reusable at once
@@ -1119,50 +1008,95 @@ impl CacheInner {
                 // before, and asks for room.
                 if can_wait {
                     let deadline =
-                        *room_deadline.get_or_insert_with(|| std::time::Instant::now() + ROOM_WAIT);
+                        *p.deadline.get_or_insert_with(|| std::time::Instant::now() + ROOM_WAIT);
                     if std::time::Instant::now() < deadline {
                         let seen = sig.room_generation();
                         drop(locks);
-                        if waiter.is_none() {
-                            waiter = Some(sig.join_waiters());
+                        if p.waiter.is_none() {
+                            p.waiter = Some(sig.join_waiters());
                         }
                         sig.want_room();
                         sig.wait_room(seen, deadline);
                         continue;
                     }
                 }
-                drop(waiter.take());
+                drop(p.waiter.take());
                 // Lazy flush: what has no line goes to the core now (those core lines are not
                 // mapped, so no cached copy can go stale), and background cleaning makes room
                 // for the writes to come.
-                break (locks, true);
+                return Ok(p.placed(locks, d, true));
             }
             // Nothing has changed yet, so the locks can go while cleaning makes room.
             drop(locks);
-            round += 1;
-            if let Err(e) = self.make_room(needed - spare.len()) {
-                for line in spare {
+            p.round += 1;
+            if let Err(e) = self.make_room(needed - p.spare.len()) {
+                for line in p.spare.drain(..) {
                     self.release_line(line);
                 }
                 return Err(e);
             }
-        };
-        if declined || offloaded {
+        }
+    }
+
+    /// Take lines until the write has `needed`, unless it must queue. Writes already waiting
+    /// for a line go first: one that has not waited takes none while others wait, and joins
+    /// them. Otherwise the lines a commit frees go to the writes that happen to come back first
+    /// (those that just got one), and a waiting write can lose every round until it times out
+    /// and goes to the core. A class at its allocation takes its own lines, which waiting
+    /// writes of other classes could not take: it does not queue.
+    fn take_lines(
+        &self,
+        p: &mut Placing<'_>,
+        needed: usize,
+        class: Option<ReqClass>,
+        can_wait: bool,
+    ) {
+        let queued = can_wait
+            && !class.is_some_and(|c| self.classes.full(c))
+            && p.waiter.is_none()
+            && p.spare.len() < needed
+            && self.cleaner_signal.waiting() > 0;
+        while !queued && p.spare.len() < needed {
+            match self.alloc_line(class) {
+                Some(line) => p.spare.push(line),
+                None => break,
+            }
+        }
+    }
+
+    fn count_write_back(
+        &self,
+        core: &CoreState,
+        segs: &[Seg],
+        class: Option<ReqClass>,
+        d: Decision,
+        waited: bool,
+    ) {
+        if d.declined || d.offloaded {
             self.count_pass_through_write(core, class);
         } else {
-            self.count_write(core, &segs, class, waited);
+            self.count_write(core, segs, class, waited);
         }
-        if offloaded {
+        if d.offloaded {
             core.counters.add(Counter::OffloadWrites, 1);
             self.classes
                 .count(&core.classes, class, Counter::OffloadWrites, 1);
         }
-        // Lines were taken in ascending order and are handed out by pop(): reversed, so that
-        // neighbouring segments get neighbouring lines and their copies (and later their
-        // cleaning reads) merge into one.
-        spare.reverse();
+    }
 
-        // Decide each segment's home: its mapped line, a new line, or (no line) the core.
+    fn count_lazy_flush(&self, core: &CoreState, class: Option<ReqClass>, core_runs: &[Run]) {
+        let bytes: u64 = core_runs.iter().map(|r| r.len as u64).sum();
+        core.counters.add(Counter::LazyFlushWrites, 1);
+        core.counters.add(Counter::LazyFlushBytes, bytes);
+        self.classes
+            .count(&core.classes, class, Counter::LazyFlushWrites, 1);
+        self.classes
+            .count(&core.classes, class, Counter::LazyFlushBytes, bytes);
+    }
+
+    /// Each segment's home: its mapped line, a new line from `spare` (`true`), or (no line)
+    /// the core, as runs. Lines left over go back.
+    fn homes(&self, segs: &[Seg], mut spare: Vec<u32>) -> (Vec<(usize, u32, bool)>, Vec<Run>) {
         let mut targets: Vec<(usize, u32, bool)> = Vec::with_capacity(segs.len());
         let mut core_runs = Vec::new();
         for (i, s) in segs.iter().enumerate() {
@@ -1182,19 +1116,22 @@ impl CacheInner {
         for line in spare {
             self.release_line(line);
         }
-        if short {
-            let bytes: u64 = core_runs.iter().map(|r| r.len as u64).sum();
-            core.counters.add(Counter::LazyFlushWrites, 1);
-            core.counters.add(Counter::LazyFlushBytes, bytes);
-            self.classes
-                .count(&core.classes, class, Counter::LazyFlushWrites, 1);
-            self.classes
-                .count(&core.classes, class, Counter::LazyFlushBytes, bytes);
-            self.cleaner_signal.want_room();
-        }
+        (targets, core_runs)
+    }
 
+    /// Apply: the cache write of every segment with a home line, then the line updates (dirty
+    /// only once the data is on the cache device). A failed cache write drops those sectors
+    /// from the cache; their runs are returned for the core.
+    fn apply_write_back(
+        &self,
+        core: &CoreState,
+        buf: &[u8],
+        segs: &[Seg],
+        targets: &[(usize, u32, bool)],
+        class: Option<ReqClass>,
+    ) -> Vec<Run> {
         let mut cache_runs = Vec::new();
-        for &(i, line, _) in &targets {
+        for &(i, line, _) in targets {
             let s = &segs[i];
             push_run(
                 &mut cache_runs,
@@ -1205,7 +1142,7 @@ impl CacheInner {
         }
         let cache_ok = self.cache_write(core, buf, &cache_runs).is_ok();
         let mut fallback = Vec::new();
-        for &(i, line, new) in &targets {
+        for &(i, line, new) in targets {
             let s = &segs[i];
             let m = s.mask();
             match (cache_ok, new) {
@@ -1228,13 +1165,27 @@ impl CacheInner {
                 }
             }
         }
+        fallback
+    }
+
+    /// The core part of a write-back write: what has no line, and what a failed cache write
+    /// sends back.
+    fn write_back_core_part(
+        &self,
+        core: &CoreState,
+        buf: &[u8],
+        segs: &[Seg],
+        locks: StripeGuard<'_>,
+        mut core_runs: Vec<Run>,
+        fallback: Vec<Run>,
+    ) -> Result<()> {
         if fallback.is_empty() && !core_runs.is_empty() {
             // What has no line (lazy flush, a declined promotion, offload) has no cached copy
             // either, so the stripes need not stay locked across its core write: a stripe held
             // there kept cleaning, and other writes whose lines share it, waiting for a RAID
             // that waits for the rest of its stripe (issue 20; locks.rs). The cached part is
             // in place already, and the span keeps reads and writes of these lines out.
-            let _in_flight = locks.begin(span_of(&segs), SpanKind::Around);
+            let _in_flight = locks.begin(span_of(segs), SpanKind::Around);
             drop(locks);
             return self.core_write(core, buf, &core_runs);
         }
@@ -1562,21 +1513,7 @@ impl CacheInner {
         self.gauges[id as usize]
             .failing
             .store(false, Ordering::SeqCst);
-        Arc::new(CoreState {
-            id,
-            size: volume.size(),
-            volume,
-            counters: Counters::new(),
-            removed: AtomicBool::new(false),
-            stopped: AtomicBool::new(false),
-            in_flight: (0..SLOTS).map(|_| InFlight(AtomicU64::new(0))).collect(),
-            seq: SeqState::new(seq),
-            unflushed: AtomicBool::new(false),
-            read_streams: ReadStreams::default(),
-            latency: Latency::new(),
-            classes: CoreClassCounters::default(),
-            watch: Arc::new(CoreWatch::default()),
-        })
+        Arc::new(CoreState::new(id, volume, seq))
     }
 
     /// The policies as the superblock records them.
@@ -1612,13 +1549,6 @@ impl CacheInner {
         p.update_superblock(&*self.volume, |sb| sb.params = map)
     }
 
-    /// Stop new requests on a core and wait for those in flight.
-    fn quiesce(core: &CoreState) {
-        core.removed.store(true, Ordering::SeqCst);
-        while core.in_flight() != 0 {
-            std::thread::yield_now();
-        }
-    }
 }
 
 fn check_line_size(line_size: u32) -> Result<LineSize> {
@@ -1931,11 +1861,10 @@ impl Cache {
         self.stop_background_prefetch();
         let cores: Vec<Arc<CoreState>> = self.inner.cores.read().values().cloned().collect();
         for c in &cores {
-            c.stopped.store(true, Ordering::SeqCst);
-            CacheInner::quiesce(c);
+            c.stop();
         }
         if flush_data {
-            core_flush::flush_cores_dirty(&self.inner, cores)?;
+            crate::cleaner::flush_cores_dirty(&self.inner, cores)?;
         }
         self.inner.commit()?;
         if let Some(p) = &self.inner.persist {
@@ -2083,15 +2012,15 @@ impl Cache {
             Err(_) => None,
         };
         if let Some(core) = &core {
-            if core.removed.swap(true, Ordering::SeqCst) {
+            if !core.begin_removal() {
                 return Err(EngineError::CoreRemoved(id));
             }
-            CacheInner::quiesce(core);
+            core.quiesce();
         }
         let dirty = self.inner.gauges[id as usize].dirty.load(Ordering::Relaxed);
         if dirty != 0 && !force {
             if let Some(core) = &core {
-                core.removed.store(false, Ordering::SeqCst);
+                core.cancel_removal();
             }
             return Err(EngineError::CoreDirty {
                 id,
@@ -2109,7 +2038,7 @@ impl Cache {
             if let Err(e) = recorded {
                 // The core stays attached, only its cached lines are gone, so a retry can work.
                 if let Some(core) = &core {
-                    core.removed.store(false, Ordering::SeqCst);
+                    core.cancel_removal();
                 }
                 return Err(e);
             }
@@ -2231,7 +2160,7 @@ impl Cache {
     /// on its own, bounded by the core flush timeout: a hung core is reported, not waited for.
     fn flush_cores(&self) -> Result<()> {
         let cores: Vec<Arc<CoreState>> = self.inner.cores.read().values().cloned().collect();
-        core_flush::flush_cores_dirty(&self.inner, cores)
+        crate::cleaner::flush_cores_dirty(&self.inner, cores)
     }
 
     /// As [`flush`](Cache::flush), for one core.
@@ -2241,7 +2170,7 @@ impl Cache {
             .inner
             .flush_progress
             .begin(self.inner.usage(Some(id)).dirty_lines);
-        core_flush::flush_cores_dirty(&self.inner, vec![core])
+        crate::cleaner::flush_cores_dirty(&self.inner, vec![core])
     }
 
     /// How long the cache (or one core) has held dirty data: since the oldest core's last

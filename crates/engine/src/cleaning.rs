@@ -20,14 +20,13 @@
 //! batch (`commit_ahead`, at most every `AHEAD_INTERVAL_MS` and after `AHEAD_LINES` cleaned
 //! lines), so that they do not wait for the end of a batch of thousands of lines.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use parking_lot::{Condvar, Mutex};
-
 use crate::cache::CacheInner;
+use crate::room_wait::CleanerSignal;
 use crate::lists::ListKind;
 use crate::meta::Key;
 use crate::policy::CleaningPolicy;
@@ -96,108 +95,6 @@ impl CleanerState {
     }
 }
 
-/// How requests reach the cleaner thread: lazy flush asks for room here instead of cleaning
-/// inside the request.
-#[derive(Default)]
-pub(crate) struct CleanerSignal {
-    stopped: Mutex<bool>,
-    cv: Condvar,
-    /// A write found no free or clean line and went to the core: the next tick cleans the
-    /// oldest dirty lines whatever the policy (nop included).
-    pub(crate) room_wanted: AtomicBool,
-    /// The cleaner thread is running (not stopped by a test).
-    pub(crate) running: AtomicBool,
-    /// Background cleaning batches under way: lines are about to become clean.
-    pub(crate) active: AtomicUsize,
-    /// Bumped each time lines become reusable (cleaned on a volatile cache, committed clean on a
-    /// persistent one), so that writes waiting for a line try again.
-    room_gen: Mutex<u64>,
-    room_cv: Condvar,
-    /// Writes waiting for a line (`ROOM_WAIT`, cache.rs): while there are some, a write that
-    /// has not waited takes no line but joins them.
-    pub(crate) waiters: AtomicUsize,
-    /// Persistent cache: lines cleaned since the last commit began. They are durably dirty
-    /// (not reusable) until a commit records them clean.
-    pub(crate) uncommitted: AtomicU64,
-    /// A commit ahead of need is under way (one at a time; the other workers keep cleaning).
-    committing: AtomicBool,
-    /// When the last commit (of any kind) began, in ms on the signal's clock; 0 for never.
-    last_commit_ms: AtomicU64,
-    /// When the signal was made: the clock of `last_commit_ms`.
-    epoch: OnceLock<Instant>,
-}
-
-/// One write counted in `CleanerSignal::waiters`, until dropped.
-pub(crate) struct RoomWaiter<'a>(&'a CleanerSignal);
-
-impl Drop for RoomWaiter<'_> {
-    fn drop(&mut self) {
-        self.0.waiters.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-impl CleanerSignal {
-    pub(crate) fn join_waiters(&self) -> RoomWaiter<'_> {
-        self.waiters.fetch_add(1, Ordering::SeqCst);
-        RoomWaiter(self)
-    }
-
-    fn now_ms(&self) -> u64 {
-        self.epoch.get_or_init(Instant::now).elapsed().as_millis() as u64 + 1
-    }
-
-    /// A commit begins: the lines cleaned so far are in its snapshot. Returns how many, to give
-    /// back with [`CleanerSignal::commit_failed`] should it fail.
-    pub(crate) fn commit_begins(&self) -> u64 {
-        self.last_commit_ms.store(self.now_ms(), Ordering::Relaxed);
-        self.uncommitted.swap(0, Ordering::Relaxed)
-    }
-
-    /// The commit that began with `taken` cleaned lines failed: they still wait for one.
-    pub(crate) fn commit_failed(&self, taken: u64) {
-        self.uncommitted.fetch_add(taken, Ordering::Relaxed);
-    }
-
-    /// Whether lines are about to be made reusable, so that a write finding none may wait for
-    /// one: the cleaner thread runs, and a batch is under way or a room batch has been asked
-    /// for (the next tick runs it: between back-to-back room batches, neither under way).
-    pub(crate) fn room_coming(&self) -> bool {
-        self.running.load(Ordering::Relaxed)
-            && (self.active.load(Ordering::Relaxed) > 0 || self.room_wanted.load(Ordering::Relaxed))
-    }
-
-    /// Cleaning just made lines reusable: wake the writes waiting for one.
-    pub(crate) fn room_made(&self) {
-        *self.room_gen.lock() += 1;
-        self.room_cv.notify_all();
-    }
-
-    pub(crate) fn room_generation(&self) -> u64 {
-        *self.room_gen.lock()
-    }
-
-    /// Wait until lines were made reusable after `seen`, or `deadline`. Returns whether some were.
-    pub(crate) fn wait_room(&self, seen: u64, deadline: Instant) -> bool {
-        let mut g = self.room_gen.lock();
-        while *g == seen {
-            if self.room_cv.wait_until(&mut g, deadline).timed_out() {
-                return *g != seen;
-            }
-        }
-        true
-    }
-
-    /// Ask for room and wake the thread. Only the request that raises the flag pays for the
-    /// wake-up; the lock around the notify pairs with the thread's look at the flag under the
-    /// same lock, so the wake-up cannot fall between that look and its wait.
-    pub(crate) fn want_room(&self) {
-        if !self.room_wanted.swap(true, Ordering::SeqCst) {
-            let _g = self.stopped.lock();
-            self.cv.notify_one();
-        }
-    }
-}
-
 /// The cleaner thread of a cache.
 pub(crate) struct CleanerThread {
     signal: Arc<CleanerSignal>,
@@ -223,15 +120,8 @@ impl CleanerThread {
                     }
                     None => return,
                 };
-                let mut stopped = sig.stopped.lock();
-                if *stopped {
+                if !sig.pause(tick.more, wait) {
                     return;
-                }
-                if !tick.more && !sig.room_wanted.load(Ordering::SeqCst) {
-                    sig.cv.wait_for(&mut stopped, wait);
-                    if *stopped {
-                        return;
-                    }
                 }
             })
             .expect("spawning the cleaner thread");
@@ -245,9 +135,7 @@ impl CleanerThread {
     /// Stop the thread. Its clock goes with it: whoever ticks the cleaner next (a test with its
     /// own clock) starts from a clean schedule.
     pub(crate) fn stop(self) {
-        self.signal.running.store(false, Ordering::SeqCst);
-        *self.signal.stopped.lock() = true;
-        self.signal.cv.notify_all();
+        self.signal.stop_thread();
         let _ = self.handle.join();
         if let Some(cache) = self.cache.upgrade() {
             let mut st = cache.cleaner.lock();
@@ -657,7 +545,7 @@ impl CacheInner {
         {
             return;
         }
-        let last = sig.last_commit_ms.load(Ordering::Relaxed);
+        let last = sig.last_commit_ms();
         let since = sig.now_ms().saturating_sub(last);
         // Fewer lines than `AHEAD_LINES` go too once they have waited `AHEAD_STALE_MS`, so that
         // cleaned lines never wait long for their commit while writes want room (at the end of
@@ -667,7 +555,7 @@ impl CacheInner {
         {
             return;
         }
-        if sig.committing.swap(true, Ordering::SeqCst) {
+        if !sig.begin_ahead_commit() {
             return;
         }
         // A failure (the cache volume's) is counted by the device; the batch's own commit at its
@@ -677,7 +565,7 @@ impl CacheInner {
                 .ahead_commits
                 .fetch_add(1, Ordering::Relaxed);
         }
-        sig.committing.store(false, Ordering::SeqCst);
+        sig.end_ahead_commit();
     }
 
     fn clean_and_commit(&self, lines: Vec<u32>, depth: usize) -> Result<u64> {

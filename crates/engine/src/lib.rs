@@ -23,6 +23,7 @@ mod classes;
 mod cleaner;
 mod cleaning;
 mod core_flush;
+mod core_state;
 mod format;
 pub mod ioclass;
 pub mod latency;
@@ -35,6 +36,9 @@ pub mod policy;
 mod prefetch;
 mod progress;
 mod read_batch;
+mod readahead;
+mod room_wait;
+mod segment;
 mod stats;
 
 pub use cache::{Cache, Core, CoreInfo, CoreStatus};

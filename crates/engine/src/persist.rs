@@ -28,7 +28,8 @@ use hybridcache_volume::Volume;
 use parking_lot::Mutex;
 
 use crate::bits::Mask;
-use crate::cache::{CacheInner, CoreState};
+use crate::cache::CacheInner;
+use crate::core_state::CoreState;
 use crate::core_flush;
 use crate::format::{
     block_crc, decode_block, decode_commit, decode_config, digest_term, encode_block,

@@ -16,7 +16,9 @@ use std::time::Instant;
 
 use hybridcache_volume::ReadPiece;
 
-use crate::cache::{CacheInner, CoreState, Entered, Run, Seg};
+use crate::cache::CacheInner;
+use crate::core_state::{CoreState, Entered};
+use crate::segment::{Run, Seg};
 use crate::classes::ReqClass;
 use crate::latency::{self, LatencyKind};
 use crate::locks::{StripeGuard, WaitFor};
