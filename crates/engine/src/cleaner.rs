@@ -16,22 +16,22 @@
 //!
 //! [`FLUSH_BUFFERS`]: crate::policy::FLUSH_BUFFERS
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{mpsc, Arc};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 
 use crate::bits;
 use crate::core_flush;
-use crate::cache::CacheInner;
 use crate::core_state::CoreState;
-use crate::segment::{push_run, Run};
+use crate::inner::CacheInner;
 use crate::locks::{Span, SpanKind, WaitFor};
 use crate::meta::Key;
 use crate::policy::FLUSH_BUFFERS;
 use crate::progress::FlushProgress;
-use crate::stats::{BackgroundErrorLog, BackgroundErrors, Counter};
+use crate::segment::{push_run, Run};
+use crate::stats::Counter;
 use crate::{CoreId, EngineError, Result, SECTOR};
 
 /// Dirty data cleaned under one set of locks by a flush; bounds how long client requests to
@@ -47,101 +47,6 @@ struct Piece {
     core_off: u64,
     cache_off: u64,
     len: usize,
-}
-
-/// Core writes by size, for the cleaning statistics: bucket i counts writes of at most 4 KiB << i
-/// (the last bucket takes everything larger).
-pub const WRITE_SIZE_BUCKETS: usize = 12;
-
-/// What cleaning has done since the cache started (not reset with the request counters).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct CleaningStats {
-    /// Dirty lines written to their core and marked clean.
-    pub cleaned_lines: u64,
-    /// Core writes issued by cleaning, and their bytes.
-    pub core_writes: u64,
-    pub core_write_bytes: u64,
-    /// `core_writes` by size; see [`WRITE_SIZE_BUCKETS`].
-    pub write_sizes: [u64; WRITE_SIZE_BUCKETS],
-    /// Most core writes cleaning had in flight at once.
-    pub max_in_flight: u64,
-    /// Commits background cleaning made part way through a batch so that the lines it had
-    /// cleaned became reusable (persistent cache, writes wanting room).
-    pub ahead_commits: u64,
-    /// Core writes (and the cache reads before them) that failed; the lines stay dirty.
-    pub errors: BackgroundErrors,
-    /// The policy has no cleaning due: it is nop, the cache has not been idle for the activity
-    /// threshold, no dirty line is old enough yet, or its last run cleaned what was due and it
-    /// waits for its wake-up time. While this is false and lines are dirty, cleaning should be
-    /// making progress; when it makes none, cleaning has stalled (a failing or blocked core).
-    pub waiting: bool,
-}
-
-#[derive(Default)]
-pub(crate) struct CleaningCounters {
-    lines: AtomicU64,
-    writes: AtomicU64,
-    bytes: AtomicU64,
-    sizes: [AtomicU64; WRITE_SIZE_BUCKETS],
-    in_flight: AtomicU64,
-    max_in_flight: AtomicU64,
-    pub(crate) ahead_commits: AtomicU64,
-    pub(crate) errors: BackgroundErrorLog,
-    pub(crate) waiting: AtomicBool,
-}
-
-impl CleaningCounters {
-    pub(crate) fn snapshot(&self) -> CleaningStats {
-        CleaningStats {
-            cleaned_lines: self.lines.load(Relaxed),
-            core_writes: self.writes.load(Relaxed),
-            core_write_bytes: self.bytes.load(Relaxed),
-            write_sizes: std::array::from_fn(|i| self.sizes[i].load(Relaxed)),
-            max_in_flight: self.max_in_flight.load(Relaxed),
-            ahead_commits: self.ahead_commits.load(Relaxed),
-            errors: self.errors.snapshot(),
-            waiting: self.waiting.load(Relaxed),
-        }
-    }
-
-    fn record(&self, len: usize) {
-        self.writes.fetch_add(1, Relaxed);
-        self.bytes.fetch_add(len as u64, Relaxed);
-        let bucket = (len
-            .div_ceil(4096)
-            .max(1)
-            .next_power_of_two()
-            .trailing_zeros() as usize)
-            .min(WRITE_SIZE_BUCKETS - 1);
-        self.sizes[bucket].fetch_add(1, Relaxed);
-    }
-}
-
-/// Paces cleaning's core writes to a bandwidth cap: each write reserves its share of time.
-#[derive(Default)]
-pub(crate) struct Pacer {
-    next: Mutex<Option<Instant>>,
-}
-
-impl Pacer {
-    fn wait(&self, bytes: usize, mib_per_s: u32) {
-        if mib_per_s == 0 {
-            return;
-        }
-        let cost = Duration::from_secs_f64(bytes as f64 / (mib_per_s as f64 * 1048576.0));
-        let now = Instant::now();
-        let start = {
-            let mut next = self.next.lock();
-            // Unused time is not banked beyond one write's worth, so a long idle spell does not
-            // turn into a burst.
-            let start = next.map_or(now, |n| n.max(now.checked_sub(cost).unwrap_or(now)));
-            *next = Some(start + cost);
-            start
-        };
-        if start > now {
-            std::thread::sleep(start - now);
-        }
-    }
 }
 
 impl CacheInner {
@@ -483,7 +388,7 @@ impl CacheInner {
     }
 
     /// Clean every line of `core` that is dirty now, in core address order, then commit.
-    pub(crate) fn flush_core_dirty(&self, core: &CoreState) -> Result<()> {
+    fn flush_core_dirty(&self, core: &CoreState) -> Result<()> {
         let mut items: Vec<(Key, u32)> = (0..self.lines)
             .filter_map(|l| {
                 let k = self.table.key(l)?;
@@ -579,7 +484,10 @@ pub(crate) fn flush_cores_dirty(inner: &Arc<CacheInner>, cores: Vec<Arc<CoreStat
                 // Its thread goes on waiting for the device; the core's lines stay dirty.
                 results.push((
                     c.id,
-                    Err(core_flush::timed_out(c.id, "its device completed no write or flush")),
+                    Err(core_flush::timed_out(
+                        c.id,
+                        "its device completed no write or flush",
+                    )),
                 ));
                 false
             } else {

@@ -25,15 +25,16 @@ use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::cache::CacheInner;
-use crate::room_wait::CleanerSignal;
+use crate::cleaning_state::CleanerState;
+use crate::core_state::ACP_CHUNK_BYTES;
+use crate::inner::CacheInner;
 use crate::lists::ListKind;
 use crate::meta::Key;
 use crate::policy::CleaningPolicy;
+use crate::room_wait::CleanerSignal;
+use crate::CleaningTick;
 use crate::Result;
 
-/// Size of an acp chunk of core address space.
-pub(crate) const ACP_CHUNK_BYTES: u64 = 100 << 20;
 /// How often the cleaner looks, at most, when it has nothing to do.
 const TICK: Duration = Duration::from_millis(100);
 /// Lines cleaned per room request (the policy's flush-max-buffers when larger). Sorted
@@ -51,50 +52,6 @@ const ROOM_BATCH: usize = 4096;
 const ROOM_DEPTH: usize = 128;
 /// Age marks kept per shard (see `Lists::place_fence`).
 const FENCES: usize = 40;
-/// A commit ahead of need (persistent cache) waits for at least this many cleaned lines: each
-/// commit flushes the cores, which costs a real disk array far more than one line's write.
-pub(crate) const AHEAD_LINES: u64 = 32;
-/// ... and for this long since the previous commit began, so that commits cannot flood the
-/// cores with flushes. Well under `ROOM_WAIT` (cache.rs), so that a write waiting for a line
-/// sees one or more commits before it gives up.
-pub(crate) const AHEAD_INTERVAL_MS: u64 = 15;
-/// ... or, with fewer lines than `AHEAD_LINES` cleaned, this long: half of `ROOM_WAIT`.
-pub(crate) const AHEAD_STALE_MS: u64 = 50;
-
-/// What one tick did; for tests and logs.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CleaningTick {
-    /// The policy ran (its wake-up time had come and its conditions held).
-    pub ran: bool,
-    /// Lines cleaned.
-    pub cleaned: u64,
-    /// The policy found more work than one run may do: the next tick runs at once.
-    pub more: bool,
-}
-
-#[derive(Default)]
-pub(crate) struct CleanerState {
-    /// Requests seen so far (sum of the cores' exported bytes: any change is activity).
-    io_marker: u64,
-    last_activity_ms: u64,
-    next_run_ms: u64,
-    last_fence_ms: Option<u64>,
-    /// alru's dirty-ratio trigger is on (hysteresis between threshold and threshold - inertia).
-    ratio_active: bool,
-    /// Where alru's next run starts among the shards, so every shard gets its turn.
-    next_shard: usize,
-    /// The previous tick's time: a tick with an earlier one is on a new clock.
-    last_now: Option<u64>,
-}
-
-impl CleanerState {
-    /// Forget when the policy should next run (after a change of policy or tunables).
-    pub(crate) fn reset_schedule(&mut self) {
-        self.next_run_ms = 0;
-        self.ratio_active = false;
-    }
-}
-
 /// The cleaner thread of a cache.
 pub(crate) struct CleanerThread {
     signal: Arc<CleanerSignal>,
@@ -178,7 +135,7 @@ impl CacheInner {
     /// at once: until the policy's next run when the tick cleaned something (acp's wake-up is
     /// in milliseconds, well below the thread's 100 ms look), else a tick's time, so an idle
     /// cleaner never spins.
-    pub(crate) fn cleaner_wait(&self, now: u64, tick: &CleaningTick) -> Duration {
+    fn cleaner_wait(&self, now: u64, tick: &CleaningTick) -> Duration {
         if tick.cleaned == 0 {
             return TICK;
         }
@@ -413,7 +370,7 @@ impl CacheInner {
 
     /// The chunk with the highest dirty share (of 11 buckets: 0%, 10%, ... 100%), as
     /// (core, chunk index, dirty lines). Ties go to the lowest core and address.
-    pub(crate) fn dirtiest_chunk(&self) -> Option<(u16, u64, u64)> {
+    fn dirtiest_chunk(&self) -> Option<(u16, u64, u64)> {
         let per_chunk = (ACP_CHUNK_BYTES / self.line_bytes).max(1);
         let mut best: Option<(u64, u64, u16, u64)> = None; // (bucket, dirty, core, chunk)
         let cores: Vec<u16> = self.cores.read().keys().copied().collect();
@@ -521,51 +478,6 @@ impl CacheInner {
             }
         }
         out
-    }
-
-    /// Called by background cleaning's workers between units (no stripe held): on a persistent
-    /// cache, commit now if lines cleaned since the last commit wait to be reusable, writes want
-    /// room (or free lines are short), and the last commit is not too recent. Cleaned lines are
-    /// durably dirty until a commit records them clean; without this they would wait for the
-    /// end of the batch (seconds in front of a disk array, alru-very-aggressive's 8192 lines)
-    /// while every write that finds no line goes to the core (issue 20). The commit flushes the
-    /// cores: that price is paid here, by cleaning, never by a client request.
-    pub(crate) fn commit_ahead(&self) {
-        if self.persist.is_none() {
-            return;
-        }
-        let sig = &self.cleaner_signal;
-        let waiting = sig.uncommitted.load(Ordering::Relaxed);
-        if waiting == 0 {
-            return;
-        }
-        let low_water = (self.lines as u64 / 64).max(1);
-        if !sig.room_wanted.load(Ordering::Relaxed)
-            && self.free_lines.load(Ordering::Relaxed) >= low_water
-        {
-            return;
-        }
-        let last = sig.last_commit_ms();
-        let since = sig.now_ms().saturating_sub(last);
-        // Fewer lines than `AHEAD_LINES` go too once they have waited `AHEAD_STALE_MS`, so that
-        // cleaned lines never wait long for their commit while writes want room (at the end of
-        // a batch its last, slow core writes trickle in).
-        if last != 0
-            && (since < AHEAD_INTERVAL_MS || (waiting < AHEAD_LINES && since < AHEAD_STALE_MS))
-        {
-            return;
-        }
-        if !sig.begin_ahead_commit() {
-            return;
-        }
-        // A failure (the cache volume's) is counted by the device; the batch's own commit at its
-        // end tries again and reports it.
-        if self.commit().is_ok() {
-            self.cleaning_counters
-                .ahead_commits
-                .fetch_add(1, Ordering::Relaxed);
-        }
-        sig.end_ahead_commit();
     }
 
     fn clean_and_commit(&self, lines: Vec<u32>, depth: usize) -> Result<u64> {

@@ -25,7 +25,6 @@ use std::time::{Duration, Instant};
 use hybridcache_volume::VolumeRef;
 use parking_lot::{Condvar, Mutex};
 
-use crate::core_state::CoreState;
 use crate::{CoreId, EngineError, Result};
 
 /// Default of [`core_flush_timeout`]: long enough for a disk array's cache flush, short enough
@@ -116,7 +115,6 @@ impl CoreWatch {
         DeviceOp(self)
     }
 
-    /// Whether the device has requests outstanding and none returned for `limit`.
     /// A flush of the core's dirty data begins; how many were under way already.
     pub(crate) fn dirty_flush_begins(&self) -> u64 {
         self.dirty_flushes.fetch_add(1, Ordering::SeqCst)
@@ -126,6 +124,7 @@ impl CoreWatch {
         self.dirty_flushes.fetch_sub(1, Ordering::SeqCst);
     }
 
+    /// Whether the device has requests outstanding and none returned for `limit`.
     pub(crate) fn hung(&self, limit: Duration) -> bool {
         self.outstanding.load(Ordering::Acquire) > 0
             && now_ms().saturating_sub(self.last_ms.load(Ordering::Relaxed))
@@ -147,11 +146,13 @@ fn stuck(core: CoreId) -> EngineError {
 
 /// Start flushing `core`'s device on a thread of its own. Fails at once (as timed out) when the
 /// core's running device flush has run for the timeout already.
-pub(crate) fn start_device_flush(core: &CoreState) -> PendingFlush {
+pub(crate) fn start_device_flush(
+    id: CoreId,
+    watch: &Arc<CoreWatch>,
+    volume: &VolumeRef,
+) -> PendingFlush {
     let limit = core_flush_timeout();
-    let id = core.id;
-    let known_stuck = core
-        .watch
+    let known_stuck = watch
         .device_flush
         .lock()
         .is_some_and(|started| started.elapsed() >= limit);
@@ -163,11 +164,13 @@ pub(crate) fn start_device_flush(core: &CoreState) -> PendingFlush {
         };
     }
     let (tx, rx) = mpsc::sync_channel(1);
-    let (watch, volume): (Arc<CoreWatch>, VolumeRef) = (core.watch.clone(), core.volume.clone());
+    let (thread_watch, thread_volume): (Arc<CoreWatch>, VolumeRef) =
+        (watch.clone(), volume.clone());
     let spawned = std::thread::Builder::new()
         .name(format!("core{id}-flush"))
         .stack_size(256 << 10)
         .spawn(move || {
+            let (watch, volume) = (thread_watch, thread_volume);
             let mut running = watch.device_flush.lock();
             while let Some(started) = *running {
                 if started.elapsed() >= limit {
@@ -196,8 +199,8 @@ pub(crate) fn start_device_flush(core: &CoreState) -> PendingFlush {
         },
         Err(_) => {
             // No thread to spare: flush here, unbounded, rather than not at all.
-            let op = core.watch.begin();
-            let r = core.volume.flush().map_err(EngineError::from);
+            let op = watch.begin();
+            let r = volume.flush().map_err(EngineError::from);
             drop(op);
             PendingFlush {
                 core: id,
@@ -224,8 +227,8 @@ impl PendingFlush {
     }
 }
 
-/// Flush `core`'s device, waiting at most the core flush timeout.
-pub(crate) fn flush_device(core: &CoreState) -> Result<()> {
+/// Flush core `id`'s device, waiting at most the core flush timeout.
+pub(crate) fn flush_device(id: CoreId, watch: &Arc<CoreWatch>, volume: &VolumeRef) -> Result<()> {
     let deadline = Instant::now() + core_flush_timeout();
-    start_device_flush(core).wait(deadline)
+    start_device_flush(id, watch, volume).wait(deadline)
 }

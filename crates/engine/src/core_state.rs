@@ -30,6 +30,8 @@ use crate::prefetch::ReadStreams;
 use crate::stats::{thread_slot, Counters, SLOTS};
 use crate::{CoreId, EngineError, Result};
 
+/// Size of an acp chunk of core address space.
+pub(crate) const ACP_CHUNK_BYTES: u64 = 100 << 20;
 #[derive(Default)]
 pub(crate) struct CoreGauges {
     pub(crate) occupancy: AtomicU64,
@@ -194,4 +196,3 @@ impl Drop for Entered<'_> {
         self.0.in_flight[self.1].0.fetch_sub(1, Ordering::SeqCst);
     }
 }
-

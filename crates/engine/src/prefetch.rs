@@ -212,7 +212,13 @@ impl PrefetchState {
 impl ReadStreams {
     /// Record a read and say which range to prefetch, if any, with the stream's name for
     /// [`commit`](Self::commit), which records the range as queued once the job is accepted.
-    pub(crate) fn plan(&self, offset: u64, len: u64, core_size: u64, p: &Prefetch) -> Option<(u64, u64, u64)> {
+    pub(crate) fn plan(
+        &self,
+        offset: u64,
+        len: u64,
+        core_size: u64,
+        p: &Prefetch,
+    ) -> Option<(u64, u64, u64)> {
         let mut t = self.table.lock();
         t.1 += 1;
         let clock = t.1;

@@ -10,8 +10,8 @@ use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 
 use crate::bits;
-use crate::cache::CacheInner;
 use crate::classes::ReqClass;
+use crate::inner::CacheInner;
 use crate::locks::WaitFor;
 use crate::prefetch::{reserve, Job, PrefetchQueue, ReadStreams};
 use crate::segment::push_run;
@@ -49,7 +49,7 @@ impl CacheInner {
     }
 
     /// Run one prefetch job: bring the invalid sectors of its range into the cache.
-    pub(crate) fn run_prefetch_job(&self, job: Job) {
+    fn run_prefetch_job(&self, job: Job) {
         let Ok(core) = self.core_by_id(job.core) else {
             return;
         };

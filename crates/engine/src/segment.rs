@@ -63,4 +63,3 @@ pub(crate) fn span_of(segs: &[Seg]) -> Span {
         _ => Span::none(),
     }
 }
-
