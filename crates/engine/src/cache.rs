@@ -31,7 +31,6 @@
 //! A read that continues a sequential stream may queue read-ahead (prefetch.rs) after it has
 //! released its locks; the prefetch worker fills only invalid sectors, under the same locks.
 
-use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -47,8 +46,8 @@ use crate::ioclass::{ClassId, IoClasses};
 use crate::latency::{self, LatencyKind, LatencyStats};
 use crate::meta::{MAX_CORE_LINES, NONE};
 use crate::offload::Offload;
-use crate::persist::{self, new_uuid, Persist};
-use crate::policy::{CleaningConfig, LazyFlush, PolicyRecord, Prefetch, Promotion, SeqCutoff};
+use crate::persist::{self, new_uuid};
+use crate::policy::{CleaningConfig, LazyFlush, Prefetch, Promotion, SeqCutoff};
 use crate::progress::FlushStatus;
 use crate::readahead::PrefetchThread;
 use crate::stats::{BackgroundErrors, Stats, Usage};
@@ -93,17 +92,6 @@ pub struct CoreInfo {
     pub name: String,
     pub size: u64,
     pub status: CoreStatus,
-}
-
-fn check_line_size(line_size: u32) -> Result<LineSize> {
-    LineSize::from_kib(line_size / 1024)
-        .ok()
-        .filter(|l| l.bytes() == line_size)
-        .ok_or_else(|| {
-            EngineError::Corrupt(format!(
-                "superblock: cache line size {line_size} is impossible"
-            ))
-        })
 }
 
 fn describe_cores(sb: &Superblock) -> String {
@@ -218,154 +206,16 @@ impl Cache {
     /// Load the cache held by `cache_volume`, after a clean stop or a crash. `open_core` opens
     /// each recorded core's device; a core it cannot open (None) is loaded inactive, its dirty
     /// data kept. Everything is checked before anything is written: corrupt metadata, a core of
-    /// the wrong size or a volume of the wrong size is refused and the devices stay untouched.
+    /// the wrong size or a volume of the wrong size is refused and the devices stay untouched
+    /// (recovery.rs).
     pub fn load(
         cache_volume: VolumeRef,
         open_core: &mut dyn FnMut(&CoreRecord) -> Option<VolumeRef>,
     ) -> Result<Cache> {
-        let slots = persist::read_config(&*cache_volume)?;
-        persist::refuse_newer(&slots)?;
-        let Some((sb_seq, sb, version)) = persist::newest(&slots) else {
-            let damaged: Vec<String> = slots
-                .iter()
-                .zip(["A (offset 0)", "B (offset 1 MiB)"])
-                .filter_map(|(s, name)| match s {
-                    ConfigSlot::Corrupt(why) => Some(format!("superblock copy {name}: {why}")),
-                    _ => None,
-                })
-                .collect();
-            return Err(if damaged.is_empty() {
-                EngineError::NoCache(cache_volume.name().to_string())
-            } else {
-                EngineError::Corrupt(damaged.join("; "))
-            });
-        };
-        let sb = sb.clone();
-        let line_size = check_line_size(sb.line_size)?;
-        let mode = sb
-            .mode()
-            .map_err(|e| EngineError::Corrupt(format!("superblock: {e}")))?;
-        let recorded = Geometry {
-            lines: sb.lines,
-            entries_per_block: sb.entries_per_block,
-            meta_blocks: sb.meta_blocks,
-            data_offset: sb.data_offset,
-        };
-        if Geometry::compute(cache_volume.size(), sb.line_size as u64) != Some(recorded) {
-            return Err(EngineError::Invalid(format!(
-                "{} is {} bytes, but the cache on it was created for a device with {} lines of {} KiB; is this the right device?",
-                cache_volume.name(),
-                cache_volume.size(),
-                sb.lines,
-                sb.line_size / 1024
-            )));
-        }
-        let mut ids = std::collections::BTreeSet::new();
-        for c in &sb.cores {
-            if c.id as u32 > MAX_CORE_ID || !ids.insert(c.id) || c.size % SECTOR != 0 {
-                return Err(EngineError::Corrupt(format!(
-                    "superblock: core record {c:?} is impossible"
-                )));
-            }
-        }
-        let mut active = Vec::new();
-        let mut inactive = BTreeMap::new();
-        for rec in &sb.cores {
-            match open_core(rec) {
-                Some(vol) if vol.size() != rec.size => {
-                    return Err(EngineError::CoreMismatch {
-                        id: rec.id,
-                        why: format!(
-                            "{} is {} bytes but the cache recorded {} bytes for it (uuid {}); refusing to load",
-                            rec.path,
-                            vol.size(),
-                            rec.size,
-                            rec.uuid
-                        ),
-                    })
-                }
-                Some(vol) => active.push((rec.id, vol)),
-                None => {
-                    inactive.insert(rec.id, rec.clone());
-                }
-            }
-        }
-        let config = CacheConfig {
-            id: sb.cache_id,
-            line_size,
-            mode,
-        };
-        let policies: PolicyRecord =
-            serde_json::from_value(serde_json::Value::Object(sb.params.clone())).map_err(|e| {
-                EngineError::Corrupt(format!("superblock: unreadable policy parameters: {e}"))
-            })?;
-        let valid = policies.cleaning.validate().and_then(|()| {
-            policies.promotion.validate()?;
-            policies.prefetch.validate()?;
-            policies.seq_cutoff.values().try_for_each(|s| s.validate())
-        });
-        if let Err(e) = valid {
-            return Err(EngineError::Corrupt(format!(
-                "superblock: impossible policy parameters: {e}"
-            )));
-        }
-        let mask_bytes = line_size.sectors() as usize / 8;
-        let persist = Persist::new(recorded, sb.nonce, mask_bytes, sb.clone(), 0, sb_seq);
-        let mut inner = CacheInner::build(
-            cache_volume.clone(),
-            &config,
-            recorded.lines,
-            recorded.data_offset,
-            Some(persist),
-        );
-        crate::recovery::restore(
-            &mut inner,
-            &*cache_volume,
-            &sb,
-            line_size.sectors(),
-            version,
-        )?;
-        let p = inner
-            .persist
-            .as_ref()
-            .expect("a loaded cache is persistent");
-        if let Some(csv) = &policies.io_classes {
-            // Loaded leniently: a file accepted with file-system rules ignored reads back.
-            let opts = crate::ioclass::LoadOptions {
-                ignore_unsupported: true,
-            };
-            let table = IoClasses::parse(csv, &opts).map_err(|e| {
-                EngineError::Corrupt(format!("superblock: unreadable IO class table: {e}"))
-            })?;
-            inner
-                .classes
-                .install(table, &inner.table, |id| &inner.gauges[id as usize].classes);
-        }
-        *inner.cleaning.write() = policies.cleaning;
-        inner
-            .lazy_flush
-            .store(policies.lazy_flush.enabled, Ordering::Relaxed);
-        inner.promotion.set_params(policies.promotion, inner.lines);
-        inner.prefetch.set_params(policies.prefetch, inner.lines);
-        inner.offload.set_params(policies.offload);
-        let seq_of = |id: CoreId| policies.seq_cutoff.get(&id).copied().unwrap_or_default();
-        for (id, vol) in active {
-            let state = inner.new_core_state(id, vol, seq_of(id));
-            inner.cores.write().insert(id, state);
-        }
-        for (id, rec) in &inactive {
-            inner.rebuild_chunks(*id, rec.size);
-            inner.seq_cutoff_inactive.write().insert(*id, seq_of(*id));
-        }
-        *inner.inactive.write() = inactive;
-        // From here on the device changes: a crash must be recovered as a crash.
-        p.record_loaded_state(&*inner.volume)?;
-        // Both slots: an older superblock left with the clean-stop mark would make a load that
-        // falls back to it (the newer damaged) trust clean lines written over since.
-        for _ in 0..2 {
-            p.update_superblock(&*inner.volume, |sb| sb.clean_shutdown = false)?;
-        }
-        Ok(Cache::started(inner))
+        Ok(Cache::started(crate::recovery::load(
+            cache_volume,
+            open_core,
+        )?))
     }
 
     /// Read the superblock of the cache `cache_volume` holds, without loading it or writing

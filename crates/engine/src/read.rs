@@ -43,6 +43,14 @@ pub(crate) struct ReadPlan<'a> {
     pub(crate) class: Option<ReqClass>,
 }
 
+/// What a read found in the cache: its valid sectors, and the lines read-ahead filled that it
+/// hits first.
+#[derive(Default, Clone, Copy)]
+struct Found {
+    cached_sectors: u64,
+    prefetch_hits: u64,
+}
+
 /// A planned pure hit waiting for the batch's cache read: its request's index and plan.
 type Pending<'a> = Vec<(usize, ReadPlan<'a>)>;
 
@@ -98,17 +106,33 @@ impl CacheInner {
             && self.offload.take(core.id as usize);
         bypass = bypass || offloaded;
 
+        let (core_runs, cache_runs, found) = self.read_runs(&segs, bypass);
+        self.count_read(core, class, len, bypass, offloaded, waited, found);
+        Ok(Some(ReadPlan {
+            _entered: entered,
+            locks,
+            segs,
+            core_runs,
+            cache_runs,
+            bypass,
+            class,
+        }))
+    }
+
+    /// Which sectors of `segs` a read takes from the core and which from the cache (only dirty
+    /// ones when `bypass`), as device runs; what it found cached, and how many lines read-ahead
+    /// brought in are hit for the first time.
+    fn read_runs(&self, segs: &[Seg], bypass: bool) -> (Vec<Run>, Vec<Run>, Found) {
         let mut core_runs = Vec::new();
         let mut cache_runs = Vec::new();
-        let mut cached_sectors = 0u64;
-        let mut prefetch_hits = 0;
-        for s in &segs {
+        let mut found = Found::default();
+        for s in segs {
             let m = s.mask();
             let from_cache = m & if bypass { s.dirty } else { s.valid };
             if from_cache != 0 && self.prefetch.take_mark(s.line) {
-                prefetch_hits += 1;
+                found.prefetch_hits += 1;
             }
-            cached_sectors += (m & s.valid).count_ones() as u64;
+            found.cached_sectors += (m & s.valid).count_ones() as u64;
             for (first, n) in bits::runs(m & !from_cache) {
                 let len = n as usize * SECTOR as usize;
                 let buf_off = s.buf_off + (first - s.first) as usize * SECTOR as usize;
@@ -120,13 +144,29 @@ impl CacheInner {
                 push_run(&mut cache_runs, self.cache_off(s.line, first), buf_off, len);
             }
         }
+        (core_runs, cache_runs, found)
+    }
+
+    /// A read's statistics: its outcome (hit, partial or full miss, pass-through), deferral,
+    /// offload, bytes and read-ahead hits, on the core and on its IO class.
+    #[allow(clippy::too_many_arguments)]
+    fn count_read(
+        &self,
+        core: &CoreState,
+        class: Option<ReqClass>,
+        len: usize,
+        bypass: bool,
+        offloaded: bool,
+        waited: bool,
+        found: Found,
+    ) {
         let c = &core.counters;
         let total = len as u64 / SECTOR;
         let outcome = if bypass {
             Counter::PassThroughReads
         } else {
             classify(
-                cached_sectors,
+                found.cached_sectors,
                 total,
                 Counter::ReadHits,
                 Counter::ReadPartialMisses,
@@ -146,20 +186,15 @@ impl CacheInner {
                 .count(&core.classes, class, Counter::OffloadReads, 1);
         }
         c.add(Counter::ExportedReadBytes, len as u64);
-        c.add(Counter::PrefetchHits, prefetch_hits);
-        self.classes
-            .count(&core.classes, class, Counter::PrefetchHits, prefetch_hits);
+        c.add(Counter::PrefetchHits, found.prefetch_hits);
+        self.classes.count(
+            &core.classes,
+            class,
+            Counter::PrefetchHits,
+            found.prefetch_hits,
+        );
         self.classes
             .count(&core.classes, class, Counter::ExportedReadBytes, len as u64);
-        Ok(Some(ReadPlan {
-            _entered: entered,
-            locks,
-            segs,
-            core_runs,
-            cache_runs,
-            bypass,
-            class,
-        }))
     }
 
     /// The rest of a read once its core runs are in `buf` and its cache runs were read with

@@ -12,25 +12,23 @@
 //!   newer block copy wins, and the loser is freed (always checked: two mappings of one core
 //!   line would serve stale data).
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use hybridcache_volume::Volume;
+use hybridcache_volume::{Volume, VolumeRef};
 
 use crate::bits::Mask;
-use crate::format::block_crc;
-use crate::format::decode_block;
-use crate::format::decode_commit;
-use crate::format::digest_term;
-use crate::format::BlockError;
-use crate::format::CommitSlot;
-use crate::format::BLOCK;
-use crate::format::COMMIT_SLOTS;
-use crate::format::{CommitRecord, Superblock};
+use crate::format::{
+    block_crc, decode_block, decode_commit, digest_term, BlockError, CommitRecord, CommitSlot,
+    ConfigSlot, CoreRecord, Geometry, Superblock, BLOCK, COMMIT_SLOTS,
+};
 use crate::inner::CacheInner;
+use crate::ioclass::IoClasses;
 use crate::lists::ListKind;
 use crate::meta::{Key, LineTable, Walks, FREE};
-use crate::persist::Persist;
-use crate::{CoreId, EngineError, Result};
+use crate::persist::{self, Persist};
+use crate::policy::PolicyRecord;
+use crate::{CacheConfig, CacheMode, CoreId, EngineError, LineSize, Result, MAX_CORE_ID, SECTOR};
 /// The last commit that completed, from the two record slots: the valid one with the higher
 /// sequence number. A damaged newest record only makes the loader insist on the commit before;
 /// that commit's block versions are still on the device, since the commit after it wrote only
@@ -583,4 +581,217 @@ pub(crate) fn restore(
     });
     inner.free_lines.store(free, Ordering::Relaxed);
     Ok(())
+}
+
+/// A cache loaded from `cache_volume` (`Cache::load`): the checks (superblock, geometry, core
+/// records, the cores' devices, policies), then the metadata, then the policies and cores;
+/// only once all of them passed does the device change (the loaded state is recorded, the
+/// clean-stop mark cleared).
+pub(crate) fn load(
+    cache_volume: VolumeRef,
+    open_core: &mut dyn FnMut(&CoreRecord) -> Option<VolumeRef>,
+) -> Result<CacheInner> {
+    let (sb_seq, sb, version) = newest_superblock(&*cache_volume)?;
+    let (line_size, mode, recorded) = check_superblock(&sb, &*cache_volume)?;
+    let (active, inactive) = open_cores(&sb, open_core)?;
+    let policies = recorded_policies(&sb)?;
+    let config = CacheConfig {
+        id: sb.cache_id,
+        line_size,
+        mode,
+    };
+    let mask_bytes = line_size.sectors() as usize / 8;
+    let persist = Persist::new(recorded, sb.nonce, mask_bytes, sb.clone(), 0, sb_seq);
+    let mut inner = CacheInner::build(
+        cache_volume.clone(),
+        &config,
+        recorded.lines,
+        recorded.data_offset,
+        Some(persist),
+    );
+    restore(
+        &mut inner,
+        &*cache_volume,
+        &sb,
+        line_size.sectors(),
+        version,
+    )?;
+    apply_policies(&inner, &policies)?;
+    attach_loaded_cores(&inner, active, inactive, &policies);
+    let p = inner
+        .persist
+        .as_ref()
+        .expect("a loaded cache is persistent");
+    // From here on the device changes: a crash must be recovered as a crash.
+    p.record_loaded_state(&*inner.volume)?;
+    // Both slots: an older superblock left with the clean-stop mark would make a load that
+    // falls back to it (the newer damaged) trust clean lines written over since.
+    for _ in 0..2 {
+        p.update_superblock(&*inner.volume, |sb| sb.clean_shutdown = false)?;
+    }
+    Ok(inner)
+}
+
+/// The newest intact superblock (its sequence number and format version), or why there is none.
+fn newest_superblock(cache_volume: &dyn Volume) -> Result<(u64, Superblock, u32)> {
+    let slots = persist::read_config(cache_volume)?;
+    persist::refuse_newer(&slots)?;
+    let Some((sb_seq, sb, version)) = persist::newest(&slots) else {
+        let damaged: Vec<String> = slots
+            .iter()
+            .zip(["A (offset 0)", "B (offset 1 MiB)"])
+            .filter_map(|(s, name)| match s {
+                ConfigSlot::Corrupt(why) => Some(format!("superblock copy {name}: {why}")),
+                _ => None,
+            })
+            .collect();
+        return Err(if damaged.is_empty() {
+            EngineError::NoCache(cache_volume.name().to_string())
+        } else {
+            EngineError::Corrupt(damaged.join("; "))
+        });
+    };
+    Ok((sb_seq, sb.clone(), version))
+}
+
+/// The superblock's line size, mode and geometry, checked against itself and the volume.
+fn check_superblock(
+    sb: &Superblock,
+    cache_volume: &dyn Volume,
+) -> Result<(LineSize, CacheMode, Geometry)> {
+    let line_size = check_line_size(sb.line_size)?;
+    let mode = sb
+        .mode()
+        .map_err(|e| EngineError::Corrupt(format!("superblock: {e}")))?;
+    let recorded = Geometry {
+        lines: sb.lines,
+        entries_per_block: sb.entries_per_block,
+        meta_blocks: sb.meta_blocks,
+        data_offset: sb.data_offset,
+    };
+    if Geometry::compute(cache_volume.size(), sb.line_size as u64) != Some(recorded) {
+        return Err(EngineError::Invalid(format!(
+            "{} is {} bytes, but the cache on it was created for a device with {} lines of {} KiB; is this the right device?",
+            cache_volume.name(),
+            cache_volume.size(),
+            sb.lines,
+            sb.line_size / 1024
+        )));
+    }
+    let mut ids = std::collections::BTreeSet::new();
+    for c in &sb.cores {
+        if c.id as u32 > MAX_CORE_ID || !ids.insert(c.id) || c.size % SECTOR != 0 {
+            return Err(EngineError::Corrupt(format!(
+                "superblock: core record {c:?} is impossible"
+            )));
+        }
+    }
+    Ok((line_size, mode, recorded))
+}
+
+/// The recorded cores whose devices `open_core` opens (active), and the others (inactive).
+/// A device of another size than recorded is refused.
+#[allow(clippy::type_complexity)]
+fn open_cores(
+    sb: &Superblock,
+    open_core: &mut dyn FnMut(&CoreRecord) -> Option<VolumeRef>,
+) -> Result<(Vec<(CoreId, VolumeRef)>, BTreeMap<CoreId, CoreRecord>)> {
+    let mut active = Vec::new();
+    let mut inactive = BTreeMap::new();
+    for rec in &sb.cores {
+        match open_core(rec) {
+            Some(vol) if vol.size() != rec.size => {
+                return Err(EngineError::CoreMismatch {
+                    id: rec.id,
+                    why: format!(
+                        "{} is {} bytes but the cache recorded {} bytes for it (uuid {}); refusing to load",
+                        rec.path,
+                        vol.size(),
+                        rec.size,
+                        rec.uuid
+                    ),
+                })
+            }
+            Some(vol) => active.push((rec.id, vol)),
+            None => {
+                inactive.insert(rec.id, rec.clone());
+            }
+        }
+    }
+    Ok((active, inactive))
+}
+
+/// The policies the superblock records, checked.
+fn recorded_policies(sb: &Superblock) -> Result<PolicyRecord> {
+    let policies: PolicyRecord =
+        serde_json::from_value(serde_json::Value::Object(sb.params.clone())).map_err(|e| {
+            EngineError::Corrupt(format!("superblock: unreadable policy parameters: {e}"))
+        })?;
+    let valid = policies.cleaning.validate().and_then(|()| {
+        policies.promotion.validate()?;
+        policies.prefetch.validate()?;
+        policies.seq_cutoff.values().try_for_each(|s| s.validate())
+    });
+    if let Err(e) = valid {
+        return Err(EngineError::Corrupt(format!(
+            "superblock: impossible policy parameters: {e}"
+        )));
+    }
+    Ok(policies)
+}
+
+/// Install the recorded policies in a restored cache (IO classes, cleaning, lazy flush,
+/// promotion, prefetch, offload). Fails only on an unreadable IO class table.
+fn apply_policies(inner: &CacheInner, policies: &PolicyRecord) -> Result<()> {
+    if let Some(csv) = &policies.io_classes {
+        // Loaded leniently: a file accepted with file-system rules ignored reads back.
+        let opts = crate::ioclass::LoadOptions {
+            ignore_unsupported: true,
+        };
+        let table = IoClasses::parse(csv, &opts).map_err(|e| {
+            EngineError::Corrupt(format!("superblock: unreadable IO class table: {e}"))
+        })?;
+        inner
+            .classes
+            .install(table, &inner.table, |id| &inner.gauges[id as usize].classes);
+    }
+    *inner.cleaning.write() = policies.cleaning;
+    inner
+        .lazy_flush
+        .store(policies.lazy_flush.enabled, Ordering::Relaxed);
+    inner.promotion.set_params(policies.promotion, inner.lines);
+    inner.prefetch.set_params(policies.prefetch, inner.lines);
+    inner.offload.set_params(policies.offload);
+    Ok(())
+}
+
+/// Register the restored cores: the active ones with their devices, the inactive ones with
+/// their acp counters and seq cutoff kept for when they come back.
+fn attach_loaded_cores(
+    inner: &CacheInner,
+    active: Vec<(CoreId, VolumeRef)>,
+    inactive: BTreeMap<CoreId, CoreRecord>,
+    policies: &PolicyRecord,
+) {
+    let seq_of = |id: CoreId| policies.seq_cutoff.get(&id).copied().unwrap_or_default();
+    for (id, vol) in active {
+        let state = inner.new_core_state(id, vol, seq_of(id));
+        inner.cores.write().insert(id, state);
+    }
+    for (id, rec) in &inactive {
+        inner.rebuild_chunks(*id, rec.size);
+        inner.seq_cutoff_inactive.write().insert(*id, seq_of(*id));
+    }
+    *inner.inactive.write() = inactive;
+}
+
+fn check_line_size(line_size: u32) -> Result<LineSize> {
+    LineSize::from_kib(line_size / 1024)
+        .ok()
+        .filter(|l| l.bytes() == line_size)
+        .ok_or_else(|| {
+            EngineError::Corrupt(format!(
+                "superblock: cache line size {line_size} is impossible"
+            ))
+        })
 }
