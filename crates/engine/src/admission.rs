@@ -31,7 +31,7 @@ impl CacheInner {
         if p.policy != PromotionPolicy::Nhit {
             return false;
         }
-        let Some(table) = self.promotion.table.get() else {
+        let Some(table) = self.promotion.table() else {
             return false;
         };
         let mut short = false;

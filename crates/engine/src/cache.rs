@@ -1,4 +1,5 @@
-//! The cache: request routing by mode, allocation and eviction, line state transitions.
+//! The cache's public facade, `Cache` and `Core`, and the story of a request; the request path
+//! itself is in read.rs and write.rs, the line state in lines.rs (docs/architecture.md).
 //!
 //! A request runs in three steps on the caller's thread:
 //! 1. cut it into segments, one per core line it touches, and lock the stripes of those core lines
@@ -949,7 +950,7 @@ impl Cache {
         self.inner.table.bytes()
             + self.inner.lists.bytes()
             + self.inner.persist.as_ref().map_or(0, |p| p.bytes())
-            + self.inner.promotion.table.get().map_or(0, |t| t.bytes())
+            + self.inner.promotion.table().map_or(0, |t| t.bytes())
             + self.inner.classes.bytes()
             + self.inner.prefetch.bytes()
     }

@@ -26,7 +26,7 @@ use crate::bits;
 use crate::core_flush;
 use crate::core_state::CoreState;
 use crate::inner::CacheInner;
-use crate::locks::{Span, SpanKind, WaitFor};
+use crate::locks::{InFlight, Span, SpanKind, WaitFor};
 use crate::meta::Key;
 use crate::policy::FLUSH_BUFFERS;
 use crate::progress::FlushProgress;
@@ -305,7 +305,38 @@ impl CacheInner {
         // so their dirty sectors stay those read here; reads may still fill in others.
         let in_flight = locks.begin(span, SpanKind::Cleaning);
         drop(locks);
-        let pieces = self.pieces(&items);
+        let (failed, first_error) = self.write_pieces(core, &items, buf, merge_max, paced);
+        let cleaned = self.mark_cleaned(stripes, &items, &failed, in_flight);
+        // Counted as they go, so that cleaning's throughput can be sampled during a batch.
+        self.cleaning_counters.cleaned(cleaned as u64);
+        if cleaned > 0 {
+            if self.persist.is_none() {
+                // Reusable at once (no commit needed): writes waiting for a line may take them.
+                self.cleaner_signal.room_made();
+            } else {
+                // Reusable once a commit records them clean (`commit_ahead`).
+                self.cleaner_signal
+                    .uncommitted
+                    .fetch_add(cleaned as u64, Relaxed);
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(cleaned),
+        }
+    }
+
+    /// The merged core writes of a unit's dirty pieces (cache read, then core write, paced when
+    /// `paced`), counted as they go. Which items failed, and the first error.
+    fn write_pieces(
+        &self,
+        core: &CoreState,
+        items: &[(Key, u32)],
+        buf: &mut Vec<u8>,
+        merge_max: usize,
+        paced: bool,
+    ) -> (Vec<bool>, Option<EngineError>) {
+        let pieces = self.pieces(items);
         let mut failed = vec![false; items.len()];
         let mut first_error = None;
         let max_bandwidth = self.cleaning.read().io.max_bandwidth_mib_s;
@@ -331,26 +362,37 @@ impl CacheInner {
                 self.pacer.wait(len, max_bandwidth);
             }
             let c = &self.cleaning_counters;
-            let now = c.in_flight.fetch_add(1, Relaxed) + 1;
-            c.max_in_flight.fetch_max(now, Relaxed);
+            c.write_begins();
             let result = self
                 .cache_read(core, buf, &reads)
                 .and_then(|()| self.core_write(core, buf, &write));
-            c.in_flight.fetch_sub(1, Relaxed);
+            c.write_ends();
             match result {
                 Ok(()) => {
                     c.record(len);
-                    self.count_cleaner_write(core, &items, group, len);
+                    self.count_cleaner_write(core, items, group, len);
                 }
                 Err(e) => {
                     for p in group {
                         failed[p.item] = true;
                     }
-                    c.errors.record(core.id, &e);
+                    c.failed(core.id, &e);
                     first_error.get_or_insert(e);
                 }
             }
         }
+        (failed, first_error)
+    }
+
+    /// Mark the unit's written lines clean, under their stripes again, and end the cleaning span
+    /// that held writes of them off meanwhile. How many were marked.
+    fn mark_cleaned(
+        &self,
+        stripes: Vec<u32>,
+        items: &[(Key, u32)],
+        failed: &[bool],
+        in_flight: InFlight<'_>,
+    ) -> usize {
         let locks = self.locks.lock_sorted(stripes);
         let mut cleaned = 0;
         for (i, &(key, line)) in items.iter().enumerate() {
@@ -366,25 +408,7 @@ impl CacheInner {
         }
         drop(in_flight);
         drop(locks);
-        // Counted as they go, so that cleaning's throughput can be sampled during a batch.
-        self.cleaning_counters
-            .lines
-            .fetch_add(cleaned as u64, Relaxed);
-        if cleaned > 0 {
-            if self.persist.is_none() {
-                // Reusable at once (no commit needed): writes waiting for a line may take them.
-                self.cleaner_signal.room_made();
-            } else {
-                // Reusable once a commit records them clean (`commit_ahead`).
-                self.cleaner_signal
-                    .uncommitted
-                    .fetch_add(cleaned as u64, Relaxed);
-            }
-        }
-        match first_error {
-            Some(e) => Err(e),
-            None => Ok(cleaned),
-        }
+        cleaned
     }
 
     /// Clean every line of `core` that is dirty now, in core address order, then commit.

@@ -118,7 +118,7 @@ impl CacheInner {
     /// Drop alru's age marks from every shard.
     fn clear_fences(&self) {
         for i in 0..self.lists.shard_count() {
-            self.lists.lock(i).fences.clear();
+            self.lists.lock(i).clear_fences();
         }
     }
 
@@ -146,9 +146,7 @@ impl CacheInner {
     /// Record whether the policy has cleaning due (see `CleaningStats::waiting`). A look that
     /// only waits for the policy's wake-up time keeps the last run's verdict.
     fn set_waiting(&self, waiting: bool) {
-        self.cleaning_counters
-            .waiting
-            .store(waiting, Ordering::Relaxed);
+        self.cleaning_counters.set_waiting(waiting);
     }
 
     /// One look by the cleaner at time `now` (ms since any fixed origin, never decreasing).

@@ -43,15 +43,15 @@ pub struct CleaningStats {
 
 #[derive(Default)]
 pub(crate) struct CleaningCounters {
-    pub(crate) lines: AtomicU64,
+    lines: AtomicU64,
     writes: AtomicU64,
     bytes: AtomicU64,
     sizes: [AtomicU64; WRITE_SIZE_BUCKETS],
-    pub(crate) in_flight: AtomicU64,
-    pub(crate) max_in_flight: AtomicU64,
-    pub(crate) ahead_commits: AtomicU64,
-    pub(crate) errors: BackgroundErrorLog,
-    pub(crate) waiting: AtomicBool,
+    in_flight: AtomicU64,
+    max_in_flight: AtomicU64,
+    ahead_commits: AtomicU64,
+    errors: BackgroundErrorLog,
+    waiting: AtomicBool,
 }
 
 impl CleaningCounters {
@@ -66,6 +66,36 @@ impl CleaningCounters {
             errors: self.errors.snapshot(),
             waiting: self.waiting.load(Relaxed),
         }
+    }
+
+    /// A cleaning core write is issued: counted in flight (and in the highest count seen).
+    pub(crate) fn write_begins(&self) {
+        let now = self.in_flight.fetch_add(1, Relaxed) + 1;
+        self.max_in_flight.fetch_max(now, Relaxed);
+    }
+
+    pub(crate) fn write_ends(&self) {
+        self.in_flight.fetch_sub(1, Relaxed);
+    }
+
+    /// A cleaning core write (or the cache read before it) failed on `core`.
+    pub(crate) fn failed(&self, core: crate::CoreId, e: &crate::EngineError) {
+        self.errors.record(core, e);
+    }
+
+    /// `n` lines were cleaned.
+    pub(crate) fn cleaned(&self, n: u64) {
+        self.lines.fetch_add(n, Relaxed);
+    }
+
+    /// A commit ahead of need completed.
+    pub(crate) fn ahead_commit(&self) {
+        self.ahead_commits.fetch_add(1, Relaxed);
+    }
+
+    /// Whether the policy has cleaning due (`CleaningStats::waiting`).
+    pub(crate) fn set_waiting(&self, waiting: bool) {
+        self.waiting.store(waiting, Relaxed);
     }
 
     pub(crate) fn record(&self, len: usize) {

@@ -25,8 +25,8 @@ use crate::format::BLOCK;
 use crate::format::{CommitRecord, Entry};
 use crate::inner::CacheInner;
 use crate::lists::ListKind;
-use crate::persist::write_commit;
 use crate::persist::Persist;
+use crate::persist::{write_commit, PersistState};
 use crate::stats::Counter;
 use crate::{CoreId, Result};
 
@@ -147,6 +147,42 @@ impl CacheInner {
         let blocks = p.changed.take_all();
         let epb = p.geometry.entries_per_block as u64;
         let seq = st.seq + 1;
+        let (buf, dirty_lines) = self.snapshot(p, &blocks, seq);
+        let (terms, digest) = next_digest(&st, &blocks, &buf, seq);
+        let result = self.write_snapshot(p, &blocks, &buf, CommitRecord { seq, digest });
+        // A failed commit's number is burnt: its blocks may have reached the device, and the
+        // retry must not give other contents the same sequence number.
+        st.seq = seq;
+        if !matches!(result, Ok(Attempt::Done)) {
+            // Nothing is known to be durable: the blocks go back into the next commit.
+            for &b in &blocks {
+                p.changed.set(b, true);
+            }
+            return result;
+        }
+        st.digest = digest;
+        for (&b, &t) in blocks.iter().zip(&terms) {
+            st.terms[b as usize] = t;
+        }
+        for (i, &b) in blocks.iter().enumerate() {
+            p.slot.set(b, !p.slot.get(b));
+            for (j, &dirty) in dirty_lines[i].iter().enumerate() {
+                p.durable_dirty.set(b * epb + j as u64, dirty);
+            }
+        }
+        drop(st);
+        if !blocks.is_empty() {
+            self.release_limbo();
+            // Lines cleaned before the snapshot are reusable now: wake the writes waiting for one.
+            self.cleaner_signal.room_made();
+        }
+        Ok(Attempt::Done)
+    }
+
+    /// Step 1: the snapshot of `blocks`, encoded as commit `seq`, and per block which of its
+    /// lines it records dirty. A line's durably-dirty bit is raised before its state is read.
+    fn snapshot(&self, p: &Persist, blocks: &[u64], seq: u64) -> (Vec<u8>, Vec<Vec<bool>>) {
+        let epb = p.geometry.entries_per_block as u64;
         let mut buf = vec![0u8; blocks.len() * BLOCK];
         // Per block, which of its lines the snapshot records as dirty.
         let mut dirty_lines: Vec<Vec<bool>> = Vec::with_capacity(blocks.len());
@@ -178,70 +214,37 @@ impl CacheInner {
             );
             dirty_lines.push(dirty);
         }
-        // The record's digest: the last one with these blocks' terms replaced.
-        let terms: Vec<u32> = blocks
-            .iter()
-            .enumerate()
-            .map(|(i, &b)| digest_term(b, seq, block_crc(&buf[i * BLOCK..])))
-            .collect();
-        let mut digest = st.digest;
-        for (&b, &t) in blocks.iter().zip(&terms) {
-            digest = digest
-                .wrapping_sub(st.terms[b as usize] as u64)
-                .wrapping_add(t as u64);
+        (buf, dirty_lines)
+    }
+
+    /// Steps 2 to 5: flush the cache volume and the cores (a core that fails for the first time
+    /// asks for a new snapshot), write the blocks to the copies that do not hold their last
+    /// commit, flush, then write the commit record.
+    fn write_snapshot(
+        &self,
+        p: &Persist,
+        blocks: &[u64],
+        buf: &[u8],
+        record: CommitRecord,
+    ) -> Result<Attempt> {
+        self.volume.flush()?;
+        if self.flush_cores() {
+            return Ok(Attempt::Retry);
         }
-        let result = (|| -> Result<Attempt> {
-            self.volume.flush()?;
-            if self.flush_cores() {
-                return Ok(Attempt::Retry);
-            }
-            if blocks.is_empty() {
-                return Ok(Attempt::Done);
-            }
-            for (i, &b) in blocks.iter().enumerate() {
-                let slot = !p.slot.get(b) as u32;
-                self.volume.write_at(
-                    &buf[i * BLOCK..(i + 1) * BLOCK],
-                    p.geometry.slot_offset(b, slot),
-                )?;
-            }
-            self.volume.flush()?;
-            // Only now, with every block durable, may the record say the commit completed: a
-            // loader then insists on exactly these versions (docs/format.md).
-            write_commit(
-                &*self.volume,
-                CommitRecord { seq, digest },
-                p.nonce,
-                p.geometry.meta_blocks,
-            )?;
-            Ok(Attempt::Done)
-        })();
-        // A failed commit's number is burnt: its blocks may have reached the device, and the
-        // retry must not give other contents the same sequence number.
-        st.seq = seq;
-        if !matches!(result, Ok(Attempt::Done)) {
-            // Nothing is known to be durable: the blocks go back into the next commit.
-            for &b in &blocks {
-                p.changed.set(b, true);
-            }
-            return result;
-        }
-        st.digest = digest;
-        for (&b, &t) in blocks.iter().zip(&terms) {
-            st.terms[b as usize] = t;
+        if blocks.is_empty() {
+            return Ok(Attempt::Done);
         }
         for (i, &b) in blocks.iter().enumerate() {
-            p.slot.set(b, !p.slot.get(b));
-            for (j, &dirty) in dirty_lines[i].iter().enumerate() {
-                p.durable_dirty.set(b * epb + j as u64, dirty);
-            }
+            let slot = !p.slot.get(b) as u32;
+            self.volume.write_at(
+                &buf[i * BLOCK..(i + 1) * BLOCK],
+                p.geometry.slot_offset(b, slot),
+            )?;
         }
-        drop(st);
-        if !blocks.is_empty() {
-            self.release_limbo();
-            // Lines cleaned before the snapshot are reusable now: wake the writes waiting for one.
-            self.cleaner_signal.room_made();
-        }
+        self.volume.flush()?;
+        // Only now, with every block durable, may the record say the commit completed: a
+        // loader then insists on exactly these versions (docs/format.md).
+        write_commit(&*self.volume, record, p.nonce, p.geometry.meta_blocks)?;
         Ok(Attempt::Done)
     }
 
@@ -285,6 +288,12 @@ impl CacheInner {
             while let Some(line) = cur {
                 cur = self.lists.next(line);
                 if !p.durable_dirty.get(line as u64) {
+                    // Always checked: a mapped line on the free list would be handed out while
+                    // it still holds data.
+                    assert!(
+                        self.table.key(line).is_none(),
+                        "line {line} in limbo is mapped"
+                    );
                     self.lists
                         .move_back(&mut s, ListKind::Limbo, ListKind::Free, line);
                     self.free_lines.fetch_add(1, Ordering::Relaxed);
@@ -331,10 +340,26 @@ impl CacheInner {
         // A failure (the cache volume's) is counted by the device; the batch's own commit at its
         // end tries again and reports it.
         if self.commit().is_ok() {
-            self.cleaning_counters
-                .ahead_commits
-                .fetch_add(1, Ordering::Relaxed);
+            self.cleaning_counters.ahead_commit();
         }
         sig.end_ahead_commit();
     }
+}
+
+/// The terms of `blocks` (encoded in `buf` as commit `seq`) and the record's digest: the last
+/// commit's with these blocks' terms replaced.
+fn next_digest(st: &PersistState, blocks: &[u64], buf: &[u8], seq: u64) -> (Vec<u32>, u64) {
+    // The record's digest: the last one with these blocks' terms replaced.
+    let terms: Vec<u32> = blocks
+        .iter()
+        .enumerate()
+        .map(|(i, &b)| digest_term(b, seq, block_crc(&buf[i * BLOCK..])))
+        .collect();
+    let mut digest = st.digest;
+    for (&b, &t) in blocks.iter().zip(&terms) {
+        digest = digest
+            .wrapping_sub(st.terms[b as usize] as u64)
+            .wrapping_add(t as u64);
+    }
+    (terms, digest)
 }

@@ -193,6 +193,11 @@ impl CoreState {
 
 impl Drop for Entered<'_> {
     fn drop(&mut self) {
-        self.0.in_flight[self.1].0.fetch_sub(1, Ordering::SeqCst);
+        let was = self.0.in_flight[self.1].0.fetch_sub(1, Ordering::SeqCst);
+        debug_assert!(
+            was > 0,
+            "a request left core {} without entering",
+            self.0.id
+        );
     }
 }

@@ -234,6 +234,10 @@ impl CacheInner {
 
     /// Give back an owned, unmapped line.
     pub(crate) fn release_line(&self, line: u32) {
+        debug_assert!(
+            self.table.key(line).is_none(),
+            "line {line} released while mapped"
+        );
         let mut s = self.lists.lock(self.lists.shard_of(line));
         self.lists.push_back(&mut s, ListKind::Free, line);
         self.free_lines.fetch_add(1, Ordering::Relaxed);
@@ -333,8 +337,13 @@ impl CacheInner {
                 continue;
             };
             // Holding both the shard and the stripe: the line cannot change under us, and a line
-            // in the clean list with its stripe free has no dirty sector.
-            debug_assert_eq!(self.table.dirty(line), 0);
+            // in the clean list with its stripe free has no dirty sector. Always checked:
+            // evicting a dirty line would lose its data.
+            assert_eq!(
+                self.table.dirty(line),
+                0,
+                "line {line} on the clean list has dirty sectors"
+            );
             if self.persist.as_ref().is_some_and(|p| p.durably_dirty(line)) {
                 // Cleaned, but the device does not know yet: reusing it could let a crash
                 // serve another address's data as this one's.

@@ -84,7 +84,7 @@ pub(crate) struct PrefetchState {
     /// Read on every client read: the one check paid while read-ahead is off.
     enabled: AtomicBool,
     params: RwLock<Prefetch>,
-    pub(crate) queue: Arc<PrefetchQueue>,
+    queue: Arc<PrefetchQueue>,
     /// One bit per cache line: filled by prefetch and not hit since. Allocated when read-ahead
     /// is first switched on.
     marks: OnceLock<Box<[AtomicU64]>>,
@@ -117,6 +117,11 @@ impl PrefetchQueue {
 }
 
 impl PrefetchState {
+    /// The job queue, shared with the worker thread.
+    pub(crate) fn queue(&self) -> Arc<PrefetchQueue> {
+        self.queue.clone()
+    }
+
     pub(crate) fn new() -> PrefetchState {
         PrefetchState {
             enabled: AtomicBool::new(false),

@@ -188,7 +188,7 @@ pub(crate) struct PrefetchThread {
 impl PrefetchThread {
     pub(crate) fn start(cache: &Arc<CacheInner>) -> PrefetchThread {
         let weak: Weak<CacheInner> = Arc::downgrade(cache);
-        let queue = cache.prefetch.queue.clone();
+        let queue = cache.prefetch.queue();
         let q = queue.clone();
         let handle = std::thread::Builder::new()
             .name(format!("hc-prefetch-{}", cache.id))

@@ -58,7 +58,8 @@ pub(crate) struct RoomWaiter<'a>(&'a CleanerSignal);
 
 impl Drop for RoomWaiter<'_> {
     fn drop(&mut self) {
-        self.0.waiters.fetch_sub(1, Ordering::SeqCst);
+        let was = self.0.waiters.fetch_sub(1, Ordering::SeqCst);
+        debug_assert!(was > 0, "a room waiter left that never joined");
     }
 }
 
