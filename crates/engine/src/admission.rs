@@ -19,7 +19,7 @@ impl CacheInner {
             // "Nearly full", as Open CAS: free lines at most 512 plus the lines this request
             // touches.
             let need = (offset + len).div_ceil(self.line_bytes) - offset / self.line_bytes;
-            self.free_lines.load(Ordering::Relaxed) <= 512 + need
+            self.lines.free_lines().load(Ordering::Relaxed) <= 512 + need
         })
     }
 
@@ -41,7 +41,8 @@ impl CacheInner {
         if !short {
             return false;
         }
-        let occupied = (self.lines as u64).saturating_sub(self.free_lines.load(Ordering::Relaxed));
-        occupied * 100 >= p.trigger_pct as u64 * self.lines as u64
+        let occupied = (self.lines.count() as u64)
+            .saturating_sub(self.lines.free_lines().load(Ordering::Relaxed));
+        occupied * 100 >= p.trigger_pct as u64 * self.lines.count() as u64
     }
 }

@@ -95,17 +95,6 @@ pub struct CoreInfo {
     pub status: CoreStatus,
 }
 
-fn describe_cores(sb: &Superblock) -> String {
-    if sb.cores.is_empty() {
-        return "none".into();
-    }
-    sb.cores
-        .iter()
-        .map(|c| format!("{} ({})", c.id, c.path))
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
 impl Cache {
     /// Start a new, empty, volatile cache on `cache_volume`: the whole volume holds cache lines
     /// and the metadata lives in RAM only (nothing survives a restart).
@@ -136,7 +125,7 @@ impl Cache {
     /// Wrap a built cache and start its cleaner thread.
     fn started(inner: CacheInner) -> Cache {
         // Dirty data a load brought back has been dirty at least since the load.
-        for g in inner.gauges.iter() {
+        for g in inner.lines.gauges().iter() {
             let _ = g.dirty_for();
         }
         let inner = Arc::new(inner);
@@ -161,7 +150,7 @@ impl Cache {
                     id: sb.cache_id,
                     uuid: sb.uuid.clone(),
                     line_kib: sb.line_size / 1024,
-                    cores: describe_cores(sb),
+                    cores: sb.describe_cores(),
                 });
             }
             for slot in &slots {
@@ -283,7 +272,7 @@ impl Cache {
 
     /// Number of cache lines.
     pub fn line_count(&self) -> u64 {
-        self.inner.lines as u64
+        self.inner.lines.count() as u64
     }
 
     pub fn mode(&self) -> CacheMode {
@@ -381,7 +370,10 @@ impl Cache {
             };
             p.update_superblock(&*self.inner.volume, |sb| sb.cores.push(record))?;
         }
-        let state = self.inner.new_core_state(id, volume, SeqCutoff::default());
+        let state = self
+            .inner
+            .lines
+            .new_core_state(id, volume, SeqCutoff::default());
         cores.insert(id, state);
         drop(cores);
         // A new core starts with the default seq cutoff; the superblock forgets a removed
@@ -398,7 +390,8 @@ impl Cache {
     /// Lines of core `id` (active or inactive) that hold data the core does not have yet.
     pub fn core_dirty_lines(&self, id: CoreId) -> u64 {
         self.inner
-            .gauges
+            .lines
+            .gauges()
             .get(id as usize)
             .map_or(0, |g| g.dirty.load(Ordering::Relaxed))
     }
@@ -417,7 +410,9 @@ impl Cache {
             }
             core.quiesce();
         }
-        let dirty = self.inner.gauges[id as usize].dirty.load(Ordering::Relaxed);
+        let dirty = self.inner.lines.gauges()[id as usize]
+            .dirty
+            .load(Ordering::Relaxed);
         if dirty != 0 && !force {
             if let Some(core) = &core {
                 core.cancel_removal();
@@ -508,7 +503,7 @@ impl Cache {
             .write()
             .remove(&id)
             .unwrap_or_default();
-        let state = self.inner.new_core_state(id, volume, seq);
+        let state = self.inner.lines.new_core_state(id, volume, seq);
         self.inner.cores.write().insert(id, state);
         Ok(())
     }
@@ -577,8 +572,14 @@ impl Cache {
     /// transition from clean to dirty (after a load, since the load). None while clean.
     pub fn dirty_for(&self, core: Option<CoreId>) -> Option<std::time::Duration> {
         match core {
-            Some(id) => self.inner.gauges.get(id as usize)?.dirty_for(),
-            None => self.inner.gauges.iter().filter_map(|g| g.dirty_for()).max(),
+            Some(id) => self.inner.lines.gauges().get(id as usize)?.dirty_for(),
+            None => self
+                .inner
+                .lines
+                .gauges()
+                .iter()
+                .filter_map(|g| g.dirty_for())
+                .max(),
         }
     }
 
@@ -675,9 +676,13 @@ impl Cache {
     pub fn set_promotion(&self, params: Promotion) -> Result<()> {
         params.validate()?;
         let old = self.inner.promotion.params();
-        self.inner.promotion.set_params(params, self.inner.lines);
+        self.inner
+            .promotion
+            .set_params(params, self.inner.lines.count());
         if let Err(e) = self.inner.save_policies() {
-            self.inner.promotion.set_params(old, self.inner.lines);
+            self.inner
+                .promotion
+                .set_params(old, self.inner.lines.count());
             return Err(e);
         }
         Ok(())
@@ -731,9 +736,13 @@ impl Cache {
     pub fn set_prefetch(&self, params: Prefetch) -> Result<()> {
         params.validate()?;
         let old = self.inner.prefetch.params();
-        self.inner.prefetch.set_params(params, self.inner.lines);
+        self.inner
+            .prefetch
+            .set_params(params, self.inner.lines.count());
         if let Err(e) = self.inner.save_policies() {
-            self.inner.prefetch.set_params(old, self.inner.lines);
+            self.inner
+                .prefetch
+                .set_params(old, self.inner.lines.count());
             return Err(e);
         }
         Ok(())
@@ -755,7 +764,7 @@ impl Cache {
 
     /// The IO classes in force (the default single class until a file is loaded).
     pub fn io_classes(&self) -> Arc<IoClasses> {
-        self.inner.classes.table()
+        self.inner.lines.classes().table()
     }
 
     /// Replace the IO classes; recorded in the superblock. Lines keep the class they were
@@ -763,17 +772,19 @@ impl Cache {
     pub fn load_io_classes(&self, classes: IoClasses) -> Result<()> {
         let old = self
             .inner
-            .classes
+            .lines
+            .classes()
             .active()
-            .then(|| self.inner.classes.table());
-        let gauges = &self.inner.gauges;
+            .then(|| self.inner.lines.classes().table());
+        let gauges = &self.inner.lines.gauges();
         self.inner
-            .classes
-            .install(classes, &self.inner.table, |id| {
+            .lines
+            .classes()
+            .install(classes, self.inner.lines.table(), |id| {
                 &gauges[id as usize].classes
             });
         if let Err(e) = self.inner.save_policies() {
-            self.inner.classes.restore(old);
+            self.inner.lines.classes().restore(old);
             return Err(e);
         }
         Ok(())
@@ -783,13 +794,13 @@ impl Cache {
     /// into it, across cores. Device byte counts are per core only; a class has exported bytes.
     /// The counters are the sum over the attached cores (like the cache's own counters).
     pub fn io_class_stats(&self, id: ClassId) -> Result<Stats> {
-        let table = self.inner.classes.table();
+        let table = self.inner.lines.classes().table();
         if table.get(id).is_none() {
             return Err(EngineError::Invalid(format!(
                 "IO class {id} is not configured"
             )));
         }
-        let c = &self.inner.classes;
+        let c = &self.inner.lines.classes();
         let (mut requests, mut blocks, mut errors): (
             crate::RequestStats,
             crate::BlockStats,
@@ -806,9 +817,9 @@ impl Cache {
         Ok(Stats {
             usage: Usage {
                 line_size: self.inner.line_bytes as u32,
-                total_lines: self.inner.lines as u64,
+                total_lines: self.inner.lines.count() as u64,
                 occupancy_lines: c.occupancy[id as usize].load(Ordering::Relaxed),
-                free_lines: self.inner.free_lines.load(Ordering::Relaxed),
+                free_lines: self.inner.lines.free_lines().load(Ordering::Relaxed),
                 dirty_lines: c.dirty[id as usize].load(Ordering::Relaxed),
             },
             requests,
@@ -823,12 +834,12 @@ impl Cache {
     /// cache-wide gauges only).
     pub fn core_io_class_stats(&self, core: CoreId, id: ClassId) -> Result<Stats> {
         let state = self.inner.core_by_id(core)?;
-        if self.inner.classes.table().get(id).is_none() {
+        if self.inner.lines.classes().table().get(id).is_none() {
             return Err(EngineError::Invalid(format!(
                 "IO class {id} is not configured"
             )));
         }
-        let (occupancy, dirty) = self.inner.gauges[core as usize].classes.lines(id);
+        let (occupancy, dirty) = self.inner.lines.gauges()[core as usize].classes.lines(id);
         let (requests, blocks, errors) = state
             .classes
             .counters(id)
@@ -837,9 +848,9 @@ impl Cache {
         Ok(Stats {
             usage: Usage {
                 line_size: self.inner.line_bytes as u32,
-                total_lines: self.inner.lines as u64,
+                total_lines: self.inner.lines.count() as u64,
                 occupancy_lines: occupancy,
-                free_lines: self.inner.free_lines.load(Ordering::Relaxed),
+                free_lines: self.inner.lines.free_lines().load(Ordering::Relaxed),
                 dirty_lines: dirty,
             },
             requests,
@@ -858,12 +869,12 @@ impl Cache {
         }
         let mut usage = Usage {
             line_size: self.inner.line_bytes as u32,
-            total_lines: self.inner.lines as u64,
-            free_lines: self.inner.free_lines.load(Ordering::Relaxed),
+            total_lines: self.inner.lines.count() as u64,
+            free_lines: self.inner.lines.free_lines().load(Ordering::Relaxed),
             ..Usage::default()
         };
         for id in inactive.keys() {
-            let g = &self.inner.gauges[*id as usize];
+            let g = &self.inner.lines.gauges()[*id as usize];
             usage.occupancy_lines += g.occupancy.load(Ordering::Relaxed);
             usage.dirty_lines += g.dirty.load(Ordering::Relaxed);
         }
@@ -947,11 +958,11 @@ impl Cache {
 
     /// Bytes of RAM the per-line metadata takes, over the whole cache.
     pub fn metadata_bytes(&self) -> u64 {
-        self.inner.table.bytes()
-            + self.inner.lists.bytes()
+        self.inner.lines.table().bytes()
+            + self.inner.lines.lists().bytes()
             + self.inner.persist.as_ref().map_or(0, |p| p.bytes())
             + self.inner.promotion.table().map_or(0, |t| t.bytes())
-            + self.inner.classes.bytes()
+            + self.inner.lines.classes().bytes()
             + self.inner.prefetch.bytes()
     }
 
@@ -1154,12 +1165,12 @@ mod tests {
     fn a_hit_that_waits_for_a_stripe_is_deferred() {
         let (cache, core, id) = cache(CacheMode::Wt);
         core.write(&[1u8; 4096], 0).unwrap();
-        let stripe = cache.inner.table.stripe(Key::new(id, 0));
-        let miss_stripe = cache.inner.table.stripe(Key::new(id, 1));
+        let stripe = cache.inner.lines.table().stripe(Key::new(id, 0));
+        let miss_stripe = cache.inner.lines.table().stripe(Key::new(id, 1));
         let mut stripes = vec![stripe, miss_stripe];
         stripes.sort_unstable();
         stripes.dedup();
-        let held = cache.inner.locks.lock_sorted(stripes);
+        let held = cache.inner.lines.locks().lock_sorted(stripes);
         let waiters: Vec<_> = [(0, true), (0, false), (4096, true)]
             .into_iter()
             .map(|(off, read)| {
@@ -1253,8 +1264,8 @@ mod tests {
     fn background_cleaning_commits_ahead_so_cleaned_lines_are_reusable() {
         let (cache, core, _) = full_persistent_cache();
         let inner = &cache.inner;
-        let all: Vec<u32> = (0..inner.lines).collect();
-        let far = inner.lines as u64 * 8 * KIB;
+        let all: Vec<u32> = (0..inner.lines.count()).collect();
+        let far = inner.lines.count() as u64 * 8 * KIB;
 
         // Not background cleaning (as a flush's): no commit ahead, nothing reusable yet.
         inner.cleaner_signal.want_room();
@@ -1272,13 +1283,13 @@ mod tests {
 
         // Background cleaning, writes wanting room: commits between its core writes.
         // The half cleaned above is reusable now: fill it with dirty lines again.
-        for i in 0..(inner.lines as u64) {
+        for i in 0..(inner.lines.count() as u64) {
             core.write(&[3u8; 4096], far + (i + 1) * 8 * KIB).unwrap();
         }
         inner.commit().unwrap();
         inner.cleaner_signal.want_room();
-        let dirty: Vec<u32> = (0..inner.lines)
-            .filter(|&l| inner.table.dirty(l) != 0)
+        let dirty: Vec<u32> = (0..inner.lines.count())
+            .filter(|&l| inner.lines.table().dirty(l) != 0)
             .collect();
         assert!(dirty.len() as u64 > crate::commit::AHEAD_LINES * 2);
         // Past the interval since the commit above.

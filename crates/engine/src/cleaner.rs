@@ -74,10 +74,10 @@ impl CacheInner {
     ) -> Result<usize> {
         let mut items: Vec<(Key, u32)> = lines
             .into_iter()
-            .filter_map(|l| self.table.key(l).map(|k| (k, l)))
+            .filter_map(|l| self.lines.table().key(l).map(|k| (k, l)))
             .collect();
         // The snapshot is taken without locks; each unit looks again under its stripes.
-        items.retain(|&(_, l)| self.table.dirty(l) != 0);
+        items.retain(|&(_, l)| self.lines.table().dirty(l) != 0);
         if items.is_empty() {
             return Ok(0);
         }
@@ -109,7 +109,7 @@ impl CacheInner {
     fn pieces(&self, items: &[(Key, u32)]) -> Vec<Piece> {
         let mut pieces = Vec::new();
         for (i, &(key, line)) in items.iter().enumerate() {
-            for (first, n) in bits::runs(self.table.dirty(line)) {
+            for (first, n) in bits::runs(self.lines.table().dirty(line)) {
                 pieces.push(Piece {
                     item: i,
                     core_off: key.line() * self.line_bytes + first as u64 * SECTOR,
@@ -245,25 +245,26 @@ impl CacheInner {
         c.add(Counter::CleanerRequests, 1);
         c.add(Counter::CleanerCacheReadBytes, len as u64);
         c.add(Counter::CleanerCoreWrittenBytes, len as u64);
-        if !self.classes.active() {
+        if !self.lines.classes().active() {
             return;
         }
         let mut seen: Vec<crate::ioclass::ClassId> = Vec::new();
         for p in group {
             let line = items[p.item].1;
-            let class = self.classes.class_of(line);
+            let class = self.lines.classes().class_of(line);
             if !seen.contains(&class) {
                 seen.push(class);
-                self.classes
+                self.lines
+                    .classes()
                     .count_line(&core.classes, line, Counter::CleanerRequests, 1);
             }
-            self.classes.count_line(
+            self.lines.classes().count_line(
                 &core.classes,
                 line,
                 Counter::CleanerCacheReadBytes,
                 p.len as u64,
             );
-            self.classes.count_line(
+            self.lines.classes().count_line(
                 &core.classes,
                 line,
                 Counter::CleanerCoreWrittenBytes,
@@ -290,13 +291,18 @@ impl CacheInner {
             return Ok(0);
         };
         let span = Span::new(first, last);
-        let stripes = self.stripes_of(unit.iter().map(|&(k, _)| k));
-        let locks = self.locks.lock_clear(stripes.clone(), span, WaitFor::All);
+        let stripes = self.lines.stripes_of(unit.iter().map(|&(k, _)| k));
+        let locks = self
+            .lines
+            .locks()
+            .lock_clear(stripes.clone(), span, WaitFor::All);
         // Keep only lines that still hold that key and still have something dirty.
         let items: Vec<(Key, u32)> = unit
             .iter()
             .copied()
-            .filter(|&(k, l)| self.table.key(l) == Some(k) && self.table.dirty(l) != 0)
+            .filter(|&(k, l)| {
+                self.lines.table().key(l) == Some(k) && self.lines.table().dirty(l) != 0
+            })
             .collect();
         if items.is_empty() {
             return Ok(0);
@@ -393,16 +399,16 @@ impl CacheInner {
         failed: &[bool],
         in_flight: InFlight<'_>,
     ) -> usize {
-        let locks = self.locks.lock_sorted(stripes);
+        let locks = self.lines.locks().lock_sorted(stripes);
         let mut cleaned = 0;
         for (i, &(key, line)) in items.iter().enumerate() {
             debug_assert_eq!(
-                self.table.key(line),
+                self.lines.table().key(line),
                 Some(key),
                 "a line changed under cleaning"
             );
             if !failed[i] {
-                self.update_line(line, key, self.table.valid(line), 0, false);
+                self.update_line(line, key, self.lines.table().valid(line), 0, false);
                 cleaned += 1;
             }
         }
@@ -413,10 +419,10 @@ impl CacheInner {
 
     /// Clean every line of `core` that is dirty now, in core address order, then commit.
     fn flush_core_dirty(&self, core: &CoreState) -> Result<()> {
-        let mut items: Vec<(Key, u32)> = (0..self.lines)
+        let mut items: Vec<(Key, u32)> = (0..self.lines.count())
             .filter_map(|l| {
-                let k = self.table.key(l)?;
-                (k.core() == core.id && self.table.dirty(l) != 0).then_some((k, l))
+                let k = self.lines.table().key(l)?;
+                (k.core() == core.id && self.lines.table().dirty(l) != 0).then_some((k, l))
             })
             .collect();
         items.sort_unstable();

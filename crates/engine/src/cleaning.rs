@@ -117,8 +117,8 @@ impl CacheInner {
 
     /// Drop alru's age marks from every shard.
     fn clear_fences(&self) {
-        for i in 0..self.lists.shard_count() {
-            self.lists.lock(i).clear_fences();
+        for i in 0..self.lines.lists().shard_count() {
+            self.lines.lists().lock(i).clear_fences();
         }
     }
 
@@ -197,11 +197,11 @@ impl CacheInner {
                 CleaningPolicy::Acp => cfg.acp.flush_max_buffers as usize,
             }
             .max(ROOM_DEPTH);
-            let batch = ROOM_BATCH.min(self.lines as usize / 8).max(depth);
+            let batch = ROOM_BATCH.min(self.lines.count() as usize / 8).max(depth);
             // Under way from here: writes that find no line wait for this batch while it is
             // picked (`room_coming`).
             self.cleaner_signal.active.fetch_add(1, Ordering::SeqCst);
-            let picked = self.whole_windows(self.oldest_dirty(batch), batch);
+            let picked = self.whole_windows(self.lines.oldest_dirty(batch), batch);
             let cleaned = self.clean_and_commit(picked, depth).unwrap_or(0);
             self.cleaner_signal.active.fetch_sub(1, Ordering::SeqCst);
             tick.ran = true;
@@ -221,9 +221,10 @@ impl CacheInner {
         // Marks spaced by a sixteenth of the staleness time: ages are known to within that.
         let spacing = (staleness / 16).max(TICK.as_millis() as u64);
         if st.last_fence_ms.map_or(true, |t| now >= t + spacing) {
-            for i in 0..self.lists.shard_count() {
-                let mut s = self.lists.lock(i);
-                self.lists
+            for i in 0..self.lines.lists().shard_count() {
+                let mut s = self.lines.lists().lock(i);
+                self.lines
+                    .lists()
                     .place_fence(&mut s, now, stale.unwrap_or(0), FENCES);
             }
             st.last_fence_ms = Some(now);
@@ -235,7 +236,7 @@ impl CacheInner {
         if p.dirty_ratio_threshold >= 100 {
             st.ratio_active = false;
         } else {
-            let threshold = self.lines as u64 * p.dirty_ratio_threshold as u64 / 100;
+            let threshold = self.lines.count() as u64 * p.dirty_ratio_threshold as u64 / 100;
             let inertia = (p.dirty_ratio_inertia_mib as u64) << 20;
             let inertia_lines = inertia.div_ceil(self.line_bytes);
             if usage.dirty_lines > 0 && usage.dirty_lines >= threshold {
@@ -289,7 +290,7 @@ impl CacheInner {
         budget: usize,
         stale: Option<u64>,
     ) -> (Vec<u32>, bool) {
-        let n = self.lists.shard_count();
+        let n = self.lines.lists().shard_count();
         let mut picked = Vec::new();
         // Several passes, each taking an even share from every shard, so the oldest of all shards
         // go first rather than all of one shard.
@@ -301,9 +302,9 @@ impl CacheInner {
             progress = false;
             for i in 0..n {
                 let shard = (st.next_shard + i) % n;
-                let s = self.lists.lock(shard);
+                let s = self.lines.lists().lock(shard);
                 let end = match stale {
-                    Some(t) => match self.lists.stale_end(&s, t) {
+                    Some(t) => match self.lines.lists().stale_end(&s, t) {
                         Some(l) => Some(l),
                         None => continue,
                     },
@@ -318,7 +319,7 @@ impl CacheInner {
                     }
                     if skip > 0 {
                         skip -= 1;
-                    } else if !self.of_failing_core(line) {
+                    } else if !self.lines.of_failing_core(line) {
                         picked.push(line);
                         got += 1;
                     } else {
@@ -329,7 +330,7 @@ impl CacheInner {
                     if Some(line) == end {
                         break;
                     }
-                    cur = self.lists.next(line);
+                    cur = self.lines.lists().next(line);
                 }
                 taken[shard] += got;
                 progress |= got > 0;
@@ -374,11 +375,13 @@ impl CacheInner {
         let cores: Vec<u16> = self.cores.read().keys().copied().collect();
         // A failing core's chunks cannot be cleaned; trying them on every run would starve the
         // other cores.
-        let cores = cores
-            .into_iter()
-            .filter(|&id| !self.gauges[id as usize].failing.load(Ordering::Relaxed));
+        let cores = cores.into_iter().filter(|&id| {
+            !self.lines.gauges()[id as usize]
+                .failing
+                .load(Ordering::Relaxed)
+        });
         for id in cores {
-            let chunks = self.gauges[id as usize].chunks.read();
+            let chunks = self.lines.gauges()[id as usize].chunks.read();
             for (i, c) in chunks.iter().enumerate() {
                 let dirty = c.load(Ordering::Relaxed) as u64;
                 if dirty == 0 {
@@ -408,7 +411,8 @@ impl CacheInner {
         let align = 1u64 << (63 - merge.max(1).leading_zeros());
         let per_window = (align / self.line_bytes).max(1);
         let window = |line: u32| {
-            self.table
+            self.lines
+                .table()
                 .key(line)
                 .map(|k| (k.core(), k.line() / per_window))
         };
@@ -446,11 +450,12 @@ impl CacheInner {
                 // I/O (a read miss, a write-through), and waiting for hundreds of those (lazy
                 // flush held them too, until it wrote under a span) kept a whole batch from
                 // starting while writes went to the core.
-                let Some(_stripe) = self.locks.try_lock(self.table.stripe(key)) else {
+                let Some(_stripe) = self.lines.locks().try_lock(self.lines.table().stripe(key))
+                else {
                     continue;
                 };
-                if let Some(l) = self.table.lookup(key) {
-                    if self.table.dirty(l) != 0 && !self.of_failing_core(l) {
+                if let Some(l) = self.lines.table().lookup(key) {
+                    if self.lines.table().dirty(l) != 0 && !self.lines.of_failing_core(l) {
                         out.push(l);
                     }
                 }
@@ -468,9 +473,12 @@ impl CacheInner {
                 break;
             }
             let key = Key::new(core, core_line);
-            let _stripe = self.locks.lock_sorted(vec![self.table.stripe(key)]);
-            if let Some(line) = self.table.lookup(key) {
-                if self.table.dirty(line) != 0 {
+            let _stripe = self
+                .lines
+                .locks()
+                .lock_sorted(vec![self.lines.table().stripe(key)]);
+            if let Some(line) = self.lines.table().lookup(key) {
+                if self.lines.table().dirty(line) != 0 {
                     out.push(line);
                 }
             }
@@ -529,13 +537,16 @@ mod tests {
         assert_eq!(inner.cleaning.read().io.merge_max_kib, 1024);
         let line_of = |l: u64| {
             let key = Key::new(id, l);
-            let _s = inner.locks.lock_sorted(vec![inner.table.stripe(key)]);
-            inner.table.lookup(key).unwrap()
+            let _s = inner
+                .lines
+                .locks()
+                .lock_sorted(vec![inner.lines.table().stripe(key)]);
+            inner.lines.table().lookup(key).unwrap()
         };
         let core_lines = |lines: Vec<u32>| {
             let mut v: Vec<u64> = lines
                 .iter()
-                .map(|&l| inner.table.key(l).unwrap().line())
+                .map(|&l| inner.lines.table().key(l).unwrap().line())
                 .collect();
             v.sort_unstable();
             v
@@ -553,8 +564,9 @@ mod tests {
         assert_eq!(inner.whole_windows(some_of_0.clone(), 100).len(), 100);
         // A stripe held by a request is skipped, not waited for.
         let held = inner
-            .locks
-            .lock_sorted(vec![inner.table.stripe(Key::new(id, 255))]);
+            .lines
+            .locks()
+            .lock_sorted(vec![inner.lines.table().stripe(Key::new(id, 255))]);
         let batch = core_lines(inner.whole_windows(some_of_0, 4096));
         drop(held);
         assert!(

@@ -82,7 +82,9 @@ impl CacheInner {
         let cores: Vec<Arc<CoreState>> = self.cores.read().values().cloned().collect();
         let mut pending = Vec::new();
         for c in cores {
-            let was_failing = self.gauges[c.id as usize].failing.load(Ordering::SeqCst);
+            let was_failing = self.lines.gauges()[c.id as usize]
+                .failing
+                .load(Ordering::SeqCst);
             if !c.unflushed.swap(false, Ordering::SeqCst) && !was_failing {
                 continue;
             }
@@ -102,7 +104,7 @@ impl CacheInner {
                     c.unflushed.store(true, Ordering::SeqCst);
                     c.counters.add(Counter::CoreWriteErrors, 1);
                     if !was_failing {
-                        self.gauges[c.id as usize]
+                        self.lines.gauges()[c.id as usize]
                             .failing
                             .store(true, Ordering::SeqCst);
                         newly_failing = true;
@@ -117,12 +119,12 @@ impl CacheInner {
     /// blocks are rewritten at the next commit, or lines recorded dirty while it failed would
     /// stay dirty on the device (and not reusable) until something else changed their block.
     fn core_recovered(&self, id: CoreId) {
-        self.gauges[id as usize]
+        self.lines.gauges()[id as usize]
             .failing
             .store(false, Ordering::SeqCst);
         if let Some(p) = &self.persist {
-            for line in 0..self.lines {
-                if self.table.key(line).is_some_and(|k| k.core() == id) {
+            for line in 0..self.lines.count() {
+                if self.lines.table().key(line).is_some_and(|k| k.core() == id) {
                     p.touch(line);
                 }
             }
@@ -132,7 +134,10 @@ impl CacheInner {
     /// After a commit: if `core` is failing, its acknowledged writes are not known durable, and
     /// a flush on it must fail, unless its device flushes now.
     pub(crate) fn retry_failing_core(&self, core: &CoreState) -> Result<()> {
-        if !self.gauges[core.id as usize].failing.load(Ordering::SeqCst) {
+        if !self.lines.gauges()[core.id as usize]
+            .failing
+            .load(Ordering::SeqCst)
+        {
             return Ok(());
         }
         core_flush::flush_device(core.id, &core.watch, &core.volume)
@@ -188,7 +193,7 @@ impl CacheInner {
         let mut dirty_lines: Vec<Vec<bool>> = Vec::with_capacity(blocks.len());
         for (i, &b) in blocks.iter().enumerate() {
             let first = b * epb;
-            let last = (first + epb).min(self.lines as u64);
+            let last = (first + epb).min(self.lines.count() as u64);
             let mut entries = Vec::with_capacity((last - first) as usize);
             let mut dirty = Vec::with_capacity(entries.capacity());
             for line in first..last {
@@ -250,13 +255,13 @@ impl CacheInner {
 
     /// A line's state as it goes on disk: only consistent combinations.
     fn snapshot_entry(&self, line: u32) -> Entry {
-        let key = self.table.key(line);
-        let valid = self.table.valid(line);
+        let key = self.lines.table().key(line);
+        let valid = self.lines.table().valid(line);
         // A racing update may show new valid with old dirty bits; dirty data outside valid
         // sectors cannot exist, so it is dropped here.
-        let mut dirty = self.table.dirty(line) & valid;
+        let mut dirty = self.lines.table().dirty(line) & valid;
         if key.is_some_and(|k| {
-            self.gauges[k.core() as usize]
+            self.lines.gauges()[k.core() as usize]
                 .failing
                 .load(Ordering::SeqCst)
         }) {
@@ -282,21 +287,22 @@ impl CacheInner {
     /// Move lines that are no longer durably dirty from limbo to the free lists.
     fn release_limbo(&self) {
         let Some(p) = &self.persist else { return };
-        for shard in 0..self.lists.shard_count() {
-            let mut s = self.lists.lock(shard);
+        for shard in 0..self.lines.lists().shard_count() {
+            let mut s = self.lines.lists().lock(shard);
             let mut cur = s.first(ListKind::Limbo);
             while let Some(line) = cur {
-                cur = self.lists.next(line);
+                cur = self.lines.lists().next(line);
                 if !p.durable_dirty.get(line as u64) {
                     // Always checked: a mapped line on the free list would be handed out while
                     // it still holds data.
                     assert!(
-                        self.table.key(line).is_none(),
+                        self.lines.table().key(line).is_none(),
                         "line {line} in limbo is mapped"
                     );
-                    self.lists
+                    self.lines
+                        .lists()
                         .move_back(&mut s, ListKind::Limbo, ListKind::Free, line);
-                    self.free_lines.fetch_add(1, Ordering::Relaxed);
+                    self.lines.free_lines().fetch_add(1, Ordering::Relaxed);
                 }
             }
         }
@@ -318,9 +324,9 @@ impl CacheInner {
         if waiting == 0 {
             return;
         }
-        let low_water = (self.lines as u64 / 64).max(1);
+        let low_water = (self.lines.count() as u64 / 64).max(1);
         if !sig.room_wanted.load(Ordering::Relaxed)
-            && self.free_lines.load(Ordering::Relaxed) >= low_water
+            && self.lines.free_lines().load(Ordering::Relaxed) >= low_water
         {
             return;
         }

@@ -42,7 +42,7 @@ impl CacheInner {
             drop(op);
             written.inspect_err(|_| {
                 core.counters.add(Counter::CoreWriteErrors, 1);
-                self.gauges[core.id as usize]
+                self.lines.gauges()[core.id as usize]
                     .failing
                     .store(true, Ordering::SeqCst);
             })?;

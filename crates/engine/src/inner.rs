@@ -10,19 +10,19 @@
 //! device is missing, never in both.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use hybridcache_volume::VolumeRef;
 use parking_lot::{Mutex, RwLock};
 
-use crate::classes::ClassState;
+use crate::bits::Mask;
+use crate::classes::ReqClass;
 use crate::cleaning_state::{CleanerState, CleaningCounters, Pacer};
-use crate::core_state::{CoreGauges, CoreState};
+use crate::core_state::CoreState;
 use crate::format::CoreRecord;
-use crate::lists::{Lists, RUN};
-use crate::locks::StripedLocks;
-use crate::meta::{Key, LineTable};
+use crate::lines::Lines;
+use crate::meta::Key;
 use crate::offload::OffloadState;
 use crate::persist::Persist;
 use crate::policy::PromotionState;
@@ -43,19 +43,13 @@ pub(crate) struct CacheInner {
     pub(crate) id: u16,
     pub(crate) line_size: LineSize,
     pub(crate) line_bytes: u64,
-    pub(crate) lines: u32,
     pub(crate) volume: VolumeRef,
+    /// The line room (lines.rs).
+    pub(crate) lines: Lines,
     /// Where line 0 starts on the cache volume.
     pub(crate) data_offset: u64,
     pub(crate) mode: AtomicU8,
-    pub(crate) table: LineTable,
-    pub(crate) lists: Lists,
-    pub(crate) locks: StripedLocks,
     pub(crate) cores: RwLock<BTreeMap<CoreId, Arc<CoreState>>>,
-    /// Per-core line counts, indexed by core id, so eviction can update them without a registry
-    /// lookup.
-    pub(crate) gauges: Box<[CoreGauges]>,
-    pub(crate) free_lines: AtomicU64,
     /// None for a volatile cache (metadata in RAM only).
     pub(crate) persist: Option<Persist>,
     /// Cores recorded in the superblock whose device was missing at load.
@@ -73,7 +67,6 @@ pub(crate) struct CacheInner {
     /// Device errors of read-ahead (cleaning's are in `cleaning_counters`).
     pub(crate) prefetch_errors: BackgroundErrorLog,
     pub(crate) promotion: PromotionState,
-    pub(crate) classes: ClassState,
     pub(crate) flush_progress: FlushProgress,
     /// Sequential cutoff settings of cores recorded but not attached (inactive), kept so that
     /// the superblock keeps them.
@@ -119,31 +112,6 @@ impl CacheInner {
 
     // ---- statistics ----------------------------------------------------------------------
 
-    pub(crate) fn usage(&self, core: Option<CoreId>) -> Usage {
-        let (occupancy, dirty) = match core {
-            Some(id) => {
-                let g = &self.gauges[id as usize];
-                (
-                    g.occupancy.load(Ordering::Relaxed),
-                    g.dirty.load(Ordering::Relaxed),
-                )
-            }
-            None => self.gauges.iter().fold((0, 0), |(o, d), g| {
-                (
-                    o + g.occupancy.load(Ordering::Relaxed),
-                    d + g.dirty.load(Ordering::Relaxed),
-                )
-            }),
-        };
-        Usage {
-            line_size: self.line_bytes as u32,
-            total_lines: self.lines as u64,
-            occupancy_lines: occupancy,
-            free_lines: self.free_lines.load(Ordering::Relaxed),
-            dirty_lines: dirty,
-        }
-    }
-
     pub(crate) fn core_stats(&self, core: &CoreState) -> Stats {
         let (requests, blocks, errors) = core.counters.snapshot();
         Stats {
@@ -163,23 +131,15 @@ impl CacheInner {
         data_offset: u64,
         persist: Option<Persist>,
     ) -> CacheInner {
-        // Enough stripes that unrelated requests rarely meet, few enough to stay small.
-        let stripes = (lines as usize).next_power_of_two().clamp(64, 1 << 16);
-        let shards = (lines.div_ceil(RUN) as usize).clamp(1, 64);
         CacheInner {
             id: config.id,
             line_size: config.line_size,
             line_bytes: config.line_size.bytes() as u64,
-            lines,
             volume,
+            lines: Lines::new(lines, config.line_size),
             data_offset,
             mode: AtomicU8::new(config.mode as u8),
-            table: LineTable::new(lines, config.line_size.sectors(), stripes),
-            lists: Lists::new(lines, shards),
-            locks: StripedLocks::new(stripes),
             cores: RwLock::new(BTreeMap::new()),
-            gauges: (0..MAX_CORES).map(|_| CoreGauges::default()).collect(),
-            free_lines: AtomicU64::new(lines as u64),
             persist,
             inactive: RwLock::new(BTreeMap::new()),
             cleaning: RwLock::new(CleaningConfig::default()),
@@ -192,7 +152,6 @@ impl CacheInner {
             cleaning_counters: CleaningCounters::default(),
             prefetch_errors: BackgroundErrorLog::default(),
             promotion: PromotionState::new(Promotion::default()),
-            classes: ClassState::new(lines),
             flush_progress: FlushProgress::default(),
             seq_cutoff_inactive: RwLock::new(BTreeMap::new()),
         }
@@ -208,7 +167,11 @@ impl CacheInner {
             cleaning: *self.cleaning.read(),
             promotion: self.promotion.params(),
             seq_cutoff,
-            io_classes: self.classes.active().then(|| self.classes.table().to_csv()),
+            io_classes: self
+                .lines
+                .classes()
+                .active()
+                .then(|| self.lines.classes().table().to_csv()),
             lazy_flush: LazyFlush {
                 enabled: self.lazy_flush.load(Ordering::Relaxed),
             },
@@ -233,3 +196,55 @@ impl CacheInner {
 }
 
 impl CacheInner {}
+
+/// The line room's changes that also touch persistence (which lines a commit must write, which
+/// may not be reused yet) and read-ahead's marks: the holder hands both over.
+impl CacheInner {
+    #[inline]
+    pub(crate) fn update_line(&self, line: u32, key: Key, valid: Mask, dirty: Mask, touch: bool) {
+        self.lines
+            .update_line(self.persist.as_ref(), line, key, valid, dirty, touch)
+    }
+
+    #[inline]
+    pub(crate) fn insert_line(
+        &self,
+        line: u32,
+        key: Key,
+        valid: Mask,
+        dirty: Mask,
+        class: Option<ReqClass>,
+    ) {
+        self.lines.insert_line(
+            self.persist.as_ref(),
+            &self.prefetch,
+            line,
+            key,
+            valid,
+            dirty,
+            class,
+        )
+    }
+
+    #[inline]
+    pub(crate) fn alloc_line(&self, class: Option<ReqClass>) -> Option<u32> {
+        self.lines.alloc_line(self.persist.as_ref(), class)
+    }
+
+    pub(crate) fn drop_core_lines(&self, id: CoreId) {
+        self.lines.drop_core_lines(self.persist.as_ref(), id)
+    }
+
+    pub(crate) fn check_invariants(&self) {
+        let known_core = |id: CoreId| {
+            self.cores.read().contains_key(&id) || self.inactive.read().contains_key(&id)
+        };
+        self.lines
+            .check_invariants(self.persist.is_some(), &known_core)
+    }
+
+    #[inline]
+    pub(crate) fn usage(&self, core: Option<CoreId>) -> Usage {
+        self.lines.usage(core)
+    }
+}

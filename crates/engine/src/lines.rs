@@ -22,22 +22,131 @@ use std::sync::Arc;
 use hybridcache_volume::VolumeRef;
 
 use crate::bits::Mask;
+use crate::classes::ClassState;
 use crate::classes::ReqClass;
+use crate::core_state::CoreGauges;
 use crate::core_state::{CoreState, ACP_CHUNK_BYTES};
-use crate::inner::CacheInner;
 use crate::ioclass::{ClassId, IoClasses};
 use crate::lists::ListKind;
+use crate::lists::{Lists, RUN};
+use crate::locks::StripedLocks;
 use crate::locks::{Span, StripeGuard, WaitFor};
+use crate::meta::LineTable;
 use crate::meta::{Key, NONE};
+use crate::persist::Persist;
 use crate::policy::SeqCutoff;
+use crate::prefetch::PrefetchState;
 use crate::segment::{span_of, Seg};
 use crate::stats::thread_slot;
-use crate::{CoreId, MAX_CORES, SECTOR};
+use crate::stats::Usage;
+use crate::{CoreId, LineSize, MAX_CORES, SECTOR};
+use std::sync::atomic::AtomicU64;
 fn home_shard(n: usize) -> usize {
     crate::lists::home_of(thread_slot(), n)
 }
 
-impl CacheInner {
+/// The line room's state. Private: the other rooms read it through the accessors below (the
+/// table, lists and locks have their own narrow methods) and change lines only through this
+/// room's methods.
+pub(crate) struct Lines {
+    line_bytes: u64,
+    count: u32,
+    table: LineTable,
+    lists: Lists,
+    locks: StripedLocks,
+    /// Per-core line counts, indexed by core id, so eviction can update them without a registry
+    /// lookup.
+    gauges: Box<[CoreGauges]>,
+    free_lines: AtomicU64,
+    classes: ClassState,
+}
+
+impl Lines {
+    pub(crate) fn new(count: u32, line_size: LineSize) -> Lines {
+        // Enough stripes that unrelated requests rarely meet, few enough to stay small.
+        let stripes = (count as usize).next_power_of_two().clamp(64, 1 << 16);
+        let shards = (count.div_ceil(RUN) as usize).clamp(1, 64);
+        Lines {
+            line_bytes: line_size.bytes() as u64,
+            count,
+            table: LineTable::new(count, line_size.sectors(), stripes),
+            lists: Lists::new(count, shards),
+            locks: StripedLocks::new(stripes),
+            gauges: (0..MAX_CORES).map(|_| CoreGauges::default()).collect(),
+            free_lines: AtomicU64::new(count as u64),
+            classes: ClassState::new(count),
+        }
+    }
+
+    /// How many cache lines the cache has.
+    #[inline]
+    pub(crate) fn count(&self) -> u32 {
+        self.count
+    }
+
+    #[inline]
+    pub(crate) fn table(&self) -> &LineTable {
+        &self.table
+    }
+
+    #[inline]
+    pub(crate) fn lists(&self) -> &Lists {
+        &self.lists
+    }
+
+    /// Recovery: rebuild the lists from the restored table, each line in the list
+    /// `kind_of(table, line)` names. Returns the free lines.
+    pub(crate) fn rebuild_lists(&mut self, kind_of: impl Fn(&LineTable, u32) -> ListKind) -> u64 {
+        let table = &self.table;
+        self.lists.rebuild(|line| kind_of(table, line))
+    }
+
+    #[inline]
+    pub(crate) fn locks(&self) -> &StripedLocks {
+        &self.locks
+    }
+
+    #[inline]
+    pub(crate) fn gauges(&self) -> &[CoreGauges] {
+        &self.gauges
+    }
+
+    /// The free-line count: changed by this room and by commits that release limbo lines.
+    #[inline]
+    pub(crate) fn free_lines(&self) -> &AtomicU64 {
+        &self.free_lines
+    }
+
+    #[inline]
+    pub(crate) fn classes(&self) -> &ClassState {
+        &self.classes
+    }
+
+    pub(crate) fn usage(&self, core: Option<CoreId>) -> Usage {
+        let (occupancy, dirty) = match core {
+            Some(id) => {
+                let g = &self.gauges[id as usize];
+                (
+                    g.occupancy.load(Ordering::Relaxed),
+                    g.dirty.load(Ordering::Relaxed),
+                )
+            }
+            None => self.gauges.iter().fold((0, 0), |(o, d), g| {
+                (
+                    o + g.occupancy.load(Ordering::Relaxed),
+                    d + g.dirty.load(Ordering::Relaxed),
+                )
+            }),
+        };
+        Usage {
+            line_size: self.line_bytes as u32,
+            total_lines: self.count as u64,
+            occupancy_lines: occupancy,
+            free_lines: self.free_lines.load(Ordering::Relaxed),
+            dirty_lines: dirty,
+        }
+    }
+
     pub(crate) fn segments(&self, core: CoreId, offset: u64, len: u64) -> Vec<Seg> {
         let mut segs = Vec::with_capacity((len / self.line_bytes + 2) as usize);
         let mut pos = offset;
@@ -115,7 +224,7 @@ impl CacheInner {
         let counts: Box<[std::sync::atomic::AtomicU32]> = (0..n)
             .map(|_| std::sync::atomic::AtomicU32::new(0))
             .collect();
-        for line in 0..self.lines {
+        for line in 0..self.count {
             if let Some(key) = self.table.key(line) {
                 if key.core() == id && self.table.dirty(line) != 0 {
                     let i = (key.line() * self.line_bytes / ACP_CHUNK_BYTES) as usize;
@@ -139,7 +248,15 @@ impl CacheInner {
     /// Change a mapped line's masks and keep lists and gauges in step. `touch` marks it most
     /// recently used within its list. A line left with no valid sector is unmapped and freed.
     /// Caller holds the line's stripe.
-    pub(crate) fn update_line(&self, line: u32, key: Key, valid: Mask, dirty: Mask, touch: bool) {
+    pub(crate) fn update_line(
+        &self,
+        persist: Option<&Persist>,
+        line: u32,
+        key: Key,
+        valid: Mask,
+        dirty: Mask,
+        touch: bool,
+    ) {
         debug_assert!(dirty & !valid == 0);
         let old_dirty = self.table.dirty(line);
         let old_valid = self.table.valid(line);
@@ -150,7 +267,7 @@ impl CacheInner {
             self.table.unmap(line, key);
             // The device may still map this line to `key` as dirty: it waits in limbo until a
             // commit records it free (asked after the unmap; see `Persist::durably_dirty`).
-            let to = match &self.persist {
+            let to = match persist {
                 Some(p) => {
                     p.touch(line);
                     if p.durably_dirty(line) {
@@ -177,7 +294,7 @@ impl CacheInner {
         self.table.set_valid(line, valid);
         self.table.set_dirty(line, dirty);
         if valid != old_valid || dirty != old_dirty {
-            if let Some(p) = &self.persist {
+            if let Some(p) = persist {
                 p.touch(line);
             }
         }
@@ -202,8 +319,11 @@ impl CacheInner {
     }
 
     /// Map an owned free line. Caller holds `key`'s stripe.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn insert_line(
         &self,
+        persist: Option<&Persist>,
+        prefetch: &PrefetchState,
         line: u32,
         key: Key,
         valid: Mask,
@@ -211,14 +331,14 @@ impl CacheInner {
         class: Option<ReqClass>,
     ) {
         self.table.map(line, key, valid, dirty);
-        self.prefetch.clear_mark(line);
+        prefetch.clear_mark(line);
         self.classes.mapped(
             &self.gauges[key.core() as usize].classes,
             line,
             class.map_or(0, |c| c.id),
             dirty != 0,
         );
-        if let Some(p) = &self.persist {
+        if let Some(p) = persist {
             p.touch(line);
         }
         let mut s = self.lists.lock(self.lists.shard_of(line));
@@ -245,7 +365,11 @@ impl CacheInner {
 
     /// Take a line: a free one, or else evict the least recently used clean line whose stripe is
     /// free right now. Never waits for a stripe, so it is safe while holding others.
-    pub(crate) fn alloc_line(&self, class: Option<ReqClass>) -> Option<u32> {
+    pub(crate) fn alloc_line(
+        &self,
+        persist: Option<&Persist>,
+        class: Option<ReqClass>,
+    ) -> Option<u32> {
         let n = self.lists.shard_count();
         let home = home_shard(n);
         if let Some(c) = class {
@@ -257,14 +381,15 @@ impl CacheInner {
                     return Some(line);
                 }
             }
-            return (0..n).find_map(|i| self.evict_from((home + i) % n, Some((&table, c.id, own))));
+            return (0..n)
+                .find_map(|i| self.evict_from(persist, (home + i) % n, Some((&table, c.id, own))));
         }
         if self.free_lines.load(Ordering::Relaxed) > 0 {
             if let Some(line) = self.alloc_free(home, n) {
                 return Some(line);
             }
         }
-        (0..n).find_map(|i| self.evict_from((home + i) % n, None))
+        (0..n).find_map(|i| self.evict_from(persist, (home + i) % n, None))
     }
 
     /// A free line, never an evicted one.
@@ -297,6 +422,7 @@ impl CacheInner {
     /// left to their own class.
     fn evict_from(
         &self,
+        persist: Option<&Persist>,
         shard: usize,
         classes: Option<(&IoClasses, ClassId, bool)>,
     ) -> Option<u32> {
@@ -344,7 +470,7 @@ impl CacheInner {
                 0,
                 "line {line} on the clean list has dirty sectors"
             );
-            if self.persist.as_ref().is_some_and(|p| p.durably_dirty(line)) {
+            if persist.is_some_and(|p| p.durably_dirty(line)) {
                 // Cleaned, but the device does not know yet: reusing it could let a crash
                 // serve another address's data as this one's.
                 continue;
@@ -354,7 +480,7 @@ impl CacheInner {
             self.classes
                 .unmapped(&self.gauges[key.core() as usize].classes, line, false);
             self.table.unmap(line, key);
-            if let Some(p) = &self.persist {
+            if let Some(p) = persist {
                 p.touch(line);
             }
             self.gauges[key.core() as usize]
@@ -410,8 +536,8 @@ impl CacheInner {
         Arc::new(CoreState::new(id, volume, seq))
     }
 
-    pub(crate) fn drop_core_lines(&self, id: CoreId) {
-        for line in 0..self.lines {
+    pub(crate) fn drop_core_lines(&self, persist: Option<&Persist>, id: CoreId) {
+        for line in 0..self.count {
             let Some(key) = self.table.key(line) else {
                 continue;
             };
@@ -424,13 +550,15 @@ impl CacheInner {
                 .lock_clear(vec![self.table.stripe(key)], one, WaitFor::All);
             // Re-check under the lock: eviction may have taken the line meanwhile.
             if self.table.key(line) == Some(key) {
-                self.update_line(line, key, 0, 0, false);
+                self.update_line(persist, line, key, 0, 0, false);
             }
         }
     }
 
-    pub(crate) fn check_invariants(&self) {
-        let mut seen = vec![None; self.lines as usize];
+    /// `persistent`: whether limbo lines may exist; `known_core`: whether a core id is attached
+    /// or recorded inactive.
+    pub(crate) fn check_invariants(&self, persistent: bool, known_core: &dyn Fn(CoreId) -> bool) {
+        let mut seen = vec![None; self.count as usize];
         let mut free = 0u64;
         for shard in 0..self.lists.shard_count() {
             let s = self.lists.lock(shard);
@@ -473,7 +601,7 @@ impl CacheInner {
                             "dirty line {line}: valid {valid:#x} dirty {dirty:#x}"
                         ),
                         ListKind::Limbo => assert!(
-                            key.is_none() && valid == 0 && self.persist.is_some(),
+                            key.is_none() && valid == 0 && persistent,
                             "limbo line {line} has state"
                         ),
                     }
@@ -490,7 +618,7 @@ impl CacheInner {
         let chained = self.table.chained();
         assert_eq!(
             chained.len() as u64,
-            self.lines as u64 - free,
+            self.count as u64 - free,
             "hash chains hold every mapped line once"
         );
         for (line, bucket) in chained {
@@ -521,10 +649,7 @@ impl CacheInner {
             );
             if occ != 0 {
                 let id = id as CoreId;
-                assert!(
-                    self.cores.read().contains_key(&id) || self.inactive.read().contains_key(&id),
-                    "lines of a removed core {id}"
-                );
+                assert!(known_core(id), "lines of a removed core {id}");
             }
         }
     }

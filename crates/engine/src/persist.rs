@@ -578,7 +578,7 @@ mod duplicate_tests {
                     .unwrap();
                 let sb = cache.superblock().unwrap();
                 let line = (0..sb.lines)
-                    .find(|&l| cache.inner.table.key(l) == Some(Key::new(1, 5)))
+                    .find(|&l| cache.inner.lines.table().key(l) == Some(Key::new(1, 5)))
                     .unwrap();
                 cache.stop(false).unwrap();
                 let block = line as u64 / sb.entries_per_block as u64;

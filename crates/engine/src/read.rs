@@ -57,7 +57,9 @@ type Pending<'a> = Vec<(usize, ReadPlan<'a>)>;
 impl CacheInner {
     pub(crate) fn read(&self, core: &CoreState, buf: &mut [u8], offset: u64) -> Result<()> {
         let Some(plan) = self.read_plan(core, buf.len(), offset, |stripes, span| {
-            self.locks.lock_clear(stripes, span, WaitFor::Around)
+            self.lines
+                .locks()
+                .lock_clear(stripes, span, WaitFor::Around)
         })?
         else {
             return Ok(());
@@ -87,14 +89,20 @@ impl CacheInner {
         let mode = self.mode();
         // In wo and pt, and for a request sequential cutoff or promotion turns away, only dirty
         // sectors come from the cache and nothing is inserted.
-        let class = self.classes.classify(core.id, offset, len as u64, false);
+        let class = self
+            .lines
+            .classes()
+            .classify(core.id, offset, len as u64, false);
         let mut bypass = matches!(mode, CacheMode::Wo | CacheMode::Pt)
             || class.is_some_and(|c| c.cap == 0)
             || self.cut_off(core, offset, len as u64, false);
-        let mut segs = self.segments(core.id, offset, len as u64);
-        let locks = lock(self.stripes_of(segs.iter().map(|s| s.key)), span_of(&segs));
+        let mut segs = self.lines.segments(core.id, offset, len as u64);
+        let locks = lock(
+            self.lines.stripes_of(segs.iter().map(|s| s.key)),
+            span_of(&segs),
+        );
         let waited = locks.waited();
-        self.lookup(&mut segs);
+        self.lines.lookup(&mut segs);
         bypass = bypass || self.promotion_declines(&segs);
         // Offload may serve a hit from the core only when no line it touches has a dirty
         // sector: the core then holds the very data the cache does. The stripes stay locked
@@ -174,26 +182,29 @@ impl CacheInner {
             )
         };
         c.add(outcome, 1);
-        self.classes.count(&core.classes, class, outcome, 1);
+        self.lines.classes().count(&core.classes, class, outcome, 1);
         if waited && matches!(outcome, Counter::ReadHits) {
             c.add(Counter::ReadDeferred, 1);
-            self.classes
+            self.lines
+                .classes()
                 .count(&core.classes, class, Counter::ReadDeferred, 1);
         }
         if offloaded {
             c.add(Counter::OffloadReads, 1);
-            self.classes
+            self.lines
+                .classes()
                 .count(&core.classes, class, Counter::OffloadReads, 1);
         }
         c.add(Counter::ExportedReadBytes, len as u64);
         c.add(Counter::PrefetchHits, found.prefetch_hits);
-        self.classes.count(
+        self.lines.classes().count(
             &core.classes,
             class,
             Counter::PrefetchHits,
             found.prefetch_hits,
         );
-        self.classes
+        self.lines
+            .classes()
             .count(&core.classes, class, Counter::ExportedReadBytes, len as u64);
     }
 
@@ -230,7 +241,7 @@ impl CacheInner {
 
         if bypass {
             for s in segs.iter().filter(|s| s.mapped() && s.dirty == 0) {
-                self.touch_clean(s.line);
+                self.lines.touch_clean(s.line);
             }
             return Ok(());
         }
@@ -263,7 +274,7 @@ impl CacheInner {
                 if missing != 0 && self.cache_write_mask(core, buf, s, s.line, missing).is_ok() {
                     self.update_line(s.line, s.key, s.valid | missing, s.dirty, s.dirty == 0);
                 } else if s.dirty == 0 {
-                    self.touch_clean(s.line);
+                    self.lines.touch_clean(s.line);
                 }
                 continue;
             }
@@ -277,7 +288,7 @@ impl CacheInner {
             if self.cache_write_mask(core, buf, s, line, m).is_ok() {
                 self.insert_line(line, s.key, m, 0, class);
             } else {
-                self.release_line(line);
+                self.lines.release_line(line);
             }
         }
     }
@@ -296,11 +307,17 @@ impl CacheInner {
             // Timing for a request served on its own (not a batched hit).
             let own_start = latency::begin();
             let plan = self.read_plan(core, len, offset, |stripes, span| {
-                match self.locks.try_lock_clear(&stripes, span, WaitFor::Around) {
+                match self
+                    .lines
+                    .locks()
+                    .try_lock_clear(&stripes, span, WaitFor::Around)
+                {
                     Some(guard) => guard,
                     None => {
                         self.finish_hits(core, reqs, &mut pending, &mut results, started);
-                        self.locks.lock_clear(stripes, span, WaitFor::Around)
+                        self.lines
+                            .locks()
+                            .lock_clear(stripes, span, WaitFor::Around)
                     }
                 }
             });

@@ -34,7 +34,7 @@ impl CacheInner {
         let Some((from, n, stream)) = streams.plan(offset, len, core_size, &p) else {
             return;
         };
-        if self.free_lines.load(Ordering::Relaxed) <= reserve(self.lines) {
+        if self.lines.free_lines().load(Ordering::Relaxed) <= reserve(self.lines.count()) {
             return;
         }
         let job = Job {
@@ -69,11 +69,11 @@ impl CacheInner {
         {
             return;
         }
-        let mut segs = self.segments(core.id, job.offset, job.len);
+        let mut segs = self.lines.segments(core.id, job.offset, job.len);
         // As a read: it puts the core's data in the cache.
-        let _locks = self.lock_segs(&segs, WaitFor::Around);
-        self.lookup(&mut segs);
-        let reserve = reserve(self.lines);
+        let _locks = self.lines.lock_segs(&segs, WaitFor::Around);
+        self.lines.lookup(&mut segs);
+        let reserve = reserve(self.lines.count());
         // (segment, line, newly taken, sectors to fill)
         let mut plan = Vec::new();
         // New lines taken so far (not yet counted in their class).
@@ -87,14 +87,17 @@ impl CacheInner {
                 }
                 continue;
             }
-            if self.free_lines.load(Ordering::Relaxed) <= reserve {
+            if self.lines.free_lines().load(Ordering::Relaxed) <= reserve {
                 break;
             }
             // Read-ahead never grows a class past its allocation (it never evicts to stay in it).
-            if job.class.is_some_and(|c| !self.classes.has_room(c, taken)) {
+            if job
+                .class
+                .is_some_and(|c| !self.lines.classes().has_room(c, taken))
+            {
                 break;
             }
-            match self.take_free_line() {
+            match self.lines.take_free_line() {
                 Some(line) => {
                     plan.push((i, line, true, m));
                     taken += 1;
@@ -136,15 +139,17 @@ impl CacheInner {
         }
         let ok = result.is_ok();
         core.counters.add(Counter::PrefetchRequests, 1);
-        self.classes
+        self.lines
+            .classes()
             .count(&core.classes, job.class, Counter::PrefetchRequests, 1);
         if ok {
             let written: u64 = cache_runs.iter().map(|r| r.len as u64).sum();
             core.counters.add(Counter::PrefetchReadBytes, read);
             core.counters.add(Counter::PrefetchWrittenBytes, written);
-            self.classes
+            self.lines
+                .classes()
                 .count(&core.classes, job.class, Counter::PrefetchReadBytes, read);
-            self.classes.count(
+            self.lines.classes().count(
                 &core.classes,
                 job.class,
                 Counter::PrefetchWrittenBytes,
@@ -161,7 +166,7 @@ impl CacheInner {
                 // Not touched: speculative data does not make a line recently used.
                 (true, false) => self.update_line(line, s.key, s.valid | missing, s.dirty, false),
                 // Nothing changed in the metadata: the sectors stay invalid.
-                (false, true) => self.release_line(line),
+                (false, true) => self.lines.release_line(line),
                 (false, false) => {}
             }
         }

@@ -476,7 +476,7 @@ pub(crate) fn restore(
         .collect();
     let decode = Decode {
         volume,
-        table: &inner.table,
+        table: inner.lines.table(),
         p,
         nonce: sb.nonce,
         record,
@@ -511,12 +511,12 @@ pub(crate) fn restore(
     }
     let max_seq = block_seq.iter().copied().max().unwrap_or(0);
     let link = Link {
-        table: &inner.table,
+        table: inner.lines.table(),
         p,
-        lines: inner.lines,
+        lines: inner.lines.count(),
         block_seq: &block_seq,
     };
-    let buckets = inner.table.bucket_count() as u64;
+    let buckets = inner.lines.table().bucket_count() as u64;
     let linked = in_parallel(threads, |i| link.buckets(share(buckets, threads, i)));
     let mut first_error: Option<(u32, EngineError)> = None;
     for part in linked {
@@ -564,22 +564,25 @@ pub(crate) fn restore(
         st.terms = terms;
     }
     for (id, (occupancy, dirty)) in gauges.into_iter().enumerate() {
-        inner.gauges[id]
+        inner.lines.gauges()[id]
             .occupancy
             .store(occupancy, Ordering::Relaxed);
-        inner.gauges[id].dirty.store(dirty, Ordering::Relaxed);
+        inner.lines.gauges()[id]
+            .dirty
+            .store(dirty, Ordering::Relaxed);
     }
     // Lines the device may still record as dirty for a mapping that lost to a newer one wait in
     // limbo until a commit rewrites their block.
-    let table = &inner.table;
     let durable = &p.durable_dirty;
-    let free = inner.lists.rebuild(|line| match table.key(line) {
-        Some(_) if table.dirty(line) != 0 => ListKind::Dirty,
-        Some(_) => ListKind::Clean,
-        None if durable.get(line as u64) => ListKind::Limbo,
-        None => ListKind::Free,
-    });
-    inner.free_lines.store(free, Ordering::Relaxed);
+    let free = inner
+        .lines
+        .rebuild_lists(|table, line| match table.key(line) {
+            Some(_) if table.dirty(line) != 0 => ListKind::Dirty,
+            Some(_) => ListKind::Clean,
+            None if durable.get(line as u64) => ListKind::Limbo,
+            None => ListKind::Free,
+        });
+    inner.lines.free_lines().store(free, Ordering::Relaxed);
     Ok(())
 }
 
@@ -752,15 +755,22 @@ fn apply_policies(inner: &CacheInner, policies: &PolicyRecord) -> Result<()> {
             EngineError::Corrupt(format!("superblock: unreadable IO class table: {e}"))
         })?;
         inner
-            .classes
-            .install(table, &inner.table, |id| &inner.gauges[id as usize].classes);
+            .lines
+            .classes()
+            .install(table, inner.lines.table(), |id| {
+                &inner.lines.gauges()[id as usize].classes
+            });
     }
     *inner.cleaning.write() = policies.cleaning;
     inner
         .lazy_flush
         .store(policies.lazy_flush.enabled, Ordering::Relaxed);
-    inner.promotion.set_params(policies.promotion, inner.lines);
-    inner.prefetch.set_params(policies.prefetch, inner.lines);
+    inner
+        .promotion
+        .set_params(policies.promotion, inner.lines.count());
+    inner
+        .prefetch
+        .set_params(policies.prefetch, inner.lines.count());
     inner.offload.set_params(policies.offload);
     Ok(())
 }
@@ -775,11 +785,11 @@ fn attach_loaded_cores(
 ) {
     let seq_of = |id: CoreId| policies.seq_cutoff.get(&id).copied().unwrap_or_default();
     for (id, vol) in active {
-        let state = inner.new_core_state(id, vol, seq_of(id));
+        let state = inner.lines.new_core_state(id, vol, seq_of(id));
         inner.cores.write().insert(id, state);
     }
     for (id, rec) in &inactive {
-        inner.rebuild_chunks(*id, rec.size);
+        inner.lines.rebuild_chunks(*id, rec.size);
         inner.seq_cutoff_inactive.write().insert(*id, seq_of(*id));
     }
     *inner.inactive.write() = inactive;

@@ -87,9 +87,10 @@ impl CacheInner {
         core.counters
             .add(Counter::ExportedWrittenBytes, buf.len() as u64);
         let class = self
-            .classes
+            .lines
+            .classes()
             .classify(core.id, offset, buf.len() as u64, true);
-        self.classes.count(
+        self.lines.classes().count(
             &core.classes,
             class,
             Counter::ExportedWrittenBytes,
@@ -126,17 +127,19 @@ impl CacheInner {
             Counter::WriteFullMisses,
         );
         core.counters.add(outcome, 1);
-        self.classes.count(&core.classes, class, outcome, 1);
+        self.lines.classes().count(&core.classes, class, outcome, 1);
         if waited && matches!(outcome, Counter::WriteHits) {
             core.counters.add(Counter::WriteDeferred, 1);
-            self.classes
+            self.lines
+                .classes()
                 .count(&core.classes, class, Counter::WriteDeferred, 1);
         }
     }
 
     fn count_pass_through_write(&self, core: &CoreState, class: Option<ReqClass>) {
         core.counters.add(Counter::PassThroughWrites, 1);
-        self.classes
+        self.lines
+            .classes()
             .count(&core.classes, class, Counter::PassThroughWrites, 1);
     }
 
@@ -152,7 +155,7 @@ impl CacheInner {
         offset: u64,
         class: Option<ReqClass>,
     ) -> Result<()> {
-        let mut segs = self.segments(core.id, offset, buf.len() as u64);
+        let mut segs = self.lines.segments(core.id, offset, buf.len() as u64);
         let Placed {
             locks,
             mut spare,
@@ -203,9 +206,9 @@ impl CacheInner {
         let mut p = Placing::default();
         let mut decision = None;
         loop {
-            let locks = self.lock_segs(segs, WaitFor::All);
+            let locks = self.lines.lock_segs(segs, WaitFor::All);
             p.waited |= locks.waited();
-            self.lookup(segs);
+            self.lines.lookup(segs);
             // Promotion is asked once: a retry after making room must not count accesses again.
             let d = *decision.get_or_insert_with(|| self.decide_write_back(core, segs));
             // Declined or offloaded: unmapped segments go to the core, mapped ones are still
@@ -219,7 +222,7 @@ impl CacheInner {
             self.take_lines(&mut p, needed, class, can_wait);
             // A class at its allocation takes only its own clean lines: cleaning other lines
             // would not make room for it, so what it cannot place goes to the core.
-            let capped = class.is_some_and(|c| self.classes.full(c));
+            let capped = class.is_some_and(|c| self.lines.classes().full(c));
             if p.spare.len() >= needed || p.round == MAKE_ROOM_ROUNDS || capped {
                 if p.waiter.take().is_some() && needed > 0 {
                     // Lines may be left: let the next waiting write look.
@@ -261,7 +264,7 @@ impl CacheInner {
             p.round += 1;
             if let Err(e) = self.make_room(needed - p.spare.len()) {
                 for line in p.spare.drain(..) {
-                    self.release_line(line);
+                    self.lines.release_line(line);
                 }
                 return Err(e);
             }
@@ -282,7 +285,7 @@ impl CacheInner {
         can_wait: bool,
     ) {
         let queued = can_wait
-            && !class.is_some_and(|c| self.classes.full(c))
+            && !class.is_some_and(|c| self.lines.classes().full(c))
             && p.waiter.is_none()
             && p.spare.len() < needed
             && self.cleaner_signal.waiting() > 0;
@@ -309,7 +312,8 @@ impl CacheInner {
         }
         if d.offloaded {
             core.counters.add(Counter::OffloadWrites, 1);
-            self.classes
+            self.lines
+                .classes()
                 .count(&core.classes, class, Counter::OffloadWrites, 1);
         }
     }
@@ -318,9 +322,11 @@ impl CacheInner {
         let bytes: u64 = core_runs.iter().map(|r| r.len as u64).sum();
         core.counters.add(Counter::LazyFlushWrites, 1);
         core.counters.add(Counter::LazyFlushBytes, bytes);
-        self.classes
+        self.lines
+            .classes()
             .count(&core.classes, class, Counter::LazyFlushWrites, 1);
-        self.classes
+        self.lines
+            .classes()
             .count(&core.classes, class, Counter::LazyFlushBytes, bytes);
     }
 
@@ -344,7 +350,7 @@ impl CacheInner {
             }
         }
         for line in spare {
-            self.release_line(line);
+            self.lines.release_line(line);
         }
         (targets, core_runs)
     }
@@ -382,7 +388,7 @@ impl CacheInner {
                     // The cache copy of these sectors may be torn: the core gets the data and
                     // the sectors are dropped from the cache.
                     if new {
-                        self.release_line(line);
+                        self.lines.release_line(line);
                     } else {
                         self.update_line(line, s.key, s.valid & !m, s.dirty & !m, false);
                     }
@@ -432,7 +438,7 @@ impl CacheInner {
         latency::touched_core();
         // Each round ends in a commit (device flushes), so clean enough lines to spread that
         // cost over many writes; these are the oldest dirty lines, due for cleaning anyway.
-        let picked = self.oldest_dirty(want.max(64));
+        let picked = self.lines.oldest_dirty(want.max(64));
         // A client waits for this room: not paced. A core whose lines fail to clean has the
         // error counted on it and is marked failing; the room then has to come from the other
         // cores' lines, or this write goes around the cache, never failing for that core.
@@ -453,10 +459,10 @@ impl CacheInner {
         insert: bool,
         class: Option<ReqClass>,
     ) -> Result<()> {
-        let mut segs = self.segments(core.id, offset, buf.len() as u64);
-        let locks = self.lock_segs(&segs, WaitFor::All);
+        let mut segs = self.lines.segments(core.id, offset, buf.len() as u64);
+        let locks = self.lines.lock_segs(&segs, WaitFor::All);
         let waited = locks.waited();
-        self.lookup(&mut segs);
+        self.lines.lookup(&mut segs);
         let declined = insert && self.promotion_declines(&segs);
         // As in write-back: offload takes write misses only (nothing mapped, nothing stale).
         let offloaded = insert
@@ -471,7 +477,8 @@ impl CacheInner {
         }
         if offloaded {
             core.counters.add(Counter::OffloadWrites, 1);
-            self.classes
+            self.lines
+                .classes()
                 .count(&core.classes, class, Counter::OffloadWrites, 1);
         }
         let whole = [Run {
@@ -495,7 +502,7 @@ impl CacheInner {
                 if self.cache_write_mask(core, buf, s, line, m).is_ok() {
                     self.insert_line(line, s.key, m, 0, class);
                 } else {
-                    self.release_line(line);
+                    self.lines.release_line(line);
                 }
             }
         }
@@ -511,9 +518,9 @@ impl CacheInner {
         mode: CacheMode,
         class: Option<ReqClass>,
     ) -> Result<()> {
-        let mut segs = self.segments(core.id, offset, buf.len() as u64);
-        let locks = self.lock_segs(&segs, WaitFor::All);
-        self.lookup(&mut segs);
+        let mut segs = self.lines.segments(core.id, offset, buf.len() as u64);
+        let locks = self.lines.lock_segs(&segs, WaitFor::All);
+        self.lines.lookup(&mut segs);
         if mode == CacheMode::Pt {
             self.count_pass_through_write(core, class);
         } else {
@@ -552,9 +559,9 @@ impl CacheInner {
         let mut done = 0;
         while done < len {
             let n = (len - done).min(MAX_REQUEST);
-            let mut segs = self.segments(core.id, offset + done, n);
-            let _locks = self.lock_segs(&segs, WaitFor::All);
-            self.lookup(&mut segs);
+            let mut segs = self.lines.segments(core.id, offset + done, n);
+            let _locks = self.lines.lock_segs(&segs, WaitFor::All);
+            self.lines.lookup(&mut segs);
             // Invalidate first: the discard supersedes even dirty data, and the core is told
             // while the lines are still locked, so no reader sees a half-discarded range.
             self.invalidate(&segs);

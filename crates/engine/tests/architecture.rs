@@ -464,6 +464,40 @@ fn exposed_fields(code: &str) -> Vec<(String, Vec<String>)> {
     out
 }
 
+/// The named fields of the structs in a cleaned source: (field, its type's text).
+fn struct_fields(code: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut from = 0;
+    while let Some(at) = code[from..].find("struct ") {
+        let start = from + at;
+        from = start + 7;
+        if start > 0 && is_ident_byte(code.as_bytes()[start - 1]) {
+            continue;
+        }
+        let rest = &code[from..];
+        let Some(open) = rest.find('{') else { break };
+        if rest[..open].contains(';') || rest[..open].contains('(') {
+            continue;
+        }
+        let Some(close) = rest[open..].find("\n}") else {
+            break;
+        };
+        for line in rest[open + 1..open + close].lines() {
+            let t = line.trim_start();
+            let t = t
+                .strip_prefix("pub(crate) ")
+                .or_else(|| t.strip_prefix("pub "))
+                .unwrap_or(t);
+            if let Some((name, ty)) = t.split_once(": ") {
+                if name.chars().all(|ch| ch.is_ascii_lowercase() || ch == '_') {
+                    out.push((name.to_string(), ty.trim_end_matches(',').to_string()));
+                }
+            }
+        }
+    }
+    out
+}
+
 /// A cycle in `graph`, if any, as the list of modules along it.
 fn find_cycle(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
     // 0 unseen, 1 on the path, 2 done.
@@ -646,18 +680,8 @@ fn engine() -> Engine {
     let mut field_types: BTreeMap<String, String> = BTreeMap::new();
     let mut ambiguous = BTreeSet::new();
     for c in code.values() {
-        for line in c.lines() {
-            let t = line.trim_start();
-            let t = t
-                .strip_prefix("pub(crate) ")
-                .or_else(|| t.strip_prefix("pub "))
-                .unwrap_or(t);
-            let Some((name, ty)) = t.split_once(": ") else {
-                continue;
-            };
-            if !name.chars().all(|ch| ch.is_ascii_lowercase() || ch == '_') || !ty.ends_with(',') {
-                continue;
-            }
+        for (name, ty) in struct_fields(c) {
+            let name = name.as_str();
             let Some(st) = ty
                 .split(|ch: char| !(ch.is_ascii_alphanumeric() || ch == '_'))
                 .find(|w| defined_in.contains_key(*w))
