@@ -14,6 +14,7 @@ use crate::segment::Seg;
 impl CacheInner {
     /// Whether sequential cutoff sends this request around the cache (and records it in the
     /// core's streams).
+    #[inline]
     pub(crate) fn cut_off(&self, core: &CoreState, offset: u64, len: u64, write: bool) -> bool {
         core.seq.cut_off(offset, len, write, || {
             // "Nearly full", as Open CAS: free lines at most 512 plus the lines this request
@@ -26,6 +27,7 @@ impl CacheInner {
     /// Whether nhit declines to insert the request's unmapped lines: some has not yet been
     /// accessed `threshold` times, and occupancy has passed `trigger`. Every unmapped line's
     /// access is counted, so the counts grow before the trigger is reached too.
+    #[inline]
     pub(crate) fn promotion_declines(&self, segs: &[Seg]) -> bool {
         let p = self.promotion.params();
         if p.policy != PromotionPolicy::Nhit {

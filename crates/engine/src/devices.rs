@@ -15,6 +15,7 @@ use crate::segment::{push_run, Run, Seg};
 use crate::stats::Counter;
 use crate::{Result, SECTOR};
 impl CacheInner {
+    #[inline]
     pub(crate) fn core_read(&self, core: &CoreState, buf: &mut [u8], runs: &[Run]) -> Result<()> {
         if !runs.is_empty() {
             latency::touched_core();
@@ -29,6 +30,7 @@ impl CacheInner {
         Ok(())
     }
 
+    #[inline]
     pub(crate) fn core_write(&self, core: &CoreState, buf: &[u8], runs: &[Run]) -> Result<()> {
         if !runs.is_empty() {
             latency::touched_core();
@@ -54,6 +56,7 @@ impl CacheInner {
         Ok(())
     }
 
+    #[inline]
     pub(crate) fn cache_read(&self, core: &CoreState, buf: &mut [u8], runs: &[Run]) -> Result<()> {
         let _queued = self.offload.cache_io();
         for r in runs {
@@ -65,6 +68,7 @@ impl CacheInner {
         Ok(())
     }
 
+    #[inline]
     pub(crate) fn cache_write(&self, core: &CoreState, buf: &[u8], runs: &[Run]) -> Result<()> {
         let _queued = self.offload.cache_io();
         for r in runs {
@@ -77,6 +81,7 @@ impl CacheInner {
     }
 
     /// Write the sectors `mask` of segment `s` from the request buffer into cache line `line`.
+    #[inline]
     pub(crate) fn cache_write_mask(
         &self,
         core: &CoreState,

@@ -1,13 +1,15 @@
-//! The holder: a cache's subsystems side by side. `CacheInner` owns the line room's state (table,
-//! lists, stripe locks, gauges), the cores, persistence, the policies' state, and the signals
-//! between requests and background threads; the rooms (lines.rs, devices.rs, admission.rs,
-//! read.rs, write.rs, cleaner.rs, cleaning.rs, commit.rs, readahead.rs, recovery.rs) work on
-//! it. This file knows only the lower rooms' types, never the rooms that use it.
+//! The holder: a cache's subsystems side by side. `CacheInner` owns the line room (`Lines`, a
+//! struct with private fields), the cores, persistence, the policies' state, and the signals
+//! between requests and background threads; the other rooms (devices.rs, admission.rs, read.rs,
+//! write.rs, cleaner.rs, cleaning.rs, commit.rs, readahead.rs, recovery.rs) are `impl
+//! CacheInner` blocks that work on it. This file knows only the lower rooms' types, never the
+//! rooms that use it; it hands the line room what a line change also touches (persistence,
+//! read-ahead's marks).
 //!
-//! Invariants: `line_size`, `line_bytes`, `lines`, `volume` and `data_offset` never change
-//! after `build`; `mode` changes only through `Cache::set_mode`; a core is in `cores` from the
-//! end of its attach to the start of its removal, and its id in `inactive` only while its
-//! device is missing, never in both.
+//! Invariants: `line_size`, `line_bytes`, the line count, `volume` and `data_offset` never
+//! change after `build`; `mode` changes only through `Cache::set_mode`; a core is in `cores`
+//! from the end of its attach to the start of its removal, and its id in `inactive` only while
+//! its device is missing, never in both.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
@@ -74,18 +76,22 @@ pub(crate) struct CacheInner {
 }
 
 impl CacheInner {
+    #[inline]
     pub(crate) fn mode(&self) -> CacheMode {
         CacheMode::ALL[self.mode.load(Ordering::Relaxed) as usize]
     }
 
+    #[inline]
     pub(crate) fn cache_off(&self, line: u32, sector: u32) -> u64 {
         self.data_offset + line as u64 * self.line_bytes + sector as u64 * SECTOR
     }
 
+    #[inline]
     pub(crate) fn core_off(&self, key: Key, sector: u32) -> u64 {
         key.line() * self.line_bytes + sector as u64 * SECTOR
     }
 
+    #[inline]
     pub(crate) fn check(
         &self,
         core: &CoreState,

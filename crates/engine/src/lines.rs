@@ -147,6 +147,7 @@ impl Lines {
         }
     }
 
+    #[inline]
     pub(crate) fn segments(&self, core: CoreId, offset: u64, len: u64) -> Vec<Seg> {
         let mut segs = Vec::with_capacity((len / self.line_bytes + 2) as usize);
         let mut pos = offset;
@@ -171,6 +172,7 @@ impl Lines {
 
     /// Lock the stripes of `segs` (consecutive core lines of one core, at least one) once no
     /// core write in flight that `wait` names overlaps them (locks.rs).
+    #[inline]
     pub(crate) fn lock_segs(&self, segs: &[Seg], wait: WaitFor) -> StripeGuard<'_> {
         self.locks.lock_clear(
             self.stripes_of(segs.iter().map(|s| s.key)),
@@ -180,6 +182,7 @@ impl Lines {
     }
 
     /// The stripes of `keys`, sorted and without duplicates: the order every locker takes them.
+    #[inline]
     pub(crate) fn stripes_of(&self, keys: impl IntoIterator<Item = Key>) -> Vec<u32> {
         let mut stripes: Vec<u32> = keys.into_iter().map(|k| self.table.stripe(k)).collect();
         stripes.sort_unstable();
@@ -188,6 +191,7 @@ impl Lines {
     }
 
     /// Fill in each segment's line and masks. Caller holds the segments' stripes.
+    #[inline]
     pub(crate) fn lookup(&self, segs: &mut [Seg]) {
         for s in segs.iter_mut() {
             match self.table.lookup(s.key) {
@@ -206,6 +210,7 @@ impl Lines {
     }
 
     /// Count a line of `key` becoming dirty (+1) or clean (-1) in its acp chunk.
+    #[inline]
     fn chunk_dirty(&self, key: Key, up: bool) {
         let chunks = self.gauges[key.core() as usize].chunks.read();
         let i = key.line() * self.line_bytes / ACP_CHUNK_BYTES;
@@ -237,6 +242,7 @@ impl Lines {
         *self.gauges[id as usize].chunks.write() = counts;
     }
 
+    #[inline]
     fn list_of(dirty: Mask) -> ListKind {
         if dirty == 0 {
             ListKind::Clean
@@ -248,6 +254,7 @@ impl Lines {
     /// Change a mapped line's masks and keep lists and gauges in step. `touch` marks it most
     /// recently used within its list. A line left with no valid sector is unmapped and freed.
     /// Caller holds the line's stripe.
+    #[inline]
     pub(crate) fn update_line(
         &self,
         persist: Option<&Persist>,
@@ -320,6 +327,7 @@ impl Lines {
 
     /// Map an owned free line. Caller holds `key`'s stripe.
     #[allow(clippy::too_many_arguments)]
+    #[inline]
     pub(crate) fn insert_line(
         &self,
         persist: Option<&Persist>,
@@ -353,6 +361,7 @@ impl Lines {
     }
 
     /// Give back an owned, unmapped line.
+    #[inline]
     pub(crate) fn release_line(&self, line: u32) {
         debug_assert!(
             self.table.key(line).is_none(),
@@ -365,6 +374,7 @@ impl Lines {
 
     /// Take a line: a free one, or else evict the least recently used clean line whose stripe is
     /// free right now. Never waits for a stripe, so it is safe while holding others.
+    #[inline]
     pub(crate) fn alloc_line(
         &self,
         persist: Option<&Persist>,
@@ -393,11 +403,13 @@ impl Lines {
     }
 
     /// A free line, never an evicted one.
+    #[inline]
     pub(crate) fn take_free_line(&self) -> Option<u32> {
         let n = self.lists.shard_count();
         self.alloc_free(home_shard(n), n)
     }
 
+    #[inline]
     fn alloc_free(&self, home: usize, n: usize) -> Option<u32> {
         // Home first (one thread's lines stay neighbours), then every shard from the hint.
         let slot = thread_slot();
@@ -516,6 +528,7 @@ impl Lines {
         picked
     }
 
+    #[inline]
     pub(crate) fn touch_clean(&self, line: u32) {
         let mut s = self.lists.lock(self.lists.shard_of(line));
         self.lists

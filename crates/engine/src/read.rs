@@ -55,6 +55,7 @@ struct Found {
 type Pending<'a> = Vec<(usize, ReadPlan<'a>)>;
 
 impl CacheInner {
+    #[inline]
     pub(crate) fn read(&self, core: &CoreState, buf: &mut [u8], offset: u64) -> Result<()> {
         let Some(plan) = self.read_plan(core, buf.len(), offset, |stripes, span| {
             self.lines
@@ -74,6 +75,7 @@ impl CacheInner {
     /// promotion and offload decisions, statistics, and which sectors come from the core and
     /// which from the cache. None for an empty read. The plan holds the stripes until
     /// [`read_finish`](Self::read_finish).
+    #[inline]
     fn read_plan<'a>(
         &'a self,
         core: &'a CoreState,
@@ -130,6 +132,7 @@ impl CacheInner {
     /// Which sectors of `segs` a read takes from the core and which from the cache (only dirty
     /// ones when `bypass`), as device runs; what it found cached, and how many lines read-ahead
     /// brought in are hit for the first time.
+    #[inline]
     fn read_runs(&self, segs: &[Seg], bypass: bool) -> (Vec<Run>, Vec<Run>, Found) {
         let mut core_runs = Vec::new();
         let mut cache_runs = Vec::new();
@@ -158,6 +161,7 @@ impl CacheInner {
     /// A read's statistics: its outcome (hit, partial or full miss, pass-through), deferral,
     /// offload, bytes and read-ahead hits, on the core and on its IO class.
     #[allow(clippy::too_many_arguments)]
+    #[inline]
     fn count_read(
         &self,
         core: &CoreState,
@@ -210,6 +214,7 @@ impl CacheInner {
 
     /// The rest of a read once its core runs are in `buf` and its cache runs were read with
     /// result `cached`: the fallback for a failed cache read, insertion, and read-ahead.
+    #[inline]
     fn read_finish(
         &self,
         core: &CoreState,
@@ -257,6 +262,7 @@ impl CacheInner {
 
     /// Put what a read fetched from the core into the cache: missing sectors of mapped lines, and
     /// new lines for unmapped ones when a line can be had.
+    #[inline]
     fn insert_after_read(
         &self,
         core: &CoreState,

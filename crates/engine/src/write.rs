@@ -77,6 +77,7 @@ struct Placed<'a> {
 }
 
 impl CacheInner {
+    #[inline]
     pub(crate) fn write(&self, core: &CoreState, buf: &[u8], offset: u64) -> Result<()> {
         self.check(core, offset, buf.len() as u64, Some(MAX_REQUEST))?;
         if buf.is_empty() {
@@ -113,6 +114,7 @@ impl CacheInner {
     }
 
     /// `waited`: the write waited for another request's stripes (a hit is then also deferred).
+    #[inline]
     fn count_write(&self, core: &CoreState, segs: &[Seg], class: Option<ReqClass>, waited: bool) {
         let total: u64 = segs.iter().map(|s| s.count as u64).sum();
         let valid: u64 = segs
@@ -136,6 +138,7 @@ impl CacheInner {
         }
     }
 
+    #[inline]
     fn count_pass_through_write(&self, core: &CoreState, class: Option<ReqClass>) {
         core.counters.add(Counter::PassThroughWrites, 1);
         self.lines
@@ -148,6 +151,7 @@ impl CacheInner {
     /// promotion and offload decision), place (lines for the unmapped segments, or room
     /// waiting), apply (the cache write, then the line updates), and the core part (what got no
     /// line, or whose cache write failed).
+    #[inline]
     fn write_back(
         &self,
         core: &CoreState,
@@ -179,6 +183,7 @@ impl CacheInner {
 
     /// Decide, once per write-back write (under its first locks): whether promotion declines
     /// its unmapped lines, or offload sends them to the core.
+    #[inline]
     fn decide_write_back(&self, core: &CoreState, segs: &[Seg]) -> Decision {
         let declined = self.promotion_declines(segs);
         // Offload takes only write misses: with no core line mapped (under the locks) there is
@@ -195,6 +200,7 @@ impl CacheInner {
     /// segment, making room (or, with lazy flush, waiting for the room cleaning makes) as the
     /// module doc says. Returns with the stripes locked; `short` when what has no line goes to
     /// the core (lazy flush). On an error nothing has changed and no line is kept.
+    #[inline]
     fn place_write_back<'a>(
         &'a self,
         core: &CoreState,
@@ -277,6 +283,7 @@ impl CacheInner {
     /// (those that just got one), and a waiting write can lose every round until it times out
     /// and goes to the core. A class at its allocation takes its own lines, which waiting
     /// writes of other classes could not take: it does not queue.
+    #[inline]
     fn take_lines(
         &self,
         p: &mut Placing<'_>,
@@ -297,6 +304,7 @@ impl CacheInner {
         }
     }
 
+    #[inline]
     fn count_write_back(
         &self,
         core: &CoreState,
@@ -318,6 +326,7 @@ impl CacheInner {
         }
     }
 
+    #[inline]
     fn count_lazy_flush(&self, core: &CoreState, class: Option<ReqClass>, core_runs: &[Run]) {
         let bytes: u64 = core_runs.iter().map(|r| r.len as u64).sum();
         core.counters.add(Counter::LazyFlushWrites, 1);
@@ -332,6 +341,7 @@ impl CacheInner {
 
     /// Each segment's home: its mapped line, a new line from `spare` (`true`), or (no line)
     /// the core, as runs. Lines left over go back.
+    #[inline]
     fn homes(&self, segs: &[Seg], mut spare: Vec<u32>) -> (Vec<(usize, u32, bool)>, Vec<Run>) {
         let mut targets: Vec<(usize, u32, bool)> = Vec::with_capacity(segs.len());
         let mut core_runs = Vec::new();
@@ -358,6 +368,7 @@ impl CacheInner {
     /// Apply: the cache write of every segment with a home line, then the line updates (dirty
     /// only once the data is on the cache device). A failed cache write drops those sectors
     /// from the cache; their runs are returned for the core.
+    #[inline]
     fn apply_write_back(
         &self,
         core: &CoreState,
@@ -406,6 +417,7 @@ impl CacheInner {
 
     /// The core part of a write-back write: what has no line, and what a failed cache write
     /// sends back.
+    #[inline]
     fn write_back_core_part(
         &self,
         core: &CoreState,
@@ -451,6 +463,7 @@ impl CacheInner {
     }
 
     /// wt (insert) and wa (no insert): the core first, then the cache copy of mapped lines.
+    #[inline]
     fn write_through(
         &self,
         core: &CoreState,
@@ -510,6 +523,7 @@ impl CacheInner {
     }
 
     /// wi and pt: the core gets the data; cached copies of the written sectors are dropped.
+    #[inline]
     fn write_invalidate(
         &self,
         core: &CoreState,
@@ -544,6 +558,7 @@ impl CacheInner {
     }
 
     /// Drop the segments' sectors from the cache. Caller holds their stripes.
+    #[inline]
     fn invalidate(&self, segs: &[Seg]) {
         for s in segs.iter().filter(|s| s.mapped()) {
             let m = s.mask();
