@@ -9,12 +9,13 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 
-use crate::bits;
+use crate::bits::{self, Mask};
 use crate::classes::ReqClass;
+use crate::core_state::CoreState;
 use crate::inner::CacheInner;
 use crate::locks::WaitFor;
 use crate::prefetch::{reserve, Job, PrefetchQueue, ReadStreams};
-use crate::segment::push_run;
+use crate::segment::{push_run, Run, Seg};
 use crate::stats::Counter;
 use crate::{CacheMode, CoreId, SECTOR};
 
@@ -73,6 +74,41 @@ impl CacheInner {
         // As a read: it puts the core's data in the cache.
         let _locks = self.lines.lock_segs(&segs, WaitFor::Around);
         self.lines.lookup(&mut segs);
+        let plan = self.plan_prefetch(&segs, &job);
+        if plan.is_empty() {
+            return;
+        }
+        let mut buf = vec![0u8; job.len as usize];
+        let (core_runs, cache_runs) = self.prefetch_runs(&segs, &plan);
+        let read: u64 = core_runs.iter().map(|r| r.len as u64).sum();
+        let result = self
+            .core_read(&core, &mut buf, &core_runs)
+            .and_then(|()| self.cache_write(&core, &buf, &cache_runs));
+        if let Err(e) = &result {
+            self.prefetch_errors.record(core.id, e);
+        }
+        let ok = result.is_ok();
+        self.count_prefetch(&core, &job, ok, read, &cache_runs);
+        for &(i, line, new, missing) in &plan {
+            let s = &segs[i];
+            match (ok, new) {
+                (true, true) => {
+                    self.insert_line(line, s.key, missing, 0, job.class);
+                    self.prefetch.mark(line);
+                }
+                // Not touched: speculative data does not make a line recently used.
+                (true, false) => self.update_line(line, s.key, s.valid | missing, s.dirty, false),
+                // Nothing changed in the metadata: the sectors stay invalid.
+                (false, true) => self.lines.release_line(line),
+                (false, false) => {}
+            }
+        }
+    }
+
+    /// Which sectors a job fills: the invalid ones of mapped lines, and new free lines (while
+    /// more than the reserve is free and the class has room) for unmapped ones. (segment, line,
+    /// newly taken, sectors to fill).
+    fn plan_prefetch(&self, segs: &[Seg], job: &Job) -> Vec<(usize, u32, bool, Mask)> {
         let reserve = reserve(self.lines.count());
         // (segment, line, newly taken, sectors to fill)
         let mut plan = Vec::new();
@@ -105,13 +141,18 @@ impl CacheInner {
                 None => break,
             }
         }
-        if plan.is_empty() {
-            return;
-        }
-        let mut buf = vec![0u8; job.len as usize];
+        plan
+    }
+
+    /// The core reads and cache writes of a planned job.
+    fn prefetch_runs(
+        &self,
+        segs: &[Seg],
+        plan: &[(usize, u32, bool, Mask)],
+    ) -> (Vec<Run>, Vec<Run>) {
         let mut core_runs = Vec::new();
         let mut cache_runs = Vec::new();
-        for &(i, line, _, missing) in &plan {
+        for &(i, line, _, missing) in plan {
             let s = &segs[i];
             for (first, n) in bits::runs(missing) {
                 let len = n as usize * SECTOR as usize;
@@ -130,14 +171,11 @@ impl CacheInner {
                 );
             }
         }
-        let read: u64 = core_runs.iter().map(|r| r.len as u64).sum();
-        let result = self
-            .core_read(&core, &mut buf, &core_runs)
-            .and_then(|()| self.cache_write(&core, &buf, &cache_runs));
-        if let Err(e) = &result {
-            self.prefetch_errors.record(core.id, e);
-        }
-        let ok = result.is_ok();
+        (core_runs, cache_runs)
+    }
+
+    /// A job's statistics, on its core and its IO class.
+    fn count_prefetch(&self, core: &CoreState, job: &Job, ok: bool, read: u64, cache_runs: &[Run]) {
         core.counters.add(Counter::PrefetchRequests, 1);
         self.lines
             .classes()
@@ -155,20 +193,6 @@ impl CacheInner {
                 Counter::PrefetchWrittenBytes,
                 written,
             );
-        }
-        for &(i, line, new, missing) in &plan {
-            let s = &segs[i];
-            match (ok, new) {
-                (true, true) => {
-                    self.insert_line(line, s.key, missing, 0, job.class);
-                    self.prefetch.mark(line);
-                }
-                // Not touched: speculative data does not make a line recently used.
-                (true, false) => self.update_line(line, s.key, s.valid | missing, s.dirty, false),
-                // Nothing changed in the metadata: the sectors stay invalid.
-                (false, true) => self.lines.release_line(line),
-                (false, false) => {}
-            }
         }
     }
 
