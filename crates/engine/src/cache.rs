@@ -1,4 +1,5 @@
-//! The cache: request routing by mode, allocation and eviction, line state transitions.
+//! The cache's public facade, `Cache` and `Core`, and the story of a request; the request path
+//! itself is in read.rs and write.rs, the line state in lines.rs (docs/architecture.md).
 //!
 //! A request runs in three steps on the caller's thread:
 //! 1. cut it into segments, one per core line it touches, and lock the stripes of those core lines
@@ -31,45 +32,41 @@
 //! A read that continues a sequential stream may queue read-ahead (prefetch.rs) after it has
 //! released its locks; the prefetch worker fills only invalid sectors, under the same locks.
 
-use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use hybridcache_volume::{Volume, VolumeError, VolumeRef};
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 
-use crate::bits::{self, Mask};
-use crate::classes::{ClassState, CoreClassCounters, CoreClassGauges, ReqClass};
-use crate::cleaner::{CleaningCounters, CleaningStats, Pacer};
-use crate::cleaning::{CleanerSignal, CleanerState, CleanerThread, CleaningTick, ACP_CHUNK_BYTES};
-use crate::core_flush::{self, CoreWatch};
+use crate::cleaning::CleanerThread;
+use crate::cleaning_state::{CleaningStats, CleaningTick};
+use crate::core_state::CoreState;
 use crate::format::{ConfigSlot, CoreRecord, Geometry, Superblock};
+use crate::inner::CacheInner;
 use crate::ioclass::{ClassId, IoClasses};
-use crate::latency::{self, Latency, LatencyKind, LatencyStats};
-use crate::lists::{ListKind, Lists, RUN};
-use crate::locks::{Span, SpanKind, StripeGuard, StripedLocks, WaitFor};
-use crate::meta::{Key, LineTable, MAX_CORE_LINES, NONE};
-use crate::offload::{Offload, OffloadState};
-use crate::persist::{self, new_uuid, Persist};
-use crate::policy::{
-    CleaningConfig, LazyFlush, PolicyRecord, Prefetch, Promotion, PromotionPolicy, PromotionState,
-    SeqCutoff, SeqState, FLUSH_BUFFERS,
-};
-use crate::prefetch::{PrefetchState, PrefetchThread, ReadStreams};
-use crate::progress::{FlushProgress, FlushStatus};
-use crate::read_batch::ReadPlan;
-use crate::stats::{
-    thread_slot, BackgroundErrorLog, BackgroundErrors, Counter, Counters, Stats, Usage, SLOTS,
-};
-use crate::{
-    CacheConfig, CacheMode, CoreId, EngineError, LineSize, Result, MAX_CORES, MAX_CORE_ID,
-    MAX_REQUEST, SECTOR,
-};
+use crate::latency::{self, LatencyKind, LatencyStats};
+use crate::meta::{MAX_CORE_LINES, NONE};
+use crate::offload::Offload;
+use crate::persist::{self, new_uuid};
+use crate::policy::{CleaningConfig, LazyFlush, Prefetch, Promotion, SeqCutoff};
+use crate::progress::FlushStatus;
+use crate::readahead::PrefetchThread;
+use crate::stats::{BackgroundErrors, Stats, Usage};
+use crate::{CacheConfig, CacheMode, CoreId, EngineError, LineSize, Result, MAX_CORE_ID, SECTOR};
 
 /// A cache: one cache volume serving one or more cores. Cheap to clone (a shared handle).
 #[derive(Clone)]
 pub struct Cache {
     pub(crate) inner: Arc<CacheInner>,
+    threads: Arc<Threads>,
+}
+
+/// A cache's background threads; they hold the cache weakly, so dropping every handle ends
+/// them.
+#[derive(Default)]
+struct Threads {
+    cleaner: Mutex<Option<CleanerThread>>,
+    prefetch: Mutex<Option<PrefetchThread>>,
 }
 
 /// One core's exported volume: the address space clients read and write.
@@ -96,1551 +93,6 @@ pub struct CoreInfo {
     pub name: String,
     pub size: u64,
     pub status: CoreStatus,
-}
-
-/// How many times a write-back write gives up its locks to make room before it writes the rest
-/// straight to the core.
-const MAKE_ROOM_ROUNDS: usize = 8;
-/// With lazy flush on, how long a write that finds no line waits for one that background
-/// cleaning frees (and, on a persistent cache, a commit makes reusable), before it goes to the
-/// core.
-const ROOM_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
-
-pub(crate) struct CacheInner {
-    pub(crate) id: u16,
-    pub(crate) line_size: LineSize,
-    pub(crate) line_bytes: u64,
-    pub(crate) lines: u32,
-    pub(crate) volume: VolumeRef,
-    /// Where line 0 starts on the cache volume.
-    pub(crate) data_offset: u64,
-    mode: AtomicU8,
-    pub(crate) table: LineTable,
-    pub(crate) lists: Lists,
-    pub(crate) locks: StripedLocks,
-    pub(crate) cores: RwLock<BTreeMap<CoreId, Arc<CoreState>>>,
-    /// Per-core line counts, indexed by core id, so eviction can update them without a registry
-    /// lookup.
-    pub(crate) gauges: Box<[CoreGauges]>,
-    pub(crate) free_lines: AtomicU64,
-    /// None for a volatile cache (metadata in RAM only).
-    pub(crate) persist: Option<Persist>,
-    /// Cores recorded in the superblock whose device was missing at load.
-    inactive: RwLock<BTreeMap<CoreId, CoreRecord>>,
-    pub(crate) cleaning: RwLock<CleaningConfig>,
-    pub(crate) cleaner: Mutex<CleanerState>,
-    cleaner_thread: Mutex<Option<CleanerThread>>,
-    pub(crate) prefetch: PrefetchState,
-    prefetch_thread: Mutex<Option<PrefetchThread>>,
-    pub(crate) cleaner_signal: Arc<CleanerSignal>,
-    /// Lazy flush is on (policy.rs `LazyFlush`): read on every write-back write that lacks a line.
-    lazy_flush: AtomicBool,
-    /// Offload (offload.rs): queue depths of the devices and the share of requests to route.
-    pub(crate) offload: OffloadState,
-    pub(crate) pacer: Pacer,
-    pub(crate) cleaning_counters: CleaningCounters,
-    /// Device errors of read-ahead (cleaning's are in `cleaning_counters`).
-    pub(crate) prefetch_errors: BackgroundErrorLog,
-    pub(crate) promotion: PromotionState,
-    pub(crate) classes: ClassState,
-    pub(crate) flush_progress: FlushProgress,
-    /// Sequential cutoff settings of cores recorded but not attached (inactive), kept so that
-    /// the superblock keeps them.
-    seq_cutoff_inactive: RwLock<BTreeMap<CoreId, SeqCutoff>>,
-}
-
-#[derive(Default)]
-pub(crate) struct CoreGauges {
-    pub(crate) occupancy: AtomicU64,
-    pub(crate) dirty: AtomicU64,
-    /// When the core last went from no dirty line to some (ms on the process clock), 0 while
-    /// clean: "Dirty for" in -P. Written only on those transitions, never per request.
-    dirty_since_ms: AtomicU64,
-    /// Dirty lines per 100 MiB chunk of the core, for acp. Sized when the core is attached.
-    pub(crate) chunks: RwLock<Box<[std::sync::atomic::AtomicU32]>>,
-    /// The core's device failed a write or a flush, and no flush has succeeded since: commits
-    /// record its lines dirty (persist.rs) and background cleaning passes it by.
-    pub(crate) failing: AtomicBool,
-    /// The core's lines by IO class (`-P -j CORE -d`).
-    pub(crate) classes: CoreClassGauges,
-}
-
-impl CoreGauges {
-    fn dirty_up(&self) {
-        if self.dirty.fetch_add(1, Ordering::Relaxed) == 0 {
-            let _ = self.dirty_since_ms.compare_exchange(
-                0,
-                clock_ms(),
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            );
-        }
-    }
-
-    fn dirty_down(&self) {
-        if self.dirty.fetch_sub(1, Ordering::Relaxed) == 1 {
-            self.dirty_since_ms.store(0, Ordering::Relaxed);
-        }
-    }
-
-    /// How long the core has held dirty data; None while clean. A race between the last line
-    /// going clean and a new one going dirty can leave the mark unset: it is set on read then.
-    fn dirty_for(&self) -> Option<std::time::Duration> {
-        if self.dirty.load(Ordering::Relaxed) == 0 {
-            return None;
-        }
-        let now = clock_ms();
-        let since =
-            match self
-                .dirty_since_ms
-                .compare_exchange(0, now, Ordering::Relaxed, Ordering::Relaxed)
-            {
-                Ok(_) => now,
-                Err(since) => since,
-            };
-        Some(std::time::Duration::from_millis(now.saturating_sub(since)))
-    }
-}
-
-/// Milliseconds on a process-wide monotonic clock, never 0 (0 means "unset").
-fn clock_ms() -> u64 {
-    static START: OnceLock<std::time::Instant> = OnceLock::new();
-    START
-        .get_or_init(std::time::Instant::now)
-        .elapsed()
-        .as_millis() as u64
-        + 1
-}
-
-#[repr(align(128))]
-struct InFlight(AtomicU64);
-
-pub(crate) struct CoreState {
-    pub(crate) id: CoreId,
-    pub(crate) volume: VolumeRef,
-    pub(crate) size: u64,
-    pub(crate) counters: Counters,
-    /// Set when the core is being removed or the cache stopped; new requests are refused.
-    removed: AtomicBool,
-    stopped: AtomicBool,
-    /// Requests in progress, per thread slot; removal waits for these to drain.
-    in_flight: Box<[InFlight]>,
-    pub(crate) seq: SeqState,
-    /// Writes reached the device since its last flush: the next commit flushes it.
-    pub(crate) unflushed: AtomicBool,
-    pub(crate) read_streams: ReadStreams,
-    pub(crate) latency: Latency,
-    /// The core's requests and blocks by IO class (`-P -j CORE -d`).
-    pub(crate) classes: CoreClassCounters,
-    /// Its device's outstanding writes and flushes, to bound flushes on a hung device
-    /// (core_flush.rs).
-    pub(crate) watch: Arc<CoreWatch>,
-}
-
-/// Held by a request for its duration; see [`CoreState::enter`].
-pub(crate) struct Entered<'a>(&'a CoreState, usize);
-
-impl CoreState {
-    /// Register a request. Fails once removal has begun. The increment comes before the check
-    /// (both SeqCst) and removal sets the flag before summing, so either removal sees this request
-    /// or this request sees removal.
-    pub(crate) fn enter(&self) -> Result<Entered<'_>> {
-        let slot = thread_slot() % SLOTS;
-        self.in_flight[slot].0.fetch_add(1, Ordering::SeqCst);
-        let entered = Entered(self, slot);
-        if self.removed.load(Ordering::SeqCst) {
-            return Err(if self.stopped.load(Ordering::SeqCst) {
-                EngineError::Stopped
-            } else {
-                EngineError::CoreRemoved(self.id)
-            });
-        }
-        Ok(entered)
-    }
-
-    fn in_flight(&self) -> u64 {
-        self.in_flight
-            .iter()
-            .map(|c| c.0.load(Ordering::SeqCst))
-            .sum()
-    }
-}
-
-impl Drop for Entered<'_> {
-    fn drop(&mut self) {
-        self.0.in_flight[self.1].0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-/// The part of a request that falls in one core line.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Seg {
-    pub(crate) key: Key,
-    /// First sector within the line, and sector count.
-    pub(crate) first: u32,
-    pub(crate) count: u32,
-    /// Byte offset of this segment in the request buffer.
-    pub(crate) buf_off: usize,
-    /// The cache line holding this core line, or NONE.
-    pub(crate) line: u32,
-    pub(crate) valid: Mask,
-    pub(crate) dirty: Mask,
-}
-
-impl Seg {
-    fn mask(&self) -> Mask {
-        bits::range(self.first, self.count)
-    }
-    fn mapped(&self) -> bool {
-        self.line != NONE
-    }
-}
-
-/// A contiguous piece of device IO covering a contiguous piece of the request buffer.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Run {
-    pub(crate) dev_off: u64,
-    pub(crate) buf_off: usize,
-    pub(crate) len: usize,
-}
-
-/// Append a run, merging it into the previous one when both the device and buffer ranges continue.
-pub(crate) fn push_run(runs: &mut Vec<Run>, dev_off: u64, buf_off: usize, len: usize) {
-    if let Some(last) = runs.last_mut() {
-        if last.dev_off + last.len as u64 == dev_off && last.buf_off + last.len == buf_off {
-            last.len += len;
-            return;
-        }
-    }
-    runs.push(Run {
-        dev_off,
-        buf_off,
-        len,
-    });
-}
-
-/// The core lines `segs` cover: a request's segments are consecutive lines of one core.
-pub(crate) fn span_of(segs: &[Seg]) -> Span {
-    match (segs.first(), segs.last()) {
-        (Some(first), Some(last)) => Span::new(first.key, last.key),
-        _ => Span::none(),
-    }
-}
-
-fn home_shard(n: usize) -> usize {
-    crate::lists::home_of(thread_slot(), n)
-}
-
-fn classify(
-    valid_sectors: u64,
-    total_sectors: u64,
-    hit: Counter,
-    partial: Counter,
-    full: Counter,
-) -> Counter {
-    if valid_sectors == total_sectors {
-        hit
-    } else if valid_sectors == 0 {
-        full
-    } else {
-        partial
-    }
-}
-
-impl CacheInner {
-    pub(crate) fn mode(&self) -> CacheMode {
-        CacheMode::ALL[self.mode.load(Ordering::Relaxed) as usize]
-    }
-
-    fn cache_off(&self, line: u32, sector: u32) -> u64 {
-        self.data_offset + line as u64 * self.line_bytes + sector as u64 * SECTOR
-    }
-
-    fn core_off(&self, key: Key, sector: u32) -> u64 {
-        key.line() * self.line_bytes + sector as u64 * SECTOR
-    }
-
-    fn check(&self, core: &CoreState, offset: u64, len: u64, max: Option<u64>) -> Result<()> {
-        crate::check_request(core.size, offset, len, max)
-    }
-
-    pub(crate) fn segments(&self, core: CoreId, offset: u64, len: u64) -> Vec<Seg> {
-        let mut segs = Vec::with_capacity((len / self.line_bytes + 2) as usize);
-        let mut pos = offset;
-        let end = offset + len;
-        while pos < end {
-            let line = pos / self.line_bytes;
-            let in_line = pos % self.line_bytes;
-            let n = (self.line_bytes - in_line).min(end - pos);
-            segs.push(Seg {
-                key: Key::new(core, line),
-                first: (in_line / SECTOR) as u32,
-                count: (n / SECTOR) as u32,
-                buf_off: (pos - offset) as usize,
-                line: NONE,
-                valid: 0,
-                dirty: 0,
-            });
-            pos += n;
-        }
-        segs
-    }
-
-    /// Lock the stripes of `segs` (consecutive core lines of one core, at least one) once no
-    /// core write in flight that `wait` names overlaps them (locks.rs).
-    pub(crate) fn lock_segs(&self, segs: &[Seg], wait: WaitFor) -> StripeGuard<'_> {
-        self.locks.lock_clear(
-            self.stripes_of(segs.iter().map(|s| s.key)),
-            span_of(segs),
-            wait,
-        )
-    }
-
-    /// The stripes of `keys`, sorted and without duplicates: the order every locker takes them.
-    pub(crate) fn stripes_of(&self, keys: impl IntoIterator<Item = Key>) -> Vec<u32> {
-        let mut stripes: Vec<u32> = keys.into_iter().map(|k| self.table.stripe(k)).collect();
-        stripes.sort_unstable();
-        stripes.dedup();
-        stripes
-    }
-
-    /// Fill in each segment's line and masks. Caller holds the segments' stripes.
-    pub(crate) fn lookup(&self, segs: &mut [Seg]) {
-        for s in segs.iter_mut() {
-            match self.table.lookup(s.key) {
-                Some(line) => {
-                    s.line = line;
-                    s.valid = self.table.valid(line);
-                    s.dirty = self.table.dirty(line);
-                }
-                None => {
-                    s.line = NONE;
-                    s.valid = 0;
-                    s.dirty = 0;
-                }
-            }
-        }
-    }
-
-    /// Count a line of `key` becoming dirty (+1) or clean (-1) in its acp chunk.
-    fn chunk_dirty(&self, key: Key, up: bool) {
-        let chunks = self.gauges[key.core() as usize].chunks.read();
-        let i = key.line() * self.line_bytes / ACP_CHUNK_BYTES;
-        if let Some(c) = chunks.get(i as usize) {
-            if up {
-                c.fetch_add(1, Ordering::Relaxed);
-            } else {
-                c.fetch_sub(1, Ordering::Relaxed);
-            }
-        }
-    }
-
-    /// Size a core's acp chunk counters and count its dirty lines into them.
-    pub(crate) fn rebuild_chunks(&self, id: CoreId, core_size: u64) {
-        let n = core_size.div_ceil(ACP_CHUNK_BYTES) as usize;
-        let counts: Box<[std::sync::atomic::AtomicU32]> = (0..n)
-            .map(|_| std::sync::atomic::AtomicU32::new(0))
-            .collect();
-        for line in 0..self.lines {
-            if let Some(key) = self.table.key(line) {
-                if key.core() == id && self.table.dirty(line) != 0 {
-                    let i = (key.line() * self.line_bytes / ACP_CHUNK_BYTES) as usize;
-                    if let Some(c) = counts.get(i) {
-                        c.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            }
-        }
-        *self.gauges[id as usize].chunks.write() = counts;
-    }
-
-    fn list_of(dirty: Mask) -> ListKind {
-        if dirty == 0 {
-            ListKind::Clean
-        } else {
-            ListKind::Dirty
-        }
-    }
-
-    /// Change a mapped line's masks and keep lists and gauges in step. `touch` marks it most
-    /// recently used within its list. A line left with no valid sector is unmapped and freed.
-    /// Caller holds the line's stripe.
-    pub(crate) fn update_line(&self, line: u32, key: Key, valid: Mask, dirty: Mask, touch: bool) {
-        debug_assert!(dirty & !valid == 0);
-        let old_dirty = self.table.dirty(line);
-        let old_valid = self.table.valid(line);
-        let from = Self::list_of(old_dirty);
-        let gauges = &self.gauges[key.core() as usize];
-        if valid == 0 {
-            self.classes.unmapped(&gauges.classes, line, old_dirty != 0);
-            self.table.unmap(line, key);
-            // The device may still map this line to `key` as dirty: it waits in limbo until a
-            // commit records it free (asked after the unmap; see `Persist::durably_dirty`).
-            let to = match &self.persist {
-                Some(p) => {
-                    p.touch(line);
-                    if p.durably_dirty(line) {
-                        ListKind::Limbo
-                    } else {
-                        ListKind::Free
-                    }
-                }
-                None => ListKind::Free,
-            };
-            let mut s = self.lists.lock(self.lists.shard_of(line));
-            self.lists.move_back(&mut s, from, to, line);
-            if to == ListKind::Free {
-                self.free_lines.fetch_add(1, Ordering::Relaxed);
-            }
-            drop(s);
-            gauges.occupancy.fetch_sub(1, Ordering::Relaxed);
-            if old_dirty != 0 {
-                gauges.dirty_down();
-                self.chunk_dirty(key, false);
-            }
-            return;
-        }
-        self.table.set_valid(line, valid);
-        self.table.set_dirty(line, dirty);
-        if valid != old_valid || dirty != old_dirty {
-            if let Some(p) = &self.persist {
-                p.touch(line);
-            }
-        }
-        let to = Self::list_of(dirty);
-        if from != to || touch {
-            let mut s = self.lists.lock(self.lists.shard_of(line));
-            self.lists.move_back(&mut s, from, to, line);
-        }
-        match (old_dirty != 0, dirty != 0) {
-            (false, true) => {
-                gauges.dirty_up();
-                self.chunk_dirty(key, true);
-                self.classes.dirtied(&gauges.classes, line, true);
-            }
-            (true, false) => {
-                gauges.dirty_down();
-                self.chunk_dirty(key, false);
-                self.classes.dirtied(&gauges.classes, line, false);
-            }
-            _ => {}
-        }
-    }
-
-    /// Map an owned free line. Caller holds `key`'s stripe.
-    pub(crate) fn insert_line(
-        &self,
-        line: u32,
-        key: Key,
-        valid: Mask,
-        dirty: Mask,
-        class: Option<ReqClass>,
-    ) {
-        self.table.map(line, key, valid, dirty);
-        self.prefetch.clear_mark(line);
-        self.classes.mapped(
-            &self.gauges[key.core() as usize].classes,
-            line,
-            class.map_or(0, |c| c.id),
-            dirty != 0,
-        );
-        if let Some(p) = &self.persist {
-            p.touch(line);
-        }
-        let mut s = self.lists.lock(self.lists.shard_of(line));
-        self.lists.push_back(&mut s, Self::list_of(dirty), line);
-        drop(s);
-        let g = &self.gauges[key.core() as usize];
-        g.occupancy.fetch_add(1, Ordering::Relaxed);
-        if dirty != 0 {
-            g.dirty_up();
-            self.chunk_dirty(key, true);
-        }
-    }
-
-    /// Give back an owned, unmapped line.
-    pub(crate) fn release_line(&self, line: u32) {
-        let mut s = self.lists.lock(self.lists.shard_of(line));
-        self.lists.push_back(&mut s, ListKind::Free, line);
-        self.free_lines.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Take a line: a free one, or else evict the least recently used clean line whose stripe is
-    /// free right now. Never waits for a stripe, so it is safe while holding others.
-    fn alloc_line(&self, class: Option<ReqClass>) -> Option<u32> {
-        let n = self.lists.shard_count();
-        let home = home_shard(n);
-        if let Some(c) = class {
-            // A class at its allocation replaces one of its own lines rather than grow.
-            let table = self.classes.table();
-            let own = self.classes.full(c);
-            if !own && self.free_lines.load(Ordering::Relaxed) > 0 {
-                if let Some(line) = self.alloc_free(home, n) {
-                    return Some(line);
-                }
-            }
-            return (0..n).find_map(|i| self.evict_from((home + i) % n, Some((&table, c.id, own))));
-        }
-        if self.free_lines.load(Ordering::Relaxed) > 0 {
-            if let Some(line) = self.alloc_free(home, n) {
-                return Some(line);
-            }
-        }
-        (0..n).find_map(|i| self.evict_from((home + i) % n, None))
-    }
-
-    /// A free line, never an evicted one.
-    pub(crate) fn take_free_line(&self) -> Option<u32> {
-        let n = self.lists.shard_count();
-        self.alloc_free(home_shard(n), n)
-    }
-
-    fn alloc_free(&self, home: usize, n: usize) -> Option<u32> {
-        // Home first (one thread's lines stay neighbours), then every shard from the hint.
-        let slot = thread_slot();
-        let start = self.lists.free_cursor(slot);
-        for i in 0..=n {
-            let shard = if i == 0 { home } else { (start + i - 1) % n };
-            let mut s = self.lists.lock(shard);
-            if let Some(line) = self.lists.pop_front(&mut s, ListKind::Free) {
-                self.free_lines.fetch_sub(1, Ordering::Relaxed);
-                if i > 1 {
-                    self.lists.set_free_cursor(slot, shard);
-                }
-                return Some(line);
-            }
-        }
-        None
-    }
-
-    /// Evict one of the oldest clean lines of a shard. With IO classes, `classes` is (table,
-    /// requesting class, own lines only): candidates are ranked by their class' eviction
-    /// priority (highest number first, oldest first among equals), pinned classes' lines are
-    /// left to their own class.
-    fn evict_from(
-        &self,
-        shard: usize,
-        classes: Option<(&IoClasses, ClassId, bool)>,
-    ) -> Option<u32> {
-        // Looking a little past the oldest line keeps one busy stripe from blocking eviction.
-        const SCAN: usize = 16;
-        let mut s = self.lists.lock(shard);
-        let mut cur = s.first(ListKind::Clean);
-        let mut order = [(0u16, NONE); SCAN];
-        let mut candidates = 0;
-        for _ in 0..SCAN {
-            let Some(line) = cur else { break };
-            cur = self.lists.next(line);
-            order[candidates] = (0, line);
-            if let Some((table, class, own)) = classes {
-                if own && self.classes.class_of(line) != class {
-                    continue;
-                }
-                match self.classes.rank(table, line, class) {
-                    Some(rank) => order[candidates].0 = rank,
-                    None => {
-                        // Pinned for another class: send it to the back so that pinned lines
-                        // gathering at the old end do not hide every other line from eviction.
-                        self.lists
-                            .move_back(&mut s, ListKind::Clean, ListKind::Clean, line);
-                        continue;
-                    }
-                }
-            }
-            candidates += 1;
-        }
-        // Stable: the oldest first among lines of equal rank.
-        order[..candidates].sort_by_key(|&(rank, _)| std::cmp::Reverse(rank));
-        for &(_, line) in &order[..candidates] {
-            let Some(key) = self.table.key(line) else {
-                continue;
-            };
-            let Some(_stripe) = self.locks.try_lock(self.table.stripe(key)) else {
-                continue;
-            };
-            // Holding both the shard and the stripe: the line cannot change under us, and a line
-            // in the clean list with its stripe free has no dirty sector.
-            debug_assert_eq!(self.table.dirty(line), 0);
-            if self.persist.as_ref().is_some_and(|p| p.durably_dirty(line)) {
-                // Cleaned, but the device does not know yet: reusing it could let a crash
-                // serve another address's data as this one's.
-                continue;
-            }
-            self.lists.remove(&mut s, ListKind::Clean, line);
-            drop(s);
-            self.classes
-                .unmapped(&self.gauges[key.core() as usize].classes, line, false);
-            self.table.unmap(line, key);
-            if let Some(p) = &self.persist {
-                p.touch(line);
-            }
-            self.gauges[key.core() as usize]
-                .occupancy
-                .fetch_sub(1, Ordering::Relaxed);
-            return Some(line);
-        }
-        None
-    }
-
-    /// Up to `want` of the oldest dirty lines, from every shard starting at the caller's.
-    pub(crate) fn oldest_dirty(&self, want: usize) -> Vec<u32> {
-        let n = self.lists.shard_count();
-        let home = home_shard(n);
-        let mut picked = Vec::with_capacity(want);
-        for i in 0..n {
-            let s = self.lists.lock((home + i) % n);
-            let mut cur = s.first(ListKind::Dirty);
-            while let Some(line) = cur {
-                if picked.len() >= want {
-                    break;
-                }
-                // A failing core's lines cannot be cleaned; room must come from the others.
-                if !self.of_failing_core(line) {
-                    picked.push(line);
-                }
-                cur = self.lists.next(line);
-            }
-            if picked.len() >= want {
-                break;
-            }
-        }
-        picked
-    }
-
-    /// Clean up to `want` of the oldest dirty lines so that eviction finds clean ones. Caller holds
-    /// no stripe.
-    fn make_room(&self, want: usize) -> Result<()> {
-        // The request that waits here waits for the core (cleaning may run on other threads).
-        latency::touched_core();
-        // Each round ends in a commit (device flushes), so clean enough lines to spread that
-        // cost over many writes; these are the oldest dirty lines, due for cleaning anyway.
-        let picked = self.oldest_dirty(want.max(64));
-        // A client waits for this room: not paced. A core whose lines fail to clean has the
-        // error counted on it and is marked failing; the room then has to come from the other
-        // cores' lines, or this write goes around the cache, never failing for that core.
-        let _ = self.clean_lines(picked, FLUSH_BUFFERS as usize, false);
-        if self.persist.is_some() {
-            // Cleaned lines (and lines in limbo) become reusable once the device records them.
-            self.commit()?;
-        }
-        Ok(())
-    }
-
-    /// Whether sequential cutoff sends this request around the cache (and records it in the
-    /// core's streams).
-    fn cut_off(&self, core: &CoreState, offset: u64, len: u64, write: bool) -> bool {
-        core.seq.cut_off(offset, len, write, || {
-            // "Nearly full", as Open CAS: free lines at most 512 plus the lines this request
-            // touches.
-            let need = (offset + len).div_ceil(self.line_bytes) - offset / self.line_bytes;
-            self.free_lines.load(Ordering::Relaxed) <= 512 + need
-        })
-    }
-
-    /// Whether nhit declines to insert the request's unmapped lines: some has not yet been
-    /// accessed `threshold` times, and occupancy has passed `trigger`. Every unmapped line's
-    /// access is counted, so the counts grow before the trigger is reached too.
-    fn promotion_declines(&self, segs: &[Seg]) -> bool {
-        let p = self.promotion.params();
-        if p.policy != PromotionPolicy::Nhit {
-            return false;
-        }
-        let Some(table) = self.promotion.table.get() else {
-            return false;
-        };
-        let mut short = false;
-        for s in segs.iter().filter(|s| !s.mapped()) {
-            short |= table.access(s.key.raw()) < p.threshold;
-        }
-        if !short {
-            return false;
-        }
-        let occupied = (self.lines as u64).saturating_sub(self.free_lines.load(Ordering::Relaxed));
-        occupied * 100 >= p.trigger_pct as u64 * self.lines as u64
-    }
-
-    pub(crate) fn core_by_id(&self, id: CoreId) -> Result<Arc<CoreState>> {
-        self.cores
-            .read()
-            .get(&id)
-            .cloned()
-            .ok_or(EngineError::NoSuchCore(id))
-    }
-
-    // ---- reads ----------------------------------------------------------------------------
-
-    fn read(&self, core: &CoreState, buf: &mut [u8], offset: u64) -> Result<()> {
-        let Some(plan) = self.read_plan(core, buf.len(), offset, |stripes, span| {
-            self.locks.lock_clear(stripes, span, WaitFor::Around)
-        })?
-        else {
-            return Ok(());
-        };
-        self.core_read(core, buf, &plan.core_runs)?;
-        let cached = self.cache_read(core, buf, &plan.cache_runs);
-        self.read_finish(core, buf, offset, plan, cached)
-    }
-
-    /// Everything a read does before its device I/O: the checks, classification, seq cutoff,
-    /// locking (by `lock`, given the sorted stripes and the span of core lines), lookup,
-    /// promotion and offload decisions, statistics, and which sectors come from the core and
-    /// which from the cache. None for an empty read. The plan holds the stripes until
-    /// [`read_finish`](Self::read_finish).
-    pub(crate) fn read_plan<'a>(
-        &'a self,
-        core: &'a CoreState,
-        len: usize,
-        offset: u64,
-        lock: impl FnOnce(Vec<u32>, Span) -> StripeGuard<'a>,
-    ) -> Result<Option<ReadPlan<'a>>> {
-        self.check(core, offset, len as u64, Some(MAX_REQUEST))?;
-        if len == 0 {
-            return Ok(None);
-        }
-        let entered = core.enter()?;
-        let mode = self.mode();
-        // In wo and pt, and for a request sequential cutoff or promotion turns away, only dirty
-        // sectors come from the cache and nothing is inserted.
-        let class = self.classes.classify(core.id, offset, len as u64, false);
-        let mut bypass = matches!(mode, CacheMode::Wo | CacheMode::Pt)
-            || class.is_some_and(|c| c.cap == 0)
-            || self.cut_off(core, offset, len as u64, false);
-        let mut segs = self.segments(core.id, offset, len as u64);
-        let locks = lock(self.stripes_of(segs.iter().map(|s| s.key)), span_of(&segs));
-        let waited = locks.waited();
-        self.lookup(&mut segs);
-        bypass = bypass || self.promotion_declines(&segs);
-        // Offload may serve a hit from the core only when no line it touches has a dirty
-        // sector: the core then holds the very data the cache does. The stripes stay locked
-        // through the core read, so no write can dirty them meanwhile.
-        let offloaded = !bypass
-            && segs
-                .iter()
-                .all(|s| s.mapped() && s.dirty == 0 && s.mask() & !s.valid == 0)
-            && self.offload.take(core.id as usize);
-        bypass = bypass || offloaded;
-
-        let mut core_runs = Vec::new();
-        let mut cache_runs = Vec::new();
-        let mut cached_sectors = 0u64;
-        let mut prefetch_hits = 0;
-        for s in &segs {
-            let m = s.mask();
-            let from_cache = m & if bypass { s.dirty } else { s.valid };
-            if from_cache != 0 && self.prefetch.take_mark(s.line) {
-                prefetch_hits += 1;
-            }
-            cached_sectors += (m & s.valid).count_ones() as u64;
-            for (first, n) in bits::runs(m & !from_cache) {
-                let len = n as usize * SECTOR as usize;
-                let buf_off = s.buf_off + (first - s.first) as usize * SECTOR as usize;
-                push_run(&mut core_runs, self.core_off(s.key, first), buf_off, len);
-            }
-            for (first, n) in bits::runs(from_cache) {
-                let len = n as usize * SECTOR as usize;
-                let buf_off = s.buf_off + (first - s.first) as usize * SECTOR as usize;
-                push_run(&mut cache_runs, self.cache_off(s.line, first), buf_off, len);
-            }
-        }
-        let c = &core.counters;
-        let total = len as u64 / SECTOR;
-        let outcome = if bypass {
-            Counter::PassThroughReads
-        } else {
-            classify(
-                cached_sectors,
-                total,
-                Counter::ReadHits,
-                Counter::ReadPartialMisses,
-                Counter::ReadFullMisses,
-            )
-        };
-        c.add(outcome, 1);
-        self.classes.count(&core.classes, class, outcome, 1);
-        if waited && matches!(outcome, Counter::ReadHits) {
-            c.add(Counter::ReadDeferred, 1);
-            self.classes
-                .count(&core.classes, class, Counter::ReadDeferred, 1);
-        }
-        if offloaded {
-            c.add(Counter::OffloadReads, 1);
-            self.classes
-                .count(&core.classes, class, Counter::OffloadReads, 1);
-        }
-        c.add(Counter::ExportedReadBytes, len as u64);
-        c.add(Counter::PrefetchHits, prefetch_hits);
-        self.classes
-            .count(&core.classes, class, Counter::PrefetchHits, prefetch_hits);
-        self.classes
-            .count(&core.classes, class, Counter::ExportedReadBytes, len as u64);
-        Ok(Some(ReadPlan {
-            _entered: entered,
-            locks,
-            segs,
-            core_runs,
-            cache_runs,
-            bypass,
-            class,
-        }))
-    }
-
-    /// The rest of a read once its core runs are in `buf` and its cache runs were read with
-    /// result `cached`: the fallback for a failed cache read, insertion, and read-ahead.
-    pub(crate) fn read_finish(
-        &self,
-        core: &CoreState,
-        buf: &mut [u8],
-        offset: u64,
-        plan: ReadPlan<'_>,
-        cached: Result<()>,
-    ) -> Result<()> {
-        let ReadPlan {
-            locks,
-            segs,
-            bypass,
-            class,
-            ..
-        } = plan;
-        if let Err(e) = cached {
-            // The cache device failed: clean sectors can still come from the core, dirty ones
-            // exist nowhere else.
-            if segs.iter().any(|s| s.mask() & s.dirty != 0) {
-                return Err(e);
-            }
-            let all = [Run {
-                dev_off: offset,
-                buf_off: 0,
-                len: buf.len(),
-            }];
-            return self.core_read(core, buf, &all);
-        }
-
-        if bypass {
-            for s in segs.iter().filter(|s| s.mapped() && s.dirty == 0) {
-                self.touch_clean(s.line);
-            }
-            return Ok(());
-        }
-        self.insert_after_read(core, buf, &segs, class);
-        drop(locks);
-        if self.prefetch.enabled() {
-            // Only queued here: the worker does the IO, this read does not wait for it.
-            let len = buf.len() as u64;
-            self.readahead(core.id, &core.read_streams, core.size, offset, len, class);
-        }
-        Ok(())
-    }
-
-    fn touch_clean(&self, line: u32) {
-        let mut s = self.lists.lock(self.lists.shard_of(line));
-        self.lists
-            .move_back(&mut s, ListKind::Clean, ListKind::Clean, line);
-    }
-
-    /// Put what a read fetched from the core into the cache: missing sectors of mapped lines, and
-    /// new lines for unmapped ones when a line can be had.
-    fn insert_after_read(
-        &self,
-        core: &CoreState,
-        buf: &[u8],
-        segs: &[Seg],
-        class: Option<ReqClass>,
-    ) {
-        // Once no line can be had, later unmapped segments are just served from the core; mapped
-        // ones still get their missing sectors.
-        let mut lines_left = true;
-        for s in segs {
-            let m = s.mask();
-            let missing = m & !s.valid;
-            if s.mapped() {
-                if missing != 0 && self.cache_write_mask(core, buf, s, s.line, missing).is_ok() {
-                    self.update_line(s.line, s.key, s.valid | missing, s.dirty, s.dirty == 0);
-                } else if s.dirty == 0 {
-                    self.touch_clean(s.line);
-                }
-                continue;
-            }
-            if !lines_left {
-                continue;
-            }
-            let Some(line) = self.alloc_line(class) else {
-                lines_left = false;
-                continue;
-            };
-            if self.cache_write_mask(core, buf, s, line, m).is_ok() {
-                self.insert_line(line, s.key, m, 0, class);
-            } else {
-                self.release_line(line);
-            }
-        }
-    }
-
-    // ---- writes ---------------------------------------------------------------------------
-
-    fn write(&self, core: &CoreState, buf: &[u8], offset: u64) -> Result<()> {
-        self.check(core, offset, buf.len() as u64, Some(MAX_REQUEST))?;
-        if buf.is_empty() {
-            return Ok(());
-        }
-        let _entered = core.enter()?;
-        let mode = self.mode();
-        core.counters
-            .add(Counter::ExportedWrittenBytes, buf.len() as u64);
-        let class = self
-            .classes
-            .classify(core.id, offset, buf.len() as u64, true);
-        self.classes.count(
-            &core.classes,
-            class,
-            Counter::ExportedWrittenBytes,
-            buf.len() as u64,
-        );
-        // A write sequential cutoff turns away goes to the core; the cache drops its copy of
-        // those sectors, dirty or not (the core now has newer data). wa inserts nothing anyway
-        // and keeps its mapped copies up to date instead.
-        // A class with allocation 0 is never cached: its writes are pass-through too.
-        let cut = mode != CacheMode::Pt
-            && (class.is_some_and(|c| c.cap == 0)
-                || self.cut_off(core, offset, buf.len() as u64, true));
-        match mode {
-            CacheMode::Wa => self.write_through(core, buf, offset, false, class),
-            _ if cut => self.write_invalidate(core, buf, offset, CacheMode::Pt, class),
-            CacheMode::Wb | CacheMode::Wo => self.write_back(core, buf, offset, class),
-            CacheMode::Wt => self.write_through(core, buf, offset, true, class),
-            CacheMode::Wi | CacheMode::Pt => self.write_invalidate(core, buf, offset, mode, class),
-        }
-    }
-
-    /// `waited`: the write waited for another request's stripes (a hit is then also deferred).
-    fn count_write(&self, core: &CoreState, segs: &[Seg], class: Option<ReqClass>, waited: bool) {
-        let total: u64 = segs.iter().map(|s| s.count as u64).sum();
-        let valid: u64 = segs
-            .iter()
-            .map(|s| (s.mask() & s.valid).count_ones() as u64)
-            .sum();
-        let outcome = classify(
-            valid,
-            total,
-            Counter::WriteHits,
-            Counter::WritePartialMisses,
-            Counter::WriteFullMisses,
-        );
-        core.counters.add(outcome, 1);
-        self.classes.count(&core.classes, class, outcome, 1);
-        if waited && matches!(outcome, Counter::WriteHits) {
-            core.counters.add(Counter::WriteDeferred, 1);
-            self.classes
-                .count(&core.classes, class, Counter::WriteDeferred, 1);
-        }
-    }
-
-    fn count_pass_through_write(&self, core: &CoreState, class: Option<ReqClass>) {
-        core.counters.add(Counter::PassThroughWrites, 1);
-        self.classes
-            .count(&core.classes, class, Counter::PassThroughWrites, 1);
-    }
-
-    fn write_back(
-        &self,
-        core: &CoreState,
-        buf: &[u8],
-        offset: u64,
-        class: Option<ReqClass>,
-    ) -> Result<()> {
-        let mut segs = self.segments(core.id, offset, buf.len() as u64);
-        // Lines taken in an earlier round stay ours across rounds.
-        let mut spare: Vec<u32> = Vec::new();
-        let mut round = 0;
-        let mut declined = false;
-        let mut offloaded = false;
-        let lazy = self.lazy_flush.load(Ordering::Relaxed);
-        let mut room_deadline: Option<std::time::Instant> = None;
-        // Counted among the writes waiting for a line (see `queued` below) while set.
-        let mut waiter = None;
-        let mut asked = false;
-        let mut waited = false;
-        let (locks, short) = loop {
-            let locks = self.lock_segs(&segs, WaitFor::All);
-            waited |= locks.waited();
-            self.lookup(&mut segs);
-            // Promotion is asked once: a retry after making room must not count accesses again.
-            if !asked {
-                asked = true;
-                declined = self.promotion_declines(&segs);
-                // Offload takes only write misses: with no core line mapped (under the locks)
-                // there is no cached copy that the core's new data could leave stale.
-                offloaded = !declined
-                    && segs.iter().all(|s| !s.mapped())
-                    && self.offload.take(core.id as usize);
-            }
-            // Declined or offloaded: unmapped segments go to the core, mapped ones are still
-            // updated here.
-            let needed = if declined || offloaded {
-                0
-            } else {
-                segs.iter().filter(|s| !s.mapped()).count()
-            };
-            let sig = &self.cleaner_signal;
-            let can_wait = lazy && sig.room_coming();
-            // Writes already waiting for a line go first: one that has not waited takes none
-            // while others wait, and joins them. Otherwise the lines a commit frees go to the
-            // writes that happen to come back first (those that just got one), and a waiting
-            // write can lose every round until it times out and goes to the core.
-            // A class at its allocation takes its own lines, which waiting writes of other
-            // classes could not take: it does not queue.
-            let queued = can_wait
-                && !class.is_some_and(|c| self.classes.full(c))
-                && waiter.is_none()
-                && spare.len() < needed
-                && sig.waiters.load(Ordering::SeqCst) > 0;
-            while !queued && spare.len() < needed {
-                match self.alloc_line(class) {
-                    Some(line) => spare.push(line),
-                    None => break,
-                }
-            }
-            // A class at its allocation takes only its own clean lines: cleaning other lines
-            // would not make room for it, so what it cannot place goes to the core.
-            let capped = class.is_some_and(|c| self.classes.full(c));
-            if spare.len() >= needed || round == MAKE_ROOM_ROUNDS || capped {
-                if waiter.take().is_some() && needed > 0 {
-                    // Lines may be left: let the next waiting write look.
-                    sig.room_made();
-                }
-                break (locks, false);
-            }
-            if lazy {
-                // Background cleaning is under way: the lines it cleans become reusable at once
-                // on a volatile cache, and at the next commit on a persistent one, which
-                // cleaning makes ahead of need while writes want room (`commit_ahead`). So wait
-                // a little for one rather than send a random write to a core that cleaning
-                // keeps busy (issue 20). Nothing has changed yet, so the locks can go
-                // meanwhile. With no cleaning under way the write goes to the core at once, as
-                // before, and asks for room.
-                if can_wait {
-                    let deadline =
-                        *room_deadline.get_or_insert_with(|| std::time::Instant::now() + ROOM_WAIT);
-                    if std::time::Instant::now() < deadline {
-                        let seen = sig.room_generation();
-                        drop(locks);
-                        if waiter.is_none() {
-                            waiter = Some(sig.join_waiters());
-                        }
-                        sig.want_room();
-                        sig.wait_room(seen, deadline);
-                        continue;
-                    }
-                }
-                drop(waiter.take());
-                // Lazy flush: what has no line goes to the core now (those core lines are not
-                // mapped, so no cached copy can go stale), and background cleaning makes room
-                // for the writes to come.
-                break (locks, true);
-            }
-            // Nothing has changed yet, so the locks can go while cleaning makes room.
-            drop(locks);
-            round += 1;
-            if let Err(e) = self.make_room(needed - spare.len()) {
-                for line in spare {
-                    self.release_line(line);
-                }
-                return Err(e);
-            }
-        };
-        if declined || offloaded {
-            self.count_pass_through_write(core, class);
-        } else {
-            self.count_write(core, &segs, class, waited);
-        }
-        if offloaded {
-            core.counters.add(Counter::OffloadWrites, 1);
-            self.classes
-                .count(&core.classes, class, Counter::OffloadWrites, 1);
-        }
-        // Lines were taken in ascending order and are handed out by pop(): reversed, so that
-        // neighbouring segments get neighbouring lines and their copies (and later their
-        // cleaning reads) merge into one.
-        spare.reverse();
-
-        // Decide each segment's home: its mapped line, a new line, or (no line) the core.
-        let mut targets: Vec<(usize, u32, bool)> = Vec::with_capacity(segs.len());
-        let mut core_runs = Vec::new();
-        for (i, s) in segs.iter().enumerate() {
-            if s.mapped() {
-                targets.push((i, s.line, false));
-            } else if let Some(line) = spare.pop() {
-                targets.push((i, line, true));
-            } else {
-                push_run(
-                    &mut core_runs,
-                    self.core_off(s.key, s.first),
-                    s.buf_off,
-                    s.count as usize * SECTOR as usize,
-                );
-            }
-        }
-        for line in spare {
-            self.release_line(line);
-        }
-        if short {
-            let bytes: u64 = core_runs.iter().map(|r| r.len as u64).sum();
-            core.counters.add(Counter::LazyFlushWrites, 1);
-            core.counters.add(Counter::LazyFlushBytes, bytes);
-            self.classes
-                .count(&core.classes, class, Counter::LazyFlushWrites, 1);
-            self.classes
-                .count(&core.classes, class, Counter::LazyFlushBytes, bytes);
-            self.cleaner_signal.want_room();
-        }
-
-        let mut cache_runs = Vec::new();
-        for &(i, line, _) in &targets {
-            let s = &segs[i];
-            push_run(
-                &mut cache_runs,
-                self.cache_off(line, s.first),
-                s.buf_off,
-                s.count as usize * SECTOR as usize,
-            );
-        }
-        let cache_ok = self.cache_write(core, buf, &cache_runs).is_ok();
-        let mut fallback = Vec::new();
-        for &(i, line, new) in &targets {
-            let s = &segs[i];
-            let m = s.mask();
-            match (cache_ok, new) {
-                (true, true) => self.insert_line(line, s.key, m, m, class),
-                (true, false) => self.update_line(line, s.key, s.valid | m, s.dirty | m, true),
-                (false, new) => {
-                    // The cache copy of these sectors may be torn: the core gets the data and
-                    // the sectors are dropped from the cache.
-                    if new {
-                        self.release_line(line);
-                    } else {
-                        self.update_line(line, s.key, s.valid & !m, s.dirty & !m, false);
-                    }
-                    push_run(
-                        &mut fallback,
-                        self.core_off(s.key, s.first),
-                        s.buf_off,
-                        s.count as usize * SECTOR as usize,
-                    );
-                }
-            }
-        }
-        if fallback.is_empty() && !core_runs.is_empty() {
-            // What has no line (lazy flush, a declined promotion, offload) has no cached copy
-            // either, so the stripes need not stay locked across its core write: a stripe held
-            // there kept cleaning, and other writes whose lines share it, waiting for a RAID
-            // that waits for the rest of its stripe (issue 20; locks.rs). The cached part is
-            // in place already, and the span keeps reads and writes of these lines out.
-            let _in_flight = locks.begin(span_of(&segs), SpanKind::Around);
-            drop(locks);
-            return self.core_write(core, buf, &core_runs);
-        }
-        core_runs.extend(fallback);
-        let result = self.core_write(core, buf, &core_runs);
-        drop(locks);
-        result
-    }
-
-    /// wt (insert) and wa (no insert): the core first, then the cache copy of mapped lines.
-    fn write_through(
-        &self,
-        core: &CoreState,
-        buf: &[u8],
-        offset: u64,
-        insert: bool,
-        class: Option<ReqClass>,
-    ) -> Result<()> {
-        let mut segs = self.segments(core.id, offset, buf.len() as u64);
-        let locks = self.lock_segs(&segs, WaitFor::All);
-        let waited = locks.waited();
-        self.lookup(&mut segs);
-        let declined = insert && self.promotion_declines(&segs);
-        // As in write-back: offload takes write misses only (nothing mapped, nothing stale).
-        let offloaded = insert
-            && !declined
-            && segs.iter().all(|s| !s.mapped())
-            && self.offload.take(core.id as usize);
-        let insert = insert && !declined && !offloaded;
-        if declined || offloaded {
-            self.count_pass_through_write(core, class);
-        } else {
-            self.count_write(core, &segs, class, waited);
-        }
-        if offloaded {
-            core.counters.add(Counter::OffloadWrites, 1);
-            self.classes
-                .count(&core.classes, class, Counter::OffloadWrites, 1);
-        }
-        let whole = [Run {
-            dev_off: offset,
-            buf_off: 0,
-            len: buf.len(),
-        }];
-        self.core_write(core, buf, &whole)?;
-        for s in &segs {
-            let m = s.mask();
-            if s.mapped() {
-                if self.cache_write_mask(core, buf, s, s.line, m).is_ok() {
-                    self.update_line(s.line, s.key, s.valid | m, s.dirty & !m, true);
-                } else {
-                    self.update_line(s.line, s.key, s.valid & !m, s.dirty & !m, false);
-                }
-            } else if insert {
-                let Some(line) = self.alloc_line(class) else {
-                    continue;
-                };
-                if self.cache_write_mask(core, buf, s, line, m).is_ok() {
-                    self.insert_line(line, s.key, m, 0, class);
-                } else {
-                    self.release_line(line);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// wi and pt: the core gets the data; cached copies of the written sectors are dropped.
-    fn write_invalidate(
-        &self,
-        core: &CoreState,
-        buf: &[u8],
-        offset: u64,
-        mode: CacheMode,
-        class: Option<ReqClass>,
-    ) -> Result<()> {
-        let mut segs = self.segments(core.id, offset, buf.len() as u64);
-        let locks = self.lock_segs(&segs, WaitFor::All);
-        self.lookup(&mut segs);
-        if mode == CacheMode::Pt {
-            self.count_pass_through_write(core, class);
-        } else {
-            self.count_write(core, &segs, class, locks.waited());
-        }
-        let whole = [Run {
-            dev_off: offset,
-            buf_off: 0,
-            len: buf.len(),
-        }];
-        if segs.iter().all(|s| s.valid & s.mask() == 0) {
-            // No cached copy to drop: the stripes need not stay locked across the core write
-            // (the common case: a stream that seq cutoff sends around the cache). locks.rs.
-            let _in_flight = locks.begin(span_of(&segs), SpanKind::Around);
-            drop(locks);
-            return self.core_write(core, buf, &whole);
-        }
-        self.core_write(core, buf, &whole)?;
-        self.invalidate(&segs);
-        Ok(())
-    }
-
-    /// Drop the segments' sectors from the cache. Caller holds their stripes.
-    fn invalidate(&self, segs: &[Seg]) {
-        for s in segs.iter().filter(|s| s.mapped()) {
-            let m = s.mask();
-            if s.valid & m != 0 {
-                self.update_line(s.line, s.key, s.valid & !m, s.dirty & !m, false);
-            }
-        }
-    }
-
-    fn discard(&self, core: &CoreState, offset: u64, len: u64) -> Result<()> {
-        self.check(core, offset, len, None)?;
-        let _entered = core.enter()?;
-        let mut done = 0;
-        while done < len {
-            let n = (len - done).min(MAX_REQUEST);
-            let mut segs = self.segments(core.id, offset + done, n);
-            let _locks = self.lock_segs(&segs, WaitFor::All);
-            self.lookup(&mut segs);
-            // Invalidate first: the discard supersedes even dirty data, and the core is told
-            // while the lines are still locked, so no reader sees a half-discarded range.
-            self.invalidate(&segs);
-            core.volume
-                .discard(offset + done, n)
-                .inspect_err(|_| core.counters.add(Counter::CoreWriteErrors, 1))?;
-            core.unflushed.store(true, Ordering::SeqCst);
-            done += n;
-        }
-        Ok(())
-    }
-
-    fn write_zeroes(&self, core: &CoreState, offset: u64, len: u64) -> Result<()> {
-        self.check(core, offset, len, None)?;
-        // Zeroes take the ordinary write path so that every mode treats them as it treats data.
-        static ZEROES: OnceLock<Vec<u8>> = OnceLock::new();
-        let zeroes = ZEROES.get_or_init(|| vec![0; MAX_REQUEST as usize]);
-        let mut done = 0;
-        while done < len {
-            let n = (len - done).min(MAX_REQUEST);
-            self.write(core, &zeroes[..n as usize], offset + done)?;
-            done += n;
-        }
-        Ok(())
-    }
-
-    fn flush_request(&self, core: &CoreState) -> Result<()> {
-        let _entered = core.enter()?;
-        self.commit()?;
-        // A commit passes a failing core by: this core's own flush must still say so.
-        self.retry_failing_core(core)
-    }
-
-    // ---- device IO with accounting --------------------------------------------------------
-
-    pub(crate) fn core_read(&self, core: &CoreState, buf: &mut [u8], runs: &[Run]) -> Result<()> {
-        if !runs.is_empty() {
-            latency::touched_core();
-        }
-        let _queued = self.offload.core_io(core.id as usize);
-        for r in runs {
-            core.volume
-                .read_at(&mut buf[r.buf_off..r.buf_off + r.len], r.dev_off)
-                .inspect_err(|_| core.counters.add(Counter::CoreReadErrors, 1))?;
-            core.counters.add(Counter::CoreReadBytes, r.len as u64);
-        }
-        Ok(())
-    }
-
-    pub(crate) fn core_write(&self, core: &CoreState, buf: &[u8], runs: &[Run]) -> Result<()> {
-        if !runs.is_empty() {
-            latency::touched_core();
-        }
-        let _queued = self.offload.core_io(core.id as usize);
-        for r in runs {
-            let op = core.watch.begin();
-            let written = core
-                .volume
-                .write_at(&buf[r.buf_off..r.buf_off + r.len], r.dev_off);
-            drop(op);
-            written.inspect_err(|_| {
-                core.counters.add(Counter::CoreWriteErrors, 1);
-                self.gauges[core.id as usize]
-                    .failing
-                    .store(true, Ordering::SeqCst);
-            })?;
-            // Before the caller can mark anything clean: a commit that sees the line clean
-            // then sees this too, and flushes the core.
-            core.unflushed.store(true, Ordering::SeqCst);
-            core.counters.add(Counter::CoreWrittenBytes, r.len as u64);
-        }
-        Ok(())
-    }
-
-    pub(crate) fn cache_read(&self, core: &CoreState, buf: &mut [u8], runs: &[Run]) -> Result<()> {
-        let _queued = self.offload.cache_io();
-        for r in runs {
-            self.volume
-                .read_at(&mut buf[r.buf_off..r.buf_off + r.len], r.dev_off)
-                .inspect_err(|_| core.counters.add(Counter::CacheReadErrors, 1))?;
-            core.counters.add(Counter::CacheReadBytes, r.len as u64);
-        }
-        Ok(())
-    }
-
-    pub(crate) fn cache_write(&self, core: &CoreState, buf: &[u8], runs: &[Run]) -> Result<()> {
-        let _queued = self.offload.cache_io();
-        for r in runs {
-            self.volume
-                .write_at(&buf[r.buf_off..r.buf_off + r.len], r.dev_off)
-                .inspect_err(|_| core.counters.add(Counter::CacheWriteErrors, 1))?;
-            core.counters.add(Counter::CacheWrittenBytes, r.len as u64);
-        }
-        Ok(())
-    }
-
-    /// Write the sectors `mask` of segment `s` from the request buffer into cache line `line`.
-    fn cache_write_mask(
-        &self,
-        core: &CoreState,
-        buf: &[u8],
-        s: &Seg,
-        line: u32,
-        mask: Mask,
-    ) -> Result<()> {
-        let mut runs = Vec::new();
-        for (first, n) in bits::runs(mask) {
-            let buf_off = s.buf_off + (first - s.first) as usize * SECTOR as usize;
-            push_run(
-                &mut runs,
-                self.cache_off(line, first),
-                buf_off,
-                n as usize * SECTOR as usize,
-            );
-        }
-        self.cache_write(core, buf, &runs)
-    }
-
-    // ---- statistics ----------------------------------------------------------------------
-
-    pub(crate) fn usage(&self, core: Option<CoreId>) -> Usage {
-        let (occupancy, dirty) = match core {
-            Some(id) => {
-                let g = &self.gauges[id as usize];
-                (
-                    g.occupancy.load(Ordering::Relaxed),
-                    g.dirty.load(Ordering::Relaxed),
-                )
-            }
-            None => self.gauges.iter().fold((0, 0), |(o, d), g| {
-                (
-                    o + g.occupancy.load(Ordering::Relaxed),
-                    d + g.dirty.load(Ordering::Relaxed),
-                )
-            }),
-        };
-        Usage {
-            line_size: self.line_bytes as u32,
-            total_lines: self.lines as u64,
-            occupancy_lines: occupancy,
-            free_lines: self.free_lines.load(Ordering::Relaxed),
-            dirty_lines: dirty,
-        }
-    }
-
-    fn core_stats(&self, core: &CoreState) -> Stats {
-        let (requests, blocks, errors) = core.counters.snapshot();
-        Stats {
-            usage: self.usage(Some(core.id)),
-            requests,
-            blocks,
-            errors,
-        }
-    }
-}
-
-impl CacheInner {
-    fn build(
-        volume: VolumeRef,
-        config: &CacheConfig,
-        lines: u32,
-        data_offset: u64,
-        persist: Option<Persist>,
-    ) -> CacheInner {
-        // Enough stripes that unrelated requests rarely meet, few enough to stay small.
-        let stripes = (lines as usize).next_power_of_two().clamp(64, 1 << 16);
-        let shards = (lines.div_ceil(RUN) as usize).clamp(1, 64);
-        CacheInner {
-            id: config.id,
-            line_size: config.line_size,
-            line_bytes: config.line_size.bytes() as u64,
-            lines,
-            volume,
-            data_offset,
-            mode: AtomicU8::new(config.mode as u8),
-            table: LineTable::new(lines, config.line_size.sectors(), stripes),
-            lists: Lists::new(lines, shards),
-            locks: StripedLocks::new(stripes),
-            cores: RwLock::new(BTreeMap::new()),
-            gauges: (0..MAX_CORES).map(|_| CoreGauges::default()).collect(),
-            free_lines: AtomicU64::new(lines as u64),
-            persist,
-            inactive: RwLock::new(BTreeMap::new()),
-            cleaning: RwLock::new(CleaningConfig::default()),
-            cleaner: Mutex::new(CleanerState::default()),
-            cleaner_thread: Mutex::new(None),
-            prefetch: PrefetchState::new(),
-            prefetch_thread: Mutex::new(None),
-            cleaner_signal: Arc::new(CleanerSignal::default()),
-            lazy_flush: AtomicBool::new(LazyFlush::default().enabled),
-            offload: OffloadState::new(MAX_CORES as usize),
-            pacer: Pacer::default(),
-            cleaning_counters: CleaningCounters::default(),
-            prefetch_errors: BackgroundErrorLog::default(),
-            promotion: PromotionState::new(Promotion::default()),
-            classes: ClassState::new(lines),
-            flush_progress: FlushProgress::default(),
-            seq_cutoff_inactive: RwLock::new(BTreeMap::new()),
-        }
-    }
-
-    /// A core's state; its acp chunk counters are sized (and counted) here too.
-    fn new_core_state(&self, id: CoreId, volume: VolumeRef, seq: SeqCutoff) -> Arc<CoreState> {
-        self.rebuild_chunks(id, volume.size());
-        self.gauges[id as usize]
-            .failing
-            .store(false, Ordering::SeqCst);
-        Arc::new(CoreState {
-            id,
-            size: volume.size(),
-            volume,
-            counters: Counters::new(),
-            removed: AtomicBool::new(false),
-            stopped: AtomicBool::new(false),
-            in_flight: (0..SLOTS).map(|_| InFlight(AtomicU64::new(0))).collect(),
-            seq: SeqState::new(seq),
-            unflushed: AtomicBool::new(false),
-            read_streams: ReadStreams::default(),
-            latency: Latency::new(),
-            classes: CoreClassCounters::default(),
-            watch: Arc::new(CoreWatch::default()),
-        })
-    }
-
-    /// The policies as the superblock records them.
-    fn policy_record(&self) -> PolicyRecord {
-        let mut seq_cutoff = self.seq_cutoff_inactive.read().clone();
-        for (id, c) in self.cores.read().iter() {
-            seq_cutoff.insert(*id, c.seq.params());
-        }
-        PolicyRecord {
-            cleaning: *self.cleaning.read(),
-            promotion: self.promotion.params(),
-            seq_cutoff,
-            io_classes: self.classes.active().then(|| self.classes.table().to_csv()),
-            lazy_flush: LazyFlush {
-                enabled: self.lazy_flush.load(Ordering::Relaxed),
-            },
-            prefetch: self.prefetch.params(),
-            offload: self.offload.params(),
-        }
-    }
-
-    /// Record the policies in the superblock (persistent caches), so a load restores them.
-    fn save_policies(&self) -> Result<()> {
-        let Some(p) = &self.persist else {
-            return Ok(());
-        };
-        let record = self.policy_record();
-        let serde_json::Value::Object(map) =
-            serde_json::to_value(&record).expect("policies serialise")
-        else {
-            unreachable!("a struct serialises to an object");
-        };
-        p.update_superblock(&*self.volume, |sb| sb.params = map)
-    }
-
-    /// Stop new requests on a core and wait for those in flight.
-    fn quiesce(core: &CoreState) {
-        core.removed.store(true, Ordering::SeqCst);
-        while core.in_flight() != 0 {
-            std::thread::yield_now();
-        }
-    }
-}
-
-fn check_line_size(line_size: u32) -> Result<LineSize> {
-    LineSize::from_kib(line_size / 1024)
-        .ok()
-        .filter(|l| l.bytes() == line_size)
-        .ok_or_else(|| {
-            EngineError::Corrupt(format!(
-                "superblock: cache line size {line_size} is impossible"
-            ))
-        })
-}
-
-fn describe_cores(sb: &Superblock) -> String {
-    if sb.cores.is_empty() {
-        return "none".into();
-    }
-    sb.cores
-        .iter()
-        .map(|c| format!("{} ({})", c.id, c.path))
-        .collect::<Vec<_>>()
-        .join(", ")
 }
 
 impl Cache {
@@ -1673,13 +125,18 @@ impl Cache {
     /// Wrap a built cache and start its cleaner thread.
     fn started(inner: CacheInner) -> Cache {
         // Dirty data a load brought back has been dirty at least since the load.
-        for g in inner.gauges.iter() {
+        for g in inner.lines.gauges().iter() {
             let _ = g.dirty_for();
         }
         let inner = Arc::new(inner);
-        *inner.cleaner_thread.lock() = Some(CleanerThread::start(&inner));
-        *inner.prefetch_thread.lock() = Some(PrefetchThread::start(&inner));
-        Cache { inner }
+        let threads = Threads {
+            cleaner: Mutex::new(Some(CleanerThread::start(&inner))),
+            prefetch: Mutex::new(Some(PrefetchThread::start(&inner))),
+        };
+        Cache {
+            inner,
+            threads: Arc::new(threads),
+        }
     }
 
     /// Create a new persistent cache on `cache_volume` (docs/format.md). A volume that already
@@ -1693,7 +150,7 @@ impl Cache {
                     id: sb.cache_id,
                     uuid: sb.uuid.clone(),
                     line_kib: sb.line_size / 1024,
-                    cores: describe_cores(sb),
+                    cores: sb.describe_cores(),
                 });
             }
             for slot in &slots {
@@ -1739,154 +196,16 @@ impl Cache {
     /// Load the cache held by `cache_volume`, after a clean stop or a crash. `open_core` opens
     /// each recorded core's device; a core it cannot open (None) is loaded inactive, its dirty
     /// data kept. Everything is checked before anything is written: corrupt metadata, a core of
-    /// the wrong size or a volume of the wrong size is refused and the devices stay untouched.
+    /// the wrong size or a volume of the wrong size is refused and the devices stay untouched
+    /// (recovery.rs).
     pub fn load(
         cache_volume: VolumeRef,
         open_core: &mut dyn FnMut(&CoreRecord) -> Option<VolumeRef>,
     ) -> Result<Cache> {
-        let slots = persist::read_config(&*cache_volume)?;
-        persist::refuse_newer(&slots)?;
-        let Some((sb_seq, sb, version)) = persist::newest(&slots) else {
-            let damaged: Vec<String> = slots
-                .iter()
-                .zip(["A (offset 0)", "B (offset 1 MiB)"])
-                .filter_map(|(s, name)| match s {
-                    ConfigSlot::Corrupt(why) => Some(format!("superblock copy {name}: {why}")),
-                    _ => None,
-                })
-                .collect();
-            return Err(if damaged.is_empty() {
-                EngineError::NoCache(cache_volume.name().to_string())
-            } else {
-                EngineError::Corrupt(damaged.join("; "))
-            });
-        };
-        let sb = sb.clone();
-        let line_size = check_line_size(sb.line_size)?;
-        let mode = sb
-            .mode()
-            .map_err(|e| EngineError::Corrupt(format!("superblock: {e}")))?;
-        let recorded = Geometry {
-            lines: sb.lines,
-            entries_per_block: sb.entries_per_block,
-            meta_blocks: sb.meta_blocks,
-            data_offset: sb.data_offset,
-        };
-        if Geometry::compute(cache_volume.size(), sb.line_size as u64) != Some(recorded) {
-            return Err(EngineError::Invalid(format!(
-                "{} is {} bytes, but the cache on it was created for a device with {} lines of {} KiB; is this the right device?",
-                cache_volume.name(),
-                cache_volume.size(),
-                sb.lines,
-                sb.line_size / 1024
-            )));
-        }
-        let mut ids = std::collections::BTreeSet::new();
-        for c in &sb.cores {
-            if c.id as u32 > MAX_CORE_ID || !ids.insert(c.id) || c.size % SECTOR != 0 {
-                return Err(EngineError::Corrupt(format!(
-                    "superblock: core record {c:?} is impossible"
-                )));
-            }
-        }
-        let mut active = Vec::new();
-        let mut inactive = BTreeMap::new();
-        for rec in &sb.cores {
-            match open_core(rec) {
-                Some(vol) if vol.size() != rec.size => {
-                    return Err(EngineError::CoreMismatch {
-                        id: rec.id,
-                        why: format!(
-                            "{} is {} bytes but the cache recorded {} bytes for it (uuid {}); refusing to load",
-                            rec.path,
-                            vol.size(),
-                            rec.size,
-                            rec.uuid
-                        ),
-                    })
-                }
-                Some(vol) => active.push((rec.id, vol)),
-                None => {
-                    inactive.insert(rec.id, rec.clone());
-                }
-            }
-        }
-        let config = CacheConfig {
-            id: sb.cache_id,
-            line_size,
-            mode,
-        };
-        let policies: PolicyRecord =
-            serde_json::from_value(serde_json::Value::Object(sb.params.clone())).map_err(|e| {
-                EngineError::Corrupt(format!("superblock: unreadable policy parameters: {e}"))
-            })?;
-        let valid = policies.cleaning.validate().and_then(|()| {
-            policies.promotion.validate()?;
-            policies.prefetch.validate()?;
-            policies.seq_cutoff.values().try_for_each(|s| s.validate())
-        });
-        if let Err(e) = valid {
-            return Err(EngineError::Corrupt(format!(
-                "superblock: impossible policy parameters: {e}"
-            )));
-        }
-        let mask_bytes = line_size.sectors() as usize / 8;
-        let persist = Persist::new(recorded, sb.nonce, mask_bytes, sb.clone(), 0, sb_seq);
-        let mut inner = CacheInner::build(
-            cache_volume.clone(),
-            &config,
-            recorded.lines,
-            recorded.data_offset,
-            Some(persist),
-        );
-        persist::restore(
-            &mut inner,
-            &*cache_volume,
-            &sb,
-            line_size.sectors(),
-            version,
-        )?;
-        let p = inner
-            .persist
-            .as_ref()
-            .expect("a loaded cache is persistent");
-        if let Some(csv) = &policies.io_classes {
-            // Loaded leniently: a file accepted with file-system rules ignored reads back.
-            let opts = crate::ioclass::LoadOptions {
-                ignore_unsupported: true,
-            };
-            let table = IoClasses::parse(csv, &opts).map_err(|e| {
-                EngineError::Corrupt(format!("superblock: unreadable IO class table: {e}"))
-            })?;
-            inner
-                .classes
-                .install(table, &inner.table, |id| &inner.gauges[id as usize].classes);
-        }
-        *inner.cleaning.write() = policies.cleaning;
-        inner
-            .lazy_flush
-            .store(policies.lazy_flush.enabled, Ordering::Relaxed);
-        inner.promotion.set_params(policies.promotion, inner.lines);
-        inner.prefetch.set_params(policies.prefetch, inner.lines);
-        inner.offload.set_params(policies.offload);
-        let seq_of = |id: CoreId| policies.seq_cutoff.get(&id).copied().unwrap_or_default();
-        for (id, vol) in active {
-            let state = inner.new_core_state(id, vol, seq_of(id));
-            inner.cores.write().insert(id, state);
-        }
-        for (id, rec) in &inactive {
-            inner.rebuild_chunks(*id, rec.size);
-            inner.seq_cutoff_inactive.write().insert(*id, seq_of(*id));
-        }
-        *inner.inactive.write() = inactive;
-        // From here on the device changes: a crash must be recovered as a crash.
-        p.record_loaded_state(&*inner.volume)?;
-        // Both slots: an older superblock left with the clean-stop mark would make a load that
-        // falls back to it (the newer damaged) trust clean lines written over since.
-        for _ in 0..2 {
-            p.update_superblock(&*inner.volume, |sb| sb.clean_shutdown = false)?;
-        }
-        Ok(Cache::started(inner))
+        Ok(Cache::started(crate::recovery::load(
+            cache_volume,
+            open_core,
+        )?))
     }
 
     /// Read the superblock of the cache `cache_volume` holds, without loading it or writing
@@ -1931,11 +250,10 @@ impl Cache {
         self.stop_background_prefetch();
         let cores: Vec<Arc<CoreState>> = self.inner.cores.read().values().cloned().collect();
         for c in &cores {
-            c.stopped.store(true, Ordering::SeqCst);
-            CacheInner::quiesce(c);
+            c.stop();
         }
         if flush_data {
-            core_flush::flush_cores_dirty(&self.inner, cores)?;
+            crate::cleaner::flush_cores_dirty(&self.inner, cores)?;
         }
         self.inner.commit()?;
         if let Some(p) = &self.inner.persist {
@@ -1954,7 +272,7 @@ impl Cache {
 
     /// Number of cache lines.
     pub fn line_count(&self) -> u64 {
-        self.inner.lines as u64
+        self.inner.lines.count() as u64
     }
 
     pub fn mode(&self) -> CacheMode {
@@ -2052,7 +370,10 @@ impl Cache {
             };
             p.update_superblock(&*self.inner.volume, |sb| sb.cores.push(record))?;
         }
-        let state = self.inner.new_core_state(id, volume, SeqCutoff::default());
+        let state = self
+            .inner
+            .lines
+            .new_core_state(id, volume, SeqCutoff::default());
         cores.insert(id, state);
         drop(cores);
         // A new core starts with the default seq cutoff; the superblock forgets a removed
@@ -2069,7 +390,8 @@ impl Cache {
     /// Lines of core `id` (active or inactive) that hold data the core does not have yet.
     pub fn core_dirty_lines(&self, id: CoreId) -> u64 {
         self.inner
-            .gauges
+            .lines
+            .gauges()
             .get(id as usize)
             .map_or(0, |g| g.dirty.load(Ordering::Relaxed))
     }
@@ -2083,15 +405,17 @@ impl Cache {
             Err(_) => None,
         };
         if let Some(core) = &core {
-            if core.removed.swap(true, Ordering::SeqCst) {
+            if !core.begin_removal() {
                 return Err(EngineError::CoreRemoved(id));
             }
-            CacheInner::quiesce(core);
+            core.quiesce();
         }
-        let dirty = self.inner.gauges[id as usize].dirty.load(Ordering::Relaxed);
+        let dirty = self.inner.lines.gauges()[id as usize]
+            .dirty
+            .load(Ordering::Relaxed);
         if dirty != 0 && !force {
             if let Some(core) = &core {
-                core.removed.store(false, Ordering::SeqCst);
+                core.cancel_removal();
             }
             return Err(EngineError::CoreDirty {
                 id,
@@ -2109,7 +433,7 @@ impl Cache {
             if let Err(e) = recorded {
                 // The core stays attached, only its cached lines are gone, so a retry can work.
                 if let Some(core) = &core {
-                    core.removed.store(false, Ordering::SeqCst);
+                    core.cancel_removal();
                 }
                 return Err(e);
             }
@@ -2179,7 +503,7 @@ impl Cache {
             .write()
             .remove(&id)
             .unwrap_or_default();
-        let state = self.inner.new_core_state(id, volume, seq);
+        let state = self.inner.lines.new_core_state(id, volume, seq);
         self.inner.cores.write().insert(id, state);
         Ok(())
     }
@@ -2231,7 +555,7 @@ impl Cache {
     /// on its own, bounded by the core flush timeout: a hung core is reported, not waited for.
     fn flush_cores(&self) -> Result<()> {
         let cores: Vec<Arc<CoreState>> = self.inner.cores.read().values().cloned().collect();
-        core_flush::flush_cores_dirty(&self.inner, cores)
+        crate::cleaner::flush_cores_dirty(&self.inner, cores)
     }
 
     /// As [`flush`](Cache::flush), for one core.
@@ -2241,15 +565,21 @@ impl Cache {
             .inner
             .flush_progress
             .begin(self.inner.usage(Some(id)).dirty_lines);
-        core_flush::flush_cores_dirty(&self.inner, vec![core])
+        crate::cleaner::flush_cores_dirty(&self.inner, vec![core])
     }
 
     /// How long the cache (or one core) has held dirty data: since the oldest core's last
     /// transition from clean to dirty (after a load, since the load). None while clean.
     pub fn dirty_for(&self, core: Option<CoreId>) -> Option<std::time::Duration> {
         match core {
-            Some(id) => self.inner.gauges.get(id as usize)?.dirty_for(),
-            None => self.inner.gauges.iter().filter_map(|g| g.dirty_for()).max(),
+            Some(id) => self.inner.lines.gauges().get(id as usize)?.dirty_for(),
+            None => self
+                .inner
+                .lines
+                .gauges()
+                .iter()
+                .filter_map(|g| g.dirty_for())
+                .max(),
         }
     }
 
@@ -2346,9 +676,13 @@ impl Cache {
     pub fn set_promotion(&self, params: Promotion) -> Result<()> {
         params.validate()?;
         let old = self.inner.promotion.params();
-        self.inner.promotion.set_params(params, self.inner.lines);
+        self.inner
+            .promotion
+            .set_params(params, self.inner.lines.count());
         if let Err(e) = self.inner.save_policies() {
-            self.inner.promotion.set_params(old, self.inner.lines);
+            self.inner
+                .promotion
+                .set_params(old, self.inner.lines.count());
             return Err(e);
         }
         Ok(())
@@ -2402,9 +736,13 @@ impl Cache {
     pub fn set_prefetch(&self, params: Prefetch) -> Result<()> {
         params.validate()?;
         let old = self.inner.prefetch.params();
-        self.inner.prefetch.set_params(params, self.inner.lines);
+        self.inner
+            .prefetch
+            .set_params(params, self.inner.lines.count());
         if let Err(e) = self.inner.save_policies() {
-            self.inner.prefetch.set_params(old, self.inner.lines);
+            self.inner
+                .prefetch
+                .set_params(old, self.inner.lines.count());
             return Err(e);
         }
         Ok(())
@@ -2413,7 +751,7 @@ impl Cache {
     /// Stop the prefetch worker thread (it is not restarted): queued read-ahead then waits for
     /// [`run_prefetch`](Cache::run_prefetch). For tests that need a deterministic order.
     pub fn stop_background_prefetch(&self) {
-        let thread = self.inner.prefetch_thread.lock().take();
+        let thread = self.threads.prefetch.lock().take();
         if let Some(t) = thread {
             t.stop();
         }
@@ -2426,7 +764,7 @@ impl Cache {
 
     /// The IO classes in force (the default single class until a file is loaded).
     pub fn io_classes(&self) -> Arc<IoClasses> {
-        self.inner.classes.table()
+        self.inner.lines.classes().table()
     }
 
     /// Replace the IO classes; recorded in the superblock. Lines keep the class they were
@@ -2434,17 +772,19 @@ impl Cache {
     pub fn load_io_classes(&self, classes: IoClasses) -> Result<()> {
         let old = self
             .inner
-            .classes
+            .lines
+            .classes()
             .active()
-            .then(|| self.inner.classes.table());
-        let gauges = &self.inner.gauges;
+            .then(|| self.inner.lines.classes().table());
+        let gauges = &self.inner.lines.gauges();
         self.inner
-            .classes
-            .install(classes, &self.inner.table, |id| {
+            .lines
+            .classes()
+            .install(classes, self.inner.lines.table(), |id| {
                 &gauges[id as usize].classes
             });
         if let Err(e) = self.inner.save_policies() {
-            self.inner.classes.restore(old);
+            self.inner.lines.classes().restore(old);
             return Err(e);
         }
         Ok(())
@@ -2454,13 +794,13 @@ impl Cache {
     /// into it, across cores. Device byte counts are per core only; a class has exported bytes.
     /// The counters are the sum over the attached cores (like the cache's own counters).
     pub fn io_class_stats(&self, id: ClassId) -> Result<Stats> {
-        let table = self.inner.classes.table();
+        let table = self.inner.lines.classes().table();
         if table.get(id).is_none() {
             return Err(EngineError::Invalid(format!(
                 "IO class {id} is not configured"
             )));
         }
-        let c = &self.inner.classes;
+        let c = &self.inner.lines.classes();
         let (mut requests, mut blocks, mut errors): (
             crate::RequestStats,
             crate::BlockStats,
@@ -2477,9 +817,9 @@ impl Cache {
         Ok(Stats {
             usage: Usage {
                 line_size: self.inner.line_bytes as u32,
-                total_lines: self.inner.lines as u64,
+                total_lines: self.inner.lines.count() as u64,
                 occupancy_lines: c.occupancy[id as usize].load(Ordering::Relaxed),
-                free_lines: self.inner.free_lines.load(Ordering::Relaxed),
+                free_lines: self.inner.lines.free_lines().load(Ordering::Relaxed),
                 dirty_lines: c.dirty[id as usize].load(Ordering::Relaxed),
             },
             requests,
@@ -2494,12 +834,12 @@ impl Cache {
     /// cache-wide gauges only).
     pub fn core_io_class_stats(&self, core: CoreId, id: ClassId) -> Result<Stats> {
         let state = self.inner.core_by_id(core)?;
-        if self.inner.classes.table().get(id).is_none() {
+        if self.inner.lines.classes().table().get(id).is_none() {
             return Err(EngineError::Invalid(format!(
                 "IO class {id} is not configured"
             )));
         }
-        let (occupancy, dirty) = self.inner.gauges[core as usize].classes.lines(id);
+        let (occupancy, dirty) = self.inner.lines.gauges()[core as usize].classes.lines(id);
         let (requests, blocks, errors) = state
             .classes
             .counters(id)
@@ -2508,9 +848,9 @@ impl Cache {
         Ok(Stats {
             usage: Usage {
                 line_size: self.inner.line_bytes as u32,
-                total_lines: self.inner.lines as u64,
+                total_lines: self.inner.lines.count() as u64,
                 occupancy_lines: occupancy,
-                free_lines: self.inner.free_lines.load(Ordering::Relaxed),
+                free_lines: self.inner.lines.free_lines().load(Ordering::Relaxed),
                 dirty_lines: dirty,
             },
             requests,
@@ -2529,12 +869,12 @@ impl Cache {
         }
         let mut usage = Usage {
             line_size: self.inner.line_bytes as u32,
-            total_lines: self.inner.lines as u64,
-            free_lines: self.inner.free_lines.load(Ordering::Relaxed),
+            total_lines: self.inner.lines.count() as u64,
+            free_lines: self.inner.lines.free_lines().load(Ordering::Relaxed),
             ..Usage::default()
         };
         for id in inactive.keys() {
-            let g = &self.inner.gauges[*id as usize];
+            let g = &self.inner.lines.gauges()[*id as usize];
             usage.occupancy_lines += g.occupancy.load(Ordering::Relaxed);
             usage.dirty_lines += g.dirty.load(Ordering::Relaxed);
         }
@@ -2554,7 +894,7 @@ impl Cache {
     /// Stop the background cleaner thread (it is not restarted). For tests that drive the
     /// cleaner with their own clock through [`cleaner_tick`](Cache::cleaner_tick), and for stop.
     pub fn stop_background_cleaner(&self) {
-        let thread = self.inner.cleaner_thread.lock().take();
+        let thread = self.threads.cleaner.lock().take();
         if let Some(t) = thread {
             t.stop();
         }
@@ -2618,11 +958,11 @@ impl Cache {
 
     /// Bytes of RAM the per-line metadata takes, over the whole cache.
     pub fn metadata_bytes(&self) -> u64 {
-        self.inner.table.bytes()
-            + self.inner.lists.bytes()
+        self.inner.lines.table().bytes()
+            + self.inner.lines.lists().bytes()
             + self.inner.persist.as_ref().map_or(0, |p| p.bytes())
-            + self.inner.promotion.table.get().map_or(0, |t| t.bytes())
-            + self.inner.classes.bytes()
+            + self.inner.promotion.table().map_or(0, |t| t.bytes())
+            + self.inner.lines.classes().bytes()
             + self.inner.prefetch.bytes()
     }
 
@@ -2630,127 +970,6 @@ impl Cache {
     /// description when one is broken. Costs O(lines) and expects no request in flight: for tests.
     pub fn check_invariants(&self) {
         self.inner.check_invariants()
-    }
-}
-
-impl CacheInner {
-    fn drop_core_lines(&self, id: CoreId) {
-        for line in 0..self.lines {
-            let Some(key) = self.table.key(line) else {
-                continue;
-            };
-            if key.core() != id {
-                continue;
-            }
-            let one = Span::new(key, key);
-            let _lock = self
-                .locks
-                .lock_clear(vec![self.table.stripe(key)], one, WaitFor::All);
-            // Re-check under the lock: eviction may have taken the line meanwhile.
-            if self.table.key(line) == Some(key) {
-                self.update_line(line, key, 0, 0, false);
-            }
-        }
-    }
-
-    fn check_invariants(&self) {
-        let mut seen = vec![None; self.lines as usize];
-        let mut free = 0u64;
-        for shard in 0..self.lists.shard_count() {
-            let s = self.lists.lock(shard);
-            for kind in [
-                ListKind::Free,
-                ListKind::Clean,
-                ListKind::Dirty,
-                ListKind::Limbo,
-            ] {
-                let members = self.lists.members(&s, kind);
-                assert_eq!(
-                    members.len() as u64,
-                    s.len(kind),
-                    "shard {shard} {kind:?} length"
-                );
-                for line in members {
-                    assert_eq!(
-                        self.lists.shard_of(line),
-                        shard,
-                        "line {line} in a foreign shard"
-                    );
-                    assert!(seen[line as usize].is_none(), "line {line} in two lists");
-                    seen[line as usize] = Some(kind);
-                    let key = self.table.key(line);
-                    let (valid, dirty) = (self.table.valid(line), self.table.dirty(line));
-                    match kind {
-                        ListKind::Free => {
-                            free += 1;
-                            assert!(
-                                key.is_none() && valid == 0 && dirty == 0,
-                                "free line {line} has state"
-                            );
-                        }
-                        ListKind::Clean => assert!(
-                            key.is_some() && valid != 0 && dirty == 0,
-                            "clean line {line}: key {key:?} valid {valid:#x} dirty {dirty:#x}"
-                        ),
-                        ListKind::Dirty => assert!(
-                            key.is_some() && dirty != 0 && dirty & !valid == 0,
-                            "dirty line {line}: valid {valid:#x} dirty {dirty:#x}"
-                        ),
-                        ListKind::Limbo => assert!(
-                            key.is_none() && valid == 0 && self.persist.is_some(),
-                            "limbo line {line} has state"
-                        ),
-                    }
-                }
-            }
-        }
-        assert!(seen.iter().all(|s| s.is_some()), "a line is in no list");
-        assert_eq!(
-            free,
-            self.free_lines.load(Ordering::Relaxed),
-            "free line count"
-        );
-        let mut occupancy = vec![(0u64, 0u64); MAX_CORES as usize];
-        let chained = self.table.chained();
-        assert_eq!(
-            chained.len() as u64,
-            self.lines as u64 - free,
-            "hash chains hold every mapped line once"
-        );
-        for (line, bucket) in chained {
-            let key = self.table.key(line).expect("chained line is mapped");
-            assert_eq!(
-                self.table.bucket(key),
-                bucket,
-                "line {line} in the wrong bucket"
-            );
-            assert_eq!(self.table.lookup(key), Some(line), "lookup of line {line}");
-            let o = &mut occupancy[key.core() as usize];
-            o.0 += 1;
-            if self.table.dirty(line) != 0 {
-                o.1 += 1;
-            }
-        }
-        for (id, (occ, dirty)) in occupancy.into_iter().enumerate() {
-            let g = &self.gauges[id];
-            assert_eq!(
-                g.occupancy.load(Ordering::Relaxed),
-                occ,
-                "core {id} occupancy"
-            );
-            assert_eq!(
-                g.dirty.load(Ordering::Relaxed),
-                dirty,
-                "core {id} dirty lines"
-            );
-            if occ != 0 {
-                let id = id as CoreId;
-                assert!(
-                    self.cores.read().contains_key(&id) || self.inactive.read().contains_key(&id),
-                    "lines of a removed core {id}"
-                );
-            }
-        }
     }
 }
 
@@ -2917,7 +1136,9 @@ fn to_volume_error(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::meta::Key;
     use crate::policy::PrefetchPolicy;
+    use crate::write::ROOM_WAIT;
     use hybridcache_volume::RamVolume;
 
     const KIB: u64 = 1024;
@@ -2944,12 +1165,12 @@ mod tests {
     fn a_hit_that_waits_for_a_stripe_is_deferred() {
         let (cache, core, id) = cache(CacheMode::Wt);
         core.write(&[1u8; 4096], 0).unwrap();
-        let stripe = cache.inner.table.stripe(Key::new(id, 0));
-        let miss_stripe = cache.inner.table.stripe(Key::new(id, 1));
+        let stripe = cache.inner.lines.table().stripe(Key::new(id, 0));
+        let miss_stripe = cache.inner.lines.table().stripe(Key::new(id, 1));
         let mut stripes = vec![stripe, miss_stripe];
         stripes.sort_unstable();
         stripes.dedup();
-        let held = cache.inner.locks.lock_sorted(stripes);
+        let held = cache.inner.lines.locks().lock_sorted(stripes);
         let waiters: Vec<_> = [(0, true), (0, false), (4096, true)]
             .into_iter()
             .map(|(off, read)| {
@@ -3043,8 +1264,8 @@ mod tests {
     fn background_cleaning_commits_ahead_so_cleaned_lines_are_reusable() {
         let (cache, core, _) = full_persistent_cache();
         let inner = &cache.inner;
-        let all: Vec<u32> = (0..inner.lines).collect();
-        let far = inner.lines as u64 * 8 * KIB;
+        let all: Vec<u32> = (0..inner.lines.count()).collect();
+        let far = inner.lines.count() as u64 * 8 * KIB;
 
         // Not background cleaning (as a flush's): no commit ahead, nothing reusable yet.
         inner.cleaner_signal.want_room();
@@ -3062,18 +1283,18 @@ mod tests {
 
         // Background cleaning, writes wanting room: commits between its core writes.
         // The half cleaned above is reusable now: fill it with dirty lines again.
-        for i in 0..(inner.lines as u64) {
+        for i in 0..(inner.lines.count() as u64) {
             core.write(&[3u8; 4096], far + (i + 1) * 8 * KIB).unwrap();
         }
         inner.commit().unwrap();
         inner.cleaner_signal.want_room();
-        let dirty: Vec<u32> = (0..inner.lines)
-            .filter(|&l| inner.table.dirty(l) != 0)
+        let dirty: Vec<u32> = (0..inner.lines.count())
+            .filter(|&l| inner.lines.table().dirty(l) != 0)
             .collect();
-        assert!(dirty.len() as u64 > crate::cleaning::AHEAD_LINES * 2);
+        assert!(dirty.len() as u64 > crate::commit::AHEAD_LINES * 2);
         // Past the interval since the commit above.
         std::thread::sleep(std::time::Duration::from_millis(
-            crate::cleaning::AHEAD_INTERVAL_MS + 5,
+            crate::commit::AHEAD_INTERVAL_MS + 5,
         ));
         inner.clean_lines(dirty, 1, true).unwrap();
         let before = lazy_writes(&cache);
@@ -3166,7 +1387,7 @@ mod tests {
     /// wants room.
     #[test]
     fn commits_ahead_of_need_are_bounded() {
-        use crate::cleaning::{AHEAD_INTERVAL_MS, AHEAD_LINES, AHEAD_STALE_MS};
+        use crate::commit::{AHEAD_INTERVAL_MS, AHEAD_LINES, AHEAD_STALE_MS};
         use std::time::Duration;
         let (cache, _core, _) = full_persistent_cache();
         let inner = &cache.inner;

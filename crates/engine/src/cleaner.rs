@@ -16,19 +16,23 @@
 //!
 //! [`FLUSH_BUFFERS`]: crate::policy::FLUSH_BUFFERS
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 
 use crate::bits;
-use crate::cache::{push_run, CacheInner, CoreState, Run};
-use crate::locks::{Span, SpanKind, WaitFor};
+use crate::core_flush;
+use crate::core_state::CoreState;
+use crate::inner::CacheInner;
+use crate::locks::{InFlight, Span, SpanKind, WaitFor};
 use crate::meta::Key;
 use crate::policy::FLUSH_BUFFERS;
 use crate::progress::FlushProgress;
-use crate::stats::{BackgroundErrorLog, BackgroundErrors, Counter};
-use crate::{Result, SECTOR};
+use crate::segment::{push_run, Run};
+use crate::stats::Counter;
+use crate::{CoreId, EngineError, Result, SECTOR};
 
 /// Dirty data cleaned under one set of locks by a flush; bounds how long client requests to
 /// those lines wait.
@@ -43,101 +47,6 @@ struct Piece {
     core_off: u64,
     cache_off: u64,
     len: usize,
-}
-
-/// Core writes by size, for the cleaning statistics: bucket i counts writes of at most 4 KiB << i
-/// (the last bucket takes everything larger).
-pub const WRITE_SIZE_BUCKETS: usize = 12;
-
-/// What cleaning has done since the cache started (not reset with the request counters).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct CleaningStats {
-    /// Dirty lines written to their core and marked clean.
-    pub cleaned_lines: u64,
-    /// Core writes issued by cleaning, and their bytes.
-    pub core_writes: u64,
-    pub core_write_bytes: u64,
-    /// `core_writes` by size; see [`WRITE_SIZE_BUCKETS`].
-    pub write_sizes: [u64; WRITE_SIZE_BUCKETS],
-    /// Most core writes cleaning had in flight at once.
-    pub max_in_flight: u64,
-    /// Commits background cleaning made part way through a batch so that the lines it had
-    /// cleaned became reusable (persistent cache, writes wanting room).
-    pub ahead_commits: u64,
-    /// Core writes (and the cache reads before them) that failed; the lines stay dirty.
-    pub errors: BackgroundErrors,
-    /// The policy has no cleaning due: it is nop, the cache has not been idle for the activity
-    /// threshold, no dirty line is old enough yet, or its last run cleaned what was due and it
-    /// waits for its wake-up time. While this is false and lines are dirty, cleaning should be
-    /// making progress; when it makes none, cleaning has stalled (a failing or blocked core).
-    pub waiting: bool,
-}
-
-#[derive(Default)]
-pub(crate) struct CleaningCounters {
-    lines: AtomicU64,
-    writes: AtomicU64,
-    bytes: AtomicU64,
-    sizes: [AtomicU64; WRITE_SIZE_BUCKETS],
-    in_flight: AtomicU64,
-    max_in_flight: AtomicU64,
-    pub(crate) ahead_commits: AtomicU64,
-    pub(crate) errors: BackgroundErrorLog,
-    pub(crate) waiting: AtomicBool,
-}
-
-impl CleaningCounters {
-    pub(crate) fn snapshot(&self) -> CleaningStats {
-        CleaningStats {
-            cleaned_lines: self.lines.load(Relaxed),
-            core_writes: self.writes.load(Relaxed),
-            core_write_bytes: self.bytes.load(Relaxed),
-            write_sizes: std::array::from_fn(|i| self.sizes[i].load(Relaxed)),
-            max_in_flight: self.max_in_flight.load(Relaxed),
-            ahead_commits: self.ahead_commits.load(Relaxed),
-            errors: self.errors.snapshot(),
-            waiting: self.waiting.load(Relaxed),
-        }
-    }
-
-    fn record(&self, len: usize) {
-        self.writes.fetch_add(1, Relaxed);
-        self.bytes.fetch_add(len as u64, Relaxed);
-        let bucket = (len
-            .div_ceil(4096)
-            .max(1)
-            .next_power_of_two()
-            .trailing_zeros() as usize)
-            .min(WRITE_SIZE_BUCKETS - 1);
-        self.sizes[bucket].fetch_add(1, Relaxed);
-    }
-}
-
-/// Paces cleaning's core writes to a bandwidth cap: each write reserves its share of time.
-#[derive(Default)]
-pub(crate) struct Pacer {
-    next: Mutex<Option<Instant>>,
-}
-
-impl Pacer {
-    fn wait(&self, bytes: usize, mib_per_s: u32) {
-        if mib_per_s == 0 {
-            return;
-        }
-        let cost = Duration::from_secs_f64(bytes as f64 / (mib_per_s as f64 * 1048576.0));
-        let now = Instant::now();
-        let start = {
-            let mut next = self.next.lock();
-            // Unused time is not banked beyond one write's worth, so a long idle spell does not
-            // turn into a burst.
-            let start = next.map_or(now, |n| n.max(now.checked_sub(cost).unwrap_or(now)));
-            *next = Some(start + cost);
-            start
-        };
-        if start > now {
-            std::thread::sleep(start - now);
-        }
-    }
 }
 
 impl CacheInner {
@@ -165,10 +74,10 @@ impl CacheInner {
     ) -> Result<usize> {
         let mut items: Vec<(Key, u32)> = lines
             .into_iter()
-            .filter_map(|l| self.table.key(l).map(|k| (k, l)))
+            .filter_map(|l| self.lines.table().key(l).map(|k| (k, l)))
             .collect();
         // The snapshot is taken without locks; each unit looks again under its stripes.
-        items.retain(|&(_, l)| self.table.dirty(l) != 0);
+        items.retain(|&(_, l)| self.lines.table().dirty(l) != 0);
         if items.is_empty() {
             return Ok(0);
         }
@@ -200,7 +109,7 @@ impl CacheInner {
     fn pieces(&self, items: &[(Key, u32)]) -> Vec<Piece> {
         let mut pieces = Vec::new();
         for (i, &(key, line)) in items.iter().enumerate() {
-            for (first, n) in bits::runs(self.table.dirty(line)) {
+            for (first, n) in bits::runs(self.lines.table().dirty(line)) {
                 pieces.push(Piece {
                     item: i,
                     core_off: key.line() * self.line_bytes + first as u64 * SECTOR,
@@ -336,25 +245,26 @@ impl CacheInner {
         c.add(Counter::CleanerRequests, 1);
         c.add(Counter::CleanerCacheReadBytes, len as u64);
         c.add(Counter::CleanerCoreWrittenBytes, len as u64);
-        if !self.classes.active() {
+        if !self.lines.classes().active() {
             return;
         }
         let mut seen: Vec<crate::ioclass::ClassId> = Vec::new();
         for p in group {
             let line = items[p.item].1;
-            let class = self.classes.class_of(line);
+            let class = self.lines.classes().class_of(line);
             if !seen.contains(&class) {
                 seen.push(class);
-                self.classes
+                self.lines
+                    .classes()
                     .count_line(&core.classes, line, Counter::CleanerRequests, 1);
             }
-            self.classes.count_line(
+            self.lines.classes().count_line(
                 &core.classes,
                 line,
                 Counter::CleanerCacheReadBytes,
                 p.len as u64,
             );
-            self.classes.count_line(
+            self.lines.classes().count_line(
                 &core.classes,
                 line,
                 Counter::CleanerCoreWrittenBytes,
@@ -381,13 +291,18 @@ impl CacheInner {
             return Ok(0);
         };
         let span = Span::new(first, last);
-        let stripes = self.stripes_of(unit.iter().map(|&(k, _)| k));
-        let locks = self.locks.lock_clear(stripes.clone(), span, WaitFor::All);
+        let stripes = self.lines.stripes_of(unit.iter().map(|&(k, _)| k));
+        let locks = self
+            .lines
+            .locks()
+            .lock_clear(stripes.clone(), span, WaitFor::All);
         // Keep only lines that still hold that key and still have something dirty.
         let items: Vec<(Key, u32)> = unit
             .iter()
             .copied()
-            .filter(|&(k, l)| self.table.key(l) == Some(k) && self.table.dirty(l) != 0)
+            .filter(|&(k, l)| {
+                self.lines.table().key(l) == Some(k) && self.lines.table().dirty(l) != 0
+            })
             .collect();
         if items.is_empty() {
             return Ok(0);
@@ -396,7 +311,38 @@ impl CacheInner {
         // so their dirty sectors stay those read here; reads may still fill in others.
         let in_flight = locks.begin(span, SpanKind::Cleaning);
         drop(locks);
-        let pieces = self.pieces(&items);
+        let (failed, first_error) = self.write_pieces(core, &items, buf, merge_max, paced);
+        let cleaned = self.mark_cleaned(stripes, &items, &failed, in_flight);
+        // Counted as they go, so that cleaning's throughput can be sampled during a batch.
+        self.cleaning_counters.cleaned(cleaned as u64);
+        if cleaned > 0 {
+            if self.persist.is_none() {
+                // Reusable at once (no commit needed): writes waiting for a line may take them.
+                self.cleaner_signal.room_made();
+            } else {
+                // Reusable once a commit records them clean (`commit_ahead`).
+                self.cleaner_signal
+                    .uncommitted
+                    .fetch_add(cleaned as u64, Relaxed);
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(cleaned),
+        }
+    }
+
+    /// The merged core writes of a unit's dirty pieces (cache read, then core write, paced when
+    /// `paced`), counted as they go. Which items failed, and the first error.
+    fn write_pieces(
+        &self,
+        core: &CoreState,
+        items: &[(Key, u32)],
+        buf: &mut Vec<u8>,
+        merge_max: usize,
+        paced: bool,
+    ) -> (Vec<bool>, Option<EngineError>) {
+        let pieces = self.pieces(items);
         let mut failed = vec![false; items.len()];
         let mut first_error = None;
         let max_bandwidth = self.cleaning.read().io.max_bandwidth_mib_s;
@@ -422,68 +368,61 @@ impl CacheInner {
                 self.pacer.wait(len, max_bandwidth);
             }
             let c = &self.cleaning_counters;
-            let now = c.in_flight.fetch_add(1, Relaxed) + 1;
-            c.max_in_flight.fetch_max(now, Relaxed);
+            c.write_begins();
             let result = self
                 .cache_read(core, buf, &reads)
                 .and_then(|()| self.core_write(core, buf, &write));
-            c.in_flight.fetch_sub(1, Relaxed);
+            c.write_ends();
             match result {
                 Ok(()) => {
                     c.record(len);
-                    self.count_cleaner_write(core, &items, group, len);
+                    self.count_cleaner_write(core, items, group, len);
                 }
                 Err(e) => {
                     for p in group {
                         failed[p.item] = true;
                     }
-                    c.errors.record(core.id, &e);
+                    c.failed(core.id, &e);
                     first_error.get_or_insert(e);
                 }
             }
         }
-        let locks = self.locks.lock_sorted(stripes);
+        (failed, first_error)
+    }
+
+    /// Mark the unit's written lines clean, under their stripes again, and end the cleaning span
+    /// that held writes of them off meanwhile. How many were marked.
+    fn mark_cleaned(
+        &self,
+        stripes: Vec<u32>,
+        items: &[(Key, u32)],
+        failed: &[bool],
+        in_flight: InFlight<'_>,
+    ) -> usize {
+        let locks = self.lines.locks().lock_sorted(stripes);
         let mut cleaned = 0;
         for (i, &(key, line)) in items.iter().enumerate() {
             debug_assert_eq!(
-                self.table.key(line),
+                self.lines.table().key(line),
                 Some(key),
                 "a line changed under cleaning"
             );
             if !failed[i] {
-                self.update_line(line, key, self.table.valid(line), 0, false);
+                self.update_line(line, key, self.lines.table().valid(line), 0, false);
                 cleaned += 1;
             }
         }
         drop(in_flight);
         drop(locks);
-        // Counted as they go, so that cleaning's throughput can be sampled during a batch.
-        self.cleaning_counters
-            .lines
-            .fetch_add(cleaned as u64, Relaxed);
-        if cleaned > 0 {
-            if self.persist.is_none() {
-                // Reusable at once (no commit needed): writes waiting for a line may take them.
-                self.cleaner_signal.room_made();
-            } else {
-                // Reusable once a commit records them clean (`commit_ahead`).
-                self.cleaner_signal
-                    .uncommitted
-                    .fetch_add(cleaned as u64, Relaxed);
-            }
-        }
-        match first_error {
-            Some(e) => Err(e),
-            None => Ok(cleaned),
-        }
+        cleaned
     }
 
     /// Clean every line of `core` that is dirty now, in core address order, then commit.
-    pub(crate) fn flush_core_dirty(&self, core: &CoreState) -> Result<()> {
-        let mut items: Vec<(Key, u32)> = (0..self.lines)
+    fn flush_core_dirty(&self, core: &CoreState) -> Result<()> {
+        let mut items: Vec<(Key, u32)> = (0..self.lines.count())
             .filter_map(|l| {
-                let k = self.table.key(l)?;
-                (k.core() == core.id && self.table.dirty(l) != 0).then_some((k, l))
+                let k = self.lines.table().key(l)?;
+                (k.core() == core.id && self.lines.table().dirty(l) != 0).then_some((k, l))
             })
             .collect();
         items.sort_unstable();
@@ -510,4 +449,100 @@ impl CacheInner {
         self.commit()?;
         self.retry_failing_core(core)
     }
+}
+
+/// Flush the dirty data of `cores`, each on its own thread, giving up on a core whose device
+/// hangs (see the module doc). One core: its own error. Several: the per-core results when any
+/// failed, or the interruption when the flush was interrupted.
+pub(crate) fn flush_cores_dirty(inner: &Arc<CacheInner>, cores: Vec<Arc<CoreState>>) -> Result<()> {
+    let (tx, rx) = mpsc::channel::<(CoreId, Result<()>)>();
+    let mut running: Vec<Arc<CoreState>> = Vec::new();
+    let mut results: Vec<(CoreId, Result<()>)> = Vec::new();
+    let limit = core_flush::core_flush_timeout();
+    for core in cores {
+        // Flushes of one core may run together (two operators, -F during a stop); a new one is
+        // refused only while an earlier one waits on a hung device.
+        let earlier = core.watch.dirty_flush_begins();
+        if earlier > 0 && core.watch.hung(limit) {
+            core.watch.dirty_flush_ends();
+            let e = core_flush::timed_out(
+                core.id,
+                "its previous flush is still waiting for the device",
+            );
+            results.push((core.id, Err(e)));
+            continue;
+        }
+        let (tx, job_inner, job_core) = (tx.clone(), inner.clone(), core.clone());
+        let spawned = std::thread::Builder::new()
+            .name(format!("core{}-flush-dirty", core.id))
+            .spawn(move || {
+                let r = job_inner.flush_core_dirty(&job_core);
+                job_core.watch.dirty_flush_ends();
+                let _ = tx.send((job_core.id, r));
+            });
+        match spawned {
+            Ok(_) => running.push(core),
+            Err(_) => {
+                // No thread to spare: flush here, unbounded, rather than not at all.
+                let r = inner.flush_core_dirty(&core);
+                core.watch.dirty_flush_ends();
+                results.push((core.id, r));
+            }
+        }
+    }
+    drop(tx);
+    while !running.is_empty() {
+        match rx.recv_timeout(Duration::from_millis(100).min(limit)) {
+            Ok((id, r)) => {
+                running.retain(|c| c.id != id);
+                results.push((id, r));
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                for c in running.drain(..) {
+                    let e = EngineError::Invalid(format!(
+                        "core {}: the flush thread ended without a result",
+                        c.id
+                    ));
+                    results.push((c.id, Err(e)));
+                }
+                break;
+            }
+        }
+        running.retain(|c| {
+            if c.watch.hung(limit) {
+                // Its thread goes on waiting for the device; the core's lines stay dirty.
+                results.push((
+                    c.id,
+                    Err(core_flush::timed_out(
+                        c.id,
+                        "its device completed no write or flush",
+                    )),
+                ));
+                false
+            } else {
+                true
+            }
+        });
+    }
+    results.sort_by_key(|(id, _)| *id);
+    if results.len() == 1 {
+        return results.pop().map_or(Ok(()), |(_, r)| r);
+    }
+    if results
+        .iter()
+        .any(|(_, r)| matches!(r, Err(EngineError::FlushInterrupted { .. })))
+    {
+        // Counted over every core's flush (the progress entry they share).
+        return Err(inner.flush_progress.interrupted_error());
+    }
+    if results.iter().all(|(_, r)| r.is_ok()) {
+        return Ok(());
+    }
+    Err(EngineError::CoreFlushes(
+        results
+            .into_iter()
+            .map(|(id, r)| (id, r.err().map(|e| e.to_string())))
+            .collect(),
+    ))
 }

@@ -20,21 +20,21 @@
 //! batch (`commit_ahead`, at most every `AHEAD_INTERVAL_MS` and after `AHEAD_LINES` cleaned
 //! lines), so that they do not wait for the end of a batch of thousands of lines.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use parking_lot::{Condvar, Mutex};
-
-use crate::cache::CacheInner;
+use crate::cleaning_state::CleanerState;
+use crate::core_state::ACP_CHUNK_BYTES;
+use crate::inner::CacheInner;
 use crate::lists::ListKind;
 use crate::meta::Key;
 use crate::policy::CleaningPolicy;
+use crate::room_wait::CleanerSignal;
+use crate::CleaningTick;
 use crate::Result;
 
-/// Size of an acp chunk of core address space.
-pub(crate) const ACP_CHUNK_BYTES: u64 = 100 << 20;
 /// How often the cleaner looks, at most, when it has nothing to do.
 const TICK: Duration = Duration::from_millis(100);
 /// Lines cleaned per room request (the policy's flush-max-buffers when larger). Sorted
@@ -52,152 +52,6 @@ const ROOM_BATCH: usize = 4096;
 const ROOM_DEPTH: usize = 128;
 /// Age marks kept per shard (see `Lists::place_fence`).
 const FENCES: usize = 40;
-/// A commit ahead of need (persistent cache) waits for at least this many cleaned lines: each
-/// commit flushes the cores, which costs a real disk array far more than one line's write.
-pub(crate) const AHEAD_LINES: u64 = 32;
-/// ... and for this long since the previous commit began, so that commits cannot flood the
-/// cores with flushes. Well under `ROOM_WAIT` (cache.rs), so that a write waiting for a line
-/// sees one or more commits before it gives up.
-pub(crate) const AHEAD_INTERVAL_MS: u64 = 15;
-/// ... or, with fewer lines than `AHEAD_LINES` cleaned, this long: half of `ROOM_WAIT`.
-pub(crate) const AHEAD_STALE_MS: u64 = 50;
-
-/// What one tick did; for tests and logs.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CleaningTick {
-    /// The policy ran (its wake-up time had come and its conditions held).
-    pub ran: bool,
-    /// Lines cleaned.
-    pub cleaned: u64,
-    /// The policy found more work than one run may do: the next tick runs at once.
-    pub more: bool,
-}
-
-#[derive(Default)]
-pub(crate) struct CleanerState {
-    /// Requests seen so far (sum of the cores' exported bytes: any change is activity).
-    io_marker: u64,
-    last_activity_ms: u64,
-    next_run_ms: u64,
-    last_fence_ms: Option<u64>,
-    /// alru's dirty-ratio trigger is on (hysteresis between threshold and threshold - inertia).
-    ratio_active: bool,
-    /// Where alru's next run starts among the shards, so every shard gets its turn.
-    next_shard: usize,
-    /// The previous tick's time: a tick with an earlier one is on a new clock.
-    last_now: Option<u64>,
-}
-
-impl CleanerState {
-    /// Forget when the policy should next run (after a change of policy or tunables).
-    pub(crate) fn reset_schedule(&mut self) {
-        self.next_run_ms = 0;
-        self.ratio_active = false;
-    }
-}
-
-/// How requests reach the cleaner thread: lazy flush asks for room here instead of cleaning
-/// inside the request.
-#[derive(Default)]
-pub(crate) struct CleanerSignal {
-    stopped: Mutex<bool>,
-    cv: Condvar,
-    /// A write found no free or clean line and went to the core: the next tick cleans the
-    /// oldest dirty lines whatever the policy (nop included).
-    pub(crate) room_wanted: AtomicBool,
-    /// The cleaner thread is running (not stopped by a test).
-    pub(crate) running: AtomicBool,
-    /// Background cleaning batches under way: lines are about to become clean.
-    pub(crate) active: AtomicUsize,
-    /// Bumped each time lines become reusable (cleaned on a volatile cache, committed clean on a
-    /// persistent one), so that writes waiting for a line try again.
-    room_gen: Mutex<u64>,
-    room_cv: Condvar,
-    /// Writes waiting for a line (`ROOM_WAIT`, cache.rs): while there are some, a write that
-    /// has not waited takes no line but joins them.
-    pub(crate) waiters: AtomicUsize,
-    /// Persistent cache: lines cleaned since the last commit began. They are durably dirty
-    /// (not reusable) until a commit records them clean.
-    pub(crate) uncommitted: AtomicU64,
-    /// A commit ahead of need is under way (one at a time; the other workers keep cleaning).
-    committing: AtomicBool,
-    /// When the last commit (of any kind) began, in ms on the signal's clock; 0 for never.
-    last_commit_ms: AtomicU64,
-    /// When the signal was made: the clock of `last_commit_ms`.
-    epoch: OnceLock<Instant>,
-}
-
-/// One write counted in `CleanerSignal::waiters`, until dropped.
-pub(crate) struct RoomWaiter<'a>(&'a CleanerSignal);
-
-impl Drop for RoomWaiter<'_> {
-    fn drop(&mut self) {
-        self.0.waiters.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-impl CleanerSignal {
-    pub(crate) fn join_waiters(&self) -> RoomWaiter<'_> {
-        self.waiters.fetch_add(1, Ordering::SeqCst);
-        RoomWaiter(self)
-    }
-
-    fn now_ms(&self) -> u64 {
-        self.epoch.get_or_init(Instant::now).elapsed().as_millis() as u64 + 1
-    }
-
-    /// A commit begins: the lines cleaned so far are in its snapshot. Returns how many, to give
-    /// back with [`CleanerSignal::commit_failed`] should it fail.
-    pub(crate) fn commit_begins(&self) -> u64 {
-        self.last_commit_ms.store(self.now_ms(), Ordering::Relaxed);
-        self.uncommitted.swap(0, Ordering::Relaxed)
-    }
-
-    /// The commit that began with `taken` cleaned lines failed: they still wait for one.
-    pub(crate) fn commit_failed(&self, taken: u64) {
-        self.uncommitted.fetch_add(taken, Ordering::Relaxed);
-    }
-
-    /// Whether lines are about to be made reusable, so that a write finding none may wait for
-    /// one: the cleaner thread runs, and a batch is under way or a room batch has been asked
-    /// for (the next tick runs it: between back-to-back room batches, neither under way).
-    pub(crate) fn room_coming(&self) -> bool {
-        self.running.load(Ordering::Relaxed)
-            && (self.active.load(Ordering::Relaxed) > 0 || self.room_wanted.load(Ordering::Relaxed))
-    }
-
-    /// Cleaning just made lines reusable: wake the writes waiting for one.
-    pub(crate) fn room_made(&self) {
-        *self.room_gen.lock() += 1;
-        self.room_cv.notify_all();
-    }
-
-    pub(crate) fn room_generation(&self) -> u64 {
-        *self.room_gen.lock()
-    }
-
-    /// Wait until lines were made reusable after `seen`, or `deadline`. Returns whether some were.
-    pub(crate) fn wait_room(&self, seen: u64, deadline: Instant) -> bool {
-        let mut g = self.room_gen.lock();
-        while *g == seen {
-            if self.room_cv.wait_until(&mut g, deadline).timed_out() {
-                return *g != seen;
-            }
-        }
-        true
-    }
-
-    /// Ask for room and wake the thread. Only the request that raises the flag pays for the
-    /// wake-up; the lock around the notify pairs with the thread's look at the flag under the
-    /// same lock, so the wake-up cannot fall between that look and its wait.
-    pub(crate) fn want_room(&self) {
-        if !self.room_wanted.swap(true, Ordering::SeqCst) {
-            let _g = self.stopped.lock();
-            self.cv.notify_one();
-        }
-    }
-}
-
 /// The cleaner thread of a cache.
 pub(crate) struct CleanerThread {
     signal: Arc<CleanerSignal>,
@@ -223,15 +77,8 @@ impl CleanerThread {
                     }
                     None => return,
                 };
-                let mut stopped = sig.stopped.lock();
-                if *stopped {
+                if !sig.pause(tick.more, wait) {
                     return;
-                }
-                if !tick.more && !sig.room_wanted.load(Ordering::SeqCst) {
-                    sig.cv.wait_for(&mut stopped, wait);
-                    if *stopped {
-                        return;
-                    }
                 }
             })
             .expect("spawning the cleaner thread");
@@ -245,9 +92,7 @@ impl CleanerThread {
     /// Stop the thread. Its clock goes with it: whoever ticks the cleaner next (a test with its
     /// own clock) starts from a clean schedule.
     pub(crate) fn stop(self) {
-        self.signal.running.store(false, Ordering::SeqCst);
-        *self.signal.stopped.lock() = true;
-        self.signal.cv.notify_all();
+        self.signal.stop_thread();
         let _ = self.handle.join();
         if let Some(cache) = self.cache.upgrade() {
             let mut st = cache.cleaner.lock();
@@ -272,8 +117,8 @@ impl CacheInner {
 
     /// Drop alru's age marks from every shard.
     fn clear_fences(&self) {
-        for i in 0..self.lists.shard_count() {
-            self.lists.lock(i).fences.clear();
+        for i in 0..self.lines.lists().shard_count() {
+            self.lines.lists().lock(i).clear_fences();
         }
     }
 
@@ -290,7 +135,7 @@ impl CacheInner {
     /// at once: until the policy's next run when the tick cleaned something (acp's wake-up is
     /// in milliseconds, well below the thread's 100 ms look), else a tick's time, so an idle
     /// cleaner never spins.
-    pub(crate) fn cleaner_wait(&self, now: u64, tick: &CleaningTick) -> Duration {
+    fn cleaner_wait(&self, now: u64, tick: &CleaningTick) -> Duration {
         if tick.cleaned == 0 {
             return TICK;
         }
@@ -301,9 +146,7 @@ impl CacheInner {
     /// Record whether the policy has cleaning due (see `CleaningStats::waiting`). A look that
     /// only waits for the policy's wake-up time keeps the last run's verdict.
     fn set_waiting(&self, waiting: bool) {
-        self.cleaning_counters
-            .waiting
-            .store(waiting, Ordering::Relaxed);
+        self.cleaning_counters.set_waiting(waiting);
     }
 
     /// One look by the cleaner at time `now` (ms since any fixed origin, never decreasing).
@@ -354,11 +197,11 @@ impl CacheInner {
                 CleaningPolicy::Acp => cfg.acp.flush_max_buffers as usize,
             }
             .max(ROOM_DEPTH);
-            let batch = ROOM_BATCH.min(self.lines as usize / 8).max(depth);
+            let batch = ROOM_BATCH.min(self.lines.count() as usize / 8).max(depth);
             // Under way from here: writes that find no line wait for this batch while it is
             // picked (`room_coming`).
             self.cleaner_signal.active.fetch_add(1, Ordering::SeqCst);
-            let picked = self.whole_windows(self.oldest_dirty(batch), batch);
+            let picked = self.whole_windows(self.lines.oldest_dirty(batch), batch);
             let cleaned = self.clean_and_commit(picked, depth).unwrap_or(0);
             self.cleaner_signal.active.fetch_sub(1, Ordering::SeqCst);
             tick.ran = true;
@@ -378,9 +221,10 @@ impl CacheInner {
         // Marks spaced by a sixteenth of the staleness time: ages are known to within that.
         let spacing = (staleness / 16).max(TICK.as_millis() as u64);
         if st.last_fence_ms.map_or(true, |t| now >= t + spacing) {
-            for i in 0..self.lists.shard_count() {
-                let mut s = self.lists.lock(i);
-                self.lists
+            for i in 0..self.lines.lists().shard_count() {
+                let mut s = self.lines.lists().lock(i);
+                self.lines
+                    .lists()
                     .place_fence(&mut s, now, stale.unwrap_or(0), FENCES);
             }
             st.last_fence_ms = Some(now);
@@ -392,7 +236,7 @@ impl CacheInner {
         if p.dirty_ratio_threshold >= 100 {
             st.ratio_active = false;
         } else {
-            let threshold = self.lines as u64 * p.dirty_ratio_threshold as u64 / 100;
+            let threshold = self.lines.count() as u64 * p.dirty_ratio_threshold as u64 / 100;
             let inertia = (p.dirty_ratio_inertia_mib as u64) << 20;
             let inertia_lines = inertia.div_ceil(self.line_bytes);
             if usage.dirty_lines > 0 && usage.dirty_lines >= threshold {
@@ -446,7 +290,7 @@ impl CacheInner {
         budget: usize,
         stale: Option<u64>,
     ) -> (Vec<u32>, bool) {
-        let n = self.lists.shard_count();
+        let n = self.lines.lists().shard_count();
         let mut picked = Vec::new();
         // Several passes, each taking an even share from every shard, so the oldest of all shards
         // go first rather than all of one shard.
@@ -458,9 +302,9 @@ impl CacheInner {
             progress = false;
             for i in 0..n {
                 let shard = (st.next_shard + i) % n;
-                let s = self.lists.lock(shard);
+                let s = self.lines.lists().lock(shard);
                 let end = match stale {
-                    Some(t) => match self.lists.stale_end(&s, t) {
+                    Some(t) => match self.lines.lists().stale_end(&s, t) {
                         Some(l) => Some(l),
                         None => continue,
                     },
@@ -475,7 +319,7 @@ impl CacheInner {
                     }
                     if skip > 0 {
                         skip -= 1;
-                    } else if !self.of_failing_core(line) {
+                    } else if !self.lines.of_failing_core(line) {
                         picked.push(line);
                         got += 1;
                     } else {
@@ -486,7 +330,7 @@ impl CacheInner {
                     if Some(line) == end {
                         break;
                     }
-                    cur = self.lists.next(line);
+                    cur = self.lines.lists().next(line);
                 }
                 taken[shard] += got;
                 progress |= got > 0;
@@ -525,17 +369,19 @@ impl CacheInner {
 
     /// The chunk with the highest dirty share (of 11 buckets: 0%, 10%, ... 100%), as
     /// (core, chunk index, dirty lines). Ties go to the lowest core and address.
-    pub(crate) fn dirtiest_chunk(&self) -> Option<(u16, u64, u64)> {
+    fn dirtiest_chunk(&self) -> Option<(u16, u64, u64)> {
         let per_chunk = (ACP_CHUNK_BYTES / self.line_bytes).max(1);
         let mut best: Option<(u64, u64, u16, u64)> = None; // (bucket, dirty, core, chunk)
         let cores: Vec<u16> = self.cores.read().keys().copied().collect();
         // A failing core's chunks cannot be cleaned; trying them on every run would starve the
         // other cores.
-        let cores = cores
-            .into_iter()
-            .filter(|&id| !self.gauges[id as usize].failing.load(Ordering::Relaxed));
+        let cores = cores.into_iter().filter(|&id| {
+            !self.lines.gauges()[id as usize]
+                .failing
+                .load(Ordering::Relaxed)
+        });
         for id in cores {
-            let chunks = self.gauges[id as usize].chunks.read();
+            let chunks = self.lines.gauges()[id as usize].chunks.read();
             for (i, c) in chunks.iter().enumerate() {
                 let dirty = c.load(Ordering::Relaxed) as u64;
                 if dirty == 0 {
@@ -565,7 +411,8 @@ impl CacheInner {
         let align = 1u64 << (63 - merge.max(1).leading_zeros());
         let per_window = (align / self.line_bytes).max(1);
         let window = |line: u32| {
-            self.table
+            self.lines
+                .table()
                 .key(line)
                 .map(|k| (k.core(), k.line() / per_window))
         };
@@ -603,11 +450,12 @@ impl CacheInner {
                 // I/O (a read miss, a write-through), and waiting for hundreds of those (lazy
                 // flush held them too, until it wrote under a span) kept a whole batch from
                 // starting while writes went to the core.
-                let Some(_stripe) = self.locks.try_lock(self.table.stripe(key)) else {
+                let Some(_stripe) = self.lines.locks().try_lock(self.lines.table().stripe(key))
+                else {
                     continue;
                 };
-                if let Some(l) = self.table.lookup(key) {
-                    if self.table.dirty(l) != 0 && !self.of_failing_core(l) {
+                if let Some(l) = self.lines.table().lookup(key) {
+                    if self.lines.table().dirty(l) != 0 && !self.lines.of_failing_core(l) {
                         out.push(l);
                     }
                 }
@@ -625,59 +473,17 @@ impl CacheInner {
                 break;
             }
             let key = Key::new(core, core_line);
-            let _stripe = self.locks.lock_sorted(vec![self.table.stripe(key)]);
-            if let Some(line) = self.table.lookup(key) {
-                if self.table.dirty(line) != 0 {
+            let _stripe = self
+                .lines
+                .locks()
+                .lock_sorted(vec![self.lines.table().stripe(key)]);
+            if let Some(line) = self.lines.table().lookup(key) {
+                if self.lines.table().dirty(line) != 0 {
                     out.push(line);
                 }
             }
         }
         out
-    }
-
-    /// Called by background cleaning's workers between units (no stripe held): on a persistent
-    /// cache, commit now if lines cleaned since the last commit wait to be reusable, writes want
-    /// room (or free lines are short), and the last commit is not too recent. Cleaned lines are
-    /// durably dirty until a commit records them clean; without this they would wait for the
-    /// end of the batch (seconds in front of a disk array, alru-very-aggressive's 8192 lines)
-    /// while every write that finds no line goes to the core (issue 20). The commit flushes the
-    /// cores: that price is paid here, by cleaning, never by a client request.
-    pub(crate) fn commit_ahead(&self) {
-        if self.persist.is_none() {
-            return;
-        }
-        let sig = &self.cleaner_signal;
-        let waiting = sig.uncommitted.load(Ordering::Relaxed);
-        if waiting == 0 {
-            return;
-        }
-        let low_water = (self.lines as u64 / 64).max(1);
-        if !sig.room_wanted.load(Ordering::Relaxed)
-            && self.free_lines.load(Ordering::Relaxed) >= low_water
-        {
-            return;
-        }
-        let last = sig.last_commit_ms.load(Ordering::Relaxed);
-        let since = sig.now_ms().saturating_sub(last);
-        // Fewer lines than `AHEAD_LINES` go too once they have waited `AHEAD_STALE_MS`, so that
-        // cleaned lines never wait long for their commit while writes want room (at the end of
-        // a batch its last, slow core writes trickle in).
-        if last != 0
-            && (since < AHEAD_INTERVAL_MS || (waiting < AHEAD_LINES && since < AHEAD_STALE_MS))
-        {
-            return;
-        }
-        if sig.committing.swap(true, Ordering::SeqCst) {
-            return;
-        }
-        // A failure (the cache volume's) is counted by the device; the batch's own commit at its
-        // end tries again and reports it.
-        if self.commit().is_ok() {
-            self.cleaning_counters
-                .ahead_commits
-                .fetch_add(1, Ordering::Relaxed);
-        }
-        sig.committing.store(false, Ordering::SeqCst);
     }
 
     fn clean_and_commit(&self, lines: Vec<u32>, depth: usize) -> Result<u64> {
@@ -731,13 +537,16 @@ mod tests {
         assert_eq!(inner.cleaning.read().io.merge_max_kib, 1024);
         let line_of = |l: u64| {
             let key = Key::new(id, l);
-            let _s = inner.locks.lock_sorted(vec![inner.table.stripe(key)]);
-            inner.table.lookup(key).unwrap()
+            let _s = inner
+                .lines
+                .locks()
+                .lock_sorted(vec![inner.lines.table().stripe(key)]);
+            inner.lines.table().lookup(key).unwrap()
         };
         let core_lines = |lines: Vec<u32>| {
             let mut v: Vec<u64> = lines
                 .iter()
-                .map(|&l| inner.table.key(l).unwrap().line())
+                .map(|&l| inner.lines.table().key(l).unwrap().line())
                 .collect();
             v.sort_unstable();
             v
@@ -755,8 +564,9 @@ mod tests {
         assert_eq!(inner.whole_windows(some_of_0.clone(), 100).len(), 100);
         // A stripe held by a request is skipped, not waited for.
         let held = inner
-            .locks
-            .lock_sorted(vec![inner.table.stripe(Key::new(id, 255))]);
+            .lines
+            .locks()
+            .lock_sorted(vec![inner.lines.table().stripe(Key::new(id, 255))]);
         let batch = core_lines(inner.whole_windows(some_of_0, 4096));
         drop(held);
         assert!(

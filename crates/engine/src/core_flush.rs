@@ -25,7 +25,6 @@ use std::time::{Duration, Instant};
 use hybridcache_volume::VolumeRef;
 use parking_lot::{Condvar, Mutex};
 
-use crate::cache::{CacheInner, CoreState};
 use crate::{CoreId, EngineError, Result};
 
 /// Default of [`core_flush_timeout`]: long enough for a disk array's cache flush, short enough
@@ -116,8 +115,17 @@ impl CoreWatch {
         DeviceOp(self)
     }
 
+    /// A flush of the core's dirty data begins; how many were under way already.
+    pub(crate) fn dirty_flush_begins(&self) -> u64 {
+        self.dirty_flushes.fetch_add(1, Ordering::SeqCst)
+    }
+
+    pub(crate) fn dirty_flush_ends(&self) {
+        self.dirty_flushes.fetch_sub(1, Ordering::SeqCst);
+    }
+
     /// Whether the device has requests outstanding and none returned for `limit`.
-    fn hung(&self, limit: Duration) -> bool {
+    pub(crate) fn hung(&self, limit: Duration) -> bool {
         self.outstanding.load(Ordering::Acquire) > 0
             && now_ms().saturating_sub(self.last_ms.load(Ordering::Relaxed))
                 >= limit.as_millis() as u64
@@ -138,11 +146,13 @@ fn stuck(core: CoreId) -> EngineError {
 
 /// Start flushing `core`'s device on a thread of its own. Fails at once (as timed out) when the
 /// core's running device flush has run for the timeout already.
-pub(crate) fn start_device_flush(core: &CoreState) -> PendingFlush {
+pub(crate) fn start_device_flush(
+    id: CoreId,
+    watch: &Arc<CoreWatch>,
+    volume: &VolumeRef,
+) -> PendingFlush {
     let limit = core_flush_timeout();
-    let id = core.id;
-    let known_stuck = core
-        .watch
+    let known_stuck = watch
         .device_flush
         .lock()
         .is_some_and(|started| started.elapsed() >= limit);
@@ -154,11 +164,13 @@ pub(crate) fn start_device_flush(core: &CoreState) -> PendingFlush {
         };
     }
     let (tx, rx) = mpsc::sync_channel(1);
-    let (watch, volume): (Arc<CoreWatch>, VolumeRef) = (core.watch.clone(), core.volume.clone());
+    let (thread_watch, thread_volume): (Arc<CoreWatch>, VolumeRef) =
+        (watch.clone(), volume.clone());
     let spawned = std::thread::Builder::new()
         .name(format!("core{id}-flush"))
         .stack_size(256 << 10)
         .spawn(move || {
+            let (watch, volume) = (thread_watch, thread_volume);
             let mut running = watch.device_flush.lock();
             while let Some(started) = *running {
                 if started.elapsed() >= limit {
@@ -187,8 +199,8 @@ pub(crate) fn start_device_flush(core: &CoreState) -> PendingFlush {
         },
         Err(_) => {
             // No thread to spare: flush here, unbounded, rather than not at all.
-            let op = core.watch.begin();
-            let r = core.volume.flush().map_err(EngineError::from);
+            let op = watch.begin();
+            let r = volume.flush().map_err(EngineError::from);
             drop(op);
             PendingFlush {
                 core: id,
@@ -215,101 +227,8 @@ impl PendingFlush {
     }
 }
 
-/// Flush `core`'s device, waiting at most the core flush timeout.
-pub(crate) fn flush_device(core: &CoreState) -> Result<()> {
+/// Flush core `id`'s device, waiting at most the core flush timeout.
+pub(crate) fn flush_device(id: CoreId, watch: &Arc<CoreWatch>, volume: &VolumeRef) -> Result<()> {
     let deadline = Instant::now() + core_flush_timeout();
-    start_device_flush(core).wait(deadline)
-}
-
-/// Flush the dirty data of `cores`, each on its own thread, giving up on a core whose device
-/// hangs (see the module doc). One core: its own error. Several: the per-core results when any
-/// failed, or the interruption when the flush was interrupted.
-pub(crate) fn flush_cores_dirty(inner: &Arc<CacheInner>, cores: Vec<Arc<CoreState>>) -> Result<()> {
-    let (tx, rx) = mpsc::channel::<(CoreId, Result<()>)>();
-    let mut running: Vec<Arc<CoreState>> = Vec::new();
-    let mut results: Vec<(CoreId, Result<()>)> = Vec::new();
-    let limit = core_flush_timeout();
-    for core in cores {
-        // Flushes of one core may run together (two operators, -F during a stop); a new one is
-        // refused only while an earlier one waits on a hung device.
-        let earlier = core.watch.dirty_flushes.fetch_add(1, Ordering::SeqCst);
-        if earlier > 0 && core.watch.hung(limit) {
-            core.watch.dirty_flushes.fetch_sub(1, Ordering::SeqCst);
-            let e = timed_out(
-                core.id,
-                "its previous flush is still waiting for the device",
-            );
-            results.push((core.id, Err(e)));
-            continue;
-        }
-        let (tx, job_inner, job_core) = (tx.clone(), inner.clone(), core.clone());
-        let spawned = std::thread::Builder::new()
-            .name(format!("core{}-flush-dirty", core.id))
-            .spawn(move || {
-                let r = job_inner.flush_core_dirty(&job_core);
-                job_core.watch.dirty_flushes.fetch_sub(1, Ordering::SeqCst);
-                let _ = tx.send((job_core.id, r));
-            });
-        match spawned {
-            Ok(_) => running.push(core),
-            Err(_) => {
-                // No thread to spare: flush here, unbounded, rather than not at all.
-                let r = inner.flush_core_dirty(&core);
-                core.watch.dirty_flushes.fetch_sub(1, Ordering::SeqCst);
-                results.push((core.id, r));
-            }
-        }
-    }
-    drop(tx);
-    while !running.is_empty() {
-        match rx.recv_timeout(Duration::from_millis(100).min(limit)) {
-            Ok((id, r)) => {
-                running.retain(|c| c.id != id);
-                results.push((id, r));
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) => {}
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                for c in running.drain(..) {
-                    let e = EngineError::Invalid(format!(
-                        "core {}: the flush thread ended without a result",
-                        c.id
-                    ));
-                    results.push((c.id, Err(e)));
-                }
-                break;
-            }
-        }
-        running.retain(|c| {
-            if c.watch.hung(limit) {
-                // Its thread goes on waiting for the device; the core's lines stay dirty.
-                results.push((
-                    c.id,
-                    Err(timed_out(c.id, "its device completed no write or flush")),
-                ));
-                false
-            } else {
-                true
-            }
-        });
-    }
-    results.sort_by_key(|(id, _)| *id);
-    if results.len() == 1 {
-        return results.pop().map_or(Ok(()), |(_, r)| r);
-    }
-    if results
-        .iter()
-        .any(|(_, r)| matches!(r, Err(EngineError::FlushInterrupted { .. })))
-    {
-        // Counted over every core's flush (the progress entry they share).
-        return Err(inner.flush_progress.interrupted_error());
-    }
-    if results.iter().all(|(_, r)| r.is_ok()) {
-        return Ok(());
-    }
-    Err(EngineError::CoreFlushes(
-        results
-            .into_iter()
-            .map(|(id, r)| (id, r.err().map(|e| e.to_string())))
-            .collect(),
-    ))
+    start_device_flush(id, watch, volume).wait(deadline)
 }

@@ -74,6 +74,18 @@ pub struct Superblock {
 }
 
 impl Superblock {
+    /// The recorded cores as an error message names them: `id (path)`, or `none`.
+    pub(crate) fn describe_cores(&self) -> String {
+        if self.cores.is_empty() {
+            return "none".into();
+        }
+        self.cores
+            .iter()
+            .map(|c| format!("{} ({})", c.id, c.path))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
     pub(crate) fn mode(&self) -> Result<CacheMode, String> {
         self.mode.parse()
     }

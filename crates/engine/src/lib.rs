@@ -16,16 +16,23 @@
 //! not hold their stripes across the core write: they mark the core lines they cover, and only
 //! requests for those lines wait (`locks.rs`).
 
+mod admission;
 pub mod bench;
 mod bits;
 mod cache;
 mod classes;
 mod cleaner;
 mod cleaning;
+mod cleaning_state;
+mod commit;
 mod core_flush;
+mod core_state;
+mod devices;
 mod format;
+mod inner;
 pub mod ioclass;
 pub mod latency;
+mod lines;
 mod lists;
 mod locks;
 mod meta;
@@ -34,22 +41,27 @@ mod persist;
 pub mod policy;
 mod prefetch;
 mod progress;
-mod read_batch;
+mod read;
+mod readahead;
+mod recovery;
+mod room_wait;
+mod segment;
 mod stats;
+mod write;
 
 pub use cache::{Cache, Core, CoreInfo, CoreStatus};
-pub use cleaner::{CleaningStats, WRITE_SIZE_BUCKETS};
-pub use cleaning::CleaningTick;
+pub use cleaning_state::{CleaningStats, CleaningTick, WRITE_SIZE_BUCKETS};
 pub use core_flush::{core_flush_timeout, set_core_flush_timeout, DEFAULT_CORE_FLUSH_TIMEOUT};
 pub use format::{holds_metadata, zero_metadata, CoreRecord, Superblock};
 pub use latency::{Histogram, LatencyKind, LatencyStats};
 pub use offload::Offload;
-pub use persist::{read_summary, set_load_threads, MetadataSummary};
+pub use persist::{read_summary, MetadataSummary};
 pub use policy::{
     AcpParams, AlruParams, CleaningConfig, CleaningIo, CleaningPolicy, LazyFlush, Prefetch,
     PrefetchPolicy, Promotion, PromotionPolicy, SeqCutoff, SeqCutoffPolicy,
 };
 pub use progress::FlushStatus;
+pub use recovery::set_load_threads;
 pub use stats::{
     BackgroundErrors, BlockStats, DeviceFault, ErrorStats, RequestStats, Stats, Usage,
 };

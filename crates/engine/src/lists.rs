@@ -36,10 +36,15 @@ pub(crate) struct Shard {
     /// line before it in the dirty list were last written at or before time `t` (ms). The dirty
     /// list is in last-write order, so a few marks give every line's age to within the marks'
     /// spacing, without a timestamp per line. Empty unless alru is the cleaning policy.
-    pub(crate) fences: Vec<(u32, u64)>,
+    fences: Vec<(u32, u64)>,
 }
 
 impl Shard {
+    /// Forget the dirty list's age marks (a change of cleaning policy or clock).
+    pub(crate) fn clear_fences(&mut self) {
+        self.fences.clear();
+    }
+
     pub(crate) fn len(&self, kind: ListKind) -> u64 {
         self.heads[kind as usize].len
     }

@@ -365,7 +365,7 @@ mod tests {
 
     /// Two core lines whose keys share a stripe.
     fn same_stripe(cache: &Cache, id: CoreId) -> (u64, u64) {
-        let table = &cache.inner.table;
+        let table = &cache.inner.lines.table();
         let first = table.stripe(Key::new(id, 0));
         let other = (1..1024)
             .find(|&l| table.stripe(Key::new(id, l)) == first)

@@ -20,24 +20,17 @@
 //!   place by later, unflushed writes), so recovery keeps `valid = dirty` and drops clean lines.
 //!   After a clean stop everything was committed and clean lines are kept too.
 
-use std::sync::atomic::{fence, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::atomic::{fence, AtomicU64, Ordering};
 
 use hybridcache_volume::Volume;
 use parking_lot::Mutex;
 
-use crate::bits::Mask;
-use crate::cache::{CacheInner, CoreState};
-use crate::core_flush;
 use crate::format::{
-    block_crc, decode_block, decode_commit, decode_config, digest_term, encode_block,
-    encode_commit, encode_config, BlockError, CommitRecord, CommitSlot, ConfigSlot, Entry,
-    Geometry, Superblock, BLOCK, COMMIT_SLOTS, CONFIG_SLOT_BYTES,
+    block_crc, decode_block, decode_config, digest_term, encode_block, encode_commit,
+    encode_config, CommitRecord, ConfigSlot, Entry, Geometry, Superblock, BLOCK, COMMIT_SLOTS,
+    CONFIG_SLOT_BYTES,
 };
-use crate::lists::ListKind;
-use crate::meta::{Key, LineTable, Walks, FREE};
-use crate::stats::Counter;
+use crate::meta::Key;
 use crate::CoreId;
 use crate::{EngineError, Result};
 
@@ -62,7 +55,7 @@ impl Bits {
     /// Set the bits of `bits` in word `word` (items `64 * word ..`); `u64::MAX` as `word` is
     /// no word (nothing to set). Relaxed: for a load, whose threads are joined before the
     /// bits are read.
-    fn or_word(&self, word: u64, bits: u64) {
+    pub(crate) fn or_word(&self, word: u64, bits: u64) {
         if word != u64::MAX && bits != 0 {
             self.0[word as usize].fetch_or(bits, Ordering::Relaxed);
         }
@@ -71,7 +64,7 @@ impl Bits {
         self.0.len() as u64 * 8
     }
     /// Take every set bit, clearing them.
-    fn take_all(&self) -> Vec<u64> {
+    pub(crate) fn take_all(&self) -> Vec<u64> {
         let mut out = Vec::new();
         for (w, word) in self.0.iter().enumerate() {
             if word.load(Ordering::Relaxed) == 0 {
@@ -90,24 +83,24 @@ impl Bits {
 pub(crate) struct Persist {
     pub(crate) geometry: Geometry,
     pub(crate) nonce: u64,
-    mask_bytes: usize,
+    pub(crate) mask_bytes: usize,
     /// Blocks whose lines changed since the last snapshot.
-    changed: Bits,
+    pub(crate) changed: Bits,
     /// Per block, which slot holds its newest committed copy.
-    slot: Bits,
+    pub(crate) slot: Bits,
     /// Per line: the device may record this line as dirty.
-    durable_dirty: Bits,
-    state: Mutex<PersistState>,
+    pub(crate) durable_dirty: Bits,
+    pub(crate) state: Mutex<PersistState>,
 }
 
-struct PersistState {
+pub(crate) struct PersistState {
     /// Sequence of the last metadata commit (completed or failed: a failed one's number is
     /// never reused, so two versions of a block never share a sequence number).
-    seq: u64,
+    pub(crate) seq: u64,
     /// Per block, its term in the digest of the metadata as last recorded complete.
-    terms: Vec<u32>,
+    pub(crate) terms: Vec<u32>,
     /// Sum of `terms`: what the next commit record's digest starts from.
-    digest: u64,
+    pub(crate) digest: u64,
     /// Sequence of the last superblock write; its parity picks the config slot.
     sb_seq: u64,
     sb: Superblock,
@@ -222,7 +215,7 @@ impl Persist {
 
 /// Write commit record `rec` to its slot (`seq % 2`) and flush. One sector: a device writes
 /// it whole or not at all, so a torn record write leaves the previous record in the other slot.
-fn write_commit(
+pub(crate) fn write_commit(
     volume: &dyn Volume,
     rec: CommitRecord,
     nonce: u64,
@@ -387,269 +380,6 @@ pub fn read_summary(volume: &dyn Volume) -> Result<Option<MetadataSummary>> {
     }))
 }
 
-/// How one attempt at a commit ended.
-enum Attempt {
-    Done,
-    /// A core's flush failed for the first time after the snapshot was taken, which may call
-    /// lines of that core clean on the strength of writes that are not durable: snapshot again.
-    Retry,
-}
-
-impl CacheInner {
-    /// Make everything acknowledged so far durable (see the module doc). Without persistence it
-    /// only flushes the devices. Fails only when the cache volume fails: a core whose flush
-    /// fails has the error counted on it and its lines recorded dirty, so that it cannot keep
-    /// the other cores' writes from becoming durable.
-    pub(crate) fn commit(&self) -> Result<()> {
-        let Some(p) = &self.persist else {
-            self.volume.flush()?;
-            self.flush_cores();
-            return Ok(());
-        };
-        let taken = self.cleaner_signal.commit_begins();
-        // Each retry follows a core newly marked failing, so there are at most as many as cores.
-        loop {
-            match self.commit_once(p) {
-                Ok(Attempt::Retry) => {}
-                Ok(Attempt::Done) => return Ok(()),
-                Err(e) => {
-                    self.cleaner_signal.commit_failed(taken);
-                    return Err(e);
-                }
-            }
-        }
-    }
-
-    /// Whether `line` holds data of a core whose device is failing (a hint: no lock is taken).
-    pub(crate) fn of_failing_core(&self, line: u32) -> bool {
-        self.table.key(line).is_some_and(|k| {
-            self.gauges[k.core() as usize]
-                .failing
-                .load(Ordering::Relaxed)
-        })
-    }
-
-    /// Flush the cores that took writes since their last flush, and the failing ones (to learn
-    /// whether they came back). Returns whether a core failed that was not failing before.
-    /// The cores flush in parallel, each bounded by the core flush timeout (core_flush.rs): a
-    /// hung core counts as failed, so it cannot hold this commit (and every other core's
-    /// durability) hostage.
-    fn flush_cores(&self) -> bool {
-        let cores: Vec<Arc<CoreState>> = self.cores.read().values().cloned().collect();
-        let mut pending = Vec::new();
-        for c in cores {
-            let was_failing = self.gauges[c.id as usize].failing.load(Ordering::SeqCst);
-            if !c.unflushed.swap(false, Ordering::SeqCst) && !was_failing {
-                continue;
-            }
-            let flush = core_flush::start_device_flush(&c);
-            pending.push((c, was_failing, flush));
-        }
-        let deadline = Instant::now() + core_flush::core_flush_timeout();
-        let mut newly_failing = false;
-        for (c, was_failing, flush) in pending {
-            match flush.wait(deadline) {
-                Ok(()) => {
-                    if was_failing {
-                        self.core_recovered(c.id);
-                    }
-                }
-                Err(_) => {
-                    c.unflushed.store(true, Ordering::SeqCst);
-                    c.counters.add(Counter::CoreWriteErrors, 1);
-                    if !was_failing {
-                        self.gauges[c.id as usize]
-                            .failing
-                            .store(true, Ordering::SeqCst);
-                        newly_failing = true;
-                    }
-                }
-            }
-        }
-        newly_failing
-    }
-
-    /// A failing core's flush succeeded: commits may record its lines as they are again. Its
-    /// blocks are rewritten at the next commit, or lines recorded dirty while it failed would
-    /// stay dirty on the device (and not reusable) until something else changed their block.
-    fn core_recovered(&self, id: CoreId) {
-        self.gauges[id as usize]
-            .failing
-            .store(false, Ordering::SeqCst);
-        if let Some(p) = &self.persist {
-            for line in 0..self.lines {
-                if self.table.key(line).is_some_and(|k| k.core() == id) {
-                    p.touch(line);
-                }
-            }
-        }
-    }
-
-    /// After a commit: if `core` is failing, its acknowledged writes are not known durable, and
-    /// a flush on it must fail, unless its device flushes now.
-    pub(crate) fn retry_failing_core(&self, core: &CoreState) -> Result<()> {
-        if !self.gauges[core.id as usize].failing.load(Ordering::SeqCst) {
-            return Ok(());
-        }
-        core_flush::flush_device(core)
-            .inspect_err(|_| core.counters.add(Counter::CoreWriteErrors, 1))?;
-        // Everything written to it before this flush is durable now.
-        self.core_recovered(core.id);
-        Ok(())
-    }
-
-    fn commit_once(&self, p: &Persist) -> Result<Attempt> {
-        let mut st = p.state.lock();
-        let blocks = p.changed.take_all();
-        let epb = p.geometry.entries_per_block as u64;
-        let seq = st.seq + 1;
-        let mut buf = vec![0u8; blocks.len() * BLOCK];
-        // Per block, which of its lines the snapshot records as dirty.
-        let mut dirty_lines: Vec<Vec<bool>> = Vec::with_capacity(blocks.len());
-        for (i, &b) in blocks.iter().enumerate() {
-            let first = b * epb;
-            let last = (first + epb).min(self.lines as u64);
-            let mut entries = Vec::with_capacity((last - first) as usize);
-            let mut dirty = Vec::with_capacity(entries.capacity());
-            for line in first..last {
-                let line = line as u32;
-                // Raise the bit before reading the state (Dekker with `durably_dirty`).
-                let was = p.durable_dirty.get(line as u64);
-                p.durable_dirty.set(line as u64, true);
-                fence(Ordering::SeqCst);
-                let e = self.snapshot_entry(line);
-                if e.dirty == 0 && !was {
-                    p.durable_dirty.set(line as u64, false);
-                }
-                dirty.push(e.dirty != 0);
-                entries.push(e);
-            }
-            encode_block(
-                &mut buf[i * BLOCK..(i + 1) * BLOCK],
-                b,
-                seq,
-                p.nonce,
-                p.mask_bytes,
-                &entries,
-            );
-            dirty_lines.push(dirty);
-        }
-        // The record's digest: the last one with these blocks' terms replaced.
-        let terms: Vec<u32> = blocks
-            .iter()
-            .enumerate()
-            .map(|(i, &b)| digest_term(b, seq, block_crc(&buf[i * BLOCK..])))
-            .collect();
-        let mut digest = st.digest;
-        for (&b, &t) in blocks.iter().zip(&terms) {
-            digest = digest
-                .wrapping_sub(st.terms[b as usize] as u64)
-                .wrapping_add(t as u64);
-        }
-        let result = (|| -> Result<Attempt> {
-            self.volume.flush()?;
-            if self.flush_cores() {
-                return Ok(Attempt::Retry);
-            }
-            if blocks.is_empty() {
-                return Ok(Attempt::Done);
-            }
-            for (i, &b) in blocks.iter().enumerate() {
-                let slot = !p.slot.get(b) as u32;
-                self.volume.write_at(
-                    &buf[i * BLOCK..(i + 1) * BLOCK],
-                    p.geometry.slot_offset(b, slot),
-                )?;
-            }
-            self.volume.flush()?;
-            // Only now, with every block durable, may the record say the commit completed: a
-            // loader then insists on exactly these versions (docs/format.md).
-            write_commit(
-                &*self.volume,
-                CommitRecord { seq, digest },
-                p.nonce,
-                p.geometry.meta_blocks,
-            )?;
-            Ok(Attempt::Done)
-        })();
-        // A failed commit's number is burnt: its blocks may have reached the device, and the
-        // retry must not give other contents the same sequence number.
-        st.seq = seq;
-        if !matches!(result, Ok(Attempt::Done)) {
-            // Nothing is known to be durable: the blocks go back into the next commit.
-            for &b in &blocks {
-                p.changed.set(b, true);
-            }
-            return result;
-        }
-        st.digest = digest;
-        for (&b, &t) in blocks.iter().zip(&terms) {
-            st.terms[b as usize] = t;
-        }
-        for (i, &b) in blocks.iter().enumerate() {
-            p.slot.set(b, !p.slot.get(b));
-            for (j, &dirty) in dirty_lines[i].iter().enumerate() {
-                p.durable_dirty.set(b * epb + j as u64, dirty);
-            }
-        }
-        drop(st);
-        if !blocks.is_empty() {
-            self.release_limbo();
-            // Lines cleaned before the snapshot are reusable now: wake the writes waiting for one.
-            self.cleaner_signal.room_made();
-        }
-        Ok(Attempt::Done)
-    }
-
-    /// A line's state as it goes on disk: only consistent combinations.
-    fn snapshot_entry(&self, line: u32) -> Entry {
-        let key = self.table.key(line);
-        let valid = self.table.valid(line);
-        // A racing update may show new valid with old dirty bits; dirty data outside valid
-        // sectors cannot exist, so it is dropped here.
-        let mut dirty = self.table.dirty(line) & valid;
-        if key.is_some_and(|k| {
-            self.gauges[k.core() as usize]
-                .failing
-                .load(Ordering::SeqCst)
-        }) {
-            // The core may not hold what cleaning wrote to it (its flush failed): the cache's
-            // copy stays the one to trust. Valid sectors hold the newest data, so this never
-            // serves anything older; the line is only cleaned again later.
-            dirty = valid;
-        }
-        match key {
-            Some(k) if valid != 0 => Entry {
-                key: Some(k),
-                valid,
-                dirty,
-            },
-            _ => Entry {
-                key: None,
-                valid: 0,
-                dirty: 0,
-            },
-        }
-    }
-
-    /// Move lines that are no longer durably dirty from limbo to the free lists.
-    pub(crate) fn release_limbo(&self) {
-        let Some(p) = &self.persist else { return };
-        for shard in 0..self.lists.shard_count() {
-            let mut s = self.lists.lock(shard);
-            let mut cur = s.first(ListKind::Limbo);
-            while let Some(line) = cur {
-                cur = self.lists.next(line);
-                if !p.durable_dirty.get(line as u64) {
-                    self.lists
-                        .move_back(&mut s, ListKind::Limbo, ListKind::Free, line);
-                    self.free_lines.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        }
-    }
-}
-
 /// Create the persistent state for a new cache: wipe old superblocks, write empty metadata,
 /// then the superblock. A crash part way leaves a volume with no cache, never a half one.
 pub(crate) fn format_volume(
@@ -714,560 +444,6 @@ pub(crate) fn format_volume(
         st.digest = digest;
     }
     Ok(p)
-}
-
-/// The last commit that completed, from the two record slots: the valid one with the higher
-/// sequence number. A damaged newest record only makes the loader insist on the commit before;
-/// that commit's block versions are still on the device, since the commit after it wrote only
-/// the other copies.
-fn last_commit(volume: &dyn Volume, nonce: u64, meta_blocks: u64) -> Result<CommitRecord> {
-    let mut found = Vec::with_capacity(2);
-    let mut buf = vec![0u8; BLOCK];
-    for at in COMMIT_SLOTS {
-        volume.read_at(&mut buf, at)?;
-        found.push((at, decode_commit(&buf, nonce, meta_blocks)));
-    }
-    if let Some(rec) = found
-        .iter()
-        .filter_map(|(_, s)| match s {
-            CommitSlot::Valid(r) => Some(*r),
-            _ => None,
-        })
-        .max_by_key(|r| r.seq)
-    {
-        return Ok(rec);
-    }
-    let why: Vec<String> = found
-        .iter()
-        .map(|(at, s)| {
-            let what = match s {
-                CommitSlot::Empty => "empty".to_string(),
-                CommitSlot::Foreign => "belongs to another cache".to_string(),
-                CommitSlot::Corrupt(why) => why.clone(),
-                CommitSlot::Valid(_) => unreachable!("handled above"),
-            };
-            format!("at byte offset {at} {what}")
-        })
-        .collect();
-    Err(EngineError::Corrupt(format!(
-        "no valid commit record, so the last completed commit is unknown: {}",
-        why.join(", ")
-    )))
-}
-
-/// Threads a load may use; 0 picks them (see [`set_load_threads`]).
-static LOAD_THREADS: AtomicUsize = AtomicUsize::new(0);
-
-/// Below this many metadata blocks per thread (48k lines of 4 KiB), a load that picks its own
-/// thread count does not split: starting a thread costs more than it saves.
-const MIN_BLOCKS_PER_THREAD: u64 = 1024;
-
-/// How many threads [`crate::Cache::load`] uses to read and decode the metadata and to rebuild
-/// the lookup table: `0` (the default) takes one per available CPU, at most 8, and one for a
-/// small cache; any other value is used as given (up to one thread per metadata block). Every
-/// count yields the same cache; this only trades load time against CPUs taken from others.
-pub fn set_load_threads(threads: usize) {
-    LOAD_THREADS.store(threads, Ordering::Relaxed);
-}
-
-fn load_threads(blocks: u64) -> usize {
-    let n = match LOAD_THREADS.load(Ordering::Relaxed) {
-        0 => std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(8)
-            .min((blocks / MIN_BLOCKS_PER_THREAD).max(1) as usize),
-        n => n,
-    };
-    n.clamp(1, blocks.max(1) as usize)
-}
-
-/// `f(0)`, ..., `f(n - 1)` at once: `f(0)` on this thread, the others on scoped threads (or on
-/// this thread too, in turn, when one cannot be started). Results in order.
-fn in_parallel<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
-    if n <= 1 {
-        return vec![f(0)];
-    }
-    std::thread::scope(|s| {
-        let f = &f;
-        let handles: Vec<_> = (1..n)
-            .map(|i| {
-                std::thread::Builder::new()
-                    .name("hc-load".into())
-                    .spawn_scoped(s, move || f(i))
-                    .ok()
-            })
-            .collect();
-        let mut out = Vec::with_capacity(n);
-        out.push(f(0));
-        for (i, h) in handles.into_iter().enumerate() {
-            out.push(match h {
-                Some(h) => h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)),
-                None => f(i + 1),
-            });
-        }
-        out
-    })
-}
-
-/// Part `i` of `n` of `0..total`: contiguous, sizes differing by at most one.
-fn share(total: u64, n: usize, i: usize) -> std::ops::Range<u64> {
-    let (n, i) = (n as u64, i as u64);
-    (total * i / n)..(total * (i + 1) / n)
-}
-
-/// What every thread of a load's first pass (read, check and decode blocks) needs.
-struct Decode<'a> {
-    volume: &'a dyn Volume,
-    table: &'a LineTable,
-    p: &'a Persist,
-    nonce: u64,
-    record: Option<CommitRecord>,
-    crashed: bool,
-    /// Every sector of a line.
-    full: Mask,
-    /// (core id, lines of that core) for each core the superblock lists.
-    core_lines: &'a [(CoreId, u64)],
-}
-
-/// What the first pass found in one range of blocks.
-struct Decoded {
-    /// Per block of the range: its term of the digest of the metadata as found.
-    terms: Vec<u32>,
-    /// Per block of the range: the sequence number of the copy used.
-    seqs: Vec<u64>,
-    /// Sum of the terms of the versions the last completed commit left.
-    committed_digest: u64,
-    /// Blocks with a damaged copy whose other copy might be older than that commit.
-    suspects: Vec<String>,
-    /// Per core id: (lines, dirty lines) given a state.
-    gauges: Vec<(u64, u64)>,
-}
-
-impl Decode<'_> {
-    /// Read, check and decode `blocks`, and give each line they describe its key and masks
-    /// (not linked into the lookup table yet: [`Link::buckets`] does that).
-    fn blocks(&self, blocks: std::ops::Range<u64>) -> Result<Decoded> {
-        const CHUNK_BLOCKS: u64 = 8192;
-        let p = self.p;
-        let geometry = p.geometry;
-        let mask_bytes = p.mask_bytes;
-        let epb = geometry.entries_per_block as u64;
-        let table = self.table;
-        let corrupt = EngineError::Corrupt;
-        let first = blocks.start;
-        let count = (blocks.end - blocks.start) as usize;
-        let mut out = Decoded {
-            terms: vec![0; count],
-            seqs: vec![0; count],
-            committed_digest: 0,
-            suspects: Vec::new(),
-            gauges: vec![(0, 0); crate::MAX_CORES as usize],
-        };
-        let mut buf = vec![0u8; (CHUNK_BLOCKS.min(count as u64) * 2) as usize * BLOCK];
-        let mut entries = Vec::with_capacity(epb as usize);
-        let mut other_entries = Vec::with_capacity(epb as usize);
-        // Durably-dirty bits gathered a word at a time: one atomic OR per 64 lines, not per line.
-        let mut dirty_word: (u64, u64) = (u64::MAX, 0);
-        let mut b = first;
-        while b < blocks.end {
-            let n = (blocks.end - b).min(CHUNK_BLOCKS);
-            let len = (n * 2) as usize * BLOCK;
-            self.volume
-                .read_at(&mut buf[..len], geometry.slot_offset(b, 0))?;
-            for i in 0..n {
-                let block = b + i;
-                let k = (block - first) as usize;
-                let count = geometry.lines_in_block(block);
-                let at = (i * 2) as usize * BLOCK;
-                let copies = [
-                    decode_block(
-                        &buf[at..at + BLOCK],
-                        block,
-                        self.nonce,
-                        mask_bytes,
-                        count,
-                        &mut entries,
-                    ),
-                    decode_block(
-                        &buf[at + BLOCK..at + 2 * BLOCK],
-                        block,
-                        self.nonce,
-                        mask_bytes,
-                        count,
-                        &mut other_entries,
-                    ),
-                ];
-                let crcs = [block_crc(&buf[at..]), block_crc(&buf[at + BLOCK..])];
-                let why = |e: &BlockError| match e {
-                    BlockError::Checksum => "checksum mismatch".to_string(),
-                    BlockError::WrongIndex(i) => format!("holds block {i}"),
-                    BlockError::ForeignNonce => "belongs to another cache".to_string(),
-                };
-                let lines = format!("lines {}..{}", block * epb, block * epb + count as u64);
-                let (slot, seq) = match &copies {
-                    [Ok(s0), Ok(s1)] if s1 > s0 => (1, *s1),
-                    [Ok(s0), _] => (0, *s0),
-                    [Err(_), Ok(s1)] => (1, *s1),
-                    [Err(e0), Err(e1)] => {
-                        return Err(corrupt(format!(
-                            "metadata block {block} ({lines}) is damaged in both copies: at byte offset {} {}, at byte offset {} {}",
-                            geometry.slot_offset(block, 0),
-                            why(e0),
-                            geometry.slot_offset(block, 1),
-                            why(e1)
-                        )));
-                    }
-                };
-                if slot == 1 {
-                    std::mem::swap(&mut entries, &mut other_entries);
-                }
-                out.terms[k] = digest_term(block, seq, crcs[slot]);
-                if let Some(rec) = self.record {
-                    // The version the last completed commit left: the newest copy not newer
-                    // than it.
-                    let committed = (0..2)
-                        .filter_map(|c| match copies[c] {
-                            Ok(s) if s <= rec.seq => Some((s, c)),
-                            _ => None,
-                        })
-                        .max();
-                    let Some((cseq, c)) = committed else {
-                        let describe = |c: usize| match &copies[c] {
-                            Ok(s) => format!("sequence {s}, from a commit that never completed"),
-                            Err(e) => why(e),
-                        };
-                        return Err(corrupt(format!(
-                            "metadata block {block} ({lines}) has no copy as of the last completed commit {}: at byte offset {} {}, at byte offset {} {}",
-                            rec.seq,
-                            geometry.slot_offset(block, 0),
-                            describe(0),
-                            geometry.slot_offset(block, 1),
-                            describe(1)
-                        )));
-                    };
-                    out.committed_digest = out
-                        .committed_digest
-                        .wrapping_add(digest_term(block, cseq, crcs[c]) as u64);
-                    if let Some(bad) = (0..2).find(|&c| copies[c].is_err()) {
-                        if let Err(e) = &copies[bad] {
-                            out.suspects.push(format!(
-                                "block {block} ({lines}): copy at byte offset {} {}, copy at byte offset {} has sequence {cseq}",
-                                geometry.slot_offset(block, bad as u32),
-                                why(e),
-                                geometry.slot_offset(block, 1 - bad as u32),
-                            ));
-                        }
-                    }
-                }
-                if slot == 1 {
-                    p.slot.set(block, true);
-                }
-                out.seqs[k] = seq;
-                let mut changed = false;
-                for (j, e) in entries.iter().enumerate() {
-                    let line = (block * epb + j as u64) as u32;
-                    let Some(key) = e.key else {
-                        if e.valid != 0 || e.dirty != 0 {
-                            return Err(corrupt(format!(
-                                "metadata block {block}: free line {line} has sector state"
-                            )));
-                        }
-                        continue;
-                    };
-                    if e.valid == 0 || e.dirty & !e.valid != 0 || e.valid & !self.full != 0 {
-                        return Err(corrupt(format!(
-                            "metadata block {block}: line {line} has impossible sector masks (valid {:#x}, dirty {:#x})",
-                            e.valid, e.dirty
-                        )));
-                    }
-                    let Some(&(_, lines_of_core)) =
-                        self.core_lines.iter().find(|c| c.0 == key.core())
-                    else {
-                        return Err(corrupt(format!(
-                            "metadata block {block}: line {line} belongs to core {}, which the superblock does not list",
-                            key.core()
-                        )));
-                    };
-                    if key.line() >= lines_of_core {
-                        return Err(corrupt(format!(
-                            "metadata block {block}: line {line} maps core line {} beyond the end of core {}",
-                            key.line(),
-                            key.core()
-                        )));
-                    }
-                    if e.dirty != 0 {
-                        let word = line as u64 / 64;
-                        if word != dirty_word.0 {
-                            p.durable_dirty.or_word(dirty_word.0, dirty_word.1);
-                            dirty_word = (word, 0);
-                        }
-                        dirty_word.1 |= 1 << (line % 64);
-                    }
-                    // After a crash, clean sectors may have been overwritten in place by writes
-                    // that were never committed: only dirty ones are trusted.
-                    let valid = if self.crashed { e.dirty } else { e.valid };
-                    if valid == 0 {
-                        // The device must learn the line is free before a later clean load
-                        // could trust its content.
-                        changed = true;
-                        continue;
-                    }
-                    table.set_state(line, key, valid, e.dirty);
-                    let g = &mut out.gauges[key.core() as usize];
-                    g.0 += 1;
-                    g.1 += (e.dirty != 0) as u64;
-                }
-                if changed {
-                    p.changed.set(block, true);
-                }
-            }
-            b += n;
-        }
-        p.durable_dirty.or_word(dirty_word.0, dirty_word.1);
-        Ok(out)
-    }
-}
-
-/// What every thread of a load's second pass (link lines into the lookup table) needs.
-struct Link<'a> {
-    table: &'a LineTable,
-    p: &'a Persist,
-    lines: u32,
-    /// Per block, the sequence number of the copy its lines came from.
-    block_seq: &'a [u64],
-}
-
-impl Link<'_> {
-    /// Link every line whose key falls in `buckets` into its chain, in line order. A core line
-    /// given by two lines keeps the one from the newer block version (the other is a leftover
-    /// of a line dropped since); two in the same version are corruption. Only this thread
-    /// changes these buckets' chains, and whether a line's key falls in them never changes, so
-    /// the threads need no lock. Returns per core id the (lines, dirty lines) dropped, or the
-    /// first line found corrupt with the error.
-    fn buckets(
-        &self,
-        buckets: std::ops::Range<u64>,
-    ) -> std::result::Result<Vec<(u64, u64)>, (u32, EngineError)> {
-        const BATCH: u32 = 64;
-        let table = self.table;
-        let epb = self.p.geometry.entries_per_block as u64;
-        let mut dropped = vec![(0u64, 0u64); crate::MAX_CORES as usize];
-        let (lo, hi) = (buckets.start, buckets.end);
-        let mut lines = [0u32; BATCH as usize + 1];
-        let mut keys = [None; BATCH as usize + 1];
-        let mut walks = Walks::default();
-        let mut start = 0;
-        while start < self.lines {
-            let end = start.saturating_add(BATCH).min(self.lines);
-            // Pick this thread's lines without a branch per line: whether a line is ours is a
-            // coin toss the branch predictor loses, and this scan visits every line.
-            let mut n = 0;
-            for line in start..end {
-                // Another thread may free a line of its own buckets meanwhile: either value
-                // read puts the line outside these buckets.
-                let raw = table.key_raw(line);
-                let b = table.bucket(Key::from_raw(raw)) as u64;
-                lines[n] = line;
-                keys[n] = Some(Key::from_raw(raw));
-                n += (raw != FREE && lo <= b && b < hi) as usize;
-            }
-            start = end;
-            let (lines, keys) = (&lines[..n], &keys[..n]);
-            // Whether each key is mapped already, for the whole batch at once: one lookup at a
-            // time is a chain of DRAM misses, which dominated the load.
-            table.lookup_many(keys, &mut walks);
-            for (j, &line) in lines.iter().enumerate() {
-                let Some(key) = keys[j] else { continue };
-                let bucket = walks.buckets[j];
-                // The walk's answer holds unless this batch's earlier lines changed the chain:
-                // they only link a line at the head of its bucket (after unlinking an older
-                // mapping of the same key), so an unchanged head means an unchanged chain.
-                let found = if table.bucket_head(bucket) == walks.heads[j] {
-                    walks.found[j]
-                } else {
-                    table.lookup(key)
-                };
-                if let Some(other) = found {
-                    let block = line as u64 / epb;
-                    let (seq, other_seq) = (
-                        self.block_seq[block as usize],
-                        self.block_seq[(other as u64 / epb) as usize],
-                    );
-                    if other_seq == seq {
-                        return Err((
-                            line,
-                            EngineError::Corrupt(format!(
-                                "metadata block {block}: core {} line {} is mapped twice in one commit",
-                                key.core(),
-                                key.line()
-                            )),
-                        ));
-                    }
-                    let g = &mut dropped[key.core() as usize];
-                    if other_seq > seq {
-                        g.0 += 1;
-                        g.1 += (table.dirty(line) != 0) as u64;
-                        table.clear_state(line);
-                        self.p.changed.set(block, true);
-                        continue;
-                    }
-                    g.0 += 1;
-                    g.1 += (table.dirty(other) != 0) as u64;
-                    table.unmap(other, key);
-                    self.p.changed.set(other as u64 / epb, true);
-                }
-                table.link(line, bucket);
-            }
-        }
-        Ok(dropped)
-    }
-}
-
-/// Read and check every metadata block and rebuild `inner`'s lines from them. Nothing is
-/// written. `inner` is fresh (every line free) and not yet shared, so no lock is needed. Fails
-/// with a message saying what is corrupt and where.
-///
-/// From format version 2 on, the commit record names the last commit that completed and the
-/// digest of the block versions it left. Each block must still have that version (its newest
-/// valid copy with a sequence number up to the record's): anything else is damage, and the
-/// load is refused. A newer copy can only come from a commit that never completed; it is
-/// used, as its data was flushed before the block was written.
-///
-/// Two passes, each split over threads ([`set_load_threads`]): the first reads, checks and
-/// decodes ranges of blocks and gives each line its state; the second links the lines into
-/// the lookup table, each thread owning a range of buckets. A loaded cache is the same
-/// whatever the thread count.
-pub(crate) fn restore(
-    inner: &mut CacheInner,
-    volume: &dyn Volume,
-    sb: &Superblock,
-    line_sectors: u32,
-    version: u32,
-) -> Result<()> {
-    let p = inner.persist.as_ref().expect("restore needs persistence");
-    let geometry = p.geometry;
-    let record = if version >= 2 {
-        Some(last_commit(volume, sb.nonce, geometry.meta_blocks)?)
-    } else {
-        None
-    };
-    let full: Mask = if line_sectors == 128 {
-        Mask::MAX
-    } else {
-        (1 << line_sectors) - 1
-    };
-    let core_lines: Vec<(CoreId, u64)> = sb
-        .cores
-        .iter()
-        .map(|c| (c.id, c.size.div_ceil(sb.line_size as u64)))
-        .collect();
-    let decode = Decode {
-        volume,
-        table: &inner.table,
-        p,
-        nonce: sb.nonce,
-        record,
-        crashed: !sb.clean_shutdown,
-        full,
-        core_lines: &core_lines,
-    };
-    let threads = load_threads(geometry.meta_blocks);
-    let parts = in_parallel(threads, |i| {
-        decode.blocks(share(geometry.meta_blocks, threads, i))
-    });
-    // The digest of the versions found for the recorded commit, and blocks with a damaged copy
-    // whose other copy might be an older version than that commit left (named on refusal).
-    let mut committed_digest = 0u64;
-    let mut suspects: Vec<String> = Vec::new();
-    let mut terms = Vec::with_capacity(geometry.meta_blocks as usize);
-    // Sequence of the copy each block was read from: settles a core line mapped by two lines
-    // (the newer mapping wins; the older is a leftover of a line dropped since).
-    let mut block_seq = Vec::with_capacity(geometry.meta_blocks as usize);
-    let mut gauges = vec![(0u64, 0u64); crate::MAX_CORES as usize];
-    // Parts are in block order, so the first error is the one a single pass would meet first.
-    for part in parts {
-        let part = part?;
-        committed_digest = committed_digest.wrapping_add(part.committed_digest);
-        suspects.extend(part.suspects);
-        terms.extend(part.terms);
-        block_seq.extend(part.seqs);
-        for (g, d) in gauges.iter_mut().zip(&part.gauges) {
-            g.0 += d.0;
-            g.1 += d.1;
-        }
-    }
-    let max_seq = block_seq.iter().copied().max().unwrap_or(0);
-    let link = Link {
-        table: &inner.table,
-        p,
-        lines: inner.lines,
-        block_seq: &block_seq,
-    };
-    let buckets = inner.table.bucket_count() as u64;
-    let linked = in_parallel(threads, |i| link.buckets(share(buckets, threads, i)));
-    let mut first_error: Option<(u32, EngineError)> = None;
-    for part in linked {
-        match part {
-            Ok(dropped) => {
-                for (g, d) in gauges.iter_mut().zip(&dropped) {
-                    g.0 -= d.0;
-                    g.1 -= d.1;
-                }
-            }
-            Err((line, e)) => {
-                if !first_error.as_ref().is_some_and(|(l, _)| *l < line) {
-                    first_error = Some((line, e));
-                }
-            }
-        }
-    }
-    if let Some((_, e)) = first_error {
-        return Err(e);
-    }
-    if let Some(rec) = record {
-        if committed_digest != rec.digest {
-            let found = if suspects.is_empty() {
-                "every block has a valid copy, so one holds an older or misplaced version (a stale or misdirected sector)".to_string()
-            } else {
-                let n = suspects.len();
-                suspects.truncate(8);
-                format!(
-                    "{n} blocks have a damaged copy, and the other copy of at least one is older than that commit: {}",
-                    suspects.join("; ")
-                )
-            };
-            return Err(EngineError::Corrupt(format!(
-                "the metadata does not match the last completed commit {} (commit record in slot {} at byte offset {}): {found}",
-                rec.seq,
-                rec.seq % 2,
-                COMMIT_SLOTS[(rec.seq % 2) as usize]
-            )));
-        }
-    }
-    {
-        let mut st = p.state.lock();
-        st.seq = record.map_or(max_seq, |r| r.seq.max(max_seq));
-        st.digest = terms.iter().map(|&t| t as u64).sum();
-        st.terms = terms;
-    }
-    for (id, (occupancy, dirty)) in gauges.into_iter().enumerate() {
-        inner.gauges[id]
-            .occupancy
-            .store(occupancy, Ordering::Relaxed);
-        inner.gauges[id].dirty.store(dirty, Ordering::Relaxed);
-    }
-    // Lines the device may still record as dirty for a mapping that lost to a newer one wait in
-    // limbo until a commit rewrites their block.
-    let table = &inner.table;
-    let durable = &p.durable_dirty;
-    let free = inner.lists.rebuild(|line| match table.key(line) {
-        Some(_) if table.dirty(line) != 0 => ListKind::Dirty,
-        Some(_) => ListKind::Clean,
-        None if durable.get(line as u64) => ListKind::Limbo,
-        None => ListKind::Free,
-    });
-    inner.free_lines.store(free, Ordering::Relaxed);
-    Ok(())
 }
 
 #[cfg(test)]
@@ -1362,6 +538,7 @@ mod duplicate_tests {
 
     use super::*;
     use crate::meta::Key;
+    use crate::recovery::set_load_threads;
     use crate::{Cache, CacheConfig, CacheMode, LineSize};
 
     /// A newer copy of metadata block `block`, with sequence number `seq`.
@@ -1401,7 +578,7 @@ mod duplicate_tests {
                     .unwrap();
                 let sb = cache.superblock().unwrap();
                 let line = (0..sb.lines)
-                    .find(|&l| cache.inner.table.key(l) == Some(Key::new(1, 5)))
+                    .find(|&l| cache.inner.lines.table().key(l) == Some(Key::new(1, 5)))
                     .unwrap();
                 cache.stop(false).unwrap();
                 let block = line as u64 / sb.entries_per_block as u64;

@@ -683,10 +683,15 @@ impl NhitTable {
 /// Cache-wide promotion state.
 pub(crate) struct PromotionState {
     params: AtomicU64,
-    pub(crate) table: std::sync::OnceLock<NhitTable>,
+    table: std::sync::OnceLock<NhitTable>,
 }
 
 impl PromotionState {
+    /// nhit's access counts, once promotion has been switched to nhit.
+    pub(crate) fn table(&self) -> Option<&NhitTable> {
+        self.table.get()
+    }
+
     pub(crate) fn new(p: Promotion) -> PromotionState {
         PromotionState {
             params: AtomicU64::new(p.pack()),

@@ -25,19 +25,14 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
-use std::thread::JoinHandle;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex, RwLock};
 
-use crate::bits;
-use crate::cache::{push_run, CacheInner};
 use crate::classes::ReqClass;
-use crate::locks::WaitFor;
 use crate::policy::{continued_stream, Prefetch, PrefetchPolicy};
-use crate::stats::Counter;
-use crate::{CacheMode, CoreId, MAX_REQUEST, SECTOR};
+use crate::{CoreId, MAX_REQUEST};
 
 /// Read streams tracked per core.
 const STREAMS: usize = 16;
@@ -89,13 +84,44 @@ pub(crate) struct PrefetchState {
     /// Read on every client read: the one check paid while read-ahead is off.
     enabled: AtomicBool,
     params: RwLock<Prefetch>,
-    pub(crate) queue: Arc<PrefetchQueue>,
+    queue: Arc<PrefetchQueue>,
     /// One bit per cache line: filled by prefetch and not hit since. Allocated when read-ahead
     /// is first switched on.
     marks: OnceLock<Box<[AtomicU64]>>,
 }
 
+impl PrefetchQueue {
+    /// The worker's wait for a job (bounded, so that a dropped cache ends the thread too).
+    /// False once stopped.
+    pub(crate) fn wait_for_job(&self) -> bool {
+        let mut g = self.queue.lock();
+        if g.stopped {
+            return false;
+        }
+        if g.jobs.is_empty() {
+            self.cv.wait_for(&mut g, Duration::from_millis(100));
+            if g.stopped {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Stop the worker (`stopped` true) or let a new one run (false).
+    pub(crate) fn set_stopped(&self, stopped: bool) {
+        self.queue.lock().stopped = stopped;
+        if stopped {
+            self.cv.notify_all();
+        }
+    }
+}
+
 impl PrefetchState {
+    /// The job queue, shared with the worker thread.
+    pub(crate) fn queue(&self) -> Arc<PrefetchQueue> {
+        self.queue.clone()
+    }
+
     pub(crate) fn new() -> PrefetchState {
         PrefetchState {
             enabled: AtomicBool::new(false),
@@ -131,7 +157,7 @@ impl PrefetchState {
         self.enabled.load(Ordering::Relaxed)
     }
 
-    fn mark(&self, line: u32) {
+    pub(crate) fn mark(&self, line: u32) {
         if let Some(m) = self.marks.get() {
             m[line as usize / 64].fetch_or(1 << (line % 64), Ordering::Relaxed);
         }
@@ -165,7 +191,7 @@ impl PrefetchState {
     }
 
     /// Queue a job unless `max-in-flight` are already queued or running.
-    fn push(&self, job: Job, max: usize) -> bool {
+    pub(crate) fn push(&self, job: Job, max: usize) -> bool {
         let mut q = self.queue.queue.lock();
         if q.in_flight >= max {
             return false;
@@ -178,11 +204,11 @@ impl PrefetchState {
     }
 
     /// Take the next job (it stays counted in flight until [`done`](Self::done)).
-    fn pop(&self) -> Option<Job> {
+    pub(crate) fn pop(&self) -> Option<Job> {
         self.queue.queue.lock().jobs.pop_front()
     }
 
-    fn done(&self) {
+    pub(crate) fn done(&self) {
         let mut q = self.queue.queue.lock();
         q.in_flight = q.in_flight.saturating_sub(1);
     }
@@ -191,7 +217,13 @@ impl PrefetchState {
 impl ReadStreams {
     /// Record a read and say which range to prefetch, if any, with the stream's name for
     /// [`commit`](Self::commit), which records the range as queued once the job is accepted.
-    fn plan(&self, offset: u64, len: u64, core_size: u64, p: &Prefetch) -> Option<(u64, u64, u64)> {
+    pub(crate) fn plan(
+        &self,
+        offset: u64,
+        len: u64,
+        core_size: u64,
+        p: &Prefetch,
+    ) -> Option<(u64, u64, u64)> {
         let mut t = self.table.lock();
         t.1 += 1;
         let clock = t.1;
@@ -244,7 +276,7 @@ impl ReadStreams {
         (to > from).then_some((from, to - from, s.born))
     }
 
-    fn commit(&self, born: u64, to: u64) {
+    pub(crate) fn commit(&self, born: u64, to: u64) {
         let mut t = self.table.lock();
         if let Some(s) = t.0.iter_mut().find(|s| s.bytes > 0 && s.born == born) {
             s.prefetched_to = s.prefetched_to.max(to);
@@ -253,212 +285,6 @@ impl ReadStreams {
 }
 
 /// Free lines prefetch leaves alone.
-fn reserve(lines: u32) -> u64 {
+pub(crate) fn reserve(lines: u32) -> u64 {
     (lines as u64 / 8).min(512)
-}
-
-impl CacheInner {
-    /// After a client read that the cache served (not bypassed): queue read-ahead if the read
-    /// continues a stream past the threshold. Caller holds no stripe.
-    pub(crate) fn readahead(
-        &self,
-        core: CoreId,
-        streams: &ReadStreams,
-        core_size: u64,
-        offset: u64,
-        len: u64,
-        class: Option<ReqClass>,
-    ) {
-        let p = self.prefetch.params();
-        let Some((from, n, stream)) = streams.plan(offset, len, core_size, &p) else {
-            return;
-        };
-        if self.free_lines.load(Ordering::Relaxed) <= reserve(self.lines) {
-            return;
-        }
-        let job = Job {
-            core,
-            offset: from,
-            len: n,
-            class,
-        };
-        if self.prefetch.push(job, p.max_in_flight as usize) {
-            streams.commit(stream, from + n);
-        }
-    }
-
-    /// Run one prefetch job: bring the invalid sectors of its range into the cache.
-    pub(crate) fn run_prefetch_job(&self, job: Job) {
-        let Ok(core) = self.core_by_id(job.core) else {
-            return;
-        };
-        let Ok(_entered) = core.enter() else {
-            return;
-        };
-        if matches!(self.mode(), CacheMode::Pt | CacheMode::Wo) {
-            return;
-        }
-        // Checked as a client request is: a job must never read past the core's end.
-        if job.offset % SECTOR != 0
-            || job.len % SECTOR != 0
-            || job
-                .offset
-                .checked_add(job.len)
-                .map_or(true, |e| e > core.size)
-        {
-            return;
-        }
-        let mut segs = self.segments(core.id, job.offset, job.len);
-        // As a read: it puts the core's data in the cache.
-        let _locks = self.lock_segs(&segs, WaitFor::Around);
-        self.lookup(&mut segs);
-        let reserve = reserve(self.lines);
-        // (segment, line, newly taken, sectors to fill)
-        let mut plan = Vec::new();
-        // New lines taken so far (not yet counted in their class).
-        let mut taken = 0u64;
-        for (i, s) in segs.iter().enumerate() {
-            let m = bits::range(s.first, s.count);
-            if s.line != crate::meta::NONE {
-                let missing = m & !s.valid;
-                if missing != 0 {
-                    plan.push((i, s.line, false, missing));
-                }
-                continue;
-            }
-            if self.free_lines.load(Ordering::Relaxed) <= reserve {
-                break;
-            }
-            // Read-ahead never grows a class past its allocation (it never evicts to stay in it).
-            if job.class.is_some_and(|c| !self.classes.has_room(c, taken)) {
-                break;
-            }
-            match self.take_free_line() {
-                Some(line) => {
-                    plan.push((i, line, true, m));
-                    taken += 1;
-                }
-                None => break,
-            }
-        }
-        if plan.is_empty() {
-            return;
-        }
-        let mut buf = vec![0u8; job.len as usize];
-        let mut core_runs = Vec::new();
-        let mut cache_runs = Vec::new();
-        for &(i, line, _, missing) in &plan {
-            let s = &segs[i];
-            for (first, n) in bits::runs(missing) {
-                let len = n as usize * SECTOR as usize;
-                let buf_off = s.buf_off + (first - s.first) as usize * SECTOR as usize;
-                push_run(
-                    &mut core_runs,
-                    s.key.line() * self.line_bytes + first as u64 * SECTOR,
-                    buf_off,
-                    len,
-                );
-                push_run(
-                    &mut cache_runs,
-                    self.data_offset + line as u64 * self.line_bytes + first as u64 * SECTOR,
-                    buf_off,
-                    len,
-                );
-            }
-        }
-        let read: u64 = core_runs.iter().map(|r| r.len as u64).sum();
-        let result = self
-            .core_read(&core, &mut buf, &core_runs)
-            .and_then(|()| self.cache_write(&core, &buf, &cache_runs));
-        if let Err(e) = &result {
-            self.prefetch_errors.record(core.id, e);
-        }
-        let ok = result.is_ok();
-        core.counters.add(Counter::PrefetchRequests, 1);
-        self.classes
-            .count(&core.classes, job.class, Counter::PrefetchRequests, 1);
-        if ok {
-            let written: u64 = cache_runs.iter().map(|r| r.len as u64).sum();
-            core.counters.add(Counter::PrefetchReadBytes, read);
-            core.counters.add(Counter::PrefetchWrittenBytes, written);
-            self.classes
-                .count(&core.classes, job.class, Counter::PrefetchReadBytes, read);
-            self.classes.count(
-                &core.classes,
-                job.class,
-                Counter::PrefetchWrittenBytes,
-                written,
-            );
-        }
-        for &(i, line, new, missing) in &plan {
-            let s = &segs[i];
-            match (ok, new) {
-                (true, true) => {
-                    self.insert_line(line, s.key, missing, 0, job.class);
-                    self.prefetch.mark(line);
-                }
-                // Not touched: speculative data does not make a line recently used.
-                (true, false) => self.update_line(line, s.key, s.valid | missing, s.dirty, false),
-                // Nothing changed in the metadata: the sectors stay invalid.
-                (false, true) => self.release_line(line),
-                (false, false) => {}
-            }
-        }
-    }
-
-    /// Run queued prefetch jobs on the calling thread until none is left; how many ran.
-    pub(crate) fn drain_prefetch(&self) -> usize {
-        let mut ran = 0;
-        while let Some(job) = self.prefetch.pop() {
-            self.run_prefetch_job(job);
-            self.prefetch.done();
-            ran += 1;
-        }
-        ran
-    }
-}
-
-/// The prefetch worker thread of a cache.
-pub(crate) struct PrefetchThread {
-    queue: Arc<PrefetchQueue>,
-    handle: JoinHandle<()>,
-}
-
-impl PrefetchThread {
-    pub(crate) fn start(cache: &Arc<CacheInner>) -> PrefetchThread {
-        let weak: Weak<CacheInner> = Arc::downgrade(cache);
-        let queue = cache.prefetch.queue.clone();
-        let q = queue.clone();
-        let handle = std::thread::Builder::new()
-            .name(format!("hc-prefetch-{}", cache.id))
-            .spawn(move || loop {
-                {
-                    let mut g = q.queue.lock();
-                    if g.stopped {
-                        return;
-                    }
-                    if g.jobs.is_empty() {
-                        // Bounded, so a dropped cache (no stop) ends the thread too.
-                        q.cv.wait_for(&mut g, Duration::from_millis(100));
-                        if g.stopped {
-                            return;
-                        }
-                    }
-                }
-                let Some(cache) = weak.upgrade() else {
-                    return;
-                };
-                cache.drain_prefetch();
-            })
-            .expect("spawning the prefetch thread");
-        PrefetchThread { queue, handle }
-    }
-
-    /// Stop the thread; queued jobs stay queued (a test then runs them itself).
-    pub(crate) fn stop(self) {
-        self.queue.queue.lock().stopped = true;
-        self.queue.cv.notify_all();
-        let _ = self.handle.join();
-        self.queue.queue.lock().stopped = false;
-    }
 }

@@ -364,3 +364,19 @@ impl Usage {
         }
     }
 }
+
+pub(crate) fn classify(
+    valid_sectors: u64,
+    total_sectors: u64,
+    hit: Counter,
+    partial: Counter,
+    full: Counter,
+) -> Counter {
+    if valid_sectors == total_sectors {
+        hit
+    } else if valid_sectors == 0 {
+        full
+    } else {
+        partial
+    }
+}

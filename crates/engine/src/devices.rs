@@ -1,0 +1,105 @@
+//! Device I/O with its accounting: reads and writes of the cache volume and of the cores, run
+//! by run, counted per core (bytes and errors) and in offload's queue depths.
+//!
+//! Invariants: a core write sets the core's `unflushed` before it returns, so any commit that
+//! sees the line it cleaned as clean also flushes the core; a failed core write marks the core
+//! failing (commits then record its lines dirty). Callers hold the stripes of what they write.
+
+use std::sync::atomic::Ordering;
+
+use crate::bits::{self, Mask};
+use crate::core_state::CoreState;
+use crate::inner::CacheInner;
+use crate::latency::{self};
+use crate::segment::{push_run, Run, Seg};
+use crate::stats::Counter;
+use crate::{Result, SECTOR};
+impl CacheInner {
+    #[inline]
+    pub(crate) fn core_read(&self, core: &CoreState, buf: &mut [u8], runs: &[Run]) -> Result<()> {
+        if !runs.is_empty() {
+            latency::touched_core();
+        }
+        let _queued = self.offload.core_io(core.id as usize);
+        for r in runs {
+            core.volume
+                .read_at(&mut buf[r.buf_off..r.buf_off + r.len], r.dev_off)
+                .inspect_err(|_| core.counters.add(Counter::CoreReadErrors, 1))?;
+            core.counters.add(Counter::CoreReadBytes, r.len as u64);
+        }
+        Ok(())
+    }
+
+    #[inline]
+    pub(crate) fn core_write(&self, core: &CoreState, buf: &[u8], runs: &[Run]) -> Result<()> {
+        if !runs.is_empty() {
+            latency::touched_core();
+        }
+        let _queued = self.offload.core_io(core.id as usize);
+        for r in runs {
+            let op = core.watch.begin();
+            let written = core
+                .volume
+                .write_at(&buf[r.buf_off..r.buf_off + r.len], r.dev_off);
+            drop(op);
+            written.inspect_err(|_| {
+                core.counters.add(Counter::CoreWriteErrors, 1);
+                self.lines.gauges()[core.id as usize]
+                    .failing
+                    .store(true, Ordering::SeqCst);
+            })?;
+            // Before the caller can mark anything clean: a commit that sees the line clean
+            // then sees this too, and flushes the core.
+            core.unflushed.store(true, Ordering::SeqCst);
+            core.counters.add(Counter::CoreWrittenBytes, r.len as u64);
+        }
+        Ok(())
+    }
+
+    #[inline]
+    pub(crate) fn cache_read(&self, core: &CoreState, buf: &mut [u8], runs: &[Run]) -> Result<()> {
+        let _queued = self.offload.cache_io();
+        for r in runs {
+            self.volume
+                .read_at(&mut buf[r.buf_off..r.buf_off + r.len], r.dev_off)
+                .inspect_err(|_| core.counters.add(Counter::CacheReadErrors, 1))?;
+            core.counters.add(Counter::CacheReadBytes, r.len as u64);
+        }
+        Ok(())
+    }
+
+    #[inline]
+    pub(crate) fn cache_write(&self, core: &CoreState, buf: &[u8], runs: &[Run]) -> Result<()> {
+        let _queued = self.offload.cache_io();
+        for r in runs {
+            self.volume
+                .write_at(&buf[r.buf_off..r.buf_off + r.len], r.dev_off)
+                .inspect_err(|_| core.counters.add(Counter::CacheWriteErrors, 1))?;
+            core.counters.add(Counter::CacheWrittenBytes, r.len as u64);
+        }
+        Ok(())
+    }
+
+    /// Write the sectors `mask` of segment `s` from the request buffer into cache line `line`.
+    #[inline]
+    pub(crate) fn cache_write_mask(
+        &self,
+        core: &CoreState,
+        buf: &[u8],
+        s: &Seg,
+        line: u32,
+        mask: Mask,
+    ) -> Result<()> {
+        let mut runs = Vec::new();
+        for (first, n) in bits::runs(mask) {
+            let buf_off = s.buf_off + (first - s.first) as usize * SECTOR as usize;
+            push_run(
+                &mut runs,
+                self.cache_off(line, first),
+                buf_off,
+                n as usize * SECTOR as usize,
+            );
+        }
+        self.cache_write(core, buf, &runs)
+    }
+}

@@ -1,0 +1,256 @@
+//! The holder: a cache's subsystems side by side. `CacheInner` owns the line room (`Lines`, a
+//! struct with private fields), the cores, persistence, the policies' state, and the signals
+//! between requests and background threads; the other rooms (devices.rs, admission.rs, read.rs,
+//! write.rs, cleaner.rs, cleaning.rs, commit.rs, readahead.rs, recovery.rs) are `impl
+//! CacheInner` blocks that work on it. This file knows only the lower rooms' types, never the
+//! rooms that use it; it hands the line room what a line change also touches (persistence,
+//! read-ahead's marks).
+//!
+//! Invariants: `line_size`, `line_bytes`, the line count, `volume` and `data_offset` never
+//! change after `build`; `mode` changes only through `Cache::set_mode`; a core is in `cores`
+//! from the end of its attach to the start of its removal, and its id in `inactive` only while
+//! its device is missing, never in both.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::Arc;
+
+use hybridcache_volume::VolumeRef;
+use parking_lot::{Mutex, RwLock};
+
+use crate::bits::Mask;
+use crate::classes::ReqClass;
+use crate::cleaning_state::{CleanerState, CleaningCounters, Pacer};
+use crate::core_state::CoreState;
+use crate::format::CoreRecord;
+use crate::lines::Lines;
+use crate::meta::Key;
+use crate::offload::OffloadState;
+use crate::persist::Persist;
+use crate::policy::PromotionState;
+use crate::policy::{PolicyRecord, SeqCutoff};
+use crate::prefetch::PrefetchState;
+use crate::progress::FlushProgress;
+use crate::room_wait::CleanerSignal;
+use crate::stats::BackgroundErrorLog;
+use crate::stats::{Stats, Usage};
+use crate::CacheConfig;
+use crate::CleaningConfig;
+use crate::LazyFlush;
+use crate::LineSize;
+use crate::Promotion;
+use crate::{CacheMode, CoreId, EngineError, Result, MAX_CORES, SECTOR};
+
+pub(crate) struct CacheInner {
+    pub(crate) id: u16,
+    pub(crate) line_size: LineSize,
+    pub(crate) line_bytes: u64,
+    pub(crate) volume: VolumeRef,
+    /// The line room (lines.rs).
+    pub(crate) lines: Lines,
+    /// Where line 0 starts on the cache volume.
+    pub(crate) data_offset: u64,
+    pub(crate) mode: AtomicU8,
+    pub(crate) cores: RwLock<BTreeMap<CoreId, Arc<CoreState>>>,
+    /// None for a volatile cache (metadata in RAM only).
+    pub(crate) persist: Option<Persist>,
+    /// Cores recorded in the superblock whose device was missing at load.
+    pub(crate) inactive: RwLock<BTreeMap<CoreId, CoreRecord>>,
+    pub(crate) cleaning: RwLock<CleaningConfig>,
+    pub(crate) cleaner: Mutex<CleanerState>,
+    pub(crate) prefetch: PrefetchState,
+    pub(crate) cleaner_signal: Arc<CleanerSignal>,
+    /// Lazy flush is on (policy.rs `LazyFlush`): read on every write-back write that lacks a line.
+    pub(crate) lazy_flush: AtomicBool,
+    /// Offload (offload.rs): queue depths of the devices and the share of requests to route.
+    pub(crate) offload: OffloadState,
+    pub(crate) pacer: Pacer,
+    pub(crate) cleaning_counters: CleaningCounters,
+    /// Device errors of read-ahead (cleaning's are in `cleaning_counters`).
+    pub(crate) prefetch_errors: BackgroundErrorLog,
+    pub(crate) promotion: PromotionState,
+    pub(crate) flush_progress: FlushProgress,
+    /// Sequential cutoff settings of cores recorded but not attached (inactive), kept so that
+    /// the superblock keeps them.
+    pub(crate) seq_cutoff_inactive: RwLock<BTreeMap<CoreId, SeqCutoff>>,
+}
+
+impl CacheInner {
+    #[inline]
+    pub(crate) fn mode(&self) -> CacheMode {
+        CacheMode::ALL[self.mode.load(Ordering::Relaxed) as usize]
+    }
+
+    #[inline]
+    pub(crate) fn cache_off(&self, line: u32, sector: u32) -> u64 {
+        self.data_offset + line as u64 * self.line_bytes + sector as u64 * SECTOR
+    }
+
+    #[inline]
+    pub(crate) fn core_off(&self, key: Key, sector: u32) -> u64 {
+        key.line() * self.line_bytes + sector as u64 * SECTOR
+    }
+
+    #[inline]
+    pub(crate) fn check(
+        &self,
+        core: &CoreState,
+        offset: u64,
+        len: u64,
+        max: Option<u64>,
+    ) -> Result<()> {
+        crate::check_request(core.size, offset, len, max)
+    }
+
+    pub(crate) fn core_by_id(&self, id: CoreId) -> Result<Arc<CoreState>> {
+        self.cores
+            .read()
+            .get(&id)
+            .cloned()
+            .ok_or(EngineError::NoSuchCore(id))
+    }
+
+    // ---- reads ----------------------------------------------------------------------------
+
+    // ---- writes ---------------------------------------------------------------------------
+
+    // ---- device IO with accounting --------------------------------------------------------
+
+    // ---- statistics ----------------------------------------------------------------------
+
+    pub(crate) fn core_stats(&self, core: &CoreState) -> Stats {
+        let (requests, blocks, errors) = core.counters.snapshot();
+        Stats {
+            usage: self.usage(Some(core.id)),
+            requests,
+            blocks,
+            errors,
+        }
+    }
+}
+
+impl CacheInner {
+    pub(crate) fn build(
+        volume: VolumeRef,
+        config: &CacheConfig,
+        lines: u32,
+        data_offset: u64,
+        persist: Option<Persist>,
+    ) -> CacheInner {
+        CacheInner {
+            id: config.id,
+            line_size: config.line_size,
+            line_bytes: config.line_size.bytes() as u64,
+            volume,
+            lines: Lines::new(lines, config.line_size),
+            data_offset,
+            mode: AtomicU8::new(config.mode as u8),
+            cores: RwLock::new(BTreeMap::new()),
+            persist,
+            inactive: RwLock::new(BTreeMap::new()),
+            cleaning: RwLock::new(CleaningConfig::default()),
+            cleaner: Mutex::new(CleanerState::default()),
+            prefetch: PrefetchState::new(),
+            cleaner_signal: Arc::new(CleanerSignal::default()),
+            lazy_flush: AtomicBool::new(LazyFlush::default().enabled),
+            offload: OffloadState::new(MAX_CORES as usize),
+            pacer: Pacer::default(),
+            cleaning_counters: CleaningCounters::default(),
+            prefetch_errors: BackgroundErrorLog::default(),
+            promotion: PromotionState::new(Promotion::default()),
+            flush_progress: FlushProgress::default(),
+            seq_cutoff_inactive: RwLock::new(BTreeMap::new()),
+        }
+    }
+
+    /// The policies as the superblock records them.
+    fn policy_record(&self) -> PolicyRecord {
+        let mut seq_cutoff = self.seq_cutoff_inactive.read().clone();
+        for (id, c) in self.cores.read().iter() {
+            seq_cutoff.insert(*id, c.seq.params());
+        }
+        PolicyRecord {
+            cleaning: *self.cleaning.read(),
+            promotion: self.promotion.params(),
+            seq_cutoff,
+            io_classes: self
+                .lines
+                .classes()
+                .active()
+                .then(|| self.lines.classes().table().to_csv()),
+            lazy_flush: LazyFlush {
+                enabled: self.lazy_flush.load(Ordering::Relaxed),
+            },
+            prefetch: self.prefetch.params(),
+            offload: self.offload.params(),
+        }
+    }
+
+    /// Record the policies in the superblock (persistent caches), so a load restores them.
+    pub(crate) fn save_policies(&self) -> Result<()> {
+        let Some(p) = &self.persist else {
+            return Ok(());
+        };
+        let record = self.policy_record();
+        let serde_json::Value::Object(map) =
+            serde_json::to_value(&record).expect("policies serialise")
+        else {
+            unreachable!("a struct serialises to an object");
+        };
+        p.update_superblock(&*self.volume, |sb| sb.params = map)
+    }
+}
+
+impl CacheInner {}
+
+/// The line room's changes that also touch persistence (which lines a commit must write, which
+/// may not be reused yet) and read-ahead's marks: the holder hands both over.
+impl CacheInner {
+    #[inline]
+    pub(crate) fn update_line(&self, line: u32, key: Key, valid: Mask, dirty: Mask, touch: bool) {
+        self.lines
+            .update_line(self.persist.as_ref(), line, key, valid, dirty, touch)
+    }
+
+    #[inline]
+    pub(crate) fn insert_line(
+        &self,
+        line: u32,
+        key: Key,
+        valid: Mask,
+        dirty: Mask,
+        class: Option<ReqClass>,
+    ) {
+        self.lines.insert_line(
+            self.persist.as_ref(),
+            &self.prefetch,
+            line,
+            key,
+            valid,
+            dirty,
+            class,
+        )
+    }
+
+    #[inline]
+    pub(crate) fn alloc_line(&self, class: Option<ReqClass>) -> Option<u32> {
+        self.lines.alloc_line(self.persist.as_ref(), class)
+    }
+
+    pub(crate) fn drop_core_lines(&self, id: CoreId) {
+        self.lines.drop_core_lines(self.persist.as_ref(), id)
+    }
+
+    pub(crate) fn check_invariants(&self) {
+        let known_core = |id: CoreId| {
+            self.cores.read().contains_key(&id) || self.inactive.read().contains_key(&id)
+        };
+        self.lines
+            .check_invariants(self.persist.is_some(), &known_core)
+    }
+
+    #[inline]
+    pub(crate) fn usage(&self, core: Option<CoreId>) -> Usage {
+        self.lines.usage(core)
+    }
+}

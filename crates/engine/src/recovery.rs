@@ -1,0 +1,807 @@
+//! Recovery: bringing a cache back from its device after a clean stop or a crash. The metadata
+//! blocks are read and decoded on several threads, the newest mapping of each core line wins,
+//! and the line table, lists and gauges are rebuilt; only then is anything written.
+//!
+//! Invariants:
+//! - nothing is written to any device before every check has passed (superblock, geometry,
+//!   cores, policies, metadata blocks, the commit record): a refused load leaves the devices
+//!   as they were;
+//! - after a crash only dirty sectors are trusted (`valid = dirty`), after a clean stop clean
+//!   lines are kept too (persist.rs's module doc);
+//! - a core line is mapped by at most one cache line: of two entries naming it, the one in the
+//!   newer block copy wins, and the loser is freed (always checked: two mappings of one core
+//!   line would serve stale data).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use hybridcache_volume::{Volume, VolumeRef};
+
+use crate::bits::Mask;
+use crate::format::{
+    block_crc, decode_block, decode_commit, digest_term, BlockError, CommitRecord, CommitSlot,
+    ConfigSlot, CoreRecord, Geometry, Superblock, BLOCK, COMMIT_SLOTS,
+};
+use crate::inner::CacheInner;
+use crate::ioclass::IoClasses;
+use crate::lists::ListKind;
+use crate::meta::{Key, LineTable, Walks, FREE};
+use crate::persist::{self, Persist};
+use crate::policy::PolicyRecord;
+use crate::{CacheConfig, CacheMode, CoreId, EngineError, LineSize, Result, MAX_CORE_ID, SECTOR};
+/// The last commit that completed, from the two record slots: the valid one with the higher
+/// sequence number. A damaged newest record only makes the loader insist on the commit before;
+/// that commit's block versions are still on the device, since the commit after it wrote only
+/// the other copies.
+fn last_commit(volume: &dyn Volume, nonce: u64, meta_blocks: u64) -> Result<CommitRecord> {
+    let mut found = Vec::with_capacity(2);
+    let mut buf = vec![0u8; BLOCK];
+    for at in COMMIT_SLOTS {
+        volume.read_at(&mut buf, at)?;
+        found.push((at, decode_commit(&buf, nonce, meta_blocks)));
+    }
+    if let Some(rec) = found
+        .iter()
+        .filter_map(|(_, s)| match s {
+            CommitSlot::Valid(r) => Some(*r),
+            _ => None,
+        })
+        .max_by_key(|r| r.seq)
+    {
+        return Ok(rec);
+    }
+    let why: Vec<String> = found
+        .iter()
+        .map(|(at, s)| {
+            let what = match s {
+                CommitSlot::Empty => "empty".to_string(),
+                CommitSlot::Foreign => "belongs to another cache".to_string(),
+                CommitSlot::Corrupt(why) => why.clone(),
+                CommitSlot::Valid(_) => unreachable!("handled above"),
+            };
+            format!("at byte offset {at} {what}")
+        })
+        .collect();
+    Err(EngineError::Corrupt(format!(
+        "no valid commit record, so the last completed commit is unknown: {}",
+        why.join(", ")
+    )))
+}
+
+/// Threads a load may use; 0 picks them (see [`set_load_threads`]).
+static LOAD_THREADS: AtomicUsize = AtomicUsize::new(0);
+
+/// Below this many metadata blocks per thread (48k lines of 4 KiB), a load that picks its own
+/// thread count does not split: starting a thread costs more than it saves.
+const MIN_BLOCKS_PER_THREAD: u64 = 1024;
+
+/// How many threads [`crate::Cache::load`] uses to read and decode the metadata and to rebuild
+/// the lookup table: `0` (the default) takes one per available CPU, at most 8, and one for a
+/// small cache; any other value is used as given (up to one thread per metadata block). Every
+/// count yields the same cache; this only trades load time against CPUs taken from others.
+pub fn set_load_threads(threads: usize) {
+    LOAD_THREADS.store(threads, Ordering::Relaxed);
+}
+
+fn load_threads(blocks: u64) -> usize {
+    let n = match LOAD_THREADS.load(Ordering::Relaxed) {
+        0 => std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(8)
+            .min((blocks / MIN_BLOCKS_PER_THREAD).max(1) as usize),
+        n => n,
+    };
+    n.clamp(1, blocks.max(1) as usize)
+}
+
+/// `f(0)`, ..., `f(n - 1)` at once: `f(0)` on this thread, the others on scoped threads (or on
+/// this thread too, in turn, when one cannot be started). Results in order.
+fn in_parallel<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
+    if n <= 1 {
+        return vec![f(0)];
+    }
+    std::thread::scope(|s| {
+        let f = &f;
+        let handles: Vec<_> = (1..n)
+            .map(|i| {
+                std::thread::Builder::new()
+                    .name("hc-load".into())
+                    .spawn_scoped(s, move || f(i))
+                    .ok()
+            })
+            .collect();
+        let mut out = Vec::with_capacity(n);
+        out.push(f(0));
+        for (i, h) in handles.into_iter().enumerate() {
+            out.push(match h {
+                Some(h) => h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)),
+                None => f(i + 1),
+            });
+        }
+        out
+    })
+}
+
+/// Part `i` of `n` of `0..total`: contiguous, sizes differing by at most one.
+fn share(total: u64, n: usize, i: usize) -> std::ops::Range<u64> {
+    let (n, i) = (n as u64, i as u64);
+    (total * i / n)..(total * (i + 1) / n)
+}
+
+/// What every thread of a load's first pass (read, check and decode blocks) needs.
+struct Decode<'a> {
+    volume: &'a dyn Volume,
+    table: &'a LineTable,
+    p: &'a Persist,
+    nonce: u64,
+    record: Option<CommitRecord>,
+    crashed: bool,
+    /// Every sector of a line.
+    full: Mask,
+    /// (core id, lines of that core) for each core the superblock lists.
+    core_lines: &'a [(CoreId, u64)],
+}
+
+/// What the first pass found in one range of blocks.
+struct Decoded {
+    /// Per block of the range: its term of the digest of the metadata as found.
+    terms: Vec<u32>,
+    /// Per block of the range: the sequence number of the copy used.
+    seqs: Vec<u64>,
+    /// Sum of the terms of the versions the last completed commit left.
+    committed_digest: u64,
+    /// Blocks with a damaged copy whose other copy might be older than that commit.
+    suspects: Vec<String>,
+    /// Per core id: (lines, dirty lines) given a state.
+    gauges: Vec<(u64, u64)>,
+}
+
+impl Decode<'_> {
+    /// Read, check and decode `blocks`, and give each line they describe its key and masks
+    /// (not linked into the lookup table yet: [`Link::buckets`] does that).
+    fn blocks(&self, blocks: std::ops::Range<u64>) -> Result<Decoded> {
+        const CHUNK_BLOCKS: u64 = 8192;
+        let p = self.p;
+        let geometry = p.geometry;
+        let mask_bytes = p.mask_bytes;
+        let epb = geometry.entries_per_block as u64;
+        let table = self.table;
+        let corrupt = EngineError::Corrupt;
+        let first = blocks.start;
+        let count = (blocks.end - blocks.start) as usize;
+        let mut out = Decoded {
+            terms: vec![0; count],
+            seqs: vec![0; count],
+            committed_digest: 0,
+            suspects: Vec::new(),
+            gauges: vec![(0, 0); crate::MAX_CORES as usize],
+        };
+        let mut buf = vec![0u8; (CHUNK_BLOCKS.min(count as u64) * 2) as usize * BLOCK];
+        let mut entries = Vec::with_capacity(epb as usize);
+        let mut other_entries = Vec::with_capacity(epb as usize);
+        // Durably-dirty bits gathered a word at a time: one atomic OR per 64 lines, not per line.
+        let mut dirty_word: (u64, u64) = (u64::MAX, 0);
+        let mut b = first;
+        while b < blocks.end {
+            let n = (blocks.end - b).min(CHUNK_BLOCKS);
+            let len = (n * 2) as usize * BLOCK;
+            self.volume
+                .read_at(&mut buf[..len], geometry.slot_offset(b, 0))?;
+            for i in 0..n {
+                let block = b + i;
+                let k = (block - first) as usize;
+                let count = geometry.lines_in_block(block);
+                let at = (i * 2) as usize * BLOCK;
+                let copies = [
+                    decode_block(
+                        &buf[at..at + BLOCK],
+                        block,
+                        self.nonce,
+                        mask_bytes,
+                        count,
+                        &mut entries,
+                    ),
+                    decode_block(
+                        &buf[at + BLOCK..at + 2 * BLOCK],
+                        block,
+                        self.nonce,
+                        mask_bytes,
+                        count,
+                        &mut other_entries,
+                    ),
+                ];
+                let crcs = [block_crc(&buf[at..]), block_crc(&buf[at + BLOCK..])];
+                let why = |e: &BlockError| match e {
+                    BlockError::Checksum => "checksum mismatch".to_string(),
+                    BlockError::WrongIndex(i) => format!("holds block {i}"),
+                    BlockError::ForeignNonce => "belongs to another cache".to_string(),
+                };
+                let lines = format!("lines {}..{}", block * epb, block * epb + count as u64);
+                let (slot, seq) = match &copies {
+                    [Ok(s0), Ok(s1)] if s1 > s0 => (1, *s1),
+                    [Ok(s0), _] => (0, *s0),
+                    [Err(_), Ok(s1)] => (1, *s1),
+                    [Err(e0), Err(e1)] => {
+                        return Err(corrupt(format!(
+                            "metadata block {block} ({lines}) is damaged in both copies: at byte offset {} {}, at byte offset {} {}",
+                            geometry.slot_offset(block, 0),
+                            why(e0),
+                            geometry.slot_offset(block, 1),
+                            why(e1)
+                        )));
+                    }
+                };
+                if slot == 1 {
+                    std::mem::swap(&mut entries, &mut other_entries);
+                }
+                out.terms[k] = digest_term(block, seq, crcs[slot]);
+                if let Some(rec) = self.record {
+                    // The version the last completed commit left: the newest copy not newer
+                    // than it.
+                    let committed = (0..2)
+                        .filter_map(|c| match copies[c] {
+                            Ok(s) if s <= rec.seq => Some((s, c)),
+                            _ => None,
+                        })
+                        .max();
+                    let Some((cseq, c)) = committed else {
+                        let describe = |c: usize| match &copies[c] {
+                            Ok(s) => format!("sequence {s}, from a commit that never completed"),
+                            Err(e) => why(e),
+                        };
+                        return Err(corrupt(format!(
+                            "metadata block {block} ({lines}) has no copy as of the last completed commit {}: at byte offset {} {}, at byte offset {} {}",
+                            rec.seq,
+                            geometry.slot_offset(block, 0),
+                            describe(0),
+                            geometry.slot_offset(block, 1),
+                            describe(1)
+                        )));
+                    };
+                    out.committed_digest = out
+                        .committed_digest
+                        .wrapping_add(digest_term(block, cseq, crcs[c]) as u64);
+                    if let Some(bad) = (0..2).find(|&c| copies[c].is_err()) {
+                        if let Err(e) = &copies[bad] {
+                            out.suspects.push(format!(
+                                "block {block} ({lines}): copy at byte offset {} {}, copy at byte offset {} has sequence {cseq}",
+                                geometry.slot_offset(block, bad as u32),
+                                why(e),
+                                geometry.slot_offset(block, 1 - bad as u32),
+                            ));
+                        }
+                    }
+                }
+                if slot == 1 {
+                    p.slot.set(block, true);
+                }
+                out.seqs[k] = seq;
+                let mut changed = false;
+                for (j, e) in entries.iter().enumerate() {
+                    let line = (block * epb + j as u64) as u32;
+                    let Some(key) = e.key else {
+                        if e.valid != 0 || e.dirty != 0 {
+                            return Err(corrupt(format!(
+                                "metadata block {block}: free line {line} has sector state"
+                            )));
+                        }
+                        continue;
+                    };
+                    if e.valid == 0 || e.dirty & !e.valid != 0 || e.valid & !self.full != 0 {
+                        return Err(corrupt(format!(
+                            "metadata block {block}: line {line} has impossible sector masks (valid {:#x}, dirty {:#x})",
+                            e.valid, e.dirty
+                        )));
+                    }
+                    let Some(&(_, lines_of_core)) =
+                        self.core_lines.iter().find(|c| c.0 == key.core())
+                    else {
+                        return Err(corrupt(format!(
+                            "metadata block {block}: line {line} belongs to core {}, which the superblock does not list",
+                            key.core()
+                        )));
+                    };
+                    if key.line() >= lines_of_core {
+                        return Err(corrupt(format!(
+                            "metadata block {block}: line {line} maps core line {} beyond the end of core {}",
+                            key.line(),
+                            key.core()
+                        )));
+                    }
+                    if e.dirty != 0 {
+                        let word = line as u64 / 64;
+                        if word != dirty_word.0 {
+                            p.durable_dirty.or_word(dirty_word.0, dirty_word.1);
+                            dirty_word = (word, 0);
+                        }
+                        dirty_word.1 |= 1 << (line % 64);
+                    }
+                    // After a crash, clean sectors may have been overwritten in place by writes
+                    // that were never committed: only dirty ones are trusted.
+                    let valid = if self.crashed { e.dirty } else { e.valid };
+                    if valid == 0 {
+                        // The device must learn the line is free before a later clean load
+                        // could trust its content.
+                        changed = true;
+                        continue;
+                    }
+                    table.set_state(line, key, valid, e.dirty);
+                    let g = &mut out.gauges[key.core() as usize];
+                    g.0 += 1;
+                    g.1 += (e.dirty != 0) as u64;
+                }
+                if changed {
+                    p.changed.set(block, true);
+                }
+            }
+            b += n;
+        }
+        p.durable_dirty.or_word(dirty_word.0, dirty_word.1);
+        Ok(out)
+    }
+}
+
+/// What every thread of a load's second pass (link lines into the lookup table) needs.
+struct Link<'a> {
+    table: &'a LineTable,
+    p: &'a Persist,
+    lines: u32,
+    /// Per block, the sequence number of the copy its lines came from.
+    block_seq: &'a [u64],
+}
+
+impl Link<'_> {
+    /// Link every line whose key falls in `buckets` into its chain, in line order. A core line
+    /// given by two lines keeps the one from the newer block version (the other is a leftover
+    /// of a line dropped since); two in the same version are corruption. Only this thread
+    /// changes these buckets' chains, and whether a line's key falls in them never changes, so
+    /// the threads need no lock. Returns per core id the (lines, dirty lines) dropped, or the
+    /// first line found corrupt with the error.
+    fn buckets(
+        &self,
+        buckets: std::ops::Range<u64>,
+    ) -> std::result::Result<Vec<(u64, u64)>, (u32, EngineError)> {
+        const BATCH: u32 = 64;
+        let table = self.table;
+        let epb = self.p.geometry.entries_per_block as u64;
+        let mut dropped = vec![(0u64, 0u64); crate::MAX_CORES as usize];
+        let (lo, hi) = (buckets.start, buckets.end);
+        let mut lines = [0u32; BATCH as usize + 1];
+        let mut keys = [None; BATCH as usize + 1];
+        let mut walks = Walks::default();
+        let mut start = 0;
+        while start < self.lines {
+            let end = start.saturating_add(BATCH).min(self.lines);
+            // Pick this thread's lines without a branch per line: whether a line is ours is a
+            // coin toss the branch predictor loses, and this scan visits every line.
+            let mut n = 0;
+            for line in start..end {
+                // Another thread may free a line of its own buckets meanwhile: either value
+                // read puts the line outside these buckets.
+                let raw = table.key_raw(line);
+                let b = table.bucket(Key::from_raw(raw)) as u64;
+                lines[n] = line;
+                keys[n] = Some(Key::from_raw(raw));
+                n += (raw != FREE && lo <= b && b < hi) as usize;
+            }
+            start = end;
+            let (lines, keys) = (&lines[..n], &keys[..n]);
+            // Whether each key is mapped already, for the whole batch at once: one lookup at a
+            // time is a chain of DRAM misses, which dominated the load.
+            table.lookup_many(keys, &mut walks);
+            for (j, &line) in lines.iter().enumerate() {
+                let Some(key) = keys[j] else { continue };
+                let bucket = walks.buckets[j];
+                // The walk's answer holds unless this batch's earlier lines changed the chain:
+                // they only link a line at the head of its bucket (after unlinking an older
+                // mapping of the same key), so an unchanged head means an unchanged chain.
+                let found = if table.bucket_head(bucket) == walks.heads[j] {
+                    walks.found[j]
+                } else {
+                    table.lookup(key)
+                };
+                if let Some(other) = found {
+                    let block = line as u64 / epb;
+                    let (seq, other_seq) = (
+                        self.block_seq[block as usize],
+                        self.block_seq[(other as u64 / epb) as usize],
+                    );
+                    if other_seq == seq {
+                        return Err((
+                            line,
+                            EngineError::Corrupt(format!(
+                                "metadata block {block}: core {} line {} is mapped twice in one commit",
+                                key.core(),
+                                key.line()
+                            )),
+                        ));
+                    }
+                    let g = &mut dropped[key.core() as usize];
+                    if other_seq > seq {
+                        g.0 += 1;
+                        g.1 += (table.dirty(line) != 0) as u64;
+                        table.clear_state(line);
+                        self.p.changed.set(block, true);
+                        continue;
+                    }
+                    g.0 += 1;
+                    g.1 += (table.dirty(other) != 0) as u64;
+                    table.unmap(other, key);
+                    self.p.changed.set(other as u64 / epb, true);
+                }
+                table.link(line, bucket);
+            }
+        }
+        Ok(dropped)
+    }
+}
+
+/// Read and check every metadata block and rebuild `inner`'s lines from them. Nothing is
+/// written. `inner` is fresh (every line free) and not yet shared, so no lock is needed. Fails
+/// with a message saying what is corrupt and where.
+///
+/// From format version 2 on, the commit record names the last commit that completed and the
+/// digest of the block versions it left. Each block must still have that version (its newest
+/// valid copy with a sequence number up to the record's): anything else is damage, and the
+/// load is refused. A newer copy can only come from a commit that never completed; it is
+/// used, as its data was flushed before the block was written.
+///
+/// Two passes, each split over threads ([`set_load_threads`]): the first reads, checks and
+/// decodes ranges of blocks and gives each line its state; the second links the lines into
+/// the lookup table, each thread owning a range of buckets. A loaded cache is the same
+/// whatever the thread count.
+pub(crate) fn restore(
+    inner: &mut CacheInner,
+    volume: &dyn Volume,
+    sb: &Superblock,
+    line_sectors: u32,
+    version: u32,
+) -> Result<()> {
+    let p = inner.persist.as_ref().expect("restore needs persistence");
+    let geometry = p.geometry;
+    let record = if version >= 2 {
+        Some(last_commit(volume, sb.nonce, geometry.meta_blocks)?)
+    } else {
+        None
+    };
+    let full: Mask = if line_sectors == 128 {
+        Mask::MAX
+    } else {
+        (1 << line_sectors) - 1
+    };
+    let core_lines: Vec<(CoreId, u64)> = sb
+        .cores
+        .iter()
+        .map(|c| (c.id, c.size.div_ceil(sb.line_size as u64)))
+        .collect();
+    let decode = Decode {
+        volume,
+        table: inner.lines.table(),
+        p,
+        nonce: sb.nonce,
+        record,
+        crashed: !sb.clean_shutdown,
+        full,
+        core_lines: &core_lines,
+    };
+    let threads = load_threads(geometry.meta_blocks);
+    let parts = in_parallel(threads, |i| {
+        decode.blocks(share(geometry.meta_blocks, threads, i))
+    });
+    // The digest of the versions found for the recorded commit, and blocks with a damaged copy
+    // whose other copy might be an older version than that commit left (named on refusal).
+    let mut committed_digest = 0u64;
+    let mut suspects: Vec<String> = Vec::new();
+    let mut terms = Vec::with_capacity(geometry.meta_blocks as usize);
+    // Sequence of the copy each block was read from: settles a core line mapped by two lines
+    // (the newer mapping wins; the older is a leftover of a line dropped since).
+    let mut block_seq = Vec::with_capacity(geometry.meta_blocks as usize);
+    let mut gauges = vec![(0u64, 0u64); crate::MAX_CORES as usize];
+    // Parts are in block order, so the first error is the one a single pass would meet first.
+    for part in parts {
+        let part = part?;
+        committed_digest = committed_digest.wrapping_add(part.committed_digest);
+        suspects.extend(part.suspects);
+        terms.extend(part.terms);
+        block_seq.extend(part.seqs);
+        for (g, d) in gauges.iter_mut().zip(&part.gauges) {
+            g.0 += d.0;
+            g.1 += d.1;
+        }
+    }
+    let max_seq = block_seq.iter().copied().max().unwrap_or(0);
+    let link = Link {
+        table: inner.lines.table(),
+        p,
+        lines: inner.lines.count(),
+        block_seq: &block_seq,
+    };
+    let buckets = inner.lines.table().bucket_count() as u64;
+    let linked = in_parallel(threads, |i| link.buckets(share(buckets, threads, i)));
+    let mut first_error: Option<(u32, EngineError)> = None;
+    for part in linked {
+        match part {
+            Ok(dropped) => {
+                for (g, d) in gauges.iter_mut().zip(&dropped) {
+                    g.0 -= d.0;
+                    g.1 -= d.1;
+                }
+            }
+            Err((line, e)) => {
+                if !first_error.as_ref().is_some_and(|(l, _)| *l < line) {
+                    first_error = Some((line, e));
+                }
+            }
+        }
+    }
+    if let Some((_, e)) = first_error {
+        return Err(e);
+    }
+    if let Some(rec) = record {
+        if committed_digest != rec.digest {
+            let found = if suspects.is_empty() {
+                "every block has a valid copy, so one holds an older or misplaced version (a stale or misdirected sector)".to_string()
+            } else {
+                let n = suspects.len();
+                suspects.truncate(8);
+                format!(
+                    "{n} blocks have a damaged copy, and the other copy of at least one is older than that commit: {}",
+                    suspects.join("; ")
+                )
+            };
+            return Err(EngineError::Corrupt(format!(
+                "the metadata does not match the last completed commit {} (commit record in slot {} at byte offset {}): {found}",
+                rec.seq,
+                rec.seq % 2,
+                COMMIT_SLOTS[(rec.seq % 2) as usize]
+            )));
+        }
+    }
+    {
+        let mut st = p.state.lock();
+        st.seq = record.map_or(max_seq, |r| r.seq.max(max_seq));
+        st.digest = terms.iter().map(|&t| t as u64).sum();
+        st.terms = terms;
+    }
+    for (id, (occupancy, dirty)) in gauges.into_iter().enumerate() {
+        inner.lines.gauges()[id]
+            .occupancy
+            .store(occupancy, Ordering::Relaxed);
+        inner.lines.gauges()[id]
+            .dirty
+            .store(dirty, Ordering::Relaxed);
+    }
+    // Lines the device may still record as dirty for a mapping that lost to a newer one wait in
+    // limbo until a commit rewrites their block.
+    let durable = &p.durable_dirty;
+    let free = inner
+        .lines
+        .rebuild_lists(|table, line| match table.key(line) {
+            Some(_) if table.dirty(line) != 0 => ListKind::Dirty,
+            Some(_) => ListKind::Clean,
+            None if durable.get(line as u64) => ListKind::Limbo,
+            None => ListKind::Free,
+        });
+    inner.lines.free_lines().store(free, Ordering::Relaxed);
+    Ok(())
+}
+
+/// A cache loaded from `cache_volume` (`Cache::load`): the checks (superblock, geometry, core
+/// records, the cores' devices, policies), then the metadata, then the policies and cores;
+/// only once all of them passed does the device change (the loaded state is recorded, the
+/// clean-stop mark cleared).
+pub(crate) fn load(
+    cache_volume: VolumeRef,
+    open_core: &mut dyn FnMut(&CoreRecord) -> Option<VolumeRef>,
+) -> Result<CacheInner> {
+    let (sb_seq, sb, version) = newest_superblock(&*cache_volume)?;
+    let (line_size, mode, recorded) = check_superblock(&sb, &*cache_volume)?;
+    let (active, inactive) = open_cores(&sb, open_core)?;
+    let policies = recorded_policies(&sb)?;
+    let config = CacheConfig {
+        id: sb.cache_id,
+        line_size,
+        mode,
+    };
+    let mask_bytes = line_size.sectors() as usize / 8;
+    let persist = Persist::new(recorded, sb.nonce, mask_bytes, sb.clone(), 0, sb_seq);
+    let mut inner = CacheInner::build(
+        cache_volume.clone(),
+        &config,
+        recorded.lines,
+        recorded.data_offset,
+        Some(persist),
+    );
+    restore(
+        &mut inner,
+        &*cache_volume,
+        &sb,
+        line_size.sectors(),
+        version,
+    )?;
+    apply_policies(&inner, &policies)?;
+    attach_loaded_cores(&inner, active, inactive, &policies);
+    let p = inner
+        .persist
+        .as_ref()
+        .expect("a loaded cache is persistent");
+    // From here on the device changes: a crash must be recovered as a crash.
+    p.record_loaded_state(&*inner.volume)?;
+    // Both slots: an older superblock left with the clean-stop mark would make a load that
+    // falls back to it (the newer damaged) trust clean lines written over since.
+    for _ in 0..2 {
+        p.update_superblock(&*inner.volume, |sb| sb.clean_shutdown = false)?;
+    }
+    Ok(inner)
+}
+
+/// The newest intact superblock (its sequence number and format version), or why there is none.
+fn newest_superblock(cache_volume: &dyn Volume) -> Result<(u64, Superblock, u32)> {
+    let slots = persist::read_config(cache_volume)?;
+    persist::refuse_newer(&slots)?;
+    let Some((sb_seq, sb, version)) = persist::newest(&slots) else {
+        let damaged: Vec<String> = slots
+            .iter()
+            .zip(["A (offset 0)", "B (offset 1 MiB)"])
+            .filter_map(|(s, name)| match s {
+                ConfigSlot::Corrupt(why) => Some(format!("superblock copy {name}: {why}")),
+                _ => None,
+            })
+            .collect();
+        return Err(if damaged.is_empty() {
+            EngineError::NoCache(cache_volume.name().to_string())
+        } else {
+            EngineError::Corrupt(damaged.join("; "))
+        });
+    };
+    Ok((sb_seq, sb.clone(), version))
+}
+
+/// The superblock's line size, mode and geometry, checked against itself and the volume.
+fn check_superblock(
+    sb: &Superblock,
+    cache_volume: &dyn Volume,
+) -> Result<(LineSize, CacheMode, Geometry)> {
+    let line_size = check_line_size(sb.line_size)?;
+    let mode = sb
+        .mode()
+        .map_err(|e| EngineError::Corrupt(format!("superblock: {e}")))?;
+    let recorded = Geometry {
+        lines: sb.lines,
+        entries_per_block: sb.entries_per_block,
+        meta_blocks: sb.meta_blocks,
+        data_offset: sb.data_offset,
+    };
+    if Geometry::compute(cache_volume.size(), sb.line_size as u64) != Some(recorded) {
+        return Err(EngineError::Invalid(format!(
+            "{} is {} bytes, but the cache on it was created for a device with {} lines of {} KiB; is this the right device?",
+            cache_volume.name(),
+            cache_volume.size(),
+            sb.lines,
+            sb.line_size / 1024
+        )));
+    }
+    let mut ids = std::collections::BTreeSet::new();
+    for c in &sb.cores {
+        if c.id as u32 > MAX_CORE_ID || !ids.insert(c.id) || c.size % SECTOR != 0 {
+            return Err(EngineError::Corrupt(format!(
+                "superblock: core record {c:?} is impossible"
+            )));
+        }
+    }
+    Ok((line_size, mode, recorded))
+}
+
+/// The recorded cores whose devices `open_core` opens (active), and the others (inactive).
+/// A device of another size than recorded is refused.
+#[allow(clippy::type_complexity)]
+fn open_cores(
+    sb: &Superblock,
+    open_core: &mut dyn FnMut(&CoreRecord) -> Option<VolumeRef>,
+) -> Result<(Vec<(CoreId, VolumeRef)>, BTreeMap<CoreId, CoreRecord>)> {
+    let mut active = Vec::new();
+    let mut inactive = BTreeMap::new();
+    for rec in &sb.cores {
+        match open_core(rec) {
+            Some(vol) if vol.size() != rec.size => {
+                return Err(EngineError::CoreMismatch {
+                    id: rec.id,
+                    why: format!(
+                        "{} is {} bytes but the cache recorded {} bytes for it (uuid {}); refusing to load",
+                        rec.path,
+                        vol.size(),
+                        rec.size,
+                        rec.uuid
+                    ),
+                })
+            }
+            Some(vol) => active.push((rec.id, vol)),
+            None => {
+                inactive.insert(rec.id, rec.clone());
+            }
+        }
+    }
+    Ok((active, inactive))
+}
+
+/// The policies the superblock records, checked.
+fn recorded_policies(sb: &Superblock) -> Result<PolicyRecord> {
+    let policies: PolicyRecord =
+        serde_json::from_value(serde_json::Value::Object(sb.params.clone())).map_err(|e| {
+            EngineError::Corrupt(format!("superblock: unreadable policy parameters: {e}"))
+        })?;
+    let valid = policies.cleaning.validate().and_then(|()| {
+        policies.promotion.validate()?;
+        policies.prefetch.validate()?;
+        policies.seq_cutoff.values().try_for_each(|s| s.validate())
+    });
+    if let Err(e) = valid {
+        return Err(EngineError::Corrupt(format!(
+            "superblock: impossible policy parameters: {e}"
+        )));
+    }
+    Ok(policies)
+}
+
+/// Install the recorded policies in a restored cache (IO classes, cleaning, lazy flush,
+/// promotion, prefetch, offload). Fails only on an unreadable IO class table.
+fn apply_policies(inner: &CacheInner, policies: &PolicyRecord) -> Result<()> {
+    if let Some(csv) = &policies.io_classes {
+        // Loaded leniently: a file accepted with file-system rules ignored reads back.
+        let opts = crate::ioclass::LoadOptions {
+            ignore_unsupported: true,
+        };
+        let table = IoClasses::parse(csv, &opts).map_err(|e| {
+            EngineError::Corrupt(format!("superblock: unreadable IO class table: {e}"))
+        })?;
+        inner
+            .lines
+            .classes()
+            .install(table, inner.lines.table(), |id| {
+                &inner.lines.gauges()[id as usize].classes
+            });
+    }
+    *inner.cleaning.write() = policies.cleaning;
+    inner
+        .lazy_flush
+        .store(policies.lazy_flush.enabled, Ordering::Relaxed);
+    inner
+        .promotion
+        .set_params(policies.promotion, inner.lines.count());
+    inner
+        .prefetch
+        .set_params(policies.prefetch, inner.lines.count());
+    inner.offload.set_params(policies.offload);
+    Ok(())
+}
+
+/// Register the restored cores: the active ones with their devices, the inactive ones with
+/// their acp counters and seq cutoff kept for when they come back.
+fn attach_loaded_cores(
+    inner: &CacheInner,
+    active: Vec<(CoreId, VolumeRef)>,
+    inactive: BTreeMap<CoreId, CoreRecord>,
+    policies: &PolicyRecord,
+) {
+    let seq_of = |id: CoreId| policies.seq_cutoff.get(&id).copied().unwrap_or_default();
+    for (id, vol) in active {
+        let state = inner.lines.new_core_state(id, vol, seq_of(id));
+        inner.cores.write().insert(id, state);
+    }
+    for (id, rec) in &inactive {
+        inner.lines.rebuild_chunks(*id, rec.size);
+        inner.seq_cutoff_inactive.write().insert(*id, seq_of(*id));
+    }
+    *inner.inactive.write() = inactive;
+}
+
+fn check_line_size(line_size: u32) -> Result<LineSize> {
+    LineSize::from_kib(line_size / 1024)
+        .ok()
+        .filter(|l| l.bytes() == line_size)
+        .ok_or_else(|| {
+            EngineError::Corrupt(format!(
+                "superblock: cache line size {line_size} is impossible"
+            ))
+        })
+}
