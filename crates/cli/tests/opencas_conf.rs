@@ -54,25 +54,11 @@ const SHIPPED_CONF: &str = "version=19.3.0
 ## other services for devices (e.g. mounts based on FS labels)
 ";
 
-/// `utils/ioclass-config.csv` as Open CAS ships it (master; v26.03 lacks class 33): casadm's CSV format, classes by
-/// file size and metadata, which a block export cannot see.
-const SHIPPED_IOCLASS: &str = "IO class id,IO class name,Eviction priority,Allocation
-0,unclassified,22,1
-1,metadata&done,0,1
-11,file_size:le:4096&done,9,1
-12,file_size:le:16384&done,10,1
-13,file_size:le:65536&done,11,1
-14,file_size:le:262144&done,12,1
-15,file_size:le:1048576&done,13,1
-16,file_size:le:4194304&done,14,1
-17,file_size:le:16777216&done,15,1
-18,file_size:le:67108864&done,16,1
-19,file_size:le:268435456&done,17,1
-20,file_size:le:1073741824&done,18,1
-21,file_size:gt:1073741824&done,19,1
-22,direct&done,20,1
-33,prefetch,21,1
-";
+/// `utils/ioclass-config.csv` as Open CAS ships it (master; v26.03 lacks class 33): casadm's CSV
+/// format, classes by file size and metadata, which a block export cannot see. The engine's tests
+/// keep the verbatim copy (with its source in crates/engine/tests/data/README.md).
+const SHIPPED_IOCLASS: &str =
+    include_str!("../../engine/tests/data/open-cas-master-ioclass-config.csv");
 
 const CACHE_BYTES: u64 = 64 << 20;
 const CORE_BYTES: u64 = 256 << 20;
