@@ -1319,8 +1319,8 @@ mod tests {
         let sig = cache.inner.cleaner_signal.clone();
         let far = cache.line_count() * 8 * KIB;
         // As if the cleaner thread ran, between two batches, with room asked for.
-        sig.running.store(true, Ordering::SeqCst);
-        assert_eq!(sig.active.load(Ordering::SeqCst), 0);
+        sig.set_running(true);
+        assert_eq!(sig.batches_under_way(), 0);
         sig.want_room();
         let before = lazy_writes(&cache);
         let writer = {
@@ -1329,7 +1329,7 @@ mod tests {
         };
         // The write waits (counted among the waiters) until room is made, here by the batch.
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        while sig.waiters.load(Ordering::SeqCst) == 0 && !writer.is_finished() {
+        while sig.waiting() == 0 && !writer.is_finished() {
             assert!(std::time::Instant::now() < deadline);
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
@@ -1338,7 +1338,7 @@ mod tests {
             cache.cleaner_tick(1);
         }
         writer.join().unwrap();
-        sig.running.store(false, Ordering::SeqCst);
+        sig.set_running(false);
         assert!(waited, "the write did not wait for the batch asked for");
         assert_eq!(lazy_writes(&cache), before, "the write went to the core");
         cache.check_invariants();
@@ -1353,8 +1353,8 @@ mod tests {
         cache.stop_background_cleaner();
         let sig = cache.inner.cleaner_signal.clone();
         // As if background cleaning were under way.
-        sig.running.store(true, Ordering::SeqCst);
-        sig.active.fetch_add(1, Ordering::SeqCst);
+        sig.set_running(true);
+        let under_way = sig.batch();
         let t = Instant::now();
         core.write(&[1u8; 4096], 0).unwrap();
         assert!(t.elapsed() < ROOM_WAIT / 2, "nobody waits: no queue");
@@ -1377,8 +1377,8 @@ mod tests {
         assert_eq!(cache.stats().requests.lazy_flush_writes, 0);
         assert_eq!(cache.stats().usage.dirty_lines, 2);
         drop(waiting);
-        sig.active.fetch_sub(1, Ordering::SeqCst);
-        sig.running.store(false, Ordering::SeqCst);
+        drop(under_way);
+        sig.set_running(false);
     }
 
     /// Commits ahead of need are bounded: not before `AHEAD_INTERVAL_MS` since the last commit
@@ -1395,18 +1395,23 @@ mod tests {
         let ahead = || cache.cleaning_stats().ahead_commits;
         inner.commit().unwrap();
         sig.want_room();
-        sig.uncommitted.store(AHEAD_LINES, Ordering::Relaxed);
+        assert_eq!(
+            sig.uncommitted(),
+            0,
+            "the commit above took every cleaned line"
+        );
+        sig.cleaned_uncommitted(AHEAD_LINES);
         inner.commit_ahead();
         assert_eq!(ahead(), 0, "within the interval");
         std::thread::sleep(Duration::from_millis(AHEAD_INTERVAL_MS + 5));
         inner.commit_ahead();
         assert_eq!(ahead(), 1);
-        assert_eq!(sig.uncommitted.load(Ordering::Relaxed), 0);
+        assert_eq!(sig.uncommitted(), 0);
 
         std::thread::sleep(Duration::from_millis(AHEAD_INTERVAL_MS + 5));
         inner.commit_ahead();
         assert_eq!(ahead(), 1, "no line waiting");
-        sig.uncommitted.store(1, Ordering::Relaxed);
+        sig.cleaned_uncommitted(1);
         inner.commit_ahead();
         assert_eq!(ahead(), 1, "too few lines, too soon");
         std::thread::sleep(Duration::from_millis(AHEAD_STALE_MS));
@@ -1415,9 +1420,14 @@ mod tests {
 
         // The cache is full (no free line): the low-water mark asks for commits even with no
         // write wanting room; the flag is cleared as the cleaner's tick clears it.
-        sig.room_wanted.store(false, Ordering::SeqCst);
+        sig.take_room_request();
         std::thread::sleep(Duration::from_millis(AHEAD_STALE_MS));
-        sig.uncommitted.store(AHEAD_LINES, Ordering::Relaxed);
+        assert_eq!(
+            sig.uncommitted(),
+            0,
+            "the commit above took every cleaned line"
+        );
+        sig.cleaned_uncommitted(AHEAD_LINES);
         inner.commit_ahead();
         assert_eq!(ahead(), 3, "free lines under the low-water mark");
     }

@@ -321,9 +321,7 @@ impl CacheInner {
                 self.cleaner_signal.room_made();
             } else {
                 // Reusable once a commit records them clean (`commit_ahead`).
-                self.cleaner_signal
-                    .uncommitted
-                    .fetch_add(cleaned as u64, Relaxed);
+                self.cleaner_signal.cleaned_uncommitted(cleaned as u64);
             }
         }
         match first_error {

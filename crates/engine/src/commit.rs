@@ -320,14 +320,12 @@ impl CacheInner {
             return;
         }
         let sig = &self.cleaner_signal;
-        let waiting = sig.uncommitted.load(Ordering::Relaxed);
+        let waiting = sig.uncommitted();
         if waiting == 0 {
             return;
         }
         let low_water = (self.lines.count() as u64 / 64).max(1);
-        if !sig.room_wanted.load(Ordering::Relaxed)
-            && self.lines.free_lines().load(Ordering::Relaxed) >= low_water
-        {
+        if !sig.room_wanted() && self.lines.free_lines().load(Ordering::Relaxed) >= low_water {
             return;
         }
         let last = sig.last_commit_ms();

@@ -81,10 +81,6 @@ const NOT_YET_PRIVATE: &[(&str, &str)] = &[
         "the cleaning policies' schedule, worked on by cleaning.rs's ticks",
     ),
     (
-        "CleanerSignal",
-        "room_wait's flags, set by cleaning and read by writes, and driven by unit tests",
-    ),
-    (
         "ClassState",
         "IO class gauges, read by the facade's statistics",
     ),
