@@ -393,7 +393,7 @@ impl Cache {
             .lines
             .gauges()
             .get(id as usize)
-            .map_or(0, |g| g.dirty.load(Ordering::Relaxed))
+            .map_or(0, |g| g.dirty())
     }
 
     /// [`Cache::remove_core`], returning how many dirty lines a forced removal discarded
@@ -410,9 +410,7 @@ impl Cache {
             }
             core.quiesce();
         }
-        let dirty = self.inner.lines.gauges()[id as usize]
-            .dirty
-            .load(Ordering::Relaxed);
+        let dirty = self.inner.lines.gauges()[id as usize].dirty();
         if dirty != 0 && !force {
             if let Some(core) = &core {
                 core.cancel_removal();
@@ -526,9 +524,9 @@ impl Cache {
             .read()
             .values()
             .map(|c| CoreInfo {
-                id: c.id,
-                name: c.volume.name().to_string(),
-                size: c.size,
+                id: c.id(),
+                name: c.volume().name().to_string(),
+                size: c.size(),
                 status: CoreStatus::Active,
             })
             .collect();
@@ -621,7 +619,7 @@ impl Cache {
         if let Some(s) = self.inner.seq_cutoff_inactive.read().get(&core) {
             return Ok(*s);
         }
-        Ok(self.inner.core_by_id(core)?.seq.params())
+        Ok(self.inner.core_by_id(core)?.seq().params())
     }
 
     /// Set sequential cutoff for one core, or for every core when `core` is None.
@@ -654,13 +652,13 @@ impl Cache {
                 self.inner.cores.read().values().cloned().collect()
             }
         };
-        let old: Vec<SeqCutoff> = targets.iter().map(|c| c.seq.params()).collect();
+        let old: Vec<SeqCutoff> = targets.iter().map(|c| c.seq().params()).collect();
         for c in &targets {
-            c.seq.set_params(params);
+            c.seq().set_params(params);
         }
         if let Err(e) = self.inner.save_policies() {
             for (c, o) in targets.iter().zip(old) {
-                c.seq.set_params(o);
+                c.seq().set_params(o);
             }
             return Err(e);
         }
@@ -781,7 +779,7 @@ impl Cache {
             .lines
             .classes()
             .install(classes, self.inner.lines.table(), |id| {
-                &gauges[id as usize].classes
+                gauges[id as usize].classes()
             });
         if let Err(e) = self.inner.save_policies() {
             self.inner.lines.classes().restore(old);
@@ -807,7 +805,7 @@ impl Cache {
             crate::ErrorStats,
         ) = Default::default();
         for core in self.inner.cores.read().values() {
-            if let Some(k) = core.classes.counters(id) {
+            if let Some(k) = core.classes().counters(id) {
                 let (r, b, e) = k.snapshot();
                 requests.add(&r);
                 blocks.add(&b);
@@ -839,9 +837,9 @@ impl Cache {
                 "IO class {id} is not configured"
             )));
         }
-        let (occupancy, dirty) = self.inner.lines.gauges()[core as usize].classes.lines(id);
+        let (occupancy, dirty) = self.inner.lines.gauges()[core as usize].classes().lines(id);
         let (requests, blocks, errors) = state
-            .classes
+            .classes()
             .counters(id)
             .map(|k| k.snapshot())
             .unwrap_or_default();
@@ -875,8 +873,8 @@ impl Cache {
         };
         for id in inactive.keys() {
             let g = &self.inner.lines.gauges()[*id as usize];
-            usage.occupancy_lines += g.occupancy.load(Ordering::Relaxed);
-            usage.dirty_lines += g.dirty.load(Ordering::Relaxed);
+            usage.occupancy_lines += g.occupancy();
+            usage.dirty_lines += g.dirty();
         }
         Some(usage)
     }
@@ -912,7 +910,7 @@ impl Cache {
             ..Stats::default()
         };
         for core in self.inner.cores.read().values() {
-            let (r, b, e) = core.counters.snapshot();
+            let (r, b, e) = core.counters().snapshot();
             total.requests.add(&r);
             total.blocks.add(&b);
             total.errors.add(&e);
@@ -928,31 +926,31 @@ impl Cache {
     /// Reset one core's counters (`casadm -Z -j`).
     pub fn reset_core_stats(&self, id: CoreId) -> Result<()> {
         let core = self.inner.core_by_id(id)?;
-        core.counters.reset();
-        core.latency.reset();
-        core.classes.reset();
+        core.counters().reset();
+        core.latency().reset();
+        core.classes().reset();
         Ok(())
     }
 
     /// One core's request latency histograms.
     pub fn core_latency(&self, id: CoreId) -> Result<LatencyStats> {
-        Ok(self.inner.core_by_id(id)?.latency.snapshot())
+        Ok(self.inner.core_by_id(id)?.latency().snapshot())
     }
 
     /// Request latency histograms of every attached core, merged.
     pub fn latency(&self) -> LatencyStats {
         let mut all = LatencyStats::default();
         for core in self.inner.cores.read().values() {
-            all.merge(&core.latency.snapshot());
+            all.merge(&core.latency().snapshot());
         }
         all
     }
 
     pub fn reset_stats(&self) {
         for core in self.inner.cores.read().values() {
-            core.counters.reset();
-            core.latency.reset();
-            core.classes.reset();
+            core.counters().reset();
+            core.latency().reset();
+            core.classes().reset();
         }
     }
 
@@ -975,17 +973,17 @@ impl Cache {
 
 impl Core {
     pub fn id(&self) -> CoreId {
-        self.core.id
+        self.core.id()
     }
 
     /// Size of the exported volume in bytes (the core's size).
     pub fn size(&self) -> u64 {
-        self.core.size
+        self.core.size()
     }
 
     /// The exported volume's name, as Open CAS names exported objects: `cas<cache>-<core>`.
     pub fn export_name(&self) -> String {
-        format!("cas{}-{}", self.cache.id, self.core.id)
+        format!("cas{}-{}", self.cache.id, self.core.id())
     }
 
     pub fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
@@ -996,7 +994,7 @@ impl Core {
         } else {
             LatencyKind::ReadCache
         };
-        self.core.latency.record(kind, start.elapsed());
+        self.core.latency().record(kind, start.elapsed());
         Ok(())
     }
 
@@ -1018,7 +1016,7 @@ impl Core {
         } else {
             LatencyKind::WriteCache
         };
-        self.core.latency.record(kind, start.elapsed());
+        self.core.latency().record(kind, start.elapsed());
         Ok(())
     }
 
@@ -1044,17 +1042,17 @@ impl Core {
 
     /// Whether discarded ranges read back as zeroes (they do when the core's discard zeroes).
     pub fn discard_zeroes(&self) -> bool {
-        self.core.volume.discard_zeroes()
+        self.core.volume().discard_zeroes()
     }
 }
 
 /// An exported volume is itself a volume, so it can be served, benchmarked or stacked like any.
 impl Volume for Core {
     fn name(&self) -> &str {
-        self.core.volume.name()
+        self.core.volume().name()
     }
     fn size(&self) -> u64 {
-        self.core.size
+        self.core.size()
     }
     fn read_at(&self, buf: &mut [u8], offset: u64) -> hybridcache_volume::Result<()> {
         self.read(buf, offset).map_err(|e| {

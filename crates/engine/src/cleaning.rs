@@ -109,7 +109,7 @@ impl CacheInner {
             .read()
             .values()
             .map(|c| {
-                let (_, b, _) = c.counters.snapshot();
+                let (_, b, _) = c.counters().snapshot();
                 b.exported_read_bytes.wrapping_add(b.exported_written_bytes)
             })
             .fold(0u64, u64::wrapping_add)
@@ -371,13 +371,11 @@ impl CacheInner {
         let cores: Vec<u16> = self.cores.read().keys().copied().collect();
         // A failing core's chunks cannot be cleaned; trying them on every run would starve the
         // other cores.
-        let cores = cores.into_iter().filter(|&id| {
-            !self.lines.gauges()[id as usize]
-                .failing
-                .load(Ordering::Relaxed)
-        });
+        let cores = cores
+            .into_iter()
+            .filter(|&id| !self.lines.gauges()[id as usize].failing());
         for id in cores {
-            let chunks = self.lines.gauges()[id as usize].chunks.read();
+            let chunks = self.lines.gauges()[id as usize].chunks();
             for (i, c) in chunks.iter().enumerate() {
                 let dirty = c.load(Ordering::Relaxed) as u64;
                 if dirty == 0 {
