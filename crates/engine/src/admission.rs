@@ -16,7 +16,7 @@ impl CacheInner {
     /// core's streams).
     #[inline]
     pub(crate) fn cut_off(&self, core: &CoreState, offset: u64, len: u64, write: bool) -> bool {
-        core.seq.cut_off(offset, len, write, || {
+        core.seq().cut_off(offset, len, write, || {
             // "Nearly full", as Open CAS: free lines at most 512 plus the lines this request
             // touches.
             let need = (offset + len).div_ceil(self.line_bytes) - offset / self.line_bytes;

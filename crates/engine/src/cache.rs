@@ -393,7 +393,7 @@ impl Cache {
             .lines
             .gauges()
             .get(id as usize)
-            .map_or(0, |g| g.dirty.load(Ordering::Relaxed))
+            .map_or(0, |g| g.dirty())
     }
 
     /// [`Cache::remove_core`], returning how many dirty lines a forced removal discarded
@@ -410,9 +410,7 @@ impl Cache {
             }
             core.quiesce();
         }
-        let dirty = self.inner.lines.gauges()[id as usize]
-            .dirty
-            .load(Ordering::Relaxed);
+        let dirty = self.inner.lines.gauges()[id as usize].dirty();
         if dirty != 0 && !force {
             if let Some(core) = &core {
                 core.cancel_removal();
@@ -526,9 +524,9 @@ impl Cache {
             .read()
             .values()
             .map(|c| CoreInfo {
-                id: c.id,
-                name: c.volume.name().to_string(),
-                size: c.size,
+                id: c.id(),
+                name: c.volume().name().to_string(),
+                size: c.size(),
                 status: CoreStatus::Active,
             })
             .collect();
@@ -621,7 +619,7 @@ impl Cache {
         if let Some(s) = self.inner.seq_cutoff_inactive.read().get(&core) {
             return Ok(*s);
         }
-        Ok(self.inner.core_by_id(core)?.seq.params())
+        Ok(self.inner.core_by_id(core)?.seq().params())
     }
 
     /// Set sequential cutoff for one core, or for every core when `core` is None.
@@ -654,13 +652,13 @@ impl Cache {
                 self.inner.cores.read().values().cloned().collect()
             }
         };
-        let old: Vec<SeqCutoff> = targets.iter().map(|c| c.seq.params()).collect();
+        let old: Vec<SeqCutoff> = targets.iter().map(|c| c.seq().params()).collect();
         for c in &targets {
-            c.seq.set_params(params);
+            c.seq().set_params(params);
         }
         if let Err(e) = self.inner.save_policies() {
             for (c, o) in targets.iter().zip(old) {
-                c.seq.set_params(o);
+                c.seq().set_params(o);
             }
             return Err(e);
         }
@@ -781,7 +779,7 @@ impl Cache {
             .lines
             .classes()
             .install(classes, self.inner.lines.table(), |id| {
-                &gauges[id as usize].classes
+                gauges[id as usize].classes()
             });
         if let Err(e) = self.inner.save_policies() {
             self.inner.lines.classes().restore(old);
@@ -807,7 +805,7 @@ impl Cache {
             crate::ErrorStats,
         ) = Default::default();
         for core in self.inner.cores.read().values() {
-            if let Some(k) = core.classes.counters(id) {
+            if let Some(k) = core.classes().counters(id) {
                 let (r, b, e) = k.snapshot();
                 requests.add(&r);
                 blocks.add(&b);
@@ -839,9 +837,9 @@ impl Cache {
                 "IO class {id} is not configured"
             )));
         }
-        let (occupancy, dirty) = self.inner.lines.gauges()[core as usize].classes.lines(id);
+        let (occupancy, dirty) = self.inner.lines.gauges()[core as usize].classes().lines(id);
         let (requests, blocks, errors) = state
-            .classes
+            .classes()
             .counters(id)
             .map(|k| k.snapshot())
             .unwrap_or_default();
@@ -875,8 +873,8 @@ impl Cache {
         };
         for id in inactive.keys() {
             let g = &self.inner.lines.gauges()[*id as usize];
-            usage.occupancy_lines += g.occupancy.load(Ordering::Relaxed);
-            usage.dirty_lines += g.dirty.load(Ordering::Relaxed);
+            usage.occupancy_lines += g.occupancy();
+            usage.dirty_lines += g.dirty();
         }
         Some(usage)
     }
@@ -912,7 +910,7 @@ impl Cache {
             ..Stats::default()
         };
         for core in self.inner.cores.read().values() {
-            let (r, b, e) = core.counters.snapshot();
+            let (r, b, e) = core.counters().snapshot();
             total.requests.add(&r);
             total.blocks.add(&b);
             total.errors.add(&e);
@@ -928,31 +926,31 @@ impl Cache {
     /// Reset one core's counters (`casadm -Z -j`).
     pub fn reset_core_stats(&self, id: CoreId) -> Result<()> {
         let core = self.inner.core_by_id(id)?;
-        core.counters.reset();
-        core.latency.reset();
-        core.classes.reset();
+        core.counters().reset();
+        core.latency().reset();
+        core.classes().reset();
         Ok(())
     }
 
     /// One core's request latency histograms.
     pub fn core_latency(&self, id: CoreId) -> Result<LatencyStats> {
-        Ok(self.inner.core_by_id(id)?.latency.snapshot())
+        Ok(self.inner.core_by_id(id)?.latency().snapshot())
     }
 
     /// Request latency histograms of every attached core, merged.
     pub fn latency(&self) -> LatencyStats {
         let mut all = LatencyStats::default();
         for core in self.inner.cores.read().values() {
-            all.merge(&core.latency.snapshot());
+            all.merge(&core.latency().snapshot());
         }
         all
     }
 
     pub fn reset_stats(&self) {
         for core in self.inner.cores.read().values() {
-            core.counters.reset();
-            core.latency.reset();
-            core.classes.reset();
+            core.counters().reset();
+            core.latency().reset();
+            core.classes().reset();
         }
     }
 
@@ -975,17 +973,17 @@ impl Cache {
 
 impl Core {
     pub fn id(&self) -> CoreId {
-        self.core.id
+        self.core.id()
     }
 
     /// Size of the exported volume in bytes (the core's size).
     pub fn size(&self) -> u64 {
-        self.core.size
+        self.core.size()
     }
 
     /// The exported volume's name, as Open CAS names exported objects: `cas<cache>-<core>`.
     pub fn export_name(&self) -> String {
-        format!("cas{}-{}", self.cache.id, self.core.id)
+        format!("cas{}-{}", self.cache.id, self.core.id())
     }
 
     pub fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
@@ -996,7 +994,7 @@ impl Core {
         } else {
             LatencyKind::ReadCache
         };
-        self.core.latency.record(kind, start.elapsed());
+        self.core.latency().record(kind, start.elapsed());
         Ok(())
     }
 
@@ -1018,7 +1016,7 @@ impl Core {
         } else {
             LatencyKind::WriteCache
         };
-        self.core.latency.record(kind, start.elapsed());
+        self.core.latency().record(kind, start.elapsed());
         Ok(())
     }
 
@@ -1044,17 +1042,17 @@ impl Core {
 
     /// Whether discarded ranges read back as zeroes (they do when the core's discard zeroes).
     pub fn discard_zeroes(&self) -> bool {
-        self.core.volume.discard_zeroes()
+        self.core.volume().discard_zeroes()
     }
 }
 
 /// An exported volume is itself a volume, so it can be served, benchmarked or stacked like any.
 impl Volume for Core {
     fn name(&self) -> &str {
-        self.core.volume.name()
+        self.core.volume().name()
     }
     fn size(&self) -> u64 {
-        self.core.size
+        self.core.size()
     }
     fn read_at(&self, buf: &mut [u8], offset: u64) -> hybridcache_volume::Result<()> {
         self.read(buf, offset).map_err(|e| {
@@ -1319,8 +1317,8 @@ mod tests {
         let sig = cache.inner.cleaner_signal.clone();
         let far = cache.line_count() * 8 * KIB;
         // As if the cleaner thread ran, between two batches, with room asked for.
-        sig.running.store(true, Ordering::SeqCst);
-        assert_eq!(sig.active.load(Ordering::SeqCst), 0);
+        sig.set_running(true);
+        assert_eq!(sig.batches_under_way(), 0);
         sig.want_room();
         let before = lazy_writes(&cache);
         let writer = {
@@ -1329,7 +1327,7 @@ mod tests {
         };
         // The write waits (counted among the waiters) until room is made, here by the batch.
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        while sig.waiters.load(Ordering::SeqCst) == 0 && !writer.is_finished() {
+        while sig.waiting() == 0 && !writer.is_finished() {
             assert!(std::time::Instant::now() < deadline);
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
@@ -1338,7 +1336,7 @@ mod tests {
             cache.cleaner_tick(1);
         }
         writer.join().unwrap();
-        sig.running.store(false, Ordering::SeqCst);
+        sig.set_running(false);
         assert!(waited, "the write did not wait for the batch asked for");
         assert_eq!(lazy_writes(&cache), before, "the write went to the core");
         cache.check_invariants();
@@ -1353,8 +1351,8 @@ mod tests {
         cache.stop_background_cleaner();
         let sig = cache.inner.cleaner_signal.clone();
         // As if background cleaning were under way.
-        sig.running.store(true, Ordering::SeqCst);
-        sig.active.fetch_add(1, Ordering::SeqCst);
+        sig.set_running(true);
+        let under_way = sig.batch();
         let t = Instant::now();
         core.write(&[1u8; 4096], 0).unwrap();
         assert!(t.elapsed() < ROOM_WAIT / 2, "nobody waits: no queue");
@@ -1377,8 +1375,8 @@ mod tests {
         assert_eq!(cache.stats().requests.lazy_flush_writes, 0);
         assert_eq!(cache.stats().usage.dirty_lines, 2);
         drop(waiting);
-        sig.active.fetch_sub(1, Ordering::SeqCst);
-        sig.running.store(false, Ordering::SeqCst);
+        drop(under_way);
+        sig.set_running(false);
     }
 
     /// Commits ahead of need are bounded: not before `AHEAD_INTERVAL_MS` since the last commit
@@ -1395,18 +1393,23 @@ mod tests {
         let ahead = || cache.cleaning_stats().ahead_commits;
         inner.commit().unwrap();
         sig.want_room();
-        sig.uncommitted.store(AHEAD_LINES, Ordering::Relaxed);
+        assert_eq!(
+            sig.uncommitted(),
+            0,
+            "the commit above took every cleaned line"
+        );
+        sig.cleaned_uncommitted(AHEAD_LINES);
         inner.commit_ahead();
         assert_eq!(ahead(), 0, "within the interval");
         std::thread::sleep(Duration::from_millis(AHEAD_INTERVAL_MS + 5));
         inner.commit_ahead();
         assert_eq!(ahead(), 1);
-        assert_eq!(sig.uncommitted.load(Ordering::Relaxed), 0);
+        assert_eq!(sig.uncommitted(), 0);
 
         std::thread::sleep(Duration::from_millis(AHEAD_INTERVAL_MS + 5));
         inner.commit_ahead();
         assert_eq!(ahead(), 1, "no line waiting");
-        sig.uncommitted.store(1, Ordering::Relaxed);
+        sig.cleaned_uncommitted(1);
         inner.commit_ahead();
         assert_eq!(ahead(), 1, "too few lines, too soon");
         std::thread::sleep(Duration::from_millis(AHEAD_STALE_MS));
@@ -1415,9 +1418,14 @@ mod tests {
 
         // The cache is full (no free line): the low-water mark asks for commits even with no
         // write wanting room; the flag is cleared as the cleaner's tick clears it.
-        sig.room_wanted.store(false, Ordering::SeqCst);
+        sig.take_room_request();
         std::thread::sleep(Duration::from_millis(AHEAD_STALE_MS));
-        sig.uncommitted.store(AHEAD_LINES, Ordering::Relaxed);
+        assert_eq!(
+            sig.uncommitted(),
+            0,
+            "the commit above took every cleaned line"
+        );
+        sig.cleaned_uncommitted(AHEAD_LINES);
         inner.commit_ahead();
         assert_eq!(ahead(), 3, "free lines under the low-water mark");
     }

@@ -241,7 +241,7 @@ impl CacheInner {
         group: &[Piece],
         len: usize,
     ) {
-        let c = &core.counters;
+        let c = &core.counters();
         c.add(Counter::CleanerRequests, 1);
         c.add(Counter::CleanerCacheReadBytes, len as u64);
         c.add(Counter::CleanerCoreWrittenBytes, len as u64);
@@ -256,16 +256,16 @@ impl CacheInner {
                 seen.push(class);
                 self.lines
                     .classes()
-                    .count_line(&core.classes, line, Counter::CleanerRequests, 1);
+                    .count_line(core.classes(), line, Counter::CleanerRequests, 1);
             }
             self.lines.classes().count_line(
-                &core.classes,
+                core.classes(),
                 line,
                 Counter::CleanerCacheReadBytes,
                 p.len as u64,
             );
             self.lines.classes().count_line(
-                &core.classes,
+                core.classes(),
                 line,
                 Counter::CleanerCoreWrittenBytes,
                 p.len as u64,
@@ -321,9 +321,7 @@ impl CacheInner {
                 self.cleaner_signal.room_made();
             } else {
                 // Reusable once a commit records them clean (`commit_ahead`).
-                self.cleaner_signal
-                    .uncommitted
-                    .fetch_add(cleaned as u64, Relaxed);
+                self.cleaner_signal.cleaned_uncommitted(cleaned as u64);
             }
         }
         match first_error {
@@ -382,7 +380,7 @@ impl CacheInner {
                     for p in group {
                         failed[p.item] = true;
                     }
-                    c.failed(core.id, &e);
+                    c.failed(core.id(), &e);
                     first_error.get_or_insert(e);
                 }
             }
@@ -422,7 +420,7 @@ impl CacheInner {
         let mut items: Vec<(Key, u32)> = (0..self.lines.count())
             .filter_map(|l| {
                 let k = self.lines.table().key(l)?;
-                (k.core() == core.id && self.lines.table().dirty(l) != 0).then_some((k, l))
+                (k.core() == core.id() && self.lines.table().dirty(l) != 0).then_some((k, l))
             })
             .collect();
         items.sort_unstable();
@@ -462,31 +460,31 @@ pub(crate) fn flush_cores_dirty(inner: &Arc<CacheInner>, cores: Vec<Arc<CoreStat
     for core in cores {
         // Flushes of one core may run together (two operators, -F during a stop); a new one is
         // refused only while an earlier one waits on a hung device.
-        let earlier = core.watch.dirty_flush_begins();
-        if earlier > 0 && core.watch.hung(limit) {
-            core.watch.dirty_flush_ends();
+        let earlier = core.watch().dirty_flush_begins();
+        if earlier > 0 && core.watch().hung(limit) {
+            core.watch().dirty_flush_ends();
             let e = core_flush::timed_out(
-                core.id,
+                core.id(),
                 "its previous flush is still waiting for the device",
             );
-            results.push((core.id, Err(e)));
+            results.push((core.id(), Err(e)));
             continue;
         }
         let (tx, job_inner, job_core) = (tx.clone(), inner.clone(), core.clone());
         let spawned = std::thread::Builder::new()
-            .name(format!("core{}-flush-dirty", core.id))
+            .name(format!("core{}-flush-dirty", core.id()))
             .spawn(move || {
                 let r = job_inner.flush_core_dirty(&job_core);
-                job_core.watch.dirty_flush_ends();
-                let _ = tx.send((job_core.id, r));
+                job_core.watch().dirty_flush_ends();
+                let _ = tx.send((job_core.id(), r));
             });
         match spawned {
             Ok(_) => running.push(core),
             Err(_) => {
                 // No thread to spare: flush here, unbounded, rather than not at all.
                 let r = inner.flush_core_dirty(&core);
-                core.watch.dirty_flush_ends();
-                results.push((core.id, r));
+                core.watch().dirty_flush_ends();
+                results.push((core.id(), r));
             }
         }
     }
@@ -494,7 +492,7 @@ pub(crate) fn flush_cores_dirty(inner: &Arc<CacheInner>, cores: Vec<Arc<CoreStat
     while !running.is_empty() {
         match rx.recv_timeout(Duration::from_millis(100).min(limit)) {
             Ok((id, r)) => {
-                running.retain(|c| c.id != id);
+                running.retain(|c| c.id() != id);
                 results.push((id, r));
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {}
@@ -502,20 +500,20 @@ pub(crate) fn flush_cores_dirty(inner: &Arc<CacheInner>, cores: Vec<Arc<CoreStat
                 for c in running.drain(..) {
                     let e = EngineError::Invalid(format!(
                         "core {}: the flush thread ended without a result",
-                        c.id
+                        c.id()
                     ));
-                    results.push((c.id, Err(e)));
+                    results.push((c.id(), Err(e)));
                 }
                 break;
             }
         }
         running.retain(|c| {
-            if c.watch.hung(limit) {
+            if c.watch().hung(limit) {
                 // Its thread goes on waiting for the device; the core's lines stay dirty.
                 results.push((
-                    c.id,
+                    c.id(),
                     Err(core_flush::timed_out(
-                        c.id,
+                        c.id(),
                         "its device completed no write or flush",
                     )),
                 ));

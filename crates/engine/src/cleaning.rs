@@ -63,7 +63,7 @@ impl CleanerThread {
     pub(crate) fn start(cache: &Arc<CacheInner>) -> CleanerThread {
         let weak: Weak<CacheInner> = Arc::downgrade(cache);
         let signal = cache.cleaner_signal.clone();
-        signal.running.store(true, Ordering::SeqCst);
+        signal.set_running(true);
         let sig = signal.clone();
         let epoch = Instant::now();
         let handle = std::thread::Builder::new()
@@ -109,7 +109,7 @@ impl CacheInner {
             .read()
             .values()
             .map(|c| {
-                let (_, b, _) = c.counters.snapshot();
+                let (_, b, _) = c.counters().snapshot();
                 b.exported_read_bytes.wrapping_add(b.exported_written_bytes)
             })
             .fold(0u64, u64::wrapping_add)
@@ -181,11 +181,7 @@ impl CacheInner {
             cleaned: 0,
             more: false,
         });
-        if self
-            .cleaner_signal
-            .room_wanted
-            .swap(false, Ordering::SeqCst)
-        {
+        if self.cleaner_signal.take_room_request() {
             // Lazy flush sent writes to the core for want of a line: make room now, under any
             // policy (nop means no periodic cleaning, not no room). The oldest dirty lines go,
             // as an inline make-room would have taken them, `ROOM_BATCH` (an eighth of a small
@@ -200,15 +196,15 @@ impl CacheInner {
             let batch = ROOM_BATCH.min(self.lines.count() as usize / 8).max(depth);
             // Under way from here: writes that find no line wait for this batch while it is
             // picked (`room_coming`).
-            self.cleaner_signal.active.fetch_add(1, Ordering::SeqCst);
+            let under_way = self.cleaner_signal.batch();
             let picked = self.whole_windows(self.lines.oldest_dirty(batch), batch);
             let cleaned = self.clean_and_commit(picked, depth).unwrap_or(0);
-            self.cleaner_signal.active.fetch_sub(1, Ordering::SeqCst);
+            drop(under_way);
             tick.ran = true;
             tick.cleaned += cleaned;
         }
         // Writes that found no room since the look above: go again at once.
-        tick.more |= self.cleaner_signal.room_wanted.load(Ordering::SeqCst);
+        tick.more |= self.cleaner_signal.room_wanted();
         tick
     }
 
@@ -375,13 +371,11 @@ impl CacheInner {
         let cores: Vec<u16> = self.cores.read().keys().copied().collect();
         // A failing core's chunks cannot be cleaned; trying them on every run would starve the
         // other cores.
-        let cores = cores.into_iter().filter(|&id| {
-            !self.lines.gauges()[id as usize]
-                .failing
-                .load(Ordering::Relaxed)
-        });
+        let cores = cores
+            .into_iter()
+            .filter(|&id| !self.lines.gauges()[id as usize].failing());
         for id in cores {
-            let chunks = self.lines.gauges()[id as usize].chunks.read();
+            let chunks = self.lines.gauges()[id as usize].chunks();
             for (i, c) in chunks.iter().enumerate() {
                 let dirty = c.load(Ordering::Relaxed) as u64;
                 if dirty == 0 {
@@ -490,9 +484,9 @@ impl CacheInner {
         if lines.is_empty() {
             return Ok(0);
         }
-        self.cleaner_signal.active.fetch_add(1, Ordering::SeqCst);
+        let under_way = self.cleaner_signal.batch();
         let cleaned = self.clean_lines(lines, depth, true);
-        self.cleaner_signal.active.fetch_sub(1, Ordering::SeqCst);
+        drop(under_way);
         // Lines of other cores may have been cleaned even when one core failed.
         if !matches!(cleaned, Ok(0)) && self.persist.is_some() {
             // Cleaned lines are reusable only once the device records them clean.

@@ -82,13 +82,11 @@ impl CacheInner {
         let cores: Vec<Arc<CoreState>> = self.cores.read().values().cloned().collect();
         let mut pending = Vec::new();
         for c in cores {
-            let was_failing = self.lines.gauges()[c.id as usize]
-                .failing
-                .load(Ordering::SeqCst);
-            if !c.unflushed.swap(false, Ordering::SeqCst) && !was_failing {
+            let was_failing = self.lines.gauges()[c.id() as usize].failing();
+            if !c.take_unflushed() && !was_failing {
                 continue;
             }
-            let flush = core_flush::start_device_flush(c.id, &c.watch, &c.volume);
+            let flush = core_flush::start_device_flush(c.id(), c.watch(), c.volume());
             pending.push((c, was_failing, flush));
         }
         let deadline = Instant::now() + core_flush::core_flush_timeout();
@@ -97,16 +95,14 @@ impl CacheInner {
             match flush.wait(deadline) {
                 Ok(()) => {
                     if was_failing {
-                        self.core_recovered(c.id);
+                        self.core_recovered(c.id());
                     }
                 }
                 Err(_) => {
-                    c.unflushed.store(true, Ordering::SeqCst);
-                    c.counters.add(Counter::CoreWriteErrors, 1);
+                    c.mark_unflushed();
+                    c.counters().add(Counter::CoreWriteErrors, 1);
                     if !was_failing {
-                        self.lines.gauges()[c.id as usize]
-                            .failing
-                            .store(true, Ordering::SeqCst);
+                        self.lines.gauges()[c.id() as usize].set_failing(true);
                         newly_failing = true;
                     }
                 }
@@ -119,9 +115,7 @@ impl CacheInner {
     /// blocks are rewritten at the next commit, or lines recorded dirty while it failed would
     /// stay dirty on the device (and not reusable) until something else changed their block.
     fn core_recovered(&self, id: CoreId) {
-        self.lines.gauges()[id as usize]
-            .failing
-            .store(false, Ordering::SeqCst);
+        self.lines.gauges()[id as usize].set_failing(false);
         if let Some(p) = &self.persist {
             for line in 0..self.lines.count() {
                 if self.lines.table().key(line).is_some_and(|k| k.core() == id) {
@@ -134,16 +128,13 @@ impl CacheInner {
     /// After a commit: if `core` is failing, its acknowledged writes are not known durable, and
     /// a flush on it must fail, unless its device flushes now.
     pub(crate) fn retry_failing_core(&self, core: &CoreState) -> Result<()> {
-        if !self.lines.gauges()[core.id as usize]
-            .failing
-            .load(Ordering::SeqCst)
-        {
+        if !self.lines.gauges()[core.id() as usize].failing() {
             return Ok(());
         }
-        core_flush::flush_device(core.id, &core.watch, &core.volume)
-            .inspect_err(|_| core.counters.add(Counter::CoreWriteErrors, 1))?;
+        core_flush::flush_device(core.id(), core.watch(), core.volume())
+            .inspect_err(|_| core.counters().add(Counter::CoreWriteErrors, 1))?;
         // Everything written to it before this flush is durable now.
-        self.core_recovered(core.id);
+        self.core_recovered(core.id());
         Ok(())
     }
 
@@ -260,11 +251,7 @@ impl CacheInner {
         // A racing update may show new valid with old dirty bits; dirty data outside valid
         // sectors cannot exist, so it is dropped here.
         let mut dirty = self.lines.table().dirty(line) & valid;
-        if key.is_some_and(|k| {
-            self.lines.gauges()[k.core() as usize]
-                .failing
-                .load(Ordering::SeqCst)
-        }) {
+        if key.is_some_and(|k| self.lines.gauges()[k.core() as usize].failing()) {
             // The core may not hold what cleaning wrote to it (its flush failed): the cache's
             // copy stays the one to trust. Valid sectors hold the newest data, so this never
             // serves anything older; the line is only cleaned again later.
@@ -320,14 +307,12 @@ impl CacheInner {
             return;
         }
         let sig = &self.cleaner_signal;
-        let waiting = sig.uncommitted.load(Ordering::Relaxed);
+        let waiting = sig.uncommitted();
         if waiting == 0 {
             return;
         }
         let low_water = (self.lines.count() as u64 / 64).max(1);
-        if !sig.room_wanted.load(Ordering::Relaxed)
-            && self.lines.free_lines().load(Ordering::Relaxed) >= low_water
-        {
+        if !sig.room_wanted() && self.lines.free_lines().load(Ordering::Relaxed) >= low_water {
             return;
         }
         let last = sig.last_commit_ms();

@@ -12,15 +12,20 @@
 //!   can be counted without looking its core up) are changed only by the line room
 //!   (cache.rs: `insert_line`, `update_line`, eviction) while it holds the line's stripe;
 //!   `dirty_since_ms` changes only on the 0 <-> 1 transitions of `dirty`.
-//! - `unflushed` is set after every write that reached the device and cleared only by a
-//!   commit that flushed it (persist.rs), so a commit that records a line clean has flushed the
-//!   core write that cleaned it.
+//! - `unflushed` is set (`mark_unflushed`) after every write that reached the device and
+//!   cleared (`take_unflushed`) only by a commit that then flushes it (commit.rs), so a commit
+//!   that records a line clean has flushed the core write that cleaned it.
+//! - `failing` is set by a failed core write or flush and cleared by a successful flush
+//!   (`set_failing`); commits and cleaning read it through `failing`.
+//! - Both structs keep their fields private: the other rooms read a core's parts through
+//!   `#[inline]` accessors (references to the counters, streams, latency; copies of id and
+//!   size), and change only the gauges, through the line room.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use hybridcache_volume::VolumeRef;
-use parking_lot::RwLock;
+use parking_lot::{RwLock, RwLockReadGuard};
 
 use crate::classes::{CoreClassCounters, CoreClassGauges};
 use crate::core_flush::CoreWatch;
@@ -34,21 +39,90 @@ use crate::{CoreId, EngineError, Result};
 pub(crate) const ACP_CHUNK_BYTES: u64 = 100 << 20;
 #[derive(Default)]
 pub(crate) struct CoreGauges {
-    pub(crate) occupancy: AtomicU64,
-    pub(crate) dirty: AtomicU64,
+    occupancy: AtomicU64,
+    dirty: AtomicU64,
     /// When the core last went from no dirty line to some (ms on the process clock), 0 while
     /// clean: "Dirty for" in -P. Written only on those transitions, never per request.
     dirty_since_ms: AtomicU64,
     /// Dirty lines per 100 MiB chunk of the core, for acp. Sized when the core is attached.
-    pub(crate) chunks: RwLock<Box<[std::sync::atomic::AtomicU32]>>,
+    chunks: RwLock<Box<[AtomicU32]>>,
     /// The core's device failed a write or a flush, and no flush has succeeded since: commits
     /// record its lines dirty (persist.rs) and background cleaning passes it by.
-    pub(crate) failing: AtomicBool,
+    failing: AtomicBool,
     /// The core's lines by IO class (`-P -j CORE -d`).
-    pub(crate) classes: CoreClassGauges,
+    classes: CoreClassGauges,
 }
 
 impl CoreGauges {
+    /// Lines mapped to the core.
+    #[inline]
+    pub(crate) fn occupancy(&self) -> u64 {
+        self.occupancy.load(Ordering::Relaxed)
+    }
+
+    /// Dirty lines of the core.
+    #[inline]
+    pub(crate) fn dirty(&self) -> u64 {
+        self.dirty.load(Ordering::Relaxed)
+    }
+
+    /// Recovery counted the core's lines: set the gauges before any request runs.
+    pub(crate) fn restore(&self, occupancy: u64, dirty: u64) {
+        self.occupancy.store(occupancy, Ordering::Relaxed);
+        self.dirty.store(dirty, Ordering::Relaxed);
+    }
+
+    #[inline]
+    pub(crate) fn occupancy_up(&self) {
+        self.occupancy.fetch_add(1, Ordering::Relaxed);
+    }
+
+    #[inline]
+    pub(crate) fn occupancy_down(&self) {
+        let was = self.occupancy.fetch_sub(1, Ordering::Relaxed);
+        debug_assert!(was > 0, "a core's occupancy went below 0");
+    }
+
+    /// Whether the core's device is failing (see `failing`).
+    #[inline]
+    pub(crate) fn failing(&self) -> bool {
+        self.failing.load(Ordering::SeqCst)
+    }
+
+    /// Mark the core's device failing, or recovered; returns whether it was failing.
+    pub(crate) fn set_failing(&self, failing: bool) -> bool {
+        self.failing.swap(failing, Ordering::SeqCst)
+    }
+
+    /// The core's lines by IO class.
+    #[inline]
+    pub(crate) fn classes(&self) -> &CoreClassGauges {
+        &self.classes
+    }
+
+    /// Dirty lines per acp chunk, under the chunks' read lock.
+    pub(crate) fn chunks(&self) -> RwLockReadGuard<'_, Box<[AtomicU32]>> {
+        self.chunks.read()
+    }
+
+    /// Replace the acp chunk counters (the core was attached or loaded).
+    pub(crate) fn set_chunks(&self, counts: Box<[AtomicU32]>) {
+        *self.chunks.write() = counts;
+    }
+
+    /// Count a line of chunk `i` becoming dirty (`up`) or clean.
+    #[inline]
+    pub(crate) fn chunk_dirty(&self, i: u64, up: bool) {
+        let chunks = self.chunks.read();
+        if let Some(c) = chunks.get(i as usize) {
+            if up {
+                c.fetch_add(1, Ordering::Relaxed);
+            } else {
+                c.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+
     pub(crate) fn dirty_up(&self) {
         if self.dirty.fetch_add(1, Ordering::Relaxed) == 0 {
             let _ = self.dirty_since_ms.compare_exchange(
@@ -69,7 +143,7 @@ impl CoreGauges {
     /// How long the core has held dirty data; None while clean. A race between the last line
     /// going clean and a new one going dirty can leave the mark unset: it is set on read then.
     pub(crate) fn dirty_for(&self) -> Option<std::time::Duration> {
-        if self.dirty.load(Ordering::Relaxed) == 0 {
+        if self.dirty() == 0 {
             return None;
         }
         let now = clock_ms();
@@ -99,25 +173,25 @@ fn clock_ms() -> u64 {
 struct InFlight(AtomicU64);
 
 pub(crate) struct CoreState {
-    pub(crate) id: CoreId,
-    pub(crate) volume: VolumeRef,
-    pub(crate) size: u64,
-    pub(crate) counters: Counters,
+    id: CoreId,
+    volume: VolumeRef,
+    size: u64,
+    counters: Counters,
     /// Set when the core is being removed or the cache stopped; new requests are refused.
     removed: AtomicBool,
     stopped: AtomicBool,
     /// Requests in progress, per thread slot; removal waits for these to drain.
     in_flight: Box<[InFlight]>,
-    pub(crate) seq: SeqState,
+    seq: SeqState,
     /// Writes reached the device since its last flush: the next commit flushes it.
-    pub(crate) unflushed: AtomicBool,
-    pub(crate) read_streams: ReadStreams,
-    pub(crate) latency: Latency,
+    unflushed: AtomicBool,
+    read_streams: ReadStreams,
+    latency: Latency,
     /// The core's requests and blocks by IO class (`-P -j CORE -d`).
-    pub(crate) classes: CoreClassCounters,
+    classes: CoreClassCounters,
     /// Its device's outstanding writes and flushes, to bound flushes on a hung device
     /// (core_flush.rs).
-    pub(crate) watch: Arc<CoreWatch>,
+    watch: Arc<CoreWatch>,
 }
 
 /// Held by a request for its duration; see [`CoreState::enter`].
@@ -140,6 +214,67 @@ impl CoreState {
             classes: CoreClassCounters::default(),
             watch: Arc::new(CoreWatch::default()),
         }
+    }
+
+    #[inline]
+    pub(crate) fn id(&self) -> CoreId {
+        self.id
+    }
+
+    #[inline]
+    pub(crate) fn volume(&self) -> &VolumeRef {
+        &self.volume
+    }
+
+    /// The core device's size in bytes (fixed at attach).
+    #[inline]
+    pub(crate) fn size(&self) -> u64 {
+        self.size
+    }
+
+    #[inline]
+    pub(crate) fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    /// The sequential cutoff's streams and setting.
+    #[inline]
+    pub(crate) fn seq(&self) -> &SeqState {
+        &self.seq
+    }
+
+    #[inline]
+    pub(crate) fn read_streams(&self) -> &ReadStreams {
+        &self.read_streams
+    }
+
+    #[inline]
+    pub(crate) fn latency(&self) -> &Latency {
+        &self.latency
+    }
+
+    /// The core's requests and blocks by IO class.
+    #[inline]
+    pub(crate) fn classes(&self) -> &CoreClassCounters {
+        &self.classes
+    }
+
+    /// Its device's outstanding writes and flushes (core_flush.rs).
+    #[inline]
+    pub(crate) fn watch(&self) -> &Arc<CoreWatch> {
+        &self.watch
+    }
+
+    /// A write reached the core's device: the next commit flushes it. Set before the write is
+    /// reported done, so a commit that sees the write's effect sees this too.
+    #[inline]
+    pub(crate) fn mark_unflushed(&self) {
+        self.unflushed.store(true, Ordering::SeqCst);
+    }
+
+    /// A commit takes the mark to flush the device; whether it was set.
+    pub(crate) fn take_unflushed(&self) -> bool {
+        self.unflushed.swap(false, Ordering::SeqCst)
     }
 
     /// Register a request. Fails once removal has begun. The increment comes before the check

@@ -5,8 +5,6 @@
 //! sees the line it cleaned as clean also flushes the core; a failed core write marks the core
 //! failing (commits then record its lines dirty). Callers hold the stripes of what they write.
 
-use std::sync::atomic::Ordering;
-
 use crate::bits::{self, Mask};
 use crate::core_state::CoreState;
 use crate::inner::CacheInner;
@@ -20,12 +18,12 @@ impl CacheInner {
         if !runs.is_empty() {
             latency::touched_core();
         }
-        let _queued = self.offload.core_io(core.id as usize);
+        let _queued = self.offload.core_io(core.id() as usize);
         for r in runs {
-            core.volume
+            core.volume()
                 .read_at(&mut buf[r.buf_off..r.buf_off + r.len], r.dev_off)
-                .inspect_err(|_| core.counters.add(Counter::CoreReadErrors, 1))?;
-            core.counters.add(Counter::CoreReadBytes, r.len as u64);
+                .inspect_err(|_| core.counters().add(Counter::CoreReadErrors, 1))?;
+            core.counters().add(Counter::CoreReadBytes, r.len as u64);
         }
         Ok(())
     }
@@ -35,23 +33,21 @@ impl CacheInner {
         if !runs.is_empty() {
             latency::touched_core();
         }
-        let _queued = self.offload.core_io(core.id as usize);
+        let _queued = self.offload.core_io(core.id() as usize);
         for r in runs {
-            let op = core.watch.begin();
+            let op = core.watch().begin();
             let written = core
-                .volume
+                .volume()
                 .write_at(&buf[r.buf_off..r.buf_off + r.len], r.dev_off);
             drop(op);
             written.inspect_err(|_| {
-                core.counters.add(Counter::CoreWriteErrors, 1);
-                self.lines.gauges()[core.id as usize]
-                    .failing
-                    .store(true, Ordering::SeqCst);
+                core.counters().add(Counter::CoreWriteErrors, 1);
+                self.lines.gauges()[core.id() as usize].set_failing(true);
             })?;
             // Before the caller can mark anything clean: a commit that sees the line clean
             // then sees this too, and flushes the core.
-            core.unflushed.store(true, Ordering::SeqCst);
-            core.counters.add(Counter::CoreWrittenBytes, r.len as u64);
+            core.mark_unflushed();
+            core.counters().add(Counter::CoreWrittenBytes, r.len as u64);
         }
         Ok(())
     }
@@ -62,8 +58,8 @@ impl CacheInner {
         for r in runs {
             self.volume
                 .read_at(&mut buf[r.buf_off..r.buf_off + r.len], r.dev_off)
-                .inspect_err(|_| core.counters.add(Counter::CacheReadErrors, 1))?;
-            core.counters.add(Counter::CacheReadBytes, r.len as u64);
+                .inspect_err(|_| core.counters().add(Counter::CacheReadErrors, 1))?;
+            core.counters().add(Counter::CacheReadBytes, r.len as u64);
         }
         Ok(())
     }
@@ -74,8 +70,9 @@ impl CacheInner {
         for r in runs {
             self.volume
                 .write_at(&buf[r.buf_off..r.buf_off + r.len], r.dev_off)
-                .inspect_err(|_| core.counters.add(Counter::CacheWriteErrors, 1))?;
-            core.counters.add(Counter::CacheWrittenBytes, r.len as u64);
+                .inspect_err(|_| core.counters().add(Counter::CacheWriteErrors, 1))?;
+            core.counters()
+                .add(Counter::CacheWrittenBytes, r.len as u64);
         }
         Ok(())
     }

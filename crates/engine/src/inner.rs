@@ -99,7 +99,7 @@ impl CacheInner {
         len: u64,
         max: Option<u64>,
     ) -> Result<()> {
-        crate::check_request(core.size, offset, len, max)
+        crate::check_request(core.size(), offset, len, max)
     }
 
     pub(crate) fn core_by_id(&self, id: CoreId) -> Result<Arc<CoreState>> {
@@ -119,9 +119,9 @@ impl CacheInner {
     // ---- statistics ----------------------------------------------------------------------
 
     pub(crate) fn core_stats(&self, core: &CoreState) -> Stats {
-        let (requests, blocks, errors) = core.counters.snapshot();
+        let (requests, blocks, errors) = core.counters().snapshot();
         Stats {
-            usage: self.usage(Some(core.id)),
+            usage: self.usage(Some(core.id())),
             requests,
             blocks,
             errors,
@@ -167,7 +167,7 @@ impl CacheInner {
     fn policy_record(&self) -> PolicyRecord {
         let mut seq_cutoff = self.seq_cutoff_inactive.read().clone();
         for (id, c) in self.cores.read().iter() {
-            seq_cutoff.insert(*id, c.seq.params());
+            seq_cutoff.insert(*id, c.seq().params());
         }
         PolicyRecord {
             cleaning: *self.cleaning.read(),

@@ -126,17 +126,12 @@ impl Lines {
         let (occupancy, dirty) = match core {
             Some(id) => {
                 let g = &self.gauges[id as usize];
-                (
-                    g.occupancy.load(Ordering::Relaxed),
-                    g.dirty.load(Ordering::Relaxed),
-                )
+                (g.occupancy(), g.dirty())
             }
-            None => self.gauges.iter().fold((0, 0), |(o, d), g| {
-                (
-                    o + g.occupancy.load(Ordering::Relaxed),
-                    d + g.dirty.load(Ordering::Relaxed),
-                )
-            }),
+            None => self
+                .gauges
+                .iter()
+                .fold((0, 0), |(o, d), g| (o + g.occupancy(), d + g.dirty())),
         };
         Usage {
             line_size: self.line_bytes as u32,
@@ -212,15 +207,8 @@ impl Lines {
     /// Count a line of `key` becoming dirty (+1) or clean (-1) in its acp chunk.
     #[inline]
     fn chunk_dirty(&self, key: Key, up: bool) {
-        let chunks = self.gauges[key.core() as usize].chunks.read();
         let i = key.line() * self.line_bytes / ACP_CHUNK_BYTES;
-        if let Some(c) = chunks.get(i as usize) {
-            if up {
-                c.fetch_add(1, Ordering::Relaxed);
-            } else {
-                c.fetch_sub(1, Ordering::Relaxed);
-            }
-        }
+        self.gauges[key.core() as usize].chunk_dirty(i, up);
     }
 
     /// Size a core's acp chunk counters and count its dirty lines into them.
@@ -239,7 +227,7 @@ impl Lines {
                 }
             }
         }
-        *self.gauges[id as usize].chunks.write() = counts;
+        self.gauges[id as usize].set_chunks(counts);
     }
 
     #[inline]
@@ -270,7 +258,8 @@ impl Lines {
         let from = Self::list_of(old_dirty);
         let gauges = &self.gauges[key.core() as usize];
         if valid == 0 {
-            self.classes.unmapped(&gauges.classes, line, old_dirty != 0);
+            self.classes
+                .unmapped(gauges.classes(), line, old_dirty != 0);
             self.table.unmap(line, key);
             // The device may still map this line to `key` as dirty: it waits in limbo until a
             // commit records it free (asked after the unmap; see `Persist::durably_dirty`).
@@ -291,7 +280,7 @@ impl Lines {
                 self.free_lines.fetch_add(1, Ordering::Relaxed);
             }
             drop(s);
-            gauges.occupancy.fetch_sub(1, Ordering::Relaxed);
+            gauges.occupancy_down();
             if old_dirty != 0 {
                 gauges.dirty_down();
                 self.chunk_dirty(key, false);
@@ -314,12 +303,12 @@ impl Lines {
             (false, true) => {
                 gauges.dirty_up();
                 self.chunk_dirty(key, true);
-                self.classes.dirtied(&gauges.classes, line, true);
+                self.classes.dirtied(gauges.classes(), line, true);
             }
             (true, false) => {
                 gauges.dirty_down();
                 self.chunk_dirty(key, false);
-                self.classes.dirtied(&gauges.classes, line, false);
+                self.classes.dirtied(gauges.classes(), line, false);
             }
             _ => {}
         }
@@ -341,7 +330,7 @@ impl Lines {
         self.table.map(line, key, valid, dirty);
         prefetch.clear_mark(line);
         self.classes.mapped(
-            &self.gauges[key.core() as usize].classes,
+            self.gauges[key.core() as usize].classes(),
             line,
             class.map_or(0, |c| c.id),
             dirty != 0,
@@ -353,7 +342,7 @@ impl Lines {
         self.lists.push_back(&mut s, Self::list_of(dirty), line);
         drop(s);
         let g = &self.gauges[key.core() as usize];
-        g.occupancy.fetch_add(1, Ordering::Relaxed);
+        g.occupancy_up();
         if dirty != 0 {
             g.dirty_up();
             self.chunk_dirty(key, true);
@@ -490,14 +479,12 @@ impl Lines {
             self.lists.remove(&mut s, ListKind::Clean, line);
             drop(s);
             self.classes
-                .unmapped(&self.gauges[key.core() as usize].classes, line, false);
+                .unmapped(self.gauges[key.core() as usize].classes(), line, false);
             self.table.unmap(line, key);
             if let Some(p) = persist {
                 p.touch(line);
             }
-            self.gauges[key.core() as usize]
-                .occupancy
-                .fetch_sub(1, Ordering::Relaxed);
+            self.gauges[key.core() as usize].occupancy_down();
             return Some(line);
         }
         None
@@ -543,9 +530,7 @@ impl Lines {
         seq: SeqCutoff,
     ) -> Arc<CoreState> {
         self.rebuild_chunks(id, volume.size());
-        self.gauges[id as usize]
-            .failing
-            .store(false, Ordering::SeqCst);
+        self.gauges[id as usize].set_failing(false);
         Arc::new(CoreState::new(id, volume, seq))
     }
 
@@ -650,16 +635,8 @@ impl Lines {
         }
         for (id, (occ, dirty)) in occupancy.into_iter().enumerate() {
             let g = &self.gauges[id];
-            assert_eq!(
-                g.occupancy.load(Ordering::Relaxed),
-                occ,
-                "core {id} occupancy"
-            );
-            assert_eq!(
-                g.dirty.load(Ordering::Relaxed),
-                dirty,
-                "core {id} dirty lines"
-            );
+            assert_eq!(g.occupancy(), occ, "core {id} occupancy");
+            assert_eq!(g.dirty(), dirty, "core {id} dirty lines");
             if occ != 0 {
                 let id = id as CoreId;
                 assert!(known_core(id), "lines of a removed core {id}");
@@ -669,10 +646,8 @@ impl Lines {
 
     /// Whether `line` holds data of a core whose device is failing (a hint: no lock is taken).
     pub(crate) fn of_failing_core(&self, line: u32) -> bool {
-        self.table.key(line).is_some_and(|k| {
-            self.gauges[k.core() as usize]
-                .failing
-                .load(Ordering::Relaxed)
-        })
+        self.table
+            .key(line)
+            .is_some_and(|k| self.gauges[k.core() as usize].failing())
     }
 }

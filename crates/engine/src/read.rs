@@ -94,11 +94,11 @@ impl CacheInner {
         let class = self
             .lines
             .classes()
-            .classify(core.id, offset, len as u64, false);
+            .classify(core.id(), offset, len as u64, false);
         let mut bypass = matches!(mode, CacheMode::Wo | CacheMode::Pt)
             || class.is_some_and(|c| c.cap == 0)
             || self.cut_off(core, offset, len as u64, false);
-        let mut segs = self.lines.segments(core.id, offset, len as u64);
+        let mut segs = self.lines.segments(core.id(), offset, len as u64);
         let locks = lock(
             self.lines.stripes_of(segs.iter().map(|s| s.key)),
             span_of(&segs),
@@ -113,7 +113,7 @@ impl CacheInner {
             && segs
                 .iter()
                 .all(|s| s.mapped() && s.dirty == 0 && s.mask() & !s.valid == 0)
-            && self.offload.take(core.id as usize);
+            && self.offload.take(core.id() as usize);
         bypass = bypass || offloaded;
 
         let (core_runs, cache_runs, found) = self.read_runs(&segs, bypass);
@@ -172,7 +172,7 @@ impl CacheInner {
         waited: bool,
         found: Found,
     ) {
-        let c = &core.counters;
+        let c = &core.counters();
         let total = len as u64 / SECTOR;
         let outcome = if bypass {
             Counter::PassThroughReads
@@ -186,30 +186,35 @@ impl CacheInner {
             )
         };
         c.add(outcome, 1);
-        self.lines.classes().count(&core.classes, class, outcome, 1);
+        self.lines
+            .classes()
+            .count(core.classes(), class, outcome, 1);
         if waited && matches!(outcome, Counter::ReadHits) {
             c.add(Counter::ReadDeferred, 1);
             self.lines
                 .classes()
-                .count(&core.classes, class, Counter::ReadDeferred, 1);
+                .count(core.classes(), class, Counter::ReadDeferred, 1);
         }
         if offloaded {
             c.add(Counter::OffloadReads, 1);
             self.lines
                 .classes()
-                .count(&core.classes, class, Counter::OffloadReads, 1);
+                .count(core.classes(), class, Counter::OffloadReads, 1);
         }
         c.add(Counter::ExportedReadBytes, len as u64);
         c.add(Counter::PrefetchHits, found.prefetch_hits);
         self.lines.classes().count(
-            &core.classes,
+            core.classes(),
             class,
             Counter::PrefetchHits,
             found.prefetch_hits,
         );
-        self.lines
-            .classes()
-            .count(&core.classes, class, Counter::ExportedReadBytes, len as u64);
+        self.lines.classes().count(
+            core.classes(),
+            class,
+            Counter::ExportedReadBytes,
+            len as u64,
+        );
     }
 
     /// The rest of a read once its core runs are in `buf` and its cache runs were read with
@@ -255,7 +260,14 @@ impl CacheInner {
         if self.prefetch.enabled() {
             // Only queued here: the worker does the IO, this read does not wait for it.
             let len = buf.len() as u64;
-            self.readahead(core.id, &core.read_streams, core.size, offset, len, class);
+            self.readahead(
+                core.id(),
+                core.read_streams(),
+                core.size(),
+                offset,
+                len,
+                class,
+            );
         }
         Ok(())
     }
@@ -352,7 +364,7 @@ impl CacheInner {
                 } else {
                     LatencyKind::ReadCache
                 };
-                core.latency.record(kind, own_start.elapsed());
+                core.latency().record(kind, own_start.elapsed());
             }
         }
         self.finish_hits(core, reqs, &mut pending, &mut results, started);
@@ -402,7 +414,7 @@ impl CacheInner {
             let (buf, offset) = (&mut *reqs[i].0, reqs[i].1);
             let cached = if batched {
                 let bytes: usize = plan.cache_runs.iter().map(|r| r.len).sum();
-                core.counters.add(Counter::CacheReadBytes, bytes as u64);
+                core.counters().add(Counter::CacheReadBytes, bytes as u64);
                 Ok(())
             } else {
                 // Which one failed: each reads again alone, counting its own bytes or error.
@@ -410,7 +422,7 @@ impl CacheInner {
             };
             results[i] = self.read_finish(core, buf, offset, plan, cached);
             if results[i].is_ok() {
-                core.latency
+                core.latency()
                     .record(LatencyKind::ReadCache, started.elapsed());
             }
         }

@@ -66,11 +66,11 @@ impl CacheInner {
             || job
                 .offset
                 .checked_add(job.len)
-                .map_or(true, |e| e > core.size)
+                .map_or(true, |e| e > core.size())
         {
             return;
         }
-        let mut segs = self.lines.segments(core.id, job.offset, job.len);
+        let mut segs = self.lines.segments(core.id(), job.offset, job.len);
         // As a read: it puts the core's data in the cache.
         let _locks = self.lines.lock_segs(&segs, WaitFor::Around);
         self.lines.lookup(&mut segs);
@@ -85,7 +85,7 @@ impl CacheInner {
             .core_read(&core, &mut buf, &core_runs)
             .and_then(|()| self.cache_write(&core, &buf, &cache_runs));
         if let Err(e) = &result {
-            self.prefetch_errors.record(core.id, e);
+            self.prefetch_errors.record(core.id(), e);
         }
         let ok = result.is_ok();
         self.count_prefetch(&core, &job, ok, read, &cache_runs);
@@ -176,19 +176,19 @@ impl CacheInner {
 
     /// A job's statistics, on its core and its IO class.
     fn count_prefetch(&self, core: &CoreState, job: &Job, ok: bool, read: u64, cache_runs: &[Run]) {
-        core.counters.add(Counter::PrefetchRequests, 1);
+        core.counters().add(Counter::PrefetchRequests, 1);
         self.lines
             .classes()
-            .count(&core.classes, job.class, Counter::PrefetchRequests, 1);
+            .count(core.classes(), job.class, Counter::PrefetchRequests, 1);
         if ok {
             let written: u64 = cache_runs.iter().map(|r| r.len as u64).sum();
-            core.counters.add(Counter::PrefetchReadBytes, read);
-            core.counters.add(Counter::PrefetchWrittenBytes, written);
+            core.counters().add(Counter::PrefetchReadBytes, read);
+            core.counters().add(Counter::PrefetchWrittenBytes, written);
             self.lines
                 .classes()
-                .count(&core.classes, job.class, Counter::PrefetchReadBytes, read);
+                .count(core.classes(), job.class, Counter::PrefetchReadBytes, read);
             self.lines.classes().count(
-                &core.classes,
+                core.classes(),
                 job.class,
                 Counter::PrefetchWrittenBytes,
                 written,

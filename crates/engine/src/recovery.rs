@@ -564,12 +564,7 @@ pub(crate) fn restore(
         st.terms = terms;
     }
     for (id, (occupancy, dirty)) in gauges.into_iter().enumerate() {
-        inner.lines.gauges()[id]
-            .occupancy
-            .store(occupancy, Ordering::Relaxed);
-        inner.lines.gauges()[id]
-            .dirty
-            .store(dirty, Ordering::Relaxed);
+        inner.lines.gauges()[id].restore(occupancy, dirty);
     }
     // Lines the device may still record as dirty for a mapping that lost to a newer one wait in
     // limbo until a commit rewrites their block.
@@ -758,7 +753,7 @@ fn apply_policies(inner: &CacheInner, policies: &PolicyRecord) -> Result<()> {
             .lines
             .classes()
             .install(table, inner.lines.table(), |id| {
-                &inner.lines.gauges()[id as usize].classes
+                inner.lines.gauges()[id as usize].classes()
             });
     }
     *inner.cleaning.write() = policies.cleaning;

@@ -10,6 +10,9 @@
 //!   and flags; which lines are free is the line room's business.
 //! - `waiters` counts the live [`RoomWaiter`]s exactly (incremented by `join_waiters`,
 //!   decremented on drop); while it is above 0 a write that has not waited takes no line.
+//! - `active` counts the live [`CleaningBatch`]es the same way (`batch`, then drop), so a
+//!   batch that ends early (an error, a panic) cannot leave writes waiting for room it will
+//!   never make. The fields are private: every room goes through these methods.
 //! - `uncommitted` counts lines cleaned since the last commit began: `commit_begins` takes
 //!   them all, `commit_failed` gives back what a failed commit took.
 //! - the room generation only grows, under its own mutex, and every bump wakes every waiter.
@@ -30,27 +33,38 @@ pub(crate) struct CleanerSignal {
     cv: Condvar,
     /// A write found no free or clean line and went to the core: the next tick cleans the
     /// oldest dirty lines whatever the policy (nop included).
-    pub(crate) room_wanted: AtomicBool,
+    room_wanted: AtomicBool,
     /// The cleaner thread is running (not stopped by a test).
-    pub(crate) running: AtomicBool,
+    running: AtomicBool,
     /// Background cleaning batches under way: lines are about to become clean.
-    pub(crate) active: AtomicUsize,
+    active: AtomicUsize,
     /// Bumped each time lines become reusable (cleaned on a volatile cache, committed clean on a
     /// persistent one), so that writes waiting for a line try again.
     room_gen: Mutex<u64>,
     room_cv: Condvar,
     /// Writes waiting for a line (`ROOM_WAIT`, cache.rs): while there are some, a write that
     /// has not waited takes no line but joins them.
-    pub(crate) waiters: AtomicUsize,
+    waiters: AtomicUsize,
     /// Persistent cache: lines cleaned since the last commit began. They are durably dirty
     /// (not reusable) until a commit records them clean.
-    pub(crate) uncommitted: AtomicU64,
+    uncommitted: AtomicU64,
     /// A commit ahead of need is under way (one at a time; the other workers keep cleaning).
     committing: AtomicBool,
     /// When the last commit (of any kind) began, in ms on the signal's clock; 0 for never.
     last_commit_ms: AtomicU64,
     /// When the signal was made: the clock of `last_commit_ms`.
     epoch: OnceLock<Instant>,
+}
+
+/// One cleaning batch counted in `CleanerSignal::active`, until dropped: while it lives, writes
+/// that find no line may wait for the lines it cleans.
+pub(crate) struct CleaningBatch<'a>(&'a CleanerSignal);
+
+impl Drop for CleaningBatch<'_> {
+    fn drop(&mut self) {
+        let was = self.0.active.fetch_sub(1, Ordering::SeqCst);
+        debug_assert!(was > 0, "a cleaning batch ended that never began");
+    }
 }
 
 /// One write counted in `CleanerSignal::waiters`, until dropped.
@@ -64,6 +78,47 @@ impl Drop for RoomWaiter<'_> {
 }
 
 impl CleanerSignal {
+    /// The cleaner thread runs (or, in tests, stands as if it ran): `room_coming` may say yes.
+    pub(crate) fn set_running(&self, running: bool) {
+        self.running.store(running, Ordering::SeqCst);
+    }
+
+    /// A cleaning batch begins; it is under way until the returned guard is dropped.
+    #[inline]
+    pub(crate) fn batch(&self) -> CleaningBatch<'_> {
+        self.active.fetch_add(1, Ordering::SeqCst);
+        CleaningBatch(self)
+    }
+
+    /// How many cleaning batches are under way.
+    #[cfg(test)]
+    pub(crate) fn batches_under_way(&self) -> usize {
+        self.active.load(Ordering::SeqCst)
+    }
+
+    /// Whether a write asked for room since the cleaner last took the request.
+    #[inline]
+    pub(crate) fn room_wanted(&self) -> bool {
+        self.room_wanted.load(Ordering::SeqCst)
+    }
+
+    /// The cleaner takes the request for room (clearing it): whether there was one.
+    pub(crate) fn take_room_request(&self) -> bool {
+        self.room_wanted.swap(false, Ordering::SeqCst)
+    }
+
+    /// A persistent cache's cleaning made `n` lines clean: they wait for a commit.
+    #[inline]
+    pub(crate) fn cleaned_uncommitted(&self, n: u64) {
+        self.uncommitted.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Lines cleaned since the last commit began.
+    #[inline]
+    pub(crate) fn uncommitted(&self) -> u64 {
+        self.uncommitted.load(Ordering::Relaxed)
+    }
+
     /// How many writes wait for a line now.
     pub(crate) fn waiting(&self) -> usize {
         self.waiters.load(Ordering::SeqCst)

@@ -85,14 +85,14 @@ impl CacheInner {
         }
         let _entered = core.enter()?;
         let mode = self.mode();
-        core.counters
+        core.counters()
             .add(Counter::ExportedWrittenBytes, buf.len() as u64);
         let class = self
             .lines
             .classes()
-            .classify(core.id, offset, buf.len() as u64, true);
+            .classify(core.id(), offset, buf.len() as u64, true);
         self.lines.classes().count(
-            &core.classes,
+            core.classes(),
             class,
             Counter::ExportedWrittenBytes,
             buf.len() as u64,
@@ -128,22 +128,24 @@ impl CacheInner {
             Counter::WritePartialMisses,
             Counter::WriteFullMisses,
         );
-        core.counters.add(outcome, 1);
-        self.lines.classes().count(&core.classes, class, outcome, 1);
+        core.counters().add(outcome, 1);
+        self.lines
+            .classes()
+            .count(core.classes(), class, outcome, 1);
         if waited && matches!(outcome, Counter::WriteHits) {
-            core.counters.add(Counter::WriteDeferred, 1);
+            core.counters().add(Counter::WriteDeferred, 1);
             self.lines
                 .classes()
-                .count(&core.classes, class, Counter::WriteDeferred, 1);
+                .count(core.classes(), class, Counter::WriteDeferred, 1);
         }
     }
 
     #[inline]
     fn count_pass_through_write(&self, core: &CoreState, class: Option<ReqClass>) {
-        core.counters.add(Counter::PassThroughWrites, 1);
+        core.counters().add(Counter::PassThroughWrites, 1);
         self.lines
             .classes()
-            .count(&core.classes, class, Counter::PassThroughWrites, 1);
+            .count(core.classes(), class, Counter::PassThroughWrites, 1);
     }
 
     /// Write-back: the request's lines take the data and turn dirty; cleaning takes it to the
@@ -159,7 +161,7 @@ impl CacheInner {
         offset: u64,
         class: Option<ReqClass>,
     ) -> Result<()> {
-        let mut segs = self.lines.segments(core.id, offset, buf.len() as u64);
+        let mut segs = self.lines.segments(core.id(), offset, buf.len() as u64);
         let Placed {
             locks,
             mut spare,
@@ -189,7 +191,7 @@ impl CacheInner {
         // Offload takes only write misses: with no core line mapped (under the locks) there is
         // no cached copy that the core's new data could leave stale.
         let offloaded =
-            !declined && segs.iter().all(|s| !s.mapped()) && self.offload.take(core.id as usize);
+            !declined && segs.iter().all(|s| !s.mapped()) && self.offload.take(core.id() as usize);
         Decision {
             declined,
             offloaded,
@@ -319,24 +321,24 @@ impl CacheInner {
             self.count_write(core, segs, class, waited);
         }
         if d.offloaded {
-            core.counters.add(Counter::OffloadWrites, 1);
+            core.counters().add(Counter::OffloadWrites, 1);
             self.lines
                 .classes()
-                .count(&core.classes, class, Counter::OffloadWrites, 1);
+                .count(core.classes(), class, Counter::OffloadWrites, 1);
         }
     }
 
     #[inline]
     fn count_lazy_flush(&self, core: &CoreState, class: Option<ReqClass>, core_runs: &[Run]) {
         let bytes: u64 = core_runs.iter().map(|r| r.len as u64).sum();
-        core.counters.add(Counter::LazyFlushWrites, 1);
-        core.counters.add(Counter::LazyFlushBytes, bytes);
+        core.counters().add(Counter::LazyFlushWrites, 1);
+        core.counters().add(Counter::LazyFlushBytes, bytes);
         self.lines
             .classes()
-            .count(&core.classes, class, Counter::LazyFlushWrites, 1);
+            .count(core.classes(), class, Counter::LazyFlushWrites, 1);
         self.lines
             .classes()
-            .count(&core.classes, class, Counter::LazyFlushBytes, bytes);
+            .count(core.classes(), class, Counter::LazyFlushBytes, bytes);
     }
 
     /// Each segment's home: its mapped line, a new line from `spare` (`true`), or (no line)
@@ -472,7 +474,7 @@ impl CacheInner {
         insert: bool,
         class: Option<ReqClass>,
     ) -> Result<()> {
-        let mut segs = self.lines.segments(core.id, offset, buf.len() as u64);
+        let mut segs = self.lines.segments(core.id(), offset, buf.len() as u64);
         let locks = self.lines.lock_segs(&segs, WaitFor::All);
         let waited = locks.waited();
         self.lines.lookup(&mut segs);
@@ -481,7 +483,7 @@ impl CacheInner {
         let offloaded = insert
             && !declined
             && segs.iter().all(|s| !s.mapped())
-            && self.offload.take(core.id as usize);
+            && self.offload.take(core.id() as usize);
         let insert = insert && !declined && !offloaded;
         if declined || offloaded {
             self.count_pass_through_write(core, class);
@@ -489,10 +491,10 @@ impl CacheInner {
             self.count_write(core, &segs, class, waited);
         }
         if offloaded {
-            core.counters.add(Counter::OffloadWrites, 1);
+            core.counters().add(Counter::OffloadWrites, 1);
             self.lines
                 .classes()
-                .count(&core.classes, class, Counter::OffloadWrites, 1);
+                .count(core.classes(), class, Counter::OffloadWrites, 1);
         }
         let whole = [Run {
             dev_off: offset,
@@ -532,7 +534,7 @@ impl CacheInner {
         mode: CacheMode,
         class: Option<ReqClass>,
     ) -> Result<()> {
-        let mut segs = self.lines.segments(core.id, offset, buf.len() as u64);
+        let mut segs = self.lines.segments(core.id(), offset, buf.len() as u64);
         let locks = self.lines.lock_segs(&segs, WaitFor::All);
         self.lines.lookup(&mut segs);
         if mode == CacheMode::Pt {
@@ -574,16 +576,16 @@ impl CacheInner {
         let mut done = 0;
         while done < len {
             let n = (len - done).min(MAX_REQUEST);
-            let mut segs = self.lines.segments(core.id, offset + done, n);
+            let mut segs = self.lines.segments(core.id(), offset + done, n);
             let _locks = self.lines.lock_segs(&segs, WaitFor::All);
             self.lines.lookup(&mut segs);
             // Invalidate first: the discard supersedes even dirty data, and the core is told
             // while the lines are still locked, so no reader sees a half-discarded range.
             self.invalidate(&segs);
-            core.volume
+            core.volume()
                 .discard(offset + done, n)
-                .inspect_err(|_| core.counters.add(Counter::CoreWriteErrors, 1))?;
-            core.unflushed.store(true, Ordering::SeqCst);
+                .inspect_err(|_| core.counters().add(Counter::CoreWriteErrors, 1))?;
+            core.mark_unflushed();
             done += n;
         }
         Ok(())

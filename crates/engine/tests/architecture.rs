@@ -61,14 +61,6 @@ const NOT_YET_PRIVATE: &[(&str, &str)] = &[
         "unit tests of other modules reach the holder through `Cache::inner`",
     ),
     (
-        "CoreState",
-        "a core's device, counters, streams and latency, read by every room on every request",
-    ),
-    (
-        "CoreGauges",
-        "the line room's per-core counts, read by statistics and cleaning",
-    ),
-    (
         "Persist",
         "the commit protocol (commit.rs) and recovery work on persist.rs's slots and bits",
     ),
@@ -79,10 +71,6 @@ const NOT_YET_PRIVATE: &[(&str, &str)] = &[
     (
         "CleanerState",
         "the cleaning policies' schedule, worked on by cleaning.rs's ticks",
-    ),
-    (
-        "CleanerSignal",
-        "room_wait's flags, set by cleaning and read by writes, and driven by unit tests",
     ),
     (
         "ClassState",
