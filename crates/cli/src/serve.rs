@@ -113,7 +113,9 @@ impl Export for VolumeExport {
             can_cache: false,
             // A flush flushes the whole volume, which covers writes completed on any connection.
             can_multi_conn: true,
-            rotational: false,
+            // The device served as it is: a disk says so, and the client's kernel treats it
+            // as one (a cache's export is never rotational; see the daemon's export).
+            rotational: self.vol.rotational(),
         }
     }
 }
@@ -176,6 +178,18 @@ pub fn run(args: &ServeArgs) -> Result<()> {
 mod tests {
     use super::*;
     use hybridcache_volume::open_volume;
+
+    /// A client's kernel picks HDD or SSD behaviour from this flag (Ceph's BlueStore defers
+    /// small writes only on a rotational device), so a served disk must say it is one.
+    #[test]
+    fn a_disk_is_served_as_rotational_and_memory_is_not() {
+        let hdd = open_volume("hdd:size=64M,nodata").unwrap();
+        assert!(VolumeExport::new(hdd).capabilities().rotational);
+        let raid = open_volume("raid:preset=study60,disk_size=1G,nodata").unwrap();
+        assert!(VolumeExport::new(raid).capabilities().rotational);
+        let ram = open_volume("ram:1M").unwrap();
+        assert!(!VolumeExport::new(ram).capabilities().rotational);
+    }
 
     #[test]
     fn volume_export_reads_back_what_it_wrote() {

@@ -118,6 +118,10 @@ impl Volume for FaultyVolume {
         self.inner.logical_block_size()
     }
 
+    fn rotational(&self) -> bool {
+        self.inner.rotational()
+    }
+
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         check_range(self, Op::Read, offset, buf.len() as u64)?;
         self.inject(Access::Read, Op::Read, offset, buf.len() as u64)?;

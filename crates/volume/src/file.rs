@@ -20,7 +20,7 @@ use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::Path;
 use std::ptr::NonNull;
 
@@ -59,6 +59,8 @@ pub struct FileVolume {
     size: u64,
     block: u32,
     block_device: bool,
+    /// What the kernel says of a block device (`queue/rotational`); false for a file.
+    rotational: bool,
 }
 
 struct Direct {
@@ -158,6 +160,7 @@ impl FileVolume {
             size,
             block,
             block_device,
+            rotational: block_device && sysfs_rotational(meta.rdev()),
         })
     }
 
@@ -493,6 +496,21 @@ fn with_bounce<R>(len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
     })
 }
 
+/// The kernel's `rotational` flag of the block device `rdev`. A partition has no queue of its
+/// own: its disk's is one directory up. Unknown reads as not rotational, the safe side for a
+/// client (it then does not wait to batch small writes for a disk that is not there).
+fn sysfs_rotational(rdev: u64) -> bool {
+    let dir = format!(
+        "/sys/dev/block/{}:{}",
+        rustix::fs::major(rdev),
+        rustix::fs::minor(rdev)
+    );
+    ["queue/rotational", "../queue/rotational"]
+        .iter()
+        .find_map(|f| std::fs::read_to_string(format!("{dir}/{f}")).ok())
+        .is_some_and(|v| v.trim() == "1")
+}
+
 impl Volume for FileVolume {
     fn name(&self) -> &str {
         &self.name
@@ -504,6 +522,10 @@ impl Volume for FileVolume {
 
     fn logical_block_size(&self) -> u32 {
         self.block
+    }
+
+    fn rotational(&self) -> bool {
+        self.rotational
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {

@@ -116,6 +116,13 @@ pub trait Volume: Send + Sync {
     fn logical_block_size(&self) -> u32 {
         512
     }
+    /// Whether the device has moving heads (a disk, or an array of them). A front-end serving
+    /// the device as it is says so to its clients (NBD's ROTATIONAL flag), whose kernel then
+    /// picks HDD behaviour (Ceph's BlueStore, for one, defers small writes only on rotational
+    /// devices); a cache in front of one is served as not rotational, as Open CAS does.
+    fn rotational(&self) -> bool {
+        false
+    }
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()>;
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<()>;
     /// Make every completed write durable (fdatasync for files).

@@ -429,6 +429,10 @@ impl Volume for EmulatedVolume {
     fn size(&self) -> u64 {
         self.size
     }
+    /// Every emulated array is of disks (SSDs are [`SsdVolume`](super::ssd::SsdVolume)).
+    fn rotational(&self) -> bool {
+        true
+    }
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         let len = buf.len() as u64;
         check_range(self, Op::Read, offset, len)?;

@@ -115,6 +115,9 @@ impl Volume for ThrottledVolume {
     fn logical_block_size(&self) -> u32 {
         self.inner.logical_block_size()
     }
+    fn rotational(&self) -> bool {
+        self.inner.rotational()
+    }
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         let len = buf.len() as u64;
         self.timed(len, || self.inner.read_at(buf, offset))
