@@ -52,6 +52,29 @@ cache_stats() {
     done
 }
 
+# Every OSD's own counters (`ceph daemon osd.N perf dump`), before and after a workload: the
+# report turns the differences into what each client write cost inside BlueStore (deferred
+# writes, RocksDB WAL bytes, kv sync latency), which says what bounds a row.
+perf_dump() {
+    local config=$1 name=$2 when=$3 i
+    for i in $(seq 0 $((OSDS - 1))); do
+        ceph --admin-daemon "$CEPH_DIR/run/osd.$i.asok" perf dump \
+            >"$OUT/$config-$name.osd$i.perf-$when.json" 2>/dev/null || true
+    done
+}
+
+# What each OSD decided about its device: rotational or not picks BlueStore's HDD or SSD
+# defaults (deferred writes, allocation size), so the report names it.
+osd_metadata() {
+    local config=$1 i
+    for i in $(seq 0 $((OSDS - 1))); do
+        cephc osd metadata "$i" -f json >"$OUT/$config-osd$i.metadata.json" 2>/dev/null || true
+        ceph --admin-daemon "$CEPH_DIR/run/osd.$i.asok" config get \
+            bluestore_prefer_deferred_size_hdd >"$OUT/$config-osd$i.deferred-hdd.json" \
+            2>/dev/null || true
+    done
+}
+
 reset_stats() {
     local config=$1 i
     [ "$config" = cached ] || return 0
@@ -78,18 +101,21 @@ run_config() {
         --offset_increment="$HIT_REGION" --group_reporting
     rbd_fio warm img --rw=randread --bs=4k --iodepth=16 --numjobs="$JOBS" --size="$HIT_REGION" \
         --offset_increment="$HIT_REGION" --group_reporting
+    osd_metadata "$config"
     local spec name rw bs size
     for spec in "randread-4k randread 4k $HIT_REGION" "randwrite-4k randwrite 4k $REGION" \
         "randrw70-4k randrw 4k $REGION" "seqwrite-512k write 512k $REGION" \
         "seqread-512k read 512k $REGION"; do
         read -r name rw bs size <<<"$spec"
         reset_stats "$config"
+        perf_dump "$config" "$name" before
         t0=$(cpu_mark)
         local extra=()
         [ "$rw" = randrw ] && extra=(--rwmixread=70)
         workload "$config" "$name" "$rw" "$bs" "$size" --time_based --runtime="$RUNTIME" \
             "${extra[@]}"
         t1=$(cpu_mark)
+        perf_dump "$config" "$name" after
         echo $(((t1 - t0))) >"$OUT/$config-$name.cpu"
         cache_stats "$config" "$name"
     done

@@ -187,6 +187,14 @@ attach_osd_device() {
     for t in $(seq 200); do [ -s "$pidf" ] && break; sleep 0.1; done
     [ -s "$pidf" ] || die "nbdfuse for OSD $i did not start (log/nbdfuse.$i.log)"
     loopdev=$(losetup -f --show --direct-io=on "$mnt/disk")
+    # The kernel's own NBD client (and ublk) sets the device's rotational flag from what the
+    # server says; a loop device over a FUSE file is never rotational. BlueStore picks its HDD
+    # or SSD defaults from this flag (deferred small writes only on HDDs), so the baseline's
+    # emulated HDD must look like the disk it is, and a cache like the SSD it is (Open CAS's
+    # exported devices are not rotational either).
+    local rot=0
+    nbdinfo --is rotational "$(export_uri "$i")" && rot=1
+    echo "$rot" >"/sys/block/$(basename "$loopdev")/queue/rotational"
     echo "$loopdev" >"$CEPH_DIR/hc/loop.$i"
     # The OSD opens this link, so a re-attached device may get another loop number.
     ln -sfn "$loopdev" "$CEPH_DIR/hc/osd.$i.block"

@@ -60,6 +60,100 @@ def cache(out, name):
     return rows
 
 
+def perf_delta(out, config, name):
+    """The OSDs' own counters over one run (perf dump after minus before, summed over OSDs):
+    counters as numbers, latencies as (count, seconds). None when the dumps are missing."""
+    total = {}
+    i = 0
+    while True:
+        paths = [os.path.join(out, f"{config}-{name}.osd{i}.perf-{w}.json") for w in ("before", "after")]
+        if not all(os.path.exists(p) for p in paths):
+            break
+        try:
+            before, after = (json.load(open(p)) for p in paths)
+        except ValueError:
+            break
+        for section, counters in after.items():
+            for key, v in counters.items():
+                b = before.get(section, {}).get(key)
+                k = f"{section}.{key}"
+                if isinstance(v, dict) and "avgcount" in v and isinstance(b, dict):
+                    c, t = total.get(k, (0, 0.0))
+                    total[k] = (c + v["avgcount"] - b["avgcount"], t + v["sum"] - b["sum"])
+                elif isinstance(v, (int, float)) and isinstance(b, (int, float)):
+                    total[k] = total.get(k, 0) + v - b
+        i += 1
+    return total if i else None
+
+
+def avg_ms(delta, key):
+    c, t = delta.get(key, (0, 0.0))
+    return f"{1e3 * t / c:.2f}" if c else "-"
+
+
+def per(delta, key, n, scale=1.0, fmt="{:.2f}"):
+    v = delta.get(key)
+    return "-" if v is None or not n else fmt.format(v / n / scale)
+
+
+def rotational(out, config):
+    flags = []
+    i = 0
+    while os.path.exists(os.path.join(out, f"{config}-osd{i}.metadata.json")):
+        try:
+            with open(os.path.join(out, f"{config}-osd{i}.metadata.json")) as f:
+                flags.append(json.load(f).get("bluestore_bdev_rotational", "?"))
+        except ValueError:
+            flags.append("?")
+        i += 1
+    return flags
+
+
+def osd_table(out, results):
+    """Per workload and side: what one client request cost inside the OSDs."""
+    rows = ["", "The OSDs' own counters per client request (`ceph daemon osd.N perf dump`, after "
+            "minus before each run, summed over the OSDs; a client write is two OSD writes at "
+            "replica 2). New-extent writes go to space BlueStore allocates for them (copy on "
+            "write: its allocator hands such space out in address order, so they reach the "
+            "device as a sequential stream); deferred writes are small writes BlueStore first puts in RocksDB's WAL "
+            "and applies to the device later; WAL KiB is what BlueFS appended to that log; "
+            "kv sync is the wait for one RocksDB commit (WAL write + device flush); "
+            "op latency is the OSD's own time per client op:", "",
+            "| workload | side | client IOs | new-extent writes / IO | deferred writes / IO "
+            "| WAL KiB / IO "
+            "| kv sync (ms) | kv flush (ms) | commit (ms) | OSD write op lat (ms) "
+            "| OSD read op lat (ms) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    found = False
+    for r in results:
+        for side, config in (("baseline", "bare"), ("cached", "cached")):
+            d = perf_delta(out, config, r["workload"])
+            if d is None:
+                continue
+            found = True
+            n = (r["baseline"] if config == "bare" else r["cached"])["ios"]
+            r.setdefault("osd_perf", {})[side] = {k: v for k, v in d.items() if k.startswith(
+                ("bluestore.deferred", "bluestore.kv_", "bluestore.bluestore_write", "bluestore.commit_lat", "bluefs.bytes_written",
+                 "osd.op_w", "osd.op_r", "osd.subop_w"))}
+            rows.append(
+                f"| {r['label']} | {side} | {n} "
+                f"| {per(d, 'bluestore.bluestore_write_new', n)} "
+                f"| {per(d, 'bluestore.deferred_write_ops', n)} "
+                f"| {per(d, 'bluefs.bytes_written_wal', n, 1024.0, '{:.1f}')} "
+                f"| {avg_ms(d, 'bluestore.kv_sync_lat')} | {avg_ms(d, 'bluestore.kv_flush_lat')} "
+                f"| {avg_ms(d, 'bluestore.commit_lat')} | {avg_ms(d, 'osd.op_w_latency')} "
+                f"| {avg_ms(d, 'osd.op_r_latency')} |")
+    if not found:
+        return []
+    for side, config in (("baseline", "bare"), ("cached", "cached")):
+        flags = rotational(out, config)
+        if flags:
+            rows.append("")
+            rows.append(f"{side}: the OSDs saw their devices as rotational = "
+                        f"{', '.join(flags)} (1: BlueStore's HDD defaults, deferred small writes).")
+    return rows
+
+
 def read_int(out, name):
     with open(os.path.join(out, name)) as f:
         return int(f.read())
@@ -135,6 +229,7 @@ def main():
             stats.append(f"| {r['label']} | {i} | {pct(c['dirty_pct'])} | "
                          f"{pct(c['read_hit_pct'])} | {pct(c['cut_off_pct'])} | "
                          f"{pct(c.get('seq_write_pct'))} |")
+    stats += osd_table(out, results)
     try:
         with open(os.path.join(out, "preconditioned")) as f:
             stats += ["", f"Images preconditioned before the workloads on both sides: {f.read().strip()}."]
