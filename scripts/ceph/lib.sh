@@ -192,8 +192,13 @@ attach_osd_device() {
     # or SSD defaults from this flag (deferred small writes only on HDDs), so the baseline's
     # emulated HDD must look like the disk it is, and a cache like the SSD it is (Open CAS's
     # exported devices are not rotational either).
-    local rot=0
-    nbdinfo --is rotational "$(export_uri "$i")" && rot=1
+    # OSD_ROTATIONAL=0|1 overrides it (an experiment: Open CAS before v24.9 exported its
+    # devices as rotational, so OSDs on them ran BlueStore's HDD defaults).
+    local rot=${OSD_ROTATIONAL:-}
+    if [ -z "$rot" ]; then
+        rot=0
+        nbdinfo --is rotational "$(export_uri "$i")" && rot=1
+    fi
     echo "$rot" >"/sys/block/$(basename "$loopdev")/queue/rotational"
     echo "$loopdev" >"$CEPH_DIR/hc/loop.$i"
     # The OSD opens this link, so a re-attached device may get another loop number.

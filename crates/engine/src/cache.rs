@@ -981,6 +981,14 @@ impl Core {
         self.core.size()
     }
 
+    /// Whether the core is a disk (or an array of them). The front-ends serve the cached
+    /// volume as rotational when it is, as dm-cache and bcache do: misses and cut-off streams
+    /// go to the disk, and a client that knows it talks to one (Ceph's BlueStore defers small
+    /// writes only on rotational devices) sends what a cache keeps best (docs/ceph.md).
+    pub fn rotational(&self) -> bool {
+        self.core.volume().rotational()
+    }
+
     /// The exported volume's name, as Open CAS names exported objects: `cas<cache>-<core>`.
     pub fn export_name(&self) -> String {
         format!("cas{}-{}", self.cache.id, self.core.id())

@@ -68,6 +68,9 @@ pub struct DeviceConfig {
     /// the block device and holds its requests (re-issuing those that were in flight) until a
     /// new process takes the device over with [`recover`].
     pub user_recovery: bool,
+    /// Tell the kernel the device is rotational (`queue/rotational` 1), as a disk behind the
+    /// server would be.
+    pub rotational: bool,
 }
 
 impl Default for DeviceConfig {
@@ -80,6 +83,7 @@ impl Default for DeviceConfig {
             workers_per_queue: 32,
             id: None,
             user_recovery: false,
+            rotational: false,
         }
     }
 }
@@ -224,6 +228,7 @@ where
 
     let physical_shift = config.physical_block.trailing_zeros() as u8;
     let max_sectors = config.max_io_bytes >> 9;
+    let rotational = config.rotational;
     let tgt_init = move |dev: &mut UblkDev| {
         dev.tgt.dev_size = size;
         dev.tgt.params = sys::ublk_params {
@@ -231,7 +236,13 @@ where
             basic: sys::ublk_param_basic {
                 // A volatile cache makes the kernel send flushes; FUA lets a journal commit
                 // ask for one durable write instead of a write and a flush.
-                attrs: sys::UBLK_ATTR_VOLATILE_CACHE | sys::UBLK_ATTR_FUA,
+                attrs: sys::UBLK_ATTR_VOLATILE_CACHE
+                    | sys::UBLK_ATTR_FUA
+                    | if rotational {
+                        sys::UBLK_ATTR_ROTATIONAL
+                    } else {
+                        0
+                    },
                 logical_bs_shift: 9,
                 physical_bs_shift: physical_shift,
                 io_opt_shift: physical_shift,
