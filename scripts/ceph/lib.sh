@@ -23,6 +23,11 @@ MON_PORT=${MON_PORT:-46789}
 # The study's recipe says `always`; `never` shows what cutting off BlueStore's sequential writes
 # (its RocksDB WAL among them) costs (docs/ceph.md).
 SEQ_CUTOFF=${SEQ_CUTOFF:-always}
+# How the cached OSDs reach their caches: nbd (the export through nbdfuse and a loop device, all
+# this machine can do) or ublk (/dev/ublkbN, on a kernel with the ublk_drv module). The baseline's
+# bare disks are served over NBD either way (`hybridcache serve` has no ublk front-end).
+FRONTEND=${FRONTEND:-nbd}
+case "$FRONTEND" in nbd | ublk) ;; *) echo "ceph: FRONTEND is nbd or ublk, not $FRONTEND" >&2; exit 2 ;; esac
 
 say() { printf '== %s\n' "$*" >&2; }
 die() { echo "ceph: $*" >&2; exit 1; }
@@ -139,7 +144,7 @@ setup_caches() {
         truncate -s "$CACHE_SIZE" "$CEPH_DIR/data/cache.$i.img"
         rm -f "$CEPH_DIR/data/core.$i.img"
         hc -S -d "$CEPH_DIR/data/cache.$i.img" -i "$id" -c wb --force >/dev/null
-        hc -A -i "$id" -d "$(core_spec "$i")" >/dev/null
+        hc -A -i "$id" -d "$(core_spec "$i")" --frontend "$FRONTEND" >/dev/null
         hc -X -n seq-cutoff -i "$id" -j 1 -p "$SEQ_CUTOFF" -t 16
         hc --io-class --load-config --cache-id "$id" -f "$ROOT/scripts/ceph/ioclass-config.csv"
         hc -X -n cleaning-alru -t 1000 -i "$id"
@@ -177,9 +182,27 @@ export_uri() {
     fi
 }
 
-# attach_osd_device I: export -> nbdfuse file -> loop device; prints the loop device.
+# ublk_device I: the /dev/ublkbN the daemon serves OSD I's cache (cache I+1, core 1) as.
+ublk_device() {
+    hc -L -o json | python3 -c '
+import json, sys
+cache = [c for c in json.load(sys.stdin)["caches"] if c["id"] == int(sys.argv[1])]
+print((cache[0]["cores"][0].get("block_device") or "") if cache and cache[0]["cores"] else "")
+' "$(($1 + 1))"
+}
+
+# attach_osd_device I: export -> nbdfuse file -> loop device; prints the loop device. With
+# FRONTEND=ublk a cached OSD's device is the daemon's /dev/ublkbN itself (the kernel takes its
+# rotational flag from the device's parameters).
 attach_osd_device() {
     local i=$1 mnt=$CEPH_DIR/hc/fuse.$1 pidf=$CEPH_DIR/hc/nbdfuse.$1.pid loopdev t
+    if [ "$FRONTEND" = ublk ] && [ ! -S "$CEPH_DIR/hc/bare.$i.sock" ]; then
+        loopdev=$(ublk_device "$i")
+        [ -b "$loopdev" ] || die "cache $((i + 1)) has no ublk device (is ublk_drv loaded?)"
+        ln -sfn "$loopdev" "$CEPH_DIR/hc/osd.$i.block"
+        echo "$loopdev"
+        return 0
+    fi
     mkdir -p "$mnt"
     rm -f "$pidf"
     nbdfuse -P "$pidf" "$mnt/disk" "$(export_uri "$i")" </dev/null >>"$CEPH_DIR/log/nbdfuse.$i.log" 2>&1 &
