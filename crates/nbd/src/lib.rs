@@ -28,7 +28,7 @@
 //!   writes, exclusive for RMW).
 //! - *Worker model.* Each connection has up to `workers_per_connection` threads
 //!   (default 4), started as its requests need them, sharing one socket; a
-//!   connection with nothing in flight and no request for 50 ms *parks*: its
+//!   connection with nothing in flight and no request for 1 s *parks*: its
 //!   threads end and one server-wide poller thread (epoll) watches its socket,
 //!   starting a thread for it again when the client sends or hangs up. So idle
 //!   connections cost no threads. Nothing is handed between threads on the

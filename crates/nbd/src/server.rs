@@ -15,8 +15,8 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::handshake::{self, HandshakeCtx, Negotiated, Outcome, DEFAULT_MAX_OPTION_LEN};
 use crate::memory::{Memory, PIECE};
-use crate::registry::{ClientGuard, ExportEntry, ExportRegistry};
 use crate::observe;
+use crate::registry::{ClientGuard, ExportEntry, ExportRegistry};
 use crate::transmission::{self, End, WaitInput, KEPT_BLOCK, MAX_DEFERRED, MAX_DEFERRED_REPLY};
 
 /// Tunables; `Default` gives the documented defaults.
@@ -31,7 +31,7 @@ use crate::transmission::{self, End, WaitInput, KEPT_BLOCK, MAX_DEFERRED, MAX_DE
 pub struct ServerConfig {
     /// Requests executed concurrently per connection: the most threads one
     /// connection runs. They are started as its requests need them, and a
-    /// connection idle for 50 ms gives all of them back (it waits on the
+    /// connection idle for 1 s gives all of them back (it waits on the
     /// server's poller until its client sends again). Default 4.
     pub workers_per_connection: usize,
     /// Connections beyond this are closed right after `accept`. Default 256.
@@ -1136,15 +1136,7 @@ fn run_connection<R: Read + Send, W: Write + Send>(
                 admitted: None,
                 conn_id: observe::next_connection_id(),
             };
-            let end = transmit(
-                inner,
-                peer,
-                reader,
-                writer,
-                &session,
-                on_fatal,
-                wait_input,
-            );
+            let end = transmit(inner, peer, reader, writer, &session, on_fatal, wait_input);
             if end == End::Parked {
                 session.admitted = admitted.lock().take();
                 return Ok(Some(session));

@@ -243,10 +243,13 @@ const READ_BATCH: usize = 32;
 const BATCH_PROBE: u64 = 64;
 
 /// How long a connection with nothing in flight waits for its next request before it parks
-/// (gives its threads back; the server's poller restarts it when the client speaks). Long
-/// enough that a client thinking between requests seldom pays the restart (a thread start,
-/// tens of microseconds), short enough that idle connections hold no threads.
-const PARK_AFTER: Duration = Duration::from_millis(50);
+/// (gives its threads back; the server's poller restarts it when the client speaks). A restart
+/// costs thread starts and the connection's learned request timings (which decide what runs
+/// inline), so this is long against a client's pauses within a workload: at 50 ms, a fio job
+/// of 64 KiB writes at queue depth 8 (crates/cli/tests/trace.rs) sometimes reached only 4-6
+/// requests in flight instead of 8 on the loaded test machine; at 1 s, 8 every time. Idle
+/// connections still give their threads back within a second.
+const PARK_AFTER: Duration = Duration::from_secs(1);
 
 /// How a connection's transmission ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -481,6 +484,19 @@ pub(crate) fn run<R: Read + Send, W: Write + Send>(
     End::Closed {
         stalled: conn.stalled.load(Ordering::Relaxed),
     }
+}
+
+/// `Write::write_all_vectored`, which is not stable yet.
+fn write_all_vectored<W: Write>(w: &mut W, mut bufs: &mut [io::IoSlice<'_>]) -> io::Result<()> {
+    while !bufs.is_empty() {
+        match w.write_vectored(bufs) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => io::IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 fn read_exact_or_eof<R: Read>(r: &mut R, buf: &mut [u8]) -> io::Result<bool> {
@@ -738,7 +754,10 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
         let old = self.batch_ns.load(Ordering::Relaxed);
         self.batch_ns
             .store(old - old / 8 + ns / 8, Ordering::Relaxed);
+        // The successful replies leave from their own buffers, header and data together, in
+        // one vectored write (after any replies queued before them); failures are queued.
         let mut sent = Ok(());
+        let mut replies: Vec<&[u8]> = Vec::with_capacity(batch.len());
         for ((h, offset, len, b), res) in batch.iter_mut().zip(results) {
             self.observe_replied(
                 *h,
@@ -747,19 +766,21 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
                     len: *len,
                 },
             );
-            if sent.is_err() {
-                continue;
-            }
-            sent = match res {
-                Err(e) => self.send_export_error(*h, &e, false, true),
+            match res {
+                Err(e) if sent.is_ok() => sent = self.send_export_error(*h, &e, false, true),
+                Err(_) => {}
                 Ok(()) => {
                     let reply = b.reply.as_deref_mut().expect("checked above");
                     let reply = &mut reply[..prefix + *len as usize];
                     self.encode_read_header(reply, *h, *offset, *len);
-                    self.send(reply, true)
+                    replies.push(reply);
                 }
-            };
+            }
         }
+        if sent.is_ok() {
+            sent = self.send_all(&replies);
+        }
+        drop(replies);
         let still_reader = self.finish_inline(token);
         self.executing.fetch_sub(batch.len(), Ordering::Relaxed);
         drop(batch);
@@ -1184,6 +1205,42 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
             let res = self.write_out(bytes);
             return self.after_write(res);
         }
+    }
+
+    /// Writes `replies` from where they are, with whatever was queued before them, in one
+    /// vectored write (or as few as the socket takes), as the connection's writer: no copy
+    /// into the queue.
+    fn send_all(&self, replies: &[&[u8]]) -> io::Result<()> {
+        if replies.is_empty() {
+            return Ok(());
+        }
+        let mut q = self.out.lock();
+        loop {
+            if q.failed {
+                return Err(io::ErrorKind::BrokenPipe.into());
+            }
+            if !q.flushing {
+                break;
+            }
+            self.out_cv.wait(&mut q);
+        }
+        q.flushing = true;
+        let mut queued = std::mem::take(&mut q.spare);
+        std::mem::swap(&mut queued, &mut q.pending);
+        self.out_cv.notify_all();
+        drop(q);
+        let res = {
+            let mut slices: Vec<io::IoSlice<'_>> = std::iter::once(&queued[..])
+                .chain(replies.iter().copied())
+                .filter(|b| !b.is_empty())
+                .map(io::IoSlice::new)
+                .collect();
+            let mut w = self.writer.lock();
+            write_all_vectored(&mut *w, &mut slices).and_then(|()| w.flush())
+        };
+        queued.clear();
+        self.out.lock().spare = queued;
+        self.after_write(res)
     }
 
     /// Runs `f` as the only writer of this connection (after the worker
@@ -1697,6 +1754,38 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    /// Takes at most 7 bytes per call, from at most two buffers.
+    struct Trickle(Vec<u8>);
+
+    impl Write for Trickle {
+        fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+            let n = b.len().min(7);
+            self.0.extend_from_slice(&b[..n]);
+            Ok(n)
+        }
+        fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+            let mut left = 7;
+            for b in bufs.iter().take(2) {
+                let n = b.len().min(left);
+                self.0.extend_from_slice(&b[..n]);
+                left -= n;
+            }
+            Ok(7 - left)
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn vectored_replies_survive_short_writes() {
+        let parts: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i; 3 + 5 * i as usize]).collect();
+        let mut slices: Vec<io::IoSlice<'_>> = parts.iter().map(|p| io::IoSlice::new(p)).collect();
+        let mut w = Trickle(Vec::new());
+        write_all_vectored(&mut w, &mut slices).unwrap();
+        assert_eq!(w.0, parts.concat());
     }
 
     #[test]

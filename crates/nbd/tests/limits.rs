@@ -875,7 +875,10 @@ fn idle_connections_cost_no_threads() {
         let from = Ipv4Addr::new(127, 0, 0, 2 + (i / 64) as u8);
         let mut s = tcp_from(from, srv.addr).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        assert!(handshake(&mut s, "ram").expect("GO refused"), "connection {i} refused");
+        assert!(
+            handshake(&mut s, "ram").expect("GO refused"),
+            "connection {i} refused"
+        );
         conns.push(s);
     }
     // Connections that just went quiet may keep their threads a moment.
@@ -921,6 +924,9 @@ fn idle_connections_cost_no_threads() {
         threads = srv.threads();
     }
     eprintln!("quiet again after a request on each: {threads} server threads");
-    assert!(threads < MAX_THREADS, "{threads} server threads after the requests");
+    assert!(
+        threads < MAX_THREADS,
+        "{threads} server threads after the requests"
+    );
     drop(conns);
 }
