@@ -815,10 +815,8 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
         if st.closed {
             return Err(bufs);
         }
-        if st.waiting + st.starting <= st.jobs.len() {
-            if !self.recruit(s, &mut st) {
-                return Err(bufs);
-            }
+        if st.waiting + st.starting <= st.jobs.len() && !self.recruit(s, &mut st) {
+            return Err(bufs);
         }
         st.jobs.push_back((handle, job, bufs));
         if !self.follow_cv.notify_one() {
