@@ -154,6 +154,11 @@ fn short_run_prints_the_table_and_leaves_no_cache() {
         assert!(k > 0.0, "{row}");
     }
     assert!(out.contains("ours/nbdkit"), "{out}");
+    // The servers' CPU per request: both served requests, so both used CPU.
+    for c in &cols[8..10] {
+        let us: f64 = c.parse().expect("CPU column");
+        assert!(us > 0.0, "{row}");
+    }
     assert!(!out.contains("missed the cache"), "{out}");
     // The scratch cache's superblock is gone: a second run needs no --force.
     let head = std::fs::read(&img).unwrap();

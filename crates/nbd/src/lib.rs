@@ -26,8 +26,12 @@
 //!   the export only ever sees aligned ranges. RMW is serialised against all
 //!   other writes to the same export (a per-export gate: shared for aligned
 //!   writes, exclusive for RMW).
-//! - *Worker model.* Each connection has `workers_per_connection` threads
-//!   (default 4) sharing one socket, nothing handed between threads on the
+//! - *Worker model.* Each connection has up to `workers_per_connection` threads
+//!   (default 4), started as its requests need them, sharing one socket; a
+//!   connection with nothing in flight and no request for 1 s *parks*: its
+//!   threads end and one server-wide poller thread (epoll) watches its socket,
+//!   starting a thread for it again when the client sends or hangs up. So idle
+//!   connections cost no threads. Nothing is handed between threads on the
 //!   fast path: the thread that reads a request usually executes it and
 //!   keeps reading ("inline"); requests of kinds that have been slow are run
 //!   while another worker takes over reading, and a waiting worker takes over

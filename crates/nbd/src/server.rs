@@ -3,20 +3,21 @@
 use std::collections::HashMap;
 use std::io::{self, BufReader, BufWriter, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::handshake::{self, HandshakeCtx, Outcome, DEFAULT_MAX_OPTION_LEN};
+use crate::handshake::{self, HandshakeCtx, Negotiated, Outcome, DEFAULT_MAX_OPTION_LEN};
 use crate::memory::{Memory, PIECE};
+use crate::observe;
 use crate::registry::{ClientGuard, ExportEntry, ExportRegistry};
-use crate::transmission::{self, KEPT_BLOCK, MAX_DEFERRED, MAX_DEFERRED_REPLY};
+use crate::transmission::{self, End, WaitInput, KEPT_BLOCK, MAX_DEFERRED, MAX_DEFERRED_REPLY};
 
 /// Tunables; `Default` gives the documented defaults.
 ///
@@ -28,8 +29,10 @@ use crate::transmission::{self, KEPT_BLOCK, MAX_DEFERRED, MAX_DEFERRED_REPLY};
 /// and requests, whatever clients send (not the exports' own memory).
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
-    /// Requests executed concurrently per connection (threads per
-    /// connection). Default 4.
+    /// Requests executed concurrently per connection: the most threads one
+    /// connection runs. They are started as its requests need them, and a
+    /// connection idle for 1 s gives all of them back (it waits on the
+    /// server's poller until its client sends again). Default 4.
     pub workers_per_connection: usize,
     /// Connections beyond this are closed right after `accept`. Default 256.
     pub max_connections: usize,
@@ -378,6 +381,217 @@ impl Listener {
     }
 }
 
+impl Sock {
+    fn raw_fd(&self) -> i32 {
+        match self {
+            Sock::Unix(s) => s.as_raw_fd(),
+            Sock::Tcp(s) => s.as_raw_fd(),
+        }
+    }
+
+    /// Waits up to `timeout` for input, end of stream or an error on the socket (whatever the
+    /// next read would not block on); false if none came.
+    fn wait_readable(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let mut pfd = libc::pollfd {
+                fd: self.raw_fd(),
+                events: libc::POLLIN | libc::POLLRDHUP,
+                revents: 0,
+            };
+            let ms = left.as_millis().min(i32::MAX as u128) as i32;
+            // SAFETY: one pollfd we own, for a descriptor `self` keeps open.
+            let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
+            if rc >= 0 {
+                return rc > 0;
+            }
+            if io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+                // Let the read find out what is wrong.
+                return true;
+            }
+        }
+    }
+}
+
+/// What a connection in transmission keeps while no thread serves it.
+struct Session {
+    n: Box<Negotiated>,
+    _client: ClientGuard,
+    /// The export the connection counts against (`max_connections_per_export`).
+    admitted: Option<String>,
+    /// The connection's id for request observers, the same across parkings.
+    conn_id: u64,
+}
+
+/// A connection in transmission that went quiet: it waits on the poller without a thread.
+struct Parked {
+    id: u64,
+    peer: Peer,
+    sock: Sock,
+    session: Session,
+}
+
+#[derive(Default)]
+struct PollerState {
+    parked: HashMap<u64, Parked>,
+    /// Shutdown took every parked connection; none may park any more.
+    stopped: bool,
+}
+
+/// Watches the sockets of parked connections (one epoll set for the whole server, one
+/// thread) and restarts a connection on a thread when its client sends, hangs up or fails.
+struct Poller {
+    epoll: OwnedFd,
+    /// Wakes the poller's thread for shutdown.
+    wake: OwnedFd,
+    state: Mutex<PollerState>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// The epoll token of the poller's wake-up eventfd (connection ids count up from 0).
+const WAKE_TOKEN: u64 = u64::MAX;
+
+impl Poller {
+    fn new() -> io::Result<Poller> {
+        // SAFETY: plain system calls; each descriptor is owned as soon as it exists.
+        unsafe {
+            let ep = libc::epoll_create1(libc::EPOLL_CLOEXEC);
+            if ep < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            let epoll = OwnedFd::from_raw_fd(ep);
+            let ev = libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK);
+            if ev < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            let wake = OwnedFd::from_raw_fd(ev);
+            let mut e = libc::epoll_event {
+                events: libc::EPOLLIN as u32,
+                u64: WAKE_TOKEN,
+            };
+            if libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, ev, &mut e) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(Poller {
+                epoll,
+                wake,
+                state: Mutex::new(PollerState::default()),
+                thread: Mutex::new(None),
+            })
+        }
+    }
+
+    /// Watches `p`'s socket; gives `p` back if the poller has stopped or cannot watch it.
+    fn park(&self, p: Parked) -> Result<(), Parked> {
+        let mut st = self.state.lock();
+        if st.stopped {
+            return Err(p);
+        }
+        // One-shot: the connection is restarted once, and watched again only when it parks
+        // again.
+        let mut e = libc::epoll_event {
+            events: (libc::EPOLLIN | libc::EPOLLRDHUP | libc::EPOLLONESHOT) as u32,
+            u64: p.id,
+        };
+        // SAFETY: the socket stays open while it is in `parked`; removed before it is closed.
+        let rc = unsafe {
+            libc::epoll_ctl(
+                self.epoll.as_raw_fd(),
+                libc::EPOLL_CTL_ADD,
+                p.sock.raw_fd(),
+                &mut e,
+            )
+        };
+        if rc != 0 {
+            return Err(p);
+        }
+        st.parked.insert(p.id, p);
+        Ok(())
+    }
+
+    fn unwatch(&self, p: &Parked) {
+        // SAFETY: as in `park`; a descriptor not in the set only makes this fail.
+        unsafe {
+            libc::epoll_ctl(
+                self.epoll.as_raw_fd(),
+                libc::EPOLL_CTL_DEL,
+                p.sock.raw_fd(),
+                std::ptr::null_mut(),
+            );
+        }
+    }
+
+    /// The poller's thread: restarts each parked connection whose socket becomes readable.
+    fn run(&self, inner: &Arc<Inner>) {
+        let mut events = [libc::epoll_event { events: 0, u64: 0 }; 64];
+        loop {
+            // SAFETY: `events` is a valid array of its stated length.
+            let n = unsafe {
+                libc::epoll_wait(
+                    self.epoll.as_raw_fd(),
+                    events.as_mut_ptr(),
+                    events.len() as i32,
+                    -1,
+                )
+            };
+            if n < 0 {
+                if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                tracing::error!(
+                    "NBD poller failed: {}; idle connections are closed",
+                    io::Error::last_os_error()
+                );
+                for p in self.stop_watching() {
+                    end_parked(inner, p);
+                }
+                return;
+            }
+            for ev in &events[..n as usize] {
+                let token = ev.u64;
+                if token == WAKE_TOKEN {
+                    if self.state.lock().stopped {
+                        return;
+                    }
+                    continue;
+                }
+                let p = self.state.lock().parked.remove(&token);
+                if let Some(p) = p {
+                    self.unwatch(&p);
+                    restart(inner, p);
+                }
+            }
+        }
+    }
+
+    /// No connection parks any more; returns those parked now.
+    fn stop_watching(&self) -> Vec<Parked> {
+        let mut st = self.state.lock();
+        st.stopped = true;
+        let parked: Vec<Parked> = st.parked.drain().map(|(_, p)| p).collect();
+        drop(st);
+        for p in &parked {
+            self.unwatch(p);
+        }
+        parked
+    }
+
+    /// Stops the thread; returns the connections still parked.
+    fn stop(&self) -> Vec<Parked> {
+        let parked = self.stop_watching();
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a live buffer to our eventfd.
+        unsafe {
+            libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), one.len());
+        }
+        if let Some(t) = self.thread.lock().take() {
+            let _ = t.join();
+        }
+        parked
+    }
+}
+
 struct ListenerSlot {
     listener: Arc<Listener>,
     thread: Option<JoinHandle<()>>,
@@ -397,6 +611,8 @@ struct Inner {
     conns_changed: Condvar,
     conn_threads: Mutex<Vec<JoinHandle<()>>>,
     next_id: AtomicU64,
+    /// Started with the first listener (connections of `serve_stream` never park).
+    poller: OnceLock<Poller>,
 }
 
 /// An NBD server: serves the exports of an [`ExportRegistry`] on any number
@@ -440,6 +656,7 @@ impl Server {
                 conns_changed: Condvar::new(),
                 conn_threads: Mutex::new(Vec::new()),
                 next_id: AtomicU64::new(0),
+                poller: OnceLock::new(),
             }),
         }
     }
@@ -506,13 +723,29 @@ impl Server {
         if self.inner.shutting_down.load(Ordering::Acquire) {
             return Err(io::Error::other("server is shut down"));
         }
+        let mut listeners = self.inner.listeners.lock();
+        if self.inner.poller.get().is_none() {
+            let poller = Poller::new()?;
+            let _ = self.inner.poller.set(poller);
+            let inner = self.inner.clone();
+            let thread = std::thread::Builder::new()
+                .name("nbd-poller".into())
+                .spawn(move || {
+                    if let Some(p) = inner.poller.get() {
+                        p.run(&inner);
+                    }
+                })?;
+            if let Some(p) = self.inner.poller.get() {
+                *p.thread.lock() = Some(thread);
+            }
+        }
         let listener = Arc::new(listener);
         let inner = self.inner.clone();
         let l = listener.clone();
         let thread = std::thread::Builder::new()
             .name("nbd-accept".into())
             .spawn(move || accept_loop(&inner, &l))?;
-        self.inner.listeners.lock().push(ListenerSlot {
+        listeners.push(ListenerSlot {
             listener,
             thread: Some(thread),
             unix_path,
@@ -534,7 +767,7 @@ impl Server {
             uid: None,
             desc: "stream".into(),
         };
-        serve_connection(&self.inner, &peer, reader, writer, &|| {})
+        serve_connection(&self.inner, &peer, reader, writer, &|| {}).map(|_| ())
     }
 
     /// Stops accepting, lets in-flight requests finish (up to
@@ -624,15 +857,17 @@ impl Inner {
     }
 }
 
-fn spawn_connection(inner: &Arc<Inner>, sock: Sock) {
-    {
-        let mut threads = inner.conn_threads.lock();
-        let (done, live): (Vec<_>, Vec<_>) = threads.drain(..).partition(|t| t.is_finished());
-        *threads = live;
-        for t in done {
-            let _ = t.join();
-        }
+/// Joins the connection threads that have ended.
+fn reap(threads: &mut Vec<JoinHandle<()>>) {
+    let (done, live): (Vec<_>, Vec<_>) = threads.drain(..).partition(|t| t.is_finished());
+    *threads = live;
+    for t in done {
+        let _ = t.join();
     }
+}
+
+fn spawn_connection(inner: &Arc<Inner>, sock: Sock) {
+    reap(&mut inner.conn_threads.lock());
     let peer = sock.peer();
     let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
     let refused = {
@@ -678,10 +913,20 @@ fn spawn_connection(inner: &Arc<Inner>, sock: Sock) {
     let peer2 = peer.clone();
     let spawned = std::thread::Builder::new()
         .name("nbd-conn".into())
-        .spawn(move || {
-            handle_socket(&inner2, &peer2, &sock);
-            sock.shutdown(Shutdown::Both);
-            forget_connection(&inner2, id, &peer2);
+        .spawn(move || match handle_socket(&inner2, &peer2, &sock) {
+            Some(session) => park(
+                &inner2,
+                Parked {
+                    id,
+                    peer: peer2,
+                    sock,
+                    session,
+                },
+            ),
+            None => {
+                sock.shutdown(Shutdown::Both);
+                forget_connection(&inner2, id, &peer2);
+            }
         });
     match spawned {
         Ok(t) => inner.conn_threads.lock().push(t),
@@ -690,6 +935,84 @@ fn spawn_connection(inner: &Arc<Inner>, sock: Sock) {
             inner.refuse(&peer, None, &format!("cannot start a thread: {e}"));
         }
     }
+}
+
+/// Hands a quiet connection to the poller, or, if the server is shutting down, ends it; if the
+/// poller cannot take it, serves it on this thread without parking.
+fn park(inner: &Arc<Inner>, p: Parked) {
+    let refused = match inner.poller.get() {
+        Some(poller) => match poller.park(p) {
+            Ok(()) => return,
+            Err(p) => p,
+        },
+        None => p,
+    };
+    if inner.shutting_down.load(Ordering::Acquire) {
+        end_parked(inner, refused);
+    } else {
+        serve_parked(inner, refused, false);
+    }
+}
+
+/// Starts a thread for a parked connection whose client sent something (or hung up).
+fn restart(inner: &Arc<Inner>, p: Parked) {
+    let slot = Arc::new(Mutex::new(Some(p)));
+    let (inner2, slot2) = (inner.clone(), slot.clone());
+    let mut threads = inner.conn_threads.lock();
+    reap(&mut threads);
+    let spawned = std::thread::Builder::new()
+        .name("nbd-conn".into())
+        .spawn(move || {
+            if let Some(p) = slot2.lock().take() {
+                serve_parked(&inner2, p, true);
+            }
+        });
+    match spawned {
+        Ok(t) => threads.push(t),
+        Err(e) => {
+            drop(threads);
+            if let Some(p) = slot.lock().take() {
+                inner.refuse(
+                    &p.peer,
+                    Some(&p.session.n.entry.name),
+                    &format!("cannot restart an idle connection: no thread: {e}"),
+                );
+                end_parked(inner, p);
+            }
+        }
+    }
+}
+
+/// Serves a parked connection again until it ends or parks (if `may_park`).
+fn serve_parked(inner: &Arc<Inner>, p: Parked, may_park: bool) {
+    let end = {
+        let sock = &p.sock;
+        let wait = |t: Duration| sock.wait_readable(t);
+        let on_fatal = || sock.shutdown(Shutdown::Both);
+        transmit(
+            inner,
+            &p.peer,
+            BufReader::with_capacity(READ_BUFFER, sock),
+            sock,
+            &p.session,
+            &on_fatal,
+            may_park.then_some(&wait as WaitInput),
+        )
+    };
+    match end {
+        End::Parked => park(inner, p),
+        End::Closed { .. } => end_parked(inner, p),
+    }
+}
+
+/// Ends a connection that had reached transmission.
+fn end_parked(inner: &Inner, p: Parked) {
+    if let Some(name) = &p.session.admitted {
+        inner.leave_export(name);
+    }
+    drop(p.session);
+    p.sock.shutdown(Shutdown::Both);
+    forget_connection(inner, p.id, &p.peer);
 }
 
 fn forget_connection(inner: &Inner, id: u64, peer: &Peer) {
@@ -713,7 +1036,9 @@ fn forget_connection(inner: &Inner, id: u64, peer: &Peer) {
 /// into their own buffer.
 const READ_BUFFER: usize = 256 << 10;
 
-fn handle_socket(inner: &Inner, peer: &Peer, sock: &Sock) {
+/// Serves a new connection's handshake and transmission; Some if it went quiet in transmission
+/// (to be parked).
+fn handle_socket(inner: &Inner, peer: &Peer, sock: &Sock) -> Option<Session> {
     let handshaking = AtomicBool::new(true);
     let deadline = inner.config.handshake_timeout.map(|t| Instant::now() + t);
     let io = || HandshakeSock {
@@ -724,14 +1049,27 @@ fn handle_socket(inner: &Inner, peer: &Peer, sock: &Sock) {
     let reader = BufReader::with_capacity(READ_BUFFER, io());
     let on_fatal = || sock.shutdown(Shutdown::Both);
     let stall = inner.config.stall_timeout;
-    let res = run_connection(inner, peer, reader, io(), &on_fatal, || {
-        handshaking.store(false, Ordering::Relaxed);
-        sock.set_read_timeout(stall)?;
-        sock.set_write_timeout(stall)
-    });
-    if let Err(e) = res {
-        if e.kind() == io::ErrorKind::TimedOut || e.kind() == io::ErrorKind::WouldBlock {
-            tracing::info!(peer = %peer, "NBD client dropped: handshake timeout");
+    let wait = |t: Duration| sock.wait_readable(t);
+    let res = run_connection(
+        inner,
+        peer,
+        reader,
+        io(),
+        &on_fatal,
+        || {
+            handshaking.store(false, Ordering::Relaxed);
+            sock.set_read_timeout(stall)?;
+            sock.set_write_timeout(stall)
+        },
+        Some(&wait),
+    );
+    match res {
+        Ok(parked) => parked,
+        Err(e) => {
+            if e.kind() == io::ErrorKind::TimedOut || e.kind() == io::ErrorKind::WouldBlock {
+                tracing::info!(peer = %peer, "NBD client dropped: handshake timeout");
+            }
+            None
         }
     }
 }
@@ -742,7 +1080,7 @@ fn serve_connection<R: Read + Send, W: Write + Send>(
     reader: R,
     writer: W,
     on_fatal: &(dyn Fn() + Sync),
-) -> io::Result<()> {
+) -> io::Result<Option<Session>> {
     run_connection(
         inner,
         peer,
@@ -750,6 +1088,7 @@ fn serve_connection<R: Read + Send, W: Write + Send>(
         writer,
         on_fatal,
         || Ok(()),
+        None,
     )
 }
 
@@ -760,7 +1099,8 @@ fn run_connection<R: Read + Send, W: Write + Send>(
     writer: W,
     on_fatal: &(dyn Fn() + Sync),
     enter_transmission: impl FnOnce() -> io::Result<()>,
-) -> io::Result<()> {
+    wait_input: Option<WaitInput<'_>>,
+) -> io::Result<Option<Session>> {
     // The export this connection was counted against, if any: released
     // however the connection ends, even if the handshake fails after GO was
     // admitted.
@@ -790,31 +1130,57 @@ fn run_connection<R: Read + Send, W: Write + Send>(
         let writer = bw.into_inner().map_err(|e| e.into_error())?;
         if let Outcome::Transmission(n) = outcome {
             enter_transmission()?;
-            let _client = ClientGuard::new(&n.entry);
-            let stalled = transmission::run(
-                reader,
-                writer,
-                &n,
-                inner.config.workers_per_connection,
-                &inner.memory,
-                on_fatal,
-            );
-            if stalled {
-                tracing::info!(
-                    peer = %peer,
-                    export = n.entry.name.as_str(),
-                    "NBD client dropped: stalled mid-request or left a reply unread for {:?} \
-                     (stall_timeout)",
-                    inner.config.stall_timeout.unwrap_or_default()
-                );
+            let mut session = Session {
+                _client: ClientGuard::new(&n.entry),
+                n,
+                admitted: None,
+                conn_id: observe::next_connection_id(),
+            };
+            let end = transmit(inner, peer, reader, writer, &session, on_fatal, wait_input);
+            if end == End::Parked {
+                session.admitted = admitted.lock().take();
+                return Ok(Some(session));
             }
         }
-        Ok(())
+        Ok(None)
     })();
     if let Some(name) = admitted.lock().take() {
         inner.leave_export(&name);
     }
     res
+}
+
+/// Runs a connection's transmission until it ends or parks; logs a client dropped for stalling.
+fn transmit<R: Read + Send, W: Write + Send>(
+    inner: &Inner,
+    peer: &Peer,
+    reader: BufReader<R>,
+    writer: W,
+    session: &Session,
+    on_fatal: &(dyn Fn() + Sync),
+    wait_input: Option<WaitInput<'_>>,
+) -> End {
+    let n = &session.n;
+    let end = transmission::run(
+        reader,
+        writer,
+        n,
+        inner.config.workers_per_connection,
+        &inner.memory,
+        on_fatal,
+        session.conn_id,
+        wait_input,
+    );
+    if end == (End::Closed { stalled: true }) {
+        tracing::info!(
+            peer = %peer,
+            export = n.entry.name.as_str(),
+            "NBD client dropped: stalled mid-request or left a reply unread for {:?} \
+             (stall_timeout)",
+            inner.config.stall_timeout.unwrap_or_default()
+        );
+    }
+    end
 }
 
 fn shutdown(inner: &Inner) {
@@ -837,6 +1203,12 @@ fn shutdown(inner: &Inner) {
     // Stop reading new requests; workers finish what is in flight.
     for s in inner.conns.lock().values() {
         s.shutdown(Shutdown::Read);
+    }
+    // Parked connections have nothing in flight: they end now.
+    if let Some(poller) = inner.poller.get() {
+        for p in poller.stop() {
+            end_parked(inner, p);
+        }
     }
     let deadline = Instant::now() + inner.config.shutdown_grace;
     {

@@ -1,7 +1,9 @@
 //! Transmission phase: request parsing, validation, execution and replies.
 //!
-//! Worker model: a connection runs `workers` threads, of which one at a
-//! time holds the *reader role* and reads one request (a write payload goes
+//! Worker model: a connection runs up to `workers` threads, started when a
+//! request needs one (to take over reading, or to execute a delegated
+//! request) and all ended when the connection parks (see [`End::Parked`]).
+//! One thread at a time holds the *reader role* and reads one request (a write payload goes
 //! into that worker's own reusable buffer). Requests of a kind that has been
 //! fast are then executed *inline* by the same thread, which keeps reading
 //! afterwards; slower kinds are handed off (the role passes to a waiting
@@ -240,6 +242,30 @@ const READ_BATCH: usize = 32;
 /// While batches are slow, one chance in this many batches anyway (a probe).
 const BATCH_PROBE: u64 = 64;
 
+/// How long a connection with nothing in flight waits for its next request before it parks
+/// (gives its threads back; the server's poller restarts it when the client speaks). A restart
+/// costs thread starts and the connection's learned request timings (which decide what runs
+/// inline), so this is long against a client's pauses within a workload: at 50 ms, a fio job
+/// of 64 KiB writes at queue depth 8 (crates/cli/tests/trace.rs) sometimes reached only 4-6
+/// requests in flight instead of 8 on the loaded test machine; at 1 s, 8 every time. Idle
+/// connections still give their threads back within a second.
+const PARK_AFTER: Duration = Duration::from_secs(1);
+
+/// How a connection's transmission ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum End {
+    /// The client disconnected or the connection failed; true if it was dropped for
+    /// stalling (a socket timeout).
+    Closed { stalled: bool },
+    /// Nothing came for [`PARK_AFTER`] with nothing in flight: the caller waits for input
+    /// without a thread and calls `run` again (with a fresh reader: nothing was buffered).
+    Parked,
+}
+
+/// Waits up to the given time for the transport to have input (or a hangup); false if
+/// nothing came.
+pub(crate) type WaitInput<'a> = &'a (dyn Fn(Duration) -> bool + Sync);
+
 /// A request read by the reader and queued for a waiting worker to execute.
 type Delegated<'m> = (u64, Job, Buffers<'m>);
 
@@ -274,6 +300,15 @@ struct Role<'m> {
     /// The rescuer sleeps untimed because the connection looked idle.
     rescuer_asleep: bool,
     closed: bool,
+    /// The connection went quiet and is handed back to the server's poller (see `run`):
+    /// every worker leaves.
+    parked: bool,
+    /// Worker threads running, this one included; started only when a request needs one, up
+    /// to `max_workers`, so a connection's threads follow its requests in flight.
+    workers: usize,
+    /// Started but not yet waiting: counted as waiting, so a request is not given two.
+    starting: usize,
+    max_workers: usize,
 }
 
 /// A write payload as the worker holds it.
@@ -388,12 +423,17 @@ pub(crate) struct Conn<'a, R, W> {
     /// Time of the last socket read, while observed (requests found already buffered arrived
     /// with it). Only touched under the reader lock.
     last_fill: Mutex<Option<Instant>>,
+    /// Lets the connection park when idle; None: it never parks (a stream without a socket).
+    wait_input: Option<WaitInput<'a>>,
 }
 
-/// Serves requests until the client disconnects or the transport fails.
+/// Serves requests until the client disconnects or the transport fails, or (with
+/// `wait_input`) until the connection has been idle for [`PARK_AFTER`] with nothing in flight.
 /// `on_fatal` must unblock a thread stuck reading the transport (e.g. shut
-/// the socket down); it is called when a reply cannot be written. True if
-/// the connection ended because the client stalled (a socket timeout).
+/// the socket down); it is called when a reply cannot be written. Up to `workers` threads
+/// serve the connection (the calling one included), started as requests need them.
+/// `conn_id` names the connection to request observers across parkings.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn run<R: Read + Send, W: Write + Send>(
     reader: BufReader<R>,
     writer: W,
@@ -401,13 +441,19 @@ pub(crate) fn run<R: Read + Send, W: Write + Send>(
     workers: usize,
     mem: &Memory,
     on_fatal: &(dyn Fn() + Sync),
-) -> bool {
+    conn_id: u64,
+    wait_input: Option<WaitInput<'_>>,
+) -> End {
     let conn = Conn {
         reader: Mutex::new(reader),
         writer: Mutex::new(writer),
         out: Mutex::new(OutQueue::default()),
         out_cv: Condvar::new(),
-        role: Mutex::new(Role::default()),
+        role: Mutex::new(Role {
+            workers: 1,
+            max_workers: workers.max(1),
+            ..Role::default()
+        }),
         follow_cv: Condvar::new(),
         rescue_cv: Condvar::new(),
         ewma_ns: Default::default(),
@@ -426,25 +472,31 @@ pub(crate) fn run<R: Read + Send, W: Write + Send>(
         },
         on_fatal,
         observer: &n.entry.observer,
-        conn_id: observe::next_connection_id(),
+        conn_id,
         last_fill: Mutex::new(None),
         stalled: Default::default(),
+        wait_input,
     };
-    let workers = workers.max(1);
-    std::thread::scope(|s| {
-        for _ in 1..workers {
-            let c = &conn;
-            let spawned = std::thread::Builder::new()
-                .name("nbd-worker".into())
-                .spawn_scoped(s, move || c.worker_loop());
-            if spawned.is_err() {
-                // Out of threads: serve with fewer workers rather than fail.
-                break;
-            }
+    std::thread::scope(|s| conn.worker_loop(s, false));
+    if conn.role.lock().parked {
+        return End::Parked;
+    }
+    End::Closed {
+        stalled: conn.stalled.load(Ordering::Relaxed),
+    }
+}
+
+/// `Write::write_all_vectored`, which is not stable yet.
+fn write_all_vectored<W: Write>(w: &mut W, mut bufs: &mut [io::IoSlice<'_>]) -> io::Result<()> {
+    while !bufs.is_empty() {
+        match w.write_vectored(bufs) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => io::IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
         }
-        conn.worker_loop();
-    });
-    conn.stalled.load(Ordering::Relaxed)
+    }
+    Ok(())
 }
 
 fn read_exact_or_eof<R: Read>(r: &mut R, buf: &mut [u8]) -> io::Result<bool> {
@@ -461,6 +513,8 @@ enum Next {
     Rejected(u64, Reject),
     /// `NBD_CMD_DISC` or end of stream: stop reading, finish in-flight work.
     Stop,
+    /// Nothing came for [`PARK_AFTER`] and nothing is in flight: the connection is parked.
+    Park,
 }
 
 fn kind_index(job: &Job) -> usize {
@@ -486,12 +540,14 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
     // order as usual. Kinds that are slow on average skip this and hand the
     // role to a waiting worker before executing.
 
-    fn worker_loop(&self) {
+    /// `fresh`: a thread just started for this connection (counted in `Role::starting`).
+    fn worker_loop<'s>(&'s self, s: &'s std::thread::Scope<'s, '_>, mut fresh: bool) {
         let mut bufs = Buffers::new(self.mem);
         let mut holding = false;
         loop {
             if !holding {
-                match self.acquire_reader() {
+                let got = self.acquire_reader(std::mem::take(&mut fresh));
+                match got {
                     Acquired::Reader => {}
                     Acquired::Closed => return,
                     Acquired::Job((handle, job, mut b)) => {
@@ -530,6 +586,11 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
                     let _ = self.flush_pending();
                     return;
                 }
+                Ok(Next::Park) => {
+                    self.role.lock().parked = true;
+                    self.close();
+                    return;
+                }
                 Err(e) => {
                     self.fail_with(&e);
                     return;
@@ -537,7 +598,7 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
             };
             if let (Job::Read { offset, len }, true) = (job, more_buffered) {
                 if self.batchable(offset, len) && self.batch_allowed() {
-                    match self.read_batch(handle, offset, len, bufs) {
+                    match self.read_batch(s, handle, offset, len, bufs) {
                         Ok(still_reader) => {
                             holding = still_reader;
                             bufs = Buffers::new(self.mem);
@@ -565,7 +626,7 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
             let parallel = more_buffered || very_slow || self.executing.load(Ordering::Relaxed) > 0;
             self.executing.fetch_add(1, Ordering::Relaxed);
             if slow && parallel {
-                match self.delegate(handle, job, bufs) {
+                match self.delegate(s, handle, job, bufs) {
                     Ok(()) => {
                         // Still the reader: read on while a waiting worker executes it.
                         holding = true;
@@ -576,11 +637,11 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
                 }
             }
             let res = if slow && parallel {
-                self.hand_off();
+                self.hand_off(s);
                 holding = false;
                 self.timed(kind, || self.execute(handle, job, &mut bufs, false))
             } else {
-                let token = self.go_inline(Some(kind));
+                let token = self.go_inline(s, Some(kind));
                 let res = self.timed(kind, || self.execute(handle, job, &mut bufs, true));
                 holding = self.finish_inline(token);
                 res
@@ -638,8 +699,9 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
     /// READ_BATCH: all executed inline with one [`Export::read_batch`], replies deferred (they
     /// leave in one write when the reader would block). Returns whether this worker still holds
     /// the reader role.
-    fn read_batch(
-        &self,
+    fn read_batch<'s>(
+        &'s self,
+        s: &'s std::thread::Scope<'s, '_>,
         handle: u64,
         offset: u64,
         len: u32,
@@ -664,7 +726,8 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
                         r = self.reader.lock();
                     }
                     Next::Rejected(h, rej) => self.send_error(h, rej.errno, rej.msg, true)?,
-                    Next::Stop => {
+                    // Parking is only considered when nothing is buffered.
+                    Next::Stop | Next::Park => {
                         self.close();
                         stopped = true;
                         break;
@@ -674,7 +737,7 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
         }
         let prefix = self.reply_prefix();
         self.executing.fetch_add(batch.len(), Ordering::Relaxed);
-        let token = self.go_inline(None);
+        let token = self.go_inline(s, None);
         let t0 = Instant::now();
         let results = {
             let mut reqs: Vec<(&mut [u8], u64)> = Vec::with_capacity(batch.len());
@@ -691,7 +754,10 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
         let old = self.batch_ns.load(Ordering::Relaxed);
         self.batch_ns
             .store(old - old / 8 + ns / 8, Ordering::Relaxed);
+        // The successful replies leave from their own buffers, header and data together, in
+        // one vectored write (after any replies queued before them); failures are queued.
         let mut sent = Ok(());
+        let mut replies: Vec<&[u8]> = Vec::with_capacity(batch.len());
         for ((h, offset, len, b), res) in batch.iter_mut().zip(results) {
             self.observe_replied(
                 *h,
@@ -700,19 +766,21 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
                     len: *len,
                 },
             );
-            if sent.is_err() {
-                continue;
-            }
-            sent = match res {
-                Err(e) => self.send_export_error(*h, &e, false, true),
+            match res {
+                Err(e) if sent.is_ok() => sent = self.send_export_error(*h, &e, false, true),
+                Err(_) => {}
                 Ok(()) => {
                     let reply = b.reply.as_deref_mut().expect("checked above");
                     let reply = &mut reply[..prefix + *len as usize];
                     self.encode_read_header(reply, *h, *offset, *len);
-                    self.send(reply, true)
+                    replies.push(reply);
                 }
-            };
+            }
         }
+        if sent.is_ok() {
+            sent = self.send_all(&replies);
+        }
+        drop(replies);
         let still_reader = self.finish_inline(token);
         self.executing.fetch_sub(batch.len(), Ordering::Relaxed);
         drop(batch);
@@ -736,9 +804,18 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
 
     /// Queues a request for a waiting worker to execute, keeping the reader role; gives the
     /// buffers back when no worker waits idle (the caller then executes it itself).
-    fn delegate(&self, handle: u64, job: Job, bufs: Buffers<'a>) -> Result<(), Buffers<'a>> {
+    fn delegate<'s>(
+        &'s self,
+        s: &'s std::thread::Scope<'s, '_>,
+        handle: u64,
+        job: Job,
+        bufs: Buffers<'a>,
+    ) -> Result<(), Buffers<'a>> {
         let mut st = self.role.lock();
-        if st.closed || st.waiting <= st.jobs.len() {
+        if st.closed {
+            return Err(bufs);
+        }
+        if st.waiting + st.starting <= st.jobs.len() && !self.recruit(s, &mut st) {
             return Err(bufs);
         }
         st.jobs.push_back((handle, job, bufs));
@@ -748,14 +825,40 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
         Ok(())
     }
 
+    /// Starts another worker if none waits idle for the reader role or a delegated request
+    /// and the connection has fewer than its maximum. True if one is starting (it counts as
+    /// waiting until it waits). Called with the role locked; the new thread waits for it.
+    fn recruit<'s>(
+        &'s self,
+        s: &'s std::thread::Scope<'s, '_>,
+        st: &mut MutexGuard<'_, Role<'a>>,
+    ) -> bool {
+        if st.waiting + st.starting > st.jobs.len() || st.workers >= st.max_workers {
+            return false;
+        }
+        let spawned = std::thread::Builder::new()
+            .name("nbd-worker".into())
+            .spawn_scoped(s, move || self.worker_loop(s, true));
+        if spawned.is_err() {
+            // Out of threads: serve with the workers there are rather than fail.
+            return false;
+        }
+        st.workers += 1;
+        st.starting += 1;
+        true
+    }
+
     /// Waits until this worker may read or has a delegated request to execute.
-    fn acquire_reader(&self) -> Acquired<'a> {
+    fn acquire_reader(&self, fresh: bool) -> Acquired<'a> {
         // Deferred replies must not wait while this worker sleeps.
         if self.flush_pending().is_err() {
             self.fail();
+            let mut st = self.role.lock();
+            st.starting -= usize::from(fresh);
             return Acquired::Closed;
         }
         let mut st = self.role.lock();
+        st.starting -= usize::from(fresh);
         st.waiting += 1;
         let got = self.acquire_locked(&mut st);
         st.waiting -= 1;
@@ -837,8 +940,10 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
         }
     }
 
-    fn go_inline(&self, kind: Option<usize>) -> u64 {
+    fn go_inline<'s>(&'s self, s: &'s std::thread::Scope<'s, '_>, kind: Option<usize>) -> u64 {
         let mut st = self.role.lock();
+        // A waiting worker is the rescuer that takes over reading should this request block.
+        self.recruit(s, &mut st);
         let token = st.next_token;
         st.next_token = token.wrapping_add(1);
         st.inline = Some(token);
@@ -869,8 +974,10 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
         true
     }
 
-    fn hand_off(&self) {
+    fn hand_off<'s>(&'s self, s: &'s std::thread::Scope<'s, '_>) {
         let mut st = self.role.lock();
+        // Someone must read while this worker executes.
+        self.recruit(s, &mut st);
         st.reader_busy = false;
         if !self.follow_cv.notify_one() {
             self.rescue_cv.notify_one();
@@ -909,6 +1016,13 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
             self.flush_pending()?;
         }
         let refill = r.buffer().len() < REQUEST_LEN;
+        if r.buffer().is_empty() && self.quiet() {
+            if let Some(wait) = self.wait_input {
+                if !wait(PARK_AFTER) && self.quiet() {
+                    return Ok(Next::Park);
+                }
+            }
+        }
         // Between requests a client may stay silent as long as it likes: a
         // socket timeout here only means "still idle". Once a header has
         // started, the timeout applies (a stalled client is dropped).
@@ -987,6 +1101,17 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
             Ok(job) => Next::Job(req.handle, job),
             Err(rej) => Next::Rejected(req.handle, rej),
         })
+    }
+
+    /// Nothing in flight: no request executing or delegated, no reply queued or being written.
+    /// Only the reader starts requests, so once the reader sees this, it stays so until the
+    /// reader reads again.
+    fn quiet(&self) -> bool {
+        if self.executing.load(Ordering::Acquire) > 0 || !self.role.lock().jobs.is_empty() {
+            return false;
+        }
+        let q = self.out.lock();
+        !q.flushing && q.pending.is_empty()
     }
 
     /// Takes `n` bytes of budget for the request in `bufs`; while the budget
@@ -1078,6 +1203,42 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
             let res = self.write_out(bytes);
             return self.after_write(res);
         }
+    }
+
+    /// Writes `replies` from where they are, with whatever was queued before them, in one
+    /// vectored write (or as few as the socket takes), as the connection's writer: no copy
+    /// into the queue.
+    fn send_all(&self, replies: &[&[u8]]) -> io::Result<()> {
+        if replies.is_empty() {
+            return Ok(());
+        }
+        let mut q = self.out.lock();
+        loop {
+            if q.failed {
+                return Err(io::ErrorKind::BrokenPipe.into());
+            }
+            if !q.flushing {
+                break;
+            }
+            self.out_cv.wait(&mut q);
+        }
+        q.flushing = true;
+        let mut queued = std::mem::take(&mut q.spare);
+        std::mem::swap(&mut queued, &mut q.pending);
+        self.out_cv.notify_all();
+        drop(q);
+        let res = {
+            let mut slices: Vec<io::IoSlice<'_>> = std::iter::once(&queued[..])
+                .chain(replies.iter().copied())
+                .filter(|b| !b.is_empty())
+                .map(io::IoSlice::new)
+                .collect();
+            let mut w = self.writer.lock();
+            write_all_vectored(&mut *w, &mut slices).and_then(|()| w.flush())
+        };
+        queued.clear();
+        self.out.lock().spare = queued;
+        self.after_write(res)
     }
 
     /// Runs `f` as the only writer of this connection (after the worker
@@ -1591,6 +1752,38 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    /// Takes at most 7 bytes per call, from at most two buffers.
+    struct Trickle(Vec<u8>);
+
+    impl Write for Trickle {
+        fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+            let n = b.len().min(7);
+            self.0.extend_from_slice(&b[..n]);
+            Ok(n)
+        }
+        fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+            let mut left = 7;
+            for b in bufs.iter().take(2) {
+                let n = b.len().min(left);
+                self.0.extend_from_slice(&b[..n]);
+                left -= n;
+            }
+            Ok(7 - left)
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn vectored_replies_survive_short_writes() {
+        let parts: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i; 3 + 5 * i as usize]).collect();
+        let mut slices: Vec<io::IoSlice<'_>> = parts.iter().map(|p| io::IoSlice::new(p)).collect();
+        let mut w = Trickle(Vec::new());
+        write_all_vectored(&mut w, &mut slices).unwrap();
+        assert_eq!(w.0, parts.concat());
     }
 
     #[test]

@@ -175,6 +175,7 @@ fn child_server() {
             "workers" => cfg.workers_per_connection = n as usize,
             "max_connections" => cfg.max_connections = n as usize,
             "per_client" => cfg.max_connections_per_client = n as usize,
+            "per_export" => cfg.max_connections_per_export = n as usize,
             "memory_mib" => cfg.memory_limit = n << 20,
             "stall_ms" => cfg.stall_timeout = Some(Duration::from_millis(n)),
             _ => panic!("unknown key {k}"),
@@ -248,6 +249,13 @@ impl ChildServer {
 
     fn log(&self) -> String {
         self.stderr.lock().unwrap().clone()
+    }
+
+    /// The server process's threads now.
+    fn threads(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/task", self.child.id()))
+            .unwrap()
+            .count()
     }
 }
 
@@ -850,4 +858,75 @@ fn large_reads_stream_intact() {
             );
         }
     }
+}
+
+/// Threads follow the work, not the connection count: 256 connections that finished their
+/// handshake and sit idle cost the server fewer than 64 threads (it used to run every
+/// connection's 16 workers whatever it did: 4,000 threads here), and each of them still answers
+/// when it speaks again.
+#[test]
+fn idle_connections_cost_no_threads() {
+    const CONNECTIONS: u32 = 256;
+    const MAX_THREADS: usize = 64;
+    let srv = ChildServer::spawn("workers=16,max_connections=256,per_export=256");
+    let mut conns = Vec::new();
+    for i in 0..CONNECTIONS {
+        // 64 per client address (the default per-client limit).
+        let from = Ipv4Addr::new(127, 0, 0, 2 + (i / 64) as u8);
+        let mut s = tcp_from(from, srv.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        assert!(
+            handshake(&mut s, "ram").expect("GO refused"),
+            "connection {i} refused"
+        );
+        conns.push(s);
+    }
+    // Connections that just went quiet may keep their threads a moment.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut threads = srv.threads();
+    while threads >= MAX_THREADS && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+        threads = srv.threads();
+    }
+    eprintln!("{CONNECTIONS} idle connections: {threads} server threads");
+    assert!(
+        threads < MAX_THREADS,
+        "{threads} server threads for {CONNECTIONS} idle connections (want < {MAX_THREADS})"
+    );
+    // Every idle connection still serves: a write, then a read of it back.
+    let reply = |s: &mut TcpStream, handle: u64, i: usize| {
+        let mut r = [0u8; SIMPLE_REPLY_LEN];
+        s.read_exact(&mut r).unwrap();
+        assert_eq!(
+            parse_reply_header(&r).unwrap(),
+            ReplyHeader::Simple { error: 0, handle },
+            "connection {i}"
+        );
+    };
+    for (i, s) in conns.iter_mut().enumerate() {
+        let off = i as u64 * 4096;
+        let data = pattern(4096, i as u8);
+        let mut w = request(CMD_WRITE, 1, off, 4096).to_vec();
+        w.extend_from_slice(&data);
+        s.write_all(&w).unwrap();
+        reply(s, 1, i);
+        s.write_all(&request(CMD_READ, 2, off, 4096)).unwrap();
+        reply(s, 2, i);
+        let mut back = vec![0u8; 4096];
+        s.read_exact(&mut back).unwrap();
+        assert!(back == data, "connection {i} read back other data");
+    }
+    // And they give their threads back again once quiet.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut threads = srv.threads();
+    while threads >= MAX_THREADS && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+        threads = srv.threads();
+    }
+    eprintln!("quiet again after a request on each: {threads} server threads");
+    assert!(
+        threads < MAX_THREADS,
+        "{threads} server threads after the requests"
+    );
+    drop(conns);
 }

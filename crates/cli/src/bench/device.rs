@@ -11,7 +11,10 @@
 //!   NBD transport's ceiling over this device.
 //!
 //! The table gives medians over the repetitions of IOPS and of the per-repetition ratios
-//! ours/raw (the target at qd32 is 0.9) and ours/nbdkit (the target at qd1 is 0.9).
+//! ours/raw (the target at qd32 is 0.9) and ours/nbdkit (the target at qd1 is 0.9), and the
+//! server's CPU per request: the user and system time the daemon (or nbdkit) spent during the
+//! run, from /proc/PID/stat, over the requests fio completed (issue 32's target: ours at most
+//! nbdkit's).
 //!
 //! Several hybridcache variants (`--variants`) can be compared in one invocation: each gets its
 //! own daemon, warmed anew, and its own raw and nbdkit runs next to it.
@@ -260,7 +263,24 @@ struct Cell {
     nbdkit: Vec<f64>,
     ours_raw: Vec<f64>,
     ours_nbdkit: Vec<f64>,
+    /// Server CPU (user + system) per request, µs.
+    ours_cpu: Vec<f64>,
+    nbdkit_cpu: Vec<f64>,
     misses: u64,
+}
+
+/// User plus system CPU time a process has used so far, in µs (/proc/PID/stat, fields 14
+/// and 15, in clock ticks); None if the process is gone or the file unreadable.
+fn cpu_us(pid: i32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces and parentheses: count from its end.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let utime: f64 = f.get(11)?.parse().ok()?;
+    let stime: f64 = f.get(12)?.parse().ok()?;
+    // SAFETY: sysconf reads a constant.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (hz > 0).then(|| (utime + stime) * 1e6 / hz as f64)
 }
 
 pub fn run(a: &DeviceArgs) -> Result<()> {
@@ -512,6 +532,23 @@ fn measure(
     })
 }
 
+/// A run's IOPS and the server's CPU per request in µs (0 without a server or a reading).
+fn measure_cpu(
+    server: Option<i32>,
+    runtime: u64,
+    run: impl FnOnce() -> Result<f64>,
+) -> Result<(f64, f64)> {
+    let before = server.and_then(cpu_us);
+    let iops = run()?;
+    let after = server.and_then(cpu_us);
+    let requests = iops * runtime as f64;
+    let per = match (before, after) {
+        (Some(b), Some(a)) if requests > 0.0 => (a - b) / requests,
+        _ => 0.0,
+    };
+    Ok((iops, per))
+}
+
 fn misses(s: &StatsData) -> u64 {
     s.read_partial_misses
         + s.read_full_misses
@@ -554,9 +591,13 @@ fn run_in(plan: &Plan, path: &Path, bin: &Path, work: &Path) -> Result<()> {
                 };
                 let raw = one(Target::Raw, "")?;
                 let before_ours = ours.ctl.stats()?;
-                let ours_iops = one(Target::Ours, &ours.uri)?;
+                let daemon = ours.procs.first().map(Proc::pid);
+                let (ours_iops, ours_cpu) =
+                    measure_cpu(daemon, plan.runtime, || one(Target::Ours, &ours.uri))?;
                 let after = ours.ctl.stats()?;
-                let nbk = one(Target::Nbdkit, &nbdkit_uri)?;
+                let (nbk, nbdkit_cpu) = measure_cpu(Some(nbdkit.pid()), plan.runtime, || {
+                    one(Target::Nbdkit, &nbdkit_uri)
+                })?;
                 let cell = &mut cells[vi][ki];
                 cell.misses += misses(&after) - misses(&before_ours);
                 cell.raw.push(raw);
@@ -564,6 +605,8 @@ fn run_in(plan: &Plan, path: &Path, bin: &Path, work: &Path) -> Result<()> {
                 cell.nbdkit.push(nbk);
                 cell.ours_raw.push(ratio(ours_iops, raw));
                 cell.ours_nbdkit.push(ratio(ours_iops, nbk));
+                cell.ours_cpu.push(ours_cpu);
+                cell.nbdkit_cpu.push(nbdkit_cpu);
             }
             for p in ours.procs.iter_mut().rev() {
                 p.stop();
@@ -623,20 +666,22 @@ fn table(
         plan.reps
     );
     out.push_str(
-        "| variant | pattern | raw (libaio, direct) | hybridcache (NBD, hits) | nbdkit file cache=none | ours/raw | ours/nbdkit |\n|---|---|---|---|---|---|---|\n",
+        "| variant | pattern | raw (libaio, direct) | hybridcache (NBD, hits) | nbdkit file cache=none | ours/raw | ours/nbdkit | CPU µs/req ours | CPU µs/req nbdkit |\n|---|---|---|---|---|---|---|---|---|\n",
     );
     let mut notes = Vec::new();
     for (vi, v) in plan.variants.iter().enumerate() {
         for (ki, (rw, qd)) in keys.iter().enumerate() {
             let c = &cells[vi][ki];
             out.push_str(&format!(
-                "| {} | {rw} qd{qd} | {} | {} | {} | {:.2} | {:.2} |\n",
+                "| {} | {rw} qd{qd} | {} | {} | {} | {:.2} | {:.2} | {:.1} | {:.1} |\n",
                 v.name,
                 kilo(median(&c.raw)),
                 kilo(median(&c.ours)),
                 kilo(median(&c.nbdkit)),
                 median(&c.ours_raw),
-                median(&c.ours_nbdkit)
+                median(&c.ours_nbdkit),
+                median(&c.ours_cpu),
+                median(&c.nbdkit_cpu)
             ));
             if c.misses > 0 {
                 notes.push(format!(
@@ -686,6 +731,23 @@ mod tests {
             let e = Variant::parse(bad).unwrap_err();
             assert!(super::super::is_usage_error(&e), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn cpu_time_of_a_process() {
+        let me = std::process::id() as i32;
+        let t0 = cpu_us(me).expect("own /proc/PID/stat");
+        let start = std::time::Instant::now();
+        let mut x = 0u64;
+        while start.elapsed() < std::time::Duration::from_millis(200) {
+            x = x.wrapping_add(std::hint::black_box(1));
+        }
+        assert!(x > 0);
+        assert!(
+            cpu_us(me).unwrap() > t0,
+            "200 ms of spinning used no CPU time"
+        );
+        assert_eq!(cpu_us(-1), None);
     }
 
     #[test]
