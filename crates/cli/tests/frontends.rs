@@ -180,3 +180,29 @@ fn a_client_that_just_disconnected_does_not_hold_off_remove_or_stop() {
     c.disconnect().unwrap();
     d.ok(&["-T", "-i", "1"]);
 }
+
+/// A cache's export says it is rotational exactly when its core is a disk, as dm-cache and
+/// bcache devices do: a client's kernel then treats it as the disk it fronts (Ceph's BlueStore
+/// defers small writes only there, which is what keeps its random writes in the cache;
+/// docs/ceph.md). A core in memory is served as not rotational.
+#[test]
+fn an_export_is_rotational_when_its_core_is_a_disk() {
+    let dir = workdir();
+    let cache = dir.path().join("cache.img");
+    sparse_file(&cache, 16 << 20);
+    let d = Daemon::start(dir.path());
+    d.ok(&["-S", "-d", cache.to_str().unwrap(), "-c", "wb"]);
+    d.ok(&["-A", "-i", "1", "-d", "hdd:size=64M,nodata"]);
+    d.ok(&["-A", "-i", "1", "-d", "ram:64M"]);
+    let rotational = |export: &str| {
+        let c = hybridcache_nbd::Client::connect_unix(&d.nbd, export).expect("connect");
+        let flag = c.flags() & hybridcache_nbd::proto::FLAG_ROTATIONAL != 0;
+        c.disconnect().unwrap();
+        flag
+    };
+    assert!(
+        rotational("cas1-1"),
+        "a cache in front of an HDD must say rotational"
+    );
+    assert!(!rotational("cas1-2"), "a cache in front of memory must not");
+}

@@ -214,7 +214,9 @@ impl Export for CoreExport {
             can_fast_zero: true,
             can_cache: true,
             can_multi_conn: true,
-            rotational: false,
+            // As dm-cache and bcache devices: misses and cut-off streams go to the disk, and
+            // a client tuned for one sends what the cache keeps best (docs/ceph.md).
+            rotational: self.core.rotational(),
         }
     }
 }

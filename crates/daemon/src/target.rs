@@ -41,6 +41,9 @@ impl Route {
 struct Inner {
     name: String,
     size: u64,
+    /// The core is a disk: fixed for the export's life, whatever the route (a disconnected
+    /// cache's pass-through reaches the same disk).
+    rotational: bool,
     // Each request holds the read side for its whole run; a switch takes the write side, which
     // parking_lot grants only once the readers in flight are done, and new readers queue behind
     // a waiting writer: that is the drain.
@@ -74,6 +77,7 @@ impl Target {
             inner: Arc::new(Inner {
                 name: core.export_name(),
                 size: core.size(),
+                rotational: core.rotational(),
                 route: RwLock::new(Route::Cache(core)),
                 wake: Mutex::new(()),
                 woken: Condvar::new(),
@@ -84,6 +88,11 @@ impl Target {
     /// The exported volume's size: the core's, whatever the route.
     pub fn size(&self) -> u64 {
         self.inner.size
+    }
+
+    /// Whether the core behind the export is a disk (the front-ends advertise it).
+    pub fn rotational(&self) -> bool {
+        self.inner.rotational
     }
 
     pub fn export_name(&self) -> String {

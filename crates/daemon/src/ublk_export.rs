@@ -169,10 +169,11 @@ impl UblkFrontend {
         }
     }
 
-    fn config(&self, line_size: u32) -> DeviceConfig {
+    fn config(&self, line_size: u32, rotational: bool) -> DeviceConfig {
         DeviceConfig {
             queues: self.queues,
             physical_block: line_size,
+            rotational,
             user_recovery: true,
             ..DeviceConfig::default()
         }
@@ -199,8 +200,8 @@ impl Frontend for UblkFrontend {
             .as_ref()
             .map(|r| r.dev_id)
             .filter(|&id| hybridcache_ublk::orphaned(id));
+        let config = self.config(spec.line_size, spec.core.rotational());
         let backend = Arc::new(CoreBackend::new(spec.core));
-        let config = self.config(spec.line_size);
         let (tx, rx) = mpsc::channel::<FrontendResult<Started>>();
         let name = spec.name.clone();
         let thread = std::thread::Builder::new()
