@@ -61,10 +61,6 @@ const NOT_YET_PRIVATE: &[(&str, &str)] = &[
         "unit tests of other modules reach the holder through `Cache::inner`",
     ),
     (
-        "CleanerState",
-        "the cleaning policies' schedule, worked on by cleaning.rs's ticks",
-    ),
-    (
         "ClassState",
         "IO class gauges, read by the facade's statistics",
     ),
