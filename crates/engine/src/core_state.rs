@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use hybridcache_volume::VolumeRef;
-use parking_lot::{RwLock, RwLockReadGuard};
+use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 
 use crate::classes::{CoreClassCounters, CoreClassGauges};
 use crate::core_flush::CoreWatch;
@@ -345,10 +345,16 @@ impl Drop for Entered<'_> {
 ///
 /// Invariants: an id is active or inactive, never both (checked whenever one is registered;
 /// always on, since two states of one core would count its lines twice); an active core is
-/// registered from the end of its attach to the start of its removal. `add` holds `active`
-/// while `make` runs (no two adds pick one id), `activate` holds `inactive`.
+/// registered from the end of its attach to the start of its removal.
+///
+/// Changes (add, activate, remove, load) run one at a time under `changes`, which is held while
+/// a change writes the superblock; `active` and `inactive` are only ever held briefly, never
+/// across a device write or another room's lock. A commit holds persistence's lock while it
+/// looks the cores up to flush them: an add that held `active` across its superblock write
+/// (which waits for that lock) would wait for the commit forever, and the commit for it.
 #[derive(Default)]
 pub(crate) struct Cores {
+    changes: Mutex<()>,
     active: RwLock<BTreeMap<CoreId, Arc<CoreState>>>,
     inactive: RwLock<BTreeMap<CoreId, (CoreRecord, SeqCutoff)>>,
 }
@@ -429,16 +435,27 @@ impl Cores {
 
     /// Add a core with id `id`, or the lowest free one as casadm's find_free_core_id (from 1,
     /// and 0 only when every other is taken, so that ids given without -j match Open CAS's).
-    /// `make` records and builds it; no other core can be added meanwhile.
+    /// `make` records and builds it; no other change of the registry runs meanwhile, so the id
+    /// stays free.
     pub(crate) fn add(
         &self,
         id: Option<CoreId>,
         make: impl FnOnce(CoreId) -> Result<Arc<CoreState>>,
     ) -> Result<CoreId> {
-        let mut active = self.active.write();
+        let _change = self.changes.lock();
+        let id = self.free_id(id)?;
+        let state = make(id)?;
+        assert_eq!(state.id(), id, "core {id} registered under its own id");
+        self.active.write().insert(id, state);
+        Ok(id)
+    }
+
+    /// `id` if it is free, or the lowest free id (see `add`).
+    fn free_id(&self, id: Option<CoreId>) -> Result<CoreId> {
+        let active = self.active.read();
         let inactive = self.inactive.read();
         let taken = |i: &CoreId| active.contains_key(i) || inactive.contains_key(i);
-        let id = match id {
+        Ok(match id {
             Some(id) if id as u32 > MAX_CORE_ID => return Err(EngineError::BadCoreId(id as u32)),
             Some(id) if taken(&id) => return Err(EngineError::DuplicateCore(id)),
             Some(id) => id,
@@ -446,12 +463,7 @@ impl Cores {
                 .chain([0])
                 .find(|i| !taken(i))
                 .ok_or(EngineError::TooManyCores)?,
-        };
-        drop(inactive);
-        let state = make(id)?;
-        assert_eq!(state.id(), id, "core {id} registered under its own id");
-        active.insert(id, state);
-        Ok(id)
+        })
     }
 
     /// Bring inactive core `id` back: `make` checks its record, records where it is now and
@@ -461,23 +473,28 @@ impl Cores {
         id: CoreId,
         make: impl FnOnce(&CoreRecord, SeqCutoff) -> Result<Arc<CoreState>>,
     ) -> Result<()> {
-        let mut inactive = self.inactive.write();
-        let Some((rec, seq)) = inactive.get(&id) else {
+        let _change = self.changes.lock();
+        let found = self.inactive.read().get(&id).cloned();
+        let Some((rec, seq)) = found else {
             return Err(if self.active.read().contains_key(&id) {
                 EngineError::DuplicateCore(id)
             } else {
                 EngineError::NoSuchCore(id)
             });
         };
-        let state = make(rec, *seq)?;
+        let state = make(&rec, seq)?;
         assert_eq!(state.id(), id, "core {id} registered under its own id");
-        inactive.remove(&id);
+        // A seq cutoff set on the inactive core while `make` ran is the one it comes back with.
+        if let Some((_, seq)) = self.inactive.write().remove(&id) {
+            state.seq().set_params(seq);
+        }
         self.active.write().insert(id, state);
         Ok(())
     }
 
     /// Forget core `id`, active or inactive (its removal has completed).
     pub(crate) fn remove(&self, id: CoreId) {
+        let _change = self.changes.lock();
         self.active.write().remove(&id);
         self.inactive.write().remove(&id);
     }
@@ -489,6 +506,7 @@ impl Cores {
         active: Vec<Arc<CoreState>>,
         inactive: BTreeMap<CoreId, (CoreRecord, SeqCutoff)>,
     ) {
+        let _change = self.changes.lock();
         let mut a = self.active.write();
         let mut i = self.inactive.write();
         for c in active {
