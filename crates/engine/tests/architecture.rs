@@ -55,10 +55,10 @@ const NOT_YET_PRIVATE: &[(&str, &str)] = &[
         "CacheInner",
         "the holder: its fields are the rooms themselves (lines, cores, persist, cleaner \
          signal, policies' state), each with private fields of its own; the rooms above it \
-         (devices, admission, read, write, cleaner, cleaning, commit, recovery) are still \
-         `impl CacheInner` blocks that reach a room through the holder's field, and commit \
-         lends them by reference (`Commit`). Stays listed until devices and admission are \
-         structs of their own too",
+         (devices, read, write, cleaner, cleaning, commit, recovery) are still `impl \
+         CacheInner` blocks that reach a room through the holder's field (commit and \
+         admission run on structs of references it lends: `Commit`, `Admission`). Stays \
+         listed until devices is a struct of its own too",
     ),
     (
         "Cache",
