@@ -577,6 +577,123 @@ fn seq_detect_sets_the_promotion_count() {
     assert!(e.contains("promotion-count"), "{e}");
 }
 
+/// The statistics a purge keeps: OCF's purge (ocf_mngt_flush.c, `ocf_mngt_core_purge`: flush,
+/// then `ocf_metadata_sparse_range`) invalidates lines and resets no counter, so casadm's request
+/// and block statistics after a purge are those before it; only usage (occupancy, dirty) and
+/// what the purge's own flush moved (the cleaner's writes) change.
+const KEPT_BY_A_PURGE: &[&str] = &[
+    "read_hits",
+    "read_partial_misses",
+    "read_full_misses",
+    "write_hits",
+    "write_partial_misses",
+    "write_full_misses",
+    "pass_through_reads",
+    "pass_through_writes",
+    "exported_read_bytes",
+    "exported_written_bytes",
+    "cache_write_errors",
+    "core_write_errors",
+];
+
+fn kept_counters(s: &serde_json::Value) -> Vec<(&'static str, u64)> {
+    KEPT_BY_A_PURGE
+        .iter()
+        .map(|k| (*k, s["raw"][*k].as_u64().expect("counter")))
+        .collect()
+}
+
+/// The cache's superblock as the device holds it (the daemon's file volume is written with
+/// pwrite, so another reader sees it while the cache runs).
+fn superblock(rig: &Rig) -> hybridcache_engine::Superblock {
+    let v = hybridcache_volume::FileVolume::open(&rig.cache_file).expect("open the cache file");
+    hybridcache_engine::Cache::peek(&v).expect("superblock")
+}
+
+fn core_uuid(rig: &Rig, core: u16) -> String {
+    superblock(rig)
+        .cores
+        .into_iter()
+        .find(|c| c.id == core)
+        .map(|c| c.uuid)
+        .expect("the core is in the superblock")
+}
+
+/// A purge is not a removal: the core keeps its place in the metadata (its uuid), its
+/// statistics and its settings; only what the cache held goes.
+#[test]
+fn purge_core_keeps_its_statistics_and_its_place_in_the_metadata() {
+    let rig = Rig::new(2);
+    let d = rig.d();
+    let mut c1 = rig.client(1);
+    rig.write_dirty(&mut c1, 11);
+    let mut back = vec![0u8; WRITTEN as usize];
+    c1.read(&mut back, 0).expect("read hits");
+    let before = d.stats_json(1, Some(1));
+    assert!(before["raw"]["read_hits"].as_u64() > Some(0));
+    let uuid = core_uuid(&rig, 1);
+
+    d.ok(&["--script", "--purge-core", "-i", "1", "-j", "1"]);
+    let after = d.stats_json(1, Some(1));
+    assert_eq!(kept_counters(&after), kept_counters(&before));
+    assert_eq!(rig.lines(Some(1)), (0, 0), "core 1 holds nothing");
+    assert_eq!(
+        core_uuid(&rig, 1),
+        uuid,
+        "the core was removed and added again"
+    );
+    c1.read(&mut back, 0).expect("read after the purge");
+    assert_eq!(back, pattern(11, WRITTEN as usize));
+}
+
+#[test]
+fn purge_cache_keeps_its_statistics_and_its_metadata() {
+    let rig = Rig::new(2);
+    let d = rig.d();
+    let mut c1 = rig.client(1);
+    let mut c2 = rig.client(2);
+    rig.write_dirty(&mut c1, 12);
+    rig.write_dirty(&mut c2, 13);
+    let mut back = vec![0u8; WRITTEN as usize];
+    c1.read(&mut back, 0).expect("read hits");
+    let before = (d.stats_json(1, None), d.stats_json(1, Some(2)));
+    let sb = superblock(&rig);
+
+    d.ok(&["--script", "--purge-cache", "-i", "1"]);
+    let after = (d.stats_json(1, None), d.stats_json(1, Some(2)));
+    assert_eq!(kept_counters(&after.0), kept_counters(&before.0));
+    assert_eq!(kept_counters(&after.1), kept_counters(&before.1));
+    assert_eq!(rig.lines(None), (0, 0), "the cache holds nothing");
+    let now = superblock(&rig);
+    assert_eq!(now.uuid, sb.uuid, "the cache was started anew");
+    assert_eq!(now.cores, sb.cores, "the cores were added anew");
+    c1.read(&mut back, 0).expect("read after the purge");
+    assert_eq!(back, pattern(12, WRITTEN as usize));
+    c2.read(&mut back, 0).expect("read after the purge");
+    assert_eq!(back, pattern(13, WRITTEN as usize));
+}
+
+/// A core on RAM keeps its device through a purge (the last pass removed and re-added the
+/// core, which would have dropped it, and so refused).
+#[test]
+fn purge_of_a_ram_core_keeps_its_data() {
+    let dir = workdir();
+    let d = Daemon::start(dir.path());
+    d.ok(&["-S", "-d", "ram:16M", "-c", "wb"]);
+    d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "nop"]);
+    d.ok(&["-A", "-i", "1", "-d", "ram:32M"]);
+    let mut c = Client::connect_unix(&d.nbd, "cas1-1").expect("NBD connection");
+    let data = pattern(14, MIB as usize);
+    c.write(&data, 0, false).expect("write");
+    d.ok(&["--script", "--purge-core", "-i", "1", "-j", "1"]);
+    d.ok(&["--script", "--purge-cache", "-i", "1"]);
+    let s = d.stats_json(1, None);
+    assert_eq!(s["raw"]["occupancy_lines"], 0);
+    let mut back = vec![0u8; MIB as usize];
+    c.read(&mut back, 0).expect("read after the purges");
+    assert_eq!(back, data);
+}
+
 /// A purge under a client's writes: the writes in flight wait for it and none is lost.
 #[test]
 fn purge_core_under_writes_loses_none() {

@@ -30,6 +30,7 @@ mod core_state;
 mod devices;
 mod format;
 mod inner;
+mod invalidate;
 pub mod ioclass;
 pub mod latency;
 mod lines;
