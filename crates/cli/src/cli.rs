@@ -572,7 +572,7 @@ pub enum Command {
         /// seq-cutoff, seq-detect: sequential requests before a stream counts.
         #[arg(long = "promotion-count")]
         promotion_count: Option<String>,
-        /// seq-detect (casadm master): refused, the sequence detector has no byte threshold.
+        /// seq-detect (casadm master): KiB a stream moves before it counts, 0 for none.
         #[arg(long = "promotion-threshold")]
         promotion_threshold: Option<String>,
         /// cleaning-io: largest cleaning write, KiB.
