@@ -778,6 +778,150 @@ fn seq_detect_promotion_threshold_promotes_a_stream_by_its_bytes() {
     ]);
 }
 
+/// casadm's `--script --remove-core --detach` (cas_main.c `script_handle` -> cas_lib.c
+/// `remove_core(..., detach, no_flush)`; the kernel detaches the core with OCF's
+/// `ocf_mngt_cache_detach_core`): the core leaves service but stays in the cache's metadata,
+/// inactive, with its lines; with `--no-flush` its dirty data stays on the cache device.
+#[test]
+fn remove_core_detach_keeps_the_core_in_the_metadata() {
+    let rig = Rig::new(1);
+    let d = rig.d();
+    let core = path_str(&rig.cores[0]);
+    let mut c = rig.client(1);
+    rig.write_dirty(&mut c, 15);
+    drop(c);
+    let out = d.ok(&[
+        "--script",
+        "--remove-core",
+        "--cache-id",
+        "1",
+        "--core-id",
+        "1",
+        "--detach",
+        "--no-flush",
+    ]);
+    assert!(
+        out.contains("core 1 of cache 1 detached")
+            && out.contains("with 1,024 dirty lines (4 MiB) on the cache device"),
+        "{out}"
+    );
+    assert!(!rig.core_has(1, 15), "--no-flush flushed");
+    assert_eq!(
+        rig.lines(None).1,
+        WRITTEN / 4096,
+        "the dirty lines are kept"
+    );
+    let list = d.ok(&["-L", "-o", "csv"]);
+    assert!(list.contains(",Inactive,"), "{list}");
+    let e = d.fails(&[
+        "--script",
+        "--remove-core",
+        "-i",
+        "1",
+        "-j",
+        "1",
+        "--detach",
+    ]);
+    assert!(e.contains("it is detached already"), "{e}");
+    assert!(
+        Client::connect_unix(&d.nbd, "cas1-1").is_err(),
+        "still exported"
+    );
+
+    // Attached again, the core serves what its dirty lines hold.
+    let out = d.ok(&["-A", "-i", "1", "-j", "1", "-d", core]);
+    assert!(out.contains("attached again"), "{out}");
+    let mut c = rig.client(1);
+    let mut back = vec![0u8; WRITTEN as usize];
+    c.read(&mut back, 0).expect("read after the attach");
+    assert_eq!(back, pattern(15, WRITTEN as usize));
+
+    // Without --no-flush the core gets its data first; --try-add attaches it again.
+    rig.write_dirty(&mut c, 16);
+    drop(c);
+    let out = d.ok(&[
+        "--script",
+        "--remove-core",
+        "-i",
+        "1",
+        "-j",
+        "1",
+        "--detach",
+    ]);
+    assert!(out.contains("with 0 dirty lines"), "{out}");
+    assert!(rig.core_has(1, 16), "flushed before the detach");
+    d.ok(&[
+        "--script",
+        "--add-core",
+        "--try-add",
+        "-i",
+        "1",
+        "-j",
+        "1",
+        "--core-device",
+        core,
+    ]);
+    // Still the same core of the metadata: a load finds it.
+    d.ok(&["-T", "-i", "1", "-n"]);
+    let out = d.ok(&["-S", "-d", &rig.spec, "--load"]);
+    assert!(!out.contains("inactive"), "{out}");
+}
+
+/// casadm's `--script --add-core --update-path` (the kernel's `cache_mngt_update_core_uuid`:
+/// the new path must name the core's own device): the path the cache records for the core
+/// changes, so a load after the old path is gone finds the core.
+#[test]
+fn add_core_update_path_records_the_core_s_new_path() {
+    let rig = Rig::new(1);
+    let d = rig.d();
+    let mut c = rig.client(1);
+    rig.write_dirty(&mut c, 17);
+    drop(c);
+    let moved = rig.dir.path().join("renamed-core.img");
+    std::fs::rename(&rig.cores[0], &moved).expect("rename the core");
+    let other = rig.dir.path().join("other.img");
+    sparse_file(&other, 32 * MIB);
+    let e = d.fails(&[
+        "--script",
+        "--add-core",
+        "--update-path",
+        "-i",
+        "1",
+        "-j",
+        "1",
+        "--core-device",
+        path_str(&other),
+    ]);
+    assert!(e.contains("is not the device of core 1 of cache 1"), "{e}");
+
+    let out = d.ok(&[
+        "--script",
+        "--add-core",
+        "--update-path",
+        "--cache-id",
+        "1",
+        "--core-id",
+        "1",
+        "--core-device",
+        path_str(&moved),
+    ]);
+    assert!(
+        out.contains(&format!(
+            "core 1 of cache 1 is now recorded on {}",
+            moved.display()
+        )),
+        "{out}"
+    );
+    assert!(d.ok(&["-L", "-o", "csv"]).contains(path_str(&moved)));
+    d.ok(&["-T", "-i", "1", "-n"]);
+    let out = d.ok(&["-S", "-d", &rig.spec, "--load"]);
+    assert!(!out.contains("inactive"), "{out}");
+    let mut c = rig.client(1);
+    let mut back = vec![0u8; WRITTEN as usize];
+    c.read(&mut back, 0).expect("read after the load");
+    assert_eq!(back, pattern(17, WRITTEN as usize));
+}
+
 /// A purge under a client's writes: the writes in flight wait for it and none is lost.
 #[test]
 fn purge_core_under_writes_loses_none() {

@@ -349,13 +349,23 @@ impl Daemon {
                 force,
                 disconnect_clients,
                 inactive_only,
+                detach,
             } => {
                 // casadm's -R -f: remove without flushing.
                 let given = Consents::none()
                     .with(Consent::DiscardDirty, force)
                     .with(Consent::DisconnectClients, disconnect_clients);
-                self.remove_core(cache, core, &given, inactive_only)
+                if detach {
+                    self.detach_core(cache, core, &given)
+                } else {
+                    self.remove_core(cache, core, &given, inactive_only)
+                }
             }
+            Request::UpdateCorePath {
+                cache,
+                core,
+                device,
+            } => self.update_core_path(cache, core, &device),
             Request::DisconnectCache {
                 id,
                 no_flush,

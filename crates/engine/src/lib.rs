@@ -25,6 +25,7 @@ mod cleaner;
 mod cleaning;
 mod cleaning_state;
 mod commit;
+mod core_detach;
 mod core_flush;
 mod core_state;
 mod devices;
