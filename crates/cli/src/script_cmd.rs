@@ -44,6 +44,14 @@ pub enum CasctlCmd {
         #[arg(long)]
         flush: bool,
     },
+    /// Load every cache of the configuration file (opencas.conf as Open CAS has it, or a
+    /// hybridcache TOML file) from its device, as casctl start does: never a new cache; a
+    /// device without one is reported, a missing device waited for. Running caches are left.
+    Start {
+        /// The configuration file; read by the daemon.
+        #[arg(long, value_name = "FILE", default_value = "/etc/opencas/opencas.conf")]
+        config: std::path::PathBuf,
+    },
 }
 
 type Call = fn(&Path, &Request) -> Result<serde_json::Value>;
@@ -52,7 +60,10 @@ type Call = fn(&Path, &Request) -> Result<serde_json::Value>;
 /// without flush, then every cache stopped with `--no-data-flush`; the outcome is the same as
 /// stopping each cache with or without its flush.
 pub fn casctl(args: &CasctlArgs, control: &Path, call: Call) -> Result<()> {
-    let CasctlCmd::Stop { flush } = args.cmd;
+    let flush = match &args.cmd {
+        CasctlCmd::Stop { flush } => *flush,
+        CasctlCmd::Start { config } => return casctl_start(config, control, call),
+    };
     let list: CacheList = serde_json::from_value(call(control, &Request::List)?)
         .map_err(|e| anyhow!("the daemon's list is not what this CLI expects ({e})"))?;
     let mut failed = Vec::new();
@@ -80,5 +91,37 @@ pub fn casctl(args: &CasctlArgs, control: &Path, call: Call) -> Result<()> {
         Ok(())
     } else {
         Err(anyhow!("unable to stop {}", failed.join("; ")))
+    }
+}
+
+/// casctl's `start` (utils/casctl `start`): the daemon loads each cache of the file; one that
+/// cannot be loaded is reported as casctl reports it ("Unable to load cache ..."), and the
+/// command fails when any could not.
+fn casctl_start(config: &Path, control: &Path, call: Call) -> Result<()> {
+    let config = std::path::absolute(config)
+        .map_err(|e| anyhow!("{}: {e}", config.display()))?
+        .to_string_lossy()
+        .into_owned();
+    let v = call(control, &Request::CasctlStart { config })?;
+    let mut failed = Vec::new();
+    for id in v["running"].as_array().into_iter().flatten() {
+        println!("cache {id} is running already: left as it is");
+    }
+    for c in v["caches"].as_array().into_iter().flatten() {
+        let (id, device) = (&c["id"], c["device"].as_str().unwrap_or_default());
+        if c["loaded"].as_bool() == Some(true) {
+            println!("cache {id} loaded from {device}");
+        } else {
+            failed.push(format!(
+                "Unable to load cache {id} ({device}): {}",
+                c["why"].as_str().unwrap_or_default()
+            ));
+        }
+    }
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        // The daemon keeps each one waiting (`-L`): a missing device is taken when it appears.
+        Err(anyhow!("{}", failed.join("; ")))
     }
 }

@@ -922,6 +922,54 @@ fn add_core_update_path_records_the_core_s_new_path() {
     assert_eq!(back, pattern(17, WRITTEN as usize));
 }
 
+/// casctl's `start` (utils/casctl `start`: `casadm -S --load` of every cache of
+/// opencas.conf): the cache stopped with its dirty data is loaded with its core; a device that
+/// holds no cache is reported ("Unable to load cache"), never started anew.
+#[test]
+fn casctl_start_loads_the_caches_of_opencas_conf() {
+    let rig = Rig::new(1);
+    let d = rig.d();
+    let mut c = rig.client(1);
+    rig.write_dirty(&mut c, 18);
+    drop(c);
+    d.ok(&["-T", "-i", "1", "-n"]);
+    let conf = rig.dir.path().join("opencas.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "version=19.3.0\n[caches]\n1\t{}\tWB\n[cores]\n1\t1\t{}\n",
+            rig.cache_file.display(),
+            rig.cores[0].display()
+        ),
+    )
+    .unwrap();
+    let out = d.ok(&["casctl", "start", "--config", path_str(&conf)]);
+    assert!(out.contains("cache 1 loaded from"), "{out}");
+    assert_eq!(rig.lines(None).1, WRITTEN / 4096, "its dirty data loaded");
+    let mut c = rig.client(1);
+    let mut back = vec![0u8; WRITTEN as usize];
+    c.read(&mut back, 0).expect("read after casctl start");
+    assert_eq!(back, pattern(18, WRITTEN as usize));
+    let out = d.ok(&["casctl", "start", "--config", path_str(&conf)]);
+    assert!(out.contains("cache 1 is running already"), "{out}");
+
+    // A device without a cache is not made one.
+    let empty = rig.dir.path().join("empty.img");
+    sparse_file(&empty, 64 * MIB);
+    let conf2 = rig.dir.path().join("other.conf");
+    std::fs::write(
+        &conf2,
+        format!("version=19.3.0\n[caches]\n2\t{}\tWT\n", empty.display()),
+    )
+    .unwrap();
+    let e = d.fails(&["casctl", "start", "--config", path_str(&conf2)]);
+    assert!(e.contains("Unable to load cache 2"), "{e}");
+    assert!(
+        std::fs::read(&empty).unwrap().iter().all(|&b| b == 0),
+        "a cache was created"
+    );
+}
+
 /// A purge under a client's writes: the writes in flight wait for it and none is lost.
 #[test]
 fn purge_core_under_writes_loses_none() {

@@ -40,6 +40,7 @@ use crate::frontend::{Frontends, NbdFrontend};
 use crate::metrics::MetricsServer;
 
 mod caches;
+mod casctl;
 mod check;
 mod configure;
 mod control;
@@ -361,6 +362,7 @@ impl Daemon {
                     self.remove_core(cache, core, &given, inactive_only)
                 }
             }
+            Request::CasctlStart { config } => self.casctl_start(&config),
             Request::UpdateCorePath {
                 cache,
                 core,

@@ -179,6 +179,12 @@ pub enum Request {
         core: u16,
         device: String,
     },
+    /// casctl's `start`: load every cache of the configuration file at `config` (a path the
+    /// daemon reads: TOML or opencas.conf). Result: `{caches: [{id, device, loaded, why?}],
+    /// running: [id]}`.
+    CasctlStart {
+        config: String,
+    },
     /// `--script --add-core --update-path`: record a new path of an active core's device.
     UpdateCorePath {
         cache: u16,
