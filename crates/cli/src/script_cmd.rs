@@ -52,6 +52,20 @@ pub enum CasctlCmd {
         #[arg(long, value_name = "FILE", default_value = "/etc/opencas/opencas.conf")]
         config: std::path::PathBuf,
     },
+    /// Wait until every cache and core of the configuration file runs, as casctl settle does:
+    /// up to --timeout, looking every --interval; fails when a device not marked lazy
+    /// (`lazy_startup = false`, opencas.conf's default) is still not running. A missing file
+    /// is not a failure (casctl does not fail the boot for it).
+    Settle {
+        #[arg(long, value_name = "FILE", default_value = "/etc/opencas/opencas.conf")]
+        config: std::path::PathBuf,
+        /// How long to wait, seconds.
+        #[arg(long, default_value_t = 270)]
+        timeout: u64,
+        /// How often to look, seconds.
+        #[arg(long, default_value_t = 5)]
+        interval: u64,
+    },
 }
 
 type Call = fn(&Path, &Request) -> Result<serde_json::Value>;
@@ -63,6 +77,11 @@ pub fn casctl(args: &CasctlArgs, control: &Path, call: Call) -> Result<()> {
     let flush = match &args.cmd {
         CasctlCmd::Stop { flush } => *flush,
         CasctlCmd::Start { config } => return casctl_start(config, control, call),
+        CasctlCmd::Settle {
+            config,
+            timeout,
+            interval,
+        } => return casctl_settle(config, *timeout, *interval, control, call),
     };
     let list: CacheList = serde_json::from_value(call(control, &Request::List)?)
         .map_err(|e| anyhow!("the daemon's list is not what this CLI expects ({e})"))?;
@@ -123,5 +142,69 @@ fn casctl_start(config: &Path, control: &Path, call: Call) -> Result<()> {
     } else {
         // The daemon keeps each one waiting (`-L`): a missing device is taken when it appears.
         Err(anyhow!("{}", failed.join("; ")))
+    }
+}
+
+/// casctl's `settle` (utils/opencas.py `wait_for_startup`): the daemon attaches devices as they
+/// appear (its device watcher), so this only waits and reports.
+fn casctl_settle(
+    config: &Path,
+    timeout: u64,
+    interval: u64,
+    control: &Path,
+    call: Call,
+) -> Result<()> {
+    let cfg = match hybridcache_daemon::config::ConfigFile::load(config) {
+        Ok(cfg) => cfg,
+        Err(e) => {
+            eprintln!("{e:#}");
+            return Ok(());
+        }
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(timeout);
+    loop {
+        let list: CacheList = serde_json::from_value(call(control, &Request::List)?)
+            .map_err(|e| anyhow!("the daemon's list is not what this CLI expects ({e})"))?;
+        let cache_runs = |id: u16| {
+            list.caches
+                .iter()
+                .any(|c| c.id == id && (c.status == "Running" || c.status == "Incomplete"))
+        };
+        let core_runs = |cache: u16, id: u16| {
+            list.caches.iter().any(|c| {
+                c.id == cache
+                    && c.cores.iter().any(|k| {
+                        k.id == id && k.status != "Inactive" && !k.status.starts_with("Waiting")
+                    })
+            })
+        };
+        // (device, lazy) of each not running.
+        let mut not_running: Vec<(&str, bool)> = cfg
+            .caches
+            .iter()
+            .filter(|c| !cache_runs(c.id))
+            .map(|c| (c.device.as_str(), c.lazy_startup != Some(false)))
+            .collect();
+        not_running.extend(
+            cfg.cores
+                .iter()
+                .filter(|k| !core_runs(k.cache, k.id))
+                .map(|k| (k.device.as_str(), k.lazy_startup != Some(false))),
+        );
+        let waiting = not_running.iter().any(|(_, lazy)| !lazy);
+        if !waiting || std::time::Instant::now() >= deadline {
+            if waiting {
+                let devices: Vec<&str> = not_running.iter().map(|(d, _)| *d).collect();
+                return Err(anyhow!(
+                    "initialization failed: couldn't initialize {} in {timeout} s (a device not marked lazy must run: lazy_startup = false)",
+                    devices.join(", ")
+                ));
+            }
+            for (device, _) in &not_running {
+                eprintln!("Couldn't initialize device {device} (lazy: not waited for)");
+            }
+            return Ok(());
+        }
+        std::thread::sleep(std::time::Duration::from_secs(interval.max(1)));
     }
 }

@@ -970,6 +970,48 @@ fn casctl_start_loads_the_caches_of_opencas_conf() {
     );
 }
 
+/// casctl's `settle` (utils/opencas.py `wait_for_startup`): done once every device of the file
+/// runs; a device not marked lazy (opencas.conf's default) still missing at the timeout fails
+/// it, naming the device; a lazy one is only named.
+#[test]
+fn casctl_settle_waits_for_the_devices_not_marked_lazy() {
+    let rig = Rig::new(1);
+    let d = rig.d();
+    let conf = rig.dir.path().join("opencas.conf");
+    let write = |cores: &str| {
+        std::fs::write(
+            &conf,
+            format!(
+                "version=19.3.0\n[caches]\n1\t{}\tWB\n[cores]\n1\t1\t{}\n{cores}",
+                rig.cache_file.display(),
+                rig.cores[0].display()
+            ),
+        )
+        .unwrap()
+    };
+    write("");
+    let settle = [
+        "casctl",
+        "settle",
+        "--config",
+        path_str(&conf),
+        "--timeout",
+        "1",
+        "--interval",
+        "1",
+    ];
+    d.ok(&settle);
+    let missing = rig.dir.path().join("not-there.img");
+    write(&format!("1\t2\t{}\tlazy_startup=true\n", missing.display()));
+    d.ok(&settle);
+    write(&format!("1\t2\t{}\n", missing.display()));
+    let e = d.fails(&settle);
+    assert!(
+        e.contains("initialization failed: couldn't initialize") && e.contains(path_str(&missing)),
+        "{e}"
+    );
+}
+
 /// A purge under a client's writes: the writes in flight wait for it and none is lost.
 #[test]
 fn purge_core_under_writes_loses_none() {
