@@ -32,15 +32,10 @@ impl Cache {
             uuid: String::new(),
             identity: None,
         });
-        // Lock order as add_core's: the active cores, then the inactive ones.
-        let mut cores = inner.cores.write();
-        inner
-            .seq_cutoff_inactive
-            .write()
-            .insert(id, core.seq().params());
-        inner.inactive.write().insert(id, record);
-        cores.remove(&id);
-        drop(cores);
+        if !inner.cores.deactivate(id, record, core.seq().params()) {
+            core.cancel_removal();
+            return Err(EngineError::NoSuchCore(id));
+        }
         Ok(self.core_dirty_lines(id))
     }
 

@@ -35,12 +35,12 @@ impl CacheInner {
     pub(crate) fn purge(self: &Arc<Self>, core: Option<CoreId>) -> Result<u64> {
         let (active, inactive) = match core {
             None => (
-                self.cores.read().values().cloned().collect(),
-                self.inactive.read().keys().copied().collect(),
+                self.cores.all(),
+                self.cores.inactive_records().iter().map(|r| r.id).collect(),
             ),
             Some(id) => match self.core_by_id(id) {
                 Ok(core) => (vec![core], Vec::new()),
-                Err(_) if self.inactive.read().contains_key(&id) => (Vec::new(), vec![id]),
+                Err(_) if self.cores.is_inactive(id) => (Vec::new(), vec![id]),
                 Err(e) => return Err(e),
             },
         };
