@@ -355,6 +355,15 @@ pub enum Command {
         /// With --add-core: attach a known core, or keep it in the core pool (needs --core-id).
         #[arg(long, requires_all = ["add_core", "core"])]
         try_add: bool,
+        /// With --add-core: record DEV as the new path of active core --core-id, which must be
+        /// the device it is on (a renamed node, another link to it).
+        #[arg(long, requires_all = ["add_core", "core"], conflicts_with = "try_add")]
+        update_path: bool,
+        /// With --remove-core: keep the core in the cache's metadata, inactive with its lines,
+        /// instead of removing it (flushed first unless --no-flush, which keeps the dirty data
+        /// on the cache device); -A -j or --try-add attaches it again.
+        #[arg(long, requires = "remove_core")]
+        detach: bool,
         /// Remove a core (as -R): its dirty data is flushed first; --no-flush (or --force)
         /// discards it instead.
         #[arg(long, requires_all = ["id", "core"], conflicts_with_all = ["device", "pass_through"])]
@@ -572,7 +581,7 @@ pub enum Command {
         /// seq-cutoff, seq-detect: sequential requests before a stream counts.
         #[arg(long = "promotion-count")]
         promotion_count: Option<String>,
-        /// seq-detect (casadm master): refused, the sequence detector has no byte threshold.
+        /// seq-detect (casadm master): KiB a stream moves before it counts, 0 for none.
         #[arg(long = "promotion-threshold")]
         promotion_threshold: Option<String>,
         /// cleaning-io: largest cleaning write, KiB.
@@ -764,6 +773,7 @@ impl Command {
                 force: *force,
                 disconnect_clients: *disconnect_clients,
                 inactive_only: false,
+                detach: false,
             },
             Command::RemoveInactive { id, core, force } => Request::RemoveCore {
                 cache: *id,
@@ -771,6 +781,7 @@ impl Command {
                 force: *force,
                 disconnect_clients: false,
                 inactive_only: true,
+                detach: false,
             },
             Command::ZeroMetadata { device, force } => Request::ZeroMetadata {
                 device: device_from_here(device),
@@ -785,8 +796,14 @@ impl Command {
                 core_device: Some(device),
                 core,
                 try_add,
+                update_path,
                 ..
             } => match (try_add, core) {
+                (false, Some(core)) if *update_path => Request::UpdateCorePath {
+                    cache: *id,
+                    core: *core,
+                    device: device_from_here(device),
+                },
                 (true, Some(core)) => Request::TryAddCore {
                     cache: *id,
                     core: *core,
@@ -806,6 +823,7 @@ impl Command {
                 core: Some(core),
                 no_flush,
                 force,
+                detach,
                 ..
             } => Request::RemoveCore {
                 cache: *id,
@@ -813,6 +831,7 @@ impl Command {
                 force: *no_flush || *force,
                 disconnect_clients: false,
                 inactive_only: false,
+                detach: *detach,
             },
             Command::Script {
                 check_cache_device: true,
@@ -1134,7 +1153,44 @@ mod tests {
                 force: true,
                 disconnect_clients: false,
                 inactive_only: false,
+                detach: false,
             } => {}
+            other => panic!("{other:?}"),
+        }
+        match req(&[
+            "--script",
+            "--remove-core",
+            "-i",
+            "2",
+            "-j",
+            "3",
+            "--detach",
+        ]) {
+            Request::RemoveCore {
+                cache: 2,
+                core: 3,
+                force: false,
+                detach: true,
+                ..
+            } => {}
+            other => panic!("{other:?}"),
+        }
+        match req(&[
+            "--script",
+            "--add-core",
+            "--update-path",
+            "-i",
+            "2",
+            "-j",
+            "3",
+            "--core-device",
+            "/dev/disk/by-id/wwn-1",
+        ]) {
+            Request::UpdateCorePath {
+                cache: 2,
+                core: 3,
+                device,
+            } => assert_eq!(device, "/dev/disk/by-id/wwn-1"),
             other => panic!("{other:?}"),
         }
         match req(&["--remove-detached", "-d", "/dev/sdc"]) {
@@ -1364,7 +1420,8 @@ mod tests {
                 core: 2,
                 force: true,
                 disconnect_clients: false,
-                inactive_only: false
+                inactive_only: false,
+                detach: false
             }
         );
         assert_eq!(
@@ -1374,7 +1431,8 @@ mod tests {
                 core: 2,
                 force: false,
                 disconnect_clients: true,
-                inactive_only: false
+                inactive_only: false,
+                detach: false
             }
         );
         assert_eq!(
@@ -1384,7 +1442,8 @@ mod tests {
                 core: 2,
                 force: false,
                 disconnect_clients: false,
-                inactive_only: true
+                inactive_only: true,
+                detach: false
             }
         );
         assert_eq!(

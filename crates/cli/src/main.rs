@@ -309,6 +309,14 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Script { add_core: true, .. } => match &req {
+            Request::UpdateCorePath { cache, core, .. } => {
+                let v: serde_json::Value = call(&control, &req)?;
+                println!(
+                    "core {core} of cache {cache} is now recorded on {} (was {})",
+                    v["device"].as_str().unwrap_or("?"),
+                    v["was"].as_str().unwrap_or("?")
+                );
+            }
             Request::TryAddCore { cache, device, .. } => {
                 let v: serde_json::Value = call(&control, &req)?;
                 if v.get("pooled").and_then(serde_json::Value::as_bool) == Some(true) {
@@ -332,6 +340,22 @@ fn run(cli: Cli) -> Result<()> {
         Command::RemoveDetached { device } => {
             let _: serde_json::Value = call(&control, &req)?;
             println!("{device} removed from the core pool");
+        }
+        Command::Script {
+            remove_core: true,
+            detach: true,
+            id: Some(id),
+            core: Some(core),
+            ..
+        } => {
+            let v: serde_json::Value = call(&control, &req)?;
+            let lines = v["dirty_lines"].as_u64().unwrap_or(0);
+            let bytes = v["dirty_bytes"].as_u64().unwrap_or(0);
+            println!(
+                "core {core} of cache {id} detached: kept in the cache's metadata, inactive, with {} dirty lines ({}) on the cache device; attach it again with -A -i {id} -j {core} -d DEVICE",
+                hybridcache_daemon::safety::count_text(lines),
+                hybridcache_daemon::safety::size_text(bytes)
+            );
         }
         Command::Script {
             check_cache_device: true,

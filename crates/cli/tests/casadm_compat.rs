@@ -46,10 +46,15 @@ const CASADM_ROWS: &[(&str, &[&str])] = &[
     ),
     ("prefetch", &["Prefetch policy"]),
     ("prefetch-readahead", &["Readahead threshold [KiB]"]),
-    // Master only, per core. Master's second row, `Sequence detector promotion threshold
-    // [KiB]`, is a parameter hybridcache does not have (`--promotion-threshold` is refused:
-    // docs/cli.md), so it has no row here.
-    ("seq-detect", &["Sequence detector promotion request count"]),
+    // Master only, per core: `cas_core_params`' two seq-detect rows, in
+    // `get_param_namespace_handle_option`'s order.
+    (
+        "seq-detect",
+        &[
+            "Sequence detector promotion request count",
+            "Sequence detector promotion threshold [KiB]",
+        ],
+    ),
 ];
 
 /// casadm's per-core groups: its `-G` names a core (`-j`).

@@ -31,15 +31,25 @@ fn generate(dir: &Path) -> (PathBuf, PathBuf) {
 }
 
 /// What the bash completion offers for `line` (words split at spaces as bash splits them, and
-/// `--opt=value` at `=` as bash's COMP_WORDBREAKS does; a trailing space starts an empty word),
+/// `--opt=value` at `=` and `file:PATH` at `:` as bash's COMP_WORDBREAKS does; a trailing space
+/// starts an empty word),
 /// run in `cwd`: COMPREPLY, sorted. The function is the one the script registers
 /// with `complete -F`. Stderr must stay empty: a completion never writes on the terminal.
 fn offers(script: &Path, cwd: &Path, line: &str) -> Vec<String> {
     let mut words: Vec<&str> = vec!["hybridcache"];
     for w in line.split(' ') {
-        match w.split_once('=') {
-            Some((opt, value)) if opt.starts_with("--") => words.extend([opt, "=", value]),
-            _ => words.push(w),
+        let w = match w.split_once('=') {
+            Some((opt, value)) if opt.starts_with("--") => {
+                words.extend([opt, "="]);
+                value
+            }
+            _ => w,
+        };
+        // bash's COMP_WORDBREAKS has `:` too: `file:/x` is three words, `file`, `:`, `/x`.
+        let mut parts = w.split(':');
+        words.push(parts.next().unwrap_or_default());
+        for part in parts {
+            words.extend([":", part]);
         }
     }
     let quoted: Vec<String> = words
@@ -201,6 +211,81 @@ fn bash_completion_knows_every_casadm_form() {
         &["--cache-mode", "--load"],
         "-S after values",
     );
+}
+
+/// An option already on the line is not offered again, in none of its forms (`-d` typed,
+/// `--cache-device` is not offered either).
+#[test]
+fn bash_completion_leaves_out_options_already_typed() {
+    let dir = workdir();
+    let (comp, _) = generate(dir.path());
+    let bash = comp.join("hybridcache.bash");
+    let at = |line: &str| offers(&bash, dir.path(), line);
+
+    let got = at("-S -d ram:1G --");
+    assert!(!got.contains(&"--cache-device".to_string()), "{got:?}");
+    has_all(
+        &got,
+        &["--cache-id", "--cache-mode", "--load"],
+        "-S -d X --",
+    );
+    let got = at("-S --cache-device ram:1G -c wb -");
+    for gone in ["-d", "--cache-device", "-c", "--cache-mode"] {
+        assert!(!got.contains(&gone.to_string()), "{gone} in {got:?}");
+    }
+    has_all(&got, &["-i", "-x", "--load"], "-S --cache-device X -c wb -");
+    let got = at("-S --cache-id=3 --");
+    assert!(!got.contains(&"--cache-id".to_string()), "{got:?}");
+    // Clustered short flags are each typed; the last of a cluster may take the next word.
+    let got = at("-S -fl -");
+    for gone in ["-f", "--force", "-l", "--load"] {
+        assert!(!got.contains(&gone.to_string()), "{gone} in {got:?}");
+    }
+    has_all(&got, &["-d", "-c", "-i"], "-S -fl -");
+    assert_eq!(
+        at("-S -fc "),
+        sorted(&["wt", "wb", "wa", "wi", "wo", "pt"]),
+        "-S -fc"
+    );
+    let got = at("-S -fcwb -");
+    assert!(!got.contains(&"-c".to_string()), "{got:?}");
+    // zsh runs the same function (bashcompinit).
+    if need(&["zsh"]) {
+        let got = zsh_offers(&comp.join("_hybridcache"), dir.path(), "-S -d ram:1G --");
+        assert!(!got.contains(&"--cache-device".to_string()), "zsh: {got:?}");
+        has_all(&got, &["--cache-id", "--load"], "zsh -S -d X --");
+    }
+}
+
+/// bash breaks words at `:` (COMP_WORDBREAKS): a device spec's `file:` prefix must not stop
+/// its path being completed, nor the words after it being read.
+#[test]
+fn bash_completion_completes_the_path_of_a_file_spec() {
+    let dir = workdir();
+    let (comp, _) = generate(dir.path());
+    let bash = comp.join("hybridcache.bash");
+    let at = |line: &str| offers(&bash, dir.path(), line);
+    std::fs::write(dir.path().join("cache-file.img"), "").unwrap();
+    assert_eq!(
+        at("-S -d file:cache-f"),
+        ["cache-file.img"],
+        "-S -d file:cache-f"
+    );
+    assert!(
+        at("-S -d file:").contains(&"cache-file.img".to_string()),
+        "-S -d file:"
+    );
+    assert_eq!(
+        at("-S -d file:cache-file.img -c w"),
+        ["wa", "wb", "wi", "wo", "wt"]
+    );
+    let got = at("-S -d file:cache-file.img --");
+    assert!(!got.contains(&"--cache-device".to_string()), "{got:?}");
+    // zsh does not split the word: the whole of it is replaced, `file:` kept.
+    if need(&["zsh"]) {
+        let got = zsh_offers(&comp.join("_hybridcache"), dir.path(), "-S -d file:cache-f");
+        assert_eq!(got, ["file:cache-file.img"], "zsh");
+    }
 }
 
 #[test]

@@ -40,6 +40,7 @@ use crate::frontend::{Frontends, NbdFrontend};
 use crate::metrics::MetricsServer;
 
 mod caches;
+mod casctl;
 mod check;
 mod configure;
 mod control;
@@ -349,13 +350,24 @@ impl Daemon {
                 force,
                 disconnect_clients,
                 inactive_only,
+                detach,
             } => {
                 // casadm's -R -f: remove without flushing.
                 let given = Consents::none()
                     .with(Consent::DiscardDirty, force)
                     .with(Consent::DisconnectClients, disconnect_clients);
-                self.remove_core(cache, core, &given, inactive_only)
+                if detach {
+                    self.detach_core(cache, core, &given)
+                } else {
+                    self.remove_core(cache, core, &given, inactive_only)
+                }
             }
+            Request::CasctlStart { config } => self.casctl_start(&config),
+            Request::UpdateCorePath {
+                cache,
+                core,
+                device,
+            } => self.update_core_path(cache, core, &device),
             Request::DisconnectCache {
                 id,
                 no_flush,

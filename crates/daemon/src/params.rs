@@ -235,11 +235,25 @@ fn apply_seq_cutoff(
             "policy" => s.policy = v.parse()?,
             "threshold" => s.threshold_kib = parse_u32(k, v)?,
             "promotion-count" => s.promotion_count = parse_u32(k, v)?,
+            // seq-detect's (casadm master); set_seq_cutoff_group keeps it out of seq-cutoff.
+            "promotion-threshold" => s.promotion_threshold_kib = parse_u32(k, v)?,
             _ => return Ok(false),
         }
         Ok(true)
     })?;
     engine(s.validate())
+}
+
+/// v26.03's `seq-cutoff` group, which has no byte threshold: that is master's `seq-detect`.
+fn set_seq_cutoff_group(
+    c: &Cache,
+    core: Option<CoreId>,
+    v: &BTreeMap<String, String>,
+) -> Result<(), String> {
+    if v.contains_key("promotion-threshold") {
+        return Err("parameter group 'seq-cutoff' has no field 'promotion-threshold' (it is seq-detect's: -X -n seq-detect --promotion-threshold KiB)".into());
+    }
+    set_seq_cutoff(c, core, v)
 }
 
 fn set_seq_cutoff(
@@ -271,12 +285,14 @@ fn set_seq_cutoff(
 
 /// casadm master's `seq-detect` group (cas_main.c, `set_param_seq_detect_handle_option`): its
 /// promotion count is the engine's, which v26.03's `seq-cutoff` also sets; its promotion
-/// threshold has no equivalent here.
+/// threshold (KiB, 0 for none) promotes a stream by its bytes (OCF's ocf_seq_detect.c).
 fn get_seq_detect(c: &Cache, core: Option<CoreId>) -> Result<Vec<String>, String> {
     let core = core.ok_or("seq-detect is per core: name one with -j")?;
-    Ok(vec![engine(c.seq_cutoff(core))?
-        .promotion_count
-        .to_string()])
+    let s = engine(c.seq_cutoff(core))?;
+    Ok(vec![
+        s.promotion_count.to_string(),
+        s.promotion_threshold_kib.to_string(),
+    ])
 }
 
 fn set_seq_detect(
@@ -284,10 +300,9 @@ fn set_seq_detect(
     core: Option<CoreId>,
     v: &BTreeMap<String, String>,
 ) -> Result<(), String> {
-    if v.contains_key("--promotion-threshold") {
-        return Err("seq-detect: --promotion-threshold is not supported: hybridcache's sequence detector promotes a stream by its request count only (--promotion-count); it has no byte threshold".into());
-    }
-    each("seq-detect", v, |k, _| Ok(k == "promotion-count"))?;
+    each("seq-detect", v, |k, _| {
+        Ok(k == "promotion-count" || k == "promotion-threshold")
+    })?;
     set_seq_cutoff(c, core, v)
 }
 
@@ -515,16 +530,23 @@ pub const GROUPS: &[Group] = &[
         per_core: true,
         in_config: false,
         get: get_seq_cutoff,
-        set: Some(set_seq_cutoff),
+        set: Some(set_seq_cutoff_group),
     },
     Group {
         name: "seq-detect",
-        help: "sequence detector, per core (-j; --promotion-count), casadm master's group",
-        fields: &[field(
-            "promotion-count",
-            "--promotion-count",
-            "Sequence detector promotion request count",
-        )],
+        help: "sequence detector, per core (-j; --promotion-count, --promotion-threshold), casadm master's group",
+        fields: &[
+            field(
+                "promotion-count",
+                "--promotion-count",
+                "Sequence detector promotion request count",
+            ),
+            field(
+                "promotion-threshold",
+                "--promotion-threshold",
+                "Sequence detector promotion threshold [KiB]",
+            ),
+        ],
         per_core: true,
         in_config: false,
         get: get_seq_detect,

@@ -64,6 +64,10 @@ pub enum Request {
         /// `--remove-inactive`: refuse an active core instead of removing it.
         #[serde(default)]
         inactive_only: bool,
+        /// `--script --remove-core --detach`: make the core inactive, kept in the cache's
+        /// metadata with its lines, instead of removing it.
+        #[serde(default)]
+        detach: bool,
     },
     /// `--script --disconnect-cache`: stop the cache but keep its cores' exports; their
     /// requests wait for `ConnectCache` or, with `pass_through`, go to the cores directly.
@@ -171,6 +175,18 @@ pub enum Request {
     /// running cache records as inactive, or, when the cache does not run, keep the device in
     /// the core pool until it does.
     TryAddCore {
+        cache: u16,
+        core: u16,
+        device: String,
+    },
+    /// casctl's `start`: load every cache of the configuration file at `config` (a path the
+    /// daemon reads: TOML or opencas.conf). Result: `{caches: [{id, device, loaded, why?}],
+    /// running: [id]}`.
+    CasctlStart {
+        config: String,
+    },
+    /// `--script --add-core --update-path`: record a new path of an active core's device.
+    UpdateCorePath {
         cache: u16,
         core: u16,
         device: String,

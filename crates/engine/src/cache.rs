@@ -540,6 +540,14 @@ impl Cache {
         crate::cleaner::flush_cores_dirty(&self.inner, vec![core])
     }
 
+    /// Open CAS's purge of core `core`, or of every core for None (`ocf_mngt_core_purge`,
+    /// `ocf_mngt_cache_purge`; invalidate.rs): dirty data flushed, then every line invalidated
+    /// and committed; the cores, their uuids, settings and statistics stay. Returns the lines
+    /// invalidated. Requests to a purged core fail as `CoreRemoved` while it runs.
+    pub fn purge(&self, core: Option<CoreId>) -> Result<u64> {
+        self.inner.purge(core)
+    }
+
     /// How long the cache (or one core) has held dirty data: since the oldest core's last
     /// transition from clean to dirty (after a load, since the load). None while clean.
     pub fn dirty_for(&self, core: Option<CoreId>) -> Option<std::time::Duration> {

@@ -492,6 +492,17 @@ impl Cores {
         Ok(())
     }
 
+    /// Make active core `id` inactive with `record`, keeping `seq` for its return (a detach,
+    /// core_detach.rs); false when it is not active.
+    pub(crate) fn deactivate(&self, id: CoreId, record: CoreRecord, seq: SeqCutoff) -> bool {
+        let _change = self.changes.lock();
+        if self.active.write().remove(&id).is_none() {
+            return false;
+        }
+        self.inactive.write().insert(id, (record, seq));
+        true
+    }
+
     /// Forget core `id`, active or inactive (its removal has completed).
     pub(crate) fn remove(&self, id: CoreId) {
         let _change = self.changes.lock();

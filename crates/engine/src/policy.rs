@@ -342,6 +342,10 @@ pub struct SeqCutoff {
     pub threshold_kib: u32,
     /// Sequential requests a stream needs before it counts as sequential (1..65535).
     pub promotion_count: u32,
+    /// Bytes, in KiB, after which a stream counts as sequential even with fewer requests than
+    /// `promotion_count` (casadm master's seq-detect `--promotion-threshold`, 0..4194181);
+    /// 0: requests only, as before master.
+    pub promotion_threshold_kib: u32,
 }
 
 impl Default for SeqCutoff {
@@ -350,6 +354,7 @@ impl Default for SeqCutoff {
             policy: SeqCutoffPolicy::Full,
             threshold_kib: 1024,
             promotion_count: 8,
+            promotion_threshold_kib: 0,
         }
     }
 }
@@ -364,21 +369,40 @@ impl SeqCutoff {
             1,
             65_535,
             "",
+        )?;
+        // OCF_SEQ_DETECT_MAX_PROMOTION_THRESHOLD (4294841344 bytes) in KiB, as casadm checks it.
+        check_range(
+            "promotion-threshold",
+            self.promotion_threshold_kib as u64,
+            0,
+            4_194_181,
+            "KiB",
         )
     }
 
+    /// Every field in one word: 2 bits of policy, then 23 bits of each KiB value (both below
+    /// 2^23 once validated) and 16 of the count.
     fn pack(&self) -> u64 {
         (self.policy as u64)
-            | (self.threshold_kib as u64) << 8
-            | (self.promotion_count as u64) << 40
+            | (self.threshold_kib as u64 & 0x7f_ffff) << 2
+            | (self.promotion_count as u64 & 0xffff) << 25
+            | (self.promotion_threshold_kib as u64 & 0x7f_ffff) << 41
     }
 
     fn unpack(v: u64) -> SeqCutoff {
         SeqCutoff {
-            policy: SeqCutoffPolicy::ALL[(v & 0xff) as usize % 3],
-            threshold_kib: ((v >> 8) & 0xffff_ffff) as u32,
-            promotion_count: (v >> 40) as u32,
+            policy: SeqCutoffPolicy::ALL[(v & 0b11) as usize % 3],
+            threshold_kib: ((v >> 2) & 0x7f_ffff) as u32,
+            promotion_count: ((v >> 25) & 0xffff) as u32,
+            promotion_threshold_kib: ((v >> 41) & 0x7f_ffff) as u32,
         }
+    }
+
+    /// Whether a stream of `bytes` in `requests` counts as sequential (OCF's
+    /// `ocf_seq_detect_should_promote`: by its byte threshold when set, or by its count).
+    fn promoted(&self, bytes: u64, requests: u32) -> bool {
+        (self.promotion_threshold_kib > 0 && bytes >= self.promotion_threshold_kib as u64 * 1024)
+            || requests >= self.promotion_count
     }
 }
 
@@ -492,7 +516,7 @@ impl SeqState {
         let Some((bytes, requests)) = self.track(offset, len, write) else {
             return false;
         };
-        if bytes < p.threshold_kib as u64 * 1024 || requests < p.promotion_count {
+        if bytes < p.threshold_kib as u64 * 1024 || !p.promoted(bytes, requests) {
             return false;
         }
         match p.policy {
@@ -894,6 +918,49 @@ mod tests {
             ..SeqCutoff::default()
         };
         assert!(s.validate().is_err());
+        let s = SeqCutoff {
+            promotion_threshold_kib: 4_194_182,
+            ..SeqCutoff::default()
+        };
+        let e = s.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("promotion-threshold 4194182 is out of range"),
+            "{e}"
+        );
+    }
+
+    /// OCF's `ocf_seq_detect_should_promote`: bytes >= the promotion threshold (when not 0)
+    /// or requests >= the promotion count, whichever comes first.
+    #[test]
+    fn a_stream_is_promoted_by_its_bytes_or_its_requests() {
+        let s = SeqState::new(SeqCutoff {
+            policy: SeqCutoffPolicy::Always,
+            threshold_kib: 1,
+            promotion_count: 65_535,
+            promotion_threshold_kib: 64,
+        });
+        let cut: Vec<bool> = (0..4)
+            .map(|i| s.cut_off(i * 32768, 32768, false, || false))
+            .collect();
+        // 32, 64, 96, 128 KiB: the first request starts the stream, the second reaches 64 KiB.
+        assert_eq!(cut, [false, true, true, true]);
+        s.set_params(SeqCutoff {
+            promotion_threshold_kib: 0,
+            ..s.params()
+        });
+        assert!(
+            !s.cut_off(4 * 32768, 32768, false, || false),
+            "0 turns the byte threshold off: 65,535 requests are needed again"
+        );
+        s.set_params(SeqCutoff {
+            promotion_count: 3,
+            promotion_threshold_kib: 4_194_181,
+            ..s.params()
+        });
+        assert!(
+            s.cut_off(5 * 32768, 32768, false, || false),
+            "the count promotes without the bytes"
+        );
     }
 
     #[test]
@@ -902,6 +969,14 @@ mod tests {
             policy: SeqCutoffPolicy::Always,
             threshold_kib: 4_194_181,
             promotion_count: 65_535,
+            promotion_threshold_kib: 4_194_181,
+        };
+        assert_eq!(SeqCutoff::unpack(s.pack()), s);
+        let s = SeqCutoff {
+            policy: SeqCutoffPolicy::Never,
+            threshold_kib: 1,
+            promotion_count: 1,
+            promotion_threshold_kib: 0,
         };
         assert_eq!(SeqCutoff::unpack(s.pack()), s);
         let p = Promotion {
@@ -960,6 +1035,7 @@ mod tests {
             policy: SeqCutoffPolicy::Always,
             threshold_kib: 64,
             promotion_count: 2,
+            promotion_threshold_kib: 0,
         });
         // Two interleaved streams of 16 KiB requests: each is cut off from its 4th request.
         let mut cut = Vec::new();
@@ -993,6 +1069,7 @@ mod tests {
             policy: SeqCutoffPolicy::Always,
             threshold_kib: 64,
             promotion_count: 2,
+            promotion_threshold_kib: 0,
         });
         let order = [0u64, 1, 2, 4, 3, 5, 7, 6, 8, 11, 9, 10, 12];
         let cut: Vec<bool> = order
@@ -1009,6 +1086,7 @@ mod tests {
             policy: SeqCutoffPolicy::Always,
             threshold_kib: 4,
             promotion_count: 1,
+            promotion_threshold_kib: 0,
         });
         for i in [10u64, 8, 13, 6, 15, 4, 2, 12] {
             assert!(!r.cut_off((1 << 30) + i * 8192, 4096, true, || false));
@@ -1025,6 +1103,7 @@ mod tests {
             policy: SeqCutoffPolicy::Always,
             threshold_kib: 16,
             promotion_count: 2,
+            promotion_threshold_kib: 0,
         });
         let order: Vec<u64> = (0..16u64).map(|i| i ^ 1).collect();
         let cut = order
@@ -1045,6 +1124,7 @@ mod tests {
             policy: SeqCutoffPolicy::Always,
             threshold_kib: 16,
             promotion_count: 1,
+            promotion_threshold_kib: 0,
         });
         let base = 1u64 << 30;
         let stream: Vec<bool> = (0..8u64)
@@ -1117,6 +1197,7 @@ mod tests {
                 policy: SeqCutoffPolicy::Always,
                 threshold_kib,
                 promotion_count: 1,
+                promotion_threshold_kib: 0,
             });
             let mut ocf = OcfOracle {
                 streams: Vec::new(),
@@ -1175,6 +1256,7 @@ mod tests {
             policy: SeqCutoffPolicy::Full,
             threshold_kib: 8,
             promotion_count: 1,
+            promotion_threshold_kib: 0,
         });
         assert!(!s.cut_off(0, 4096, false, || panic!("not yet")));
         assert!(!s.cut_off(4096, 4096, false, || false));

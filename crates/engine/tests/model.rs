@@ -209,6 +209,8 @@ fn seq_cutoff(a: u32, b: u32) -> SeqCutoff {
         policy: SeqCutoffPolicy::ALL[a as usize % 3],
         threshold_kib: 1 + b % 64,
         promotion_count: 1 + (b >> 8) % 4,
+        // Off in half the runs; on, a stream may be promoted by its bytes before its count.
+        promotion_threshold_kib: [0, 0, 8, 64][(b >> 12) as usize % 4],
     }
 }
 

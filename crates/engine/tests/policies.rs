@@ -955,6 +955,7 @@ fn seq(policy: SeqCutoffPolicy, threshold_kib: u32, promotion_count: u32) -> Seq
         policy,
         threshold_kib,
         promotion_count,
+        promotion_threshold_kib: 0,
     }
 }
 

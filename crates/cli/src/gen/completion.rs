@@ -38,6 +38,8 @@ pub struct Opt {
     pub help: String,
     /// None: a flag, which takes no value.
     pub values: Option<Values>,
+    /// May be given more than once (`-v -v`, an appended list): offered again once typed.
+    pub repeats: bool,
 }
 
 /// A command as the shells see it: `key` is its path below `hybridcache` ("" for the program,
@@ -94,6 +96,10 @@ fn walk(cmd: &clap::Command, key: String, nodes: &mut Vec<Node>) {
             forms: option_forms(a),
             help: first_line(a.get_help().map(|h| h.to_string())),
             values: a.get_action().takes_values().then(|| values(a)),
+            repeats: matches!(
+                a.get_action(),
+                clap::ArgAction::Append | clap::ArgAction::Count
+            ),
         })
         .collect();
     let positional = args.iter().find(|a| a.is_positional()).map(|a| values(a));
@@ -261,6 +267,20 @@ pub fn bash(nodes: &[Node], func: &str) -> String {
         }
     }
     let _ = writeln!(s, "        *) return 1 ;;\n    esac\n}}\n");
+    // key|option -> every form of that option, once typed not to be offered again; fails for
+    // one that may be repeated.
+    let _ = writeln!(s, "{func}_same() {{\n    case \"$1|$2\" in");
+    for n in nodes {
+        for o in n.opts.iter().filter(|o| !o.repeats) {
+            let _ = writeln!(
+                s,
+                "        {}) echo {} ;;",
+                patterns(&n.key, &o.forms),
+                quote(&o.forms.join(" "))
+            );
+        }
+    }
+    let _ = writeln!(s, "        *) return 1 ;;\n    esac\n}}\n");
     // key -> the words offered for a word starting with `-`, for one that does not, and what a
     // positional takes.
     let _ = writeln!(s, "{func}_words() {{\n    case \"$1|$2\" in");
@@ -315,13 +335,39 @@ _FUNC_ids() {
 }
 
 _FUNC() {
-    local cur=${COMP_WORDS[COMP_CWORD]} key="" word pending="" control="" cache="" sub kind i=1
+    local hc_words=() cword=0 glue="" key="" word pending="" control="" cache="" sub kind i=0
+    # The forms of the options typed for the current command, space-delimited.
+    local typed=" "
     local IFS=$' \t\n'
     COMPREPLY=()
+    # bash breaks words at `:` too (COMP_WORDBREAKS): `file:/dev/x` arrives as `file`, `:`,
+    # `/dev/x`. Put such words back together; the offers are then trimmed to the part after
+    # the last `:`, which is all bash replaces.
+    while [[ $i -le $COMP_CWORD ]]; do
+        word=${COMP_WORDS[i]}
+        if [[ $word == ":" && $cword -gt 0 ]]; then
+            hc_words[cword-1]+=":"
+            glue=1
+        elif [[ -n $glue ]]; then
+            hc_words[cword-1]+=$word
+            glue=""
+        else
+            hc_words[cword]=$word
+            cword=$((cword + 1))
+        fi
+        i=$((i + 1))
+    done
+    cword=$((cword - 1))
+    local cur=${hc_words[cword]} colon="" keep=""
+    # Up to the word's last `:`; bash replaces only what follows it when it split the word
+    # (zsh's bashcompinit does not split: there the whole word is replaced, `keep` kept).
+    [[ $cur == *:* ]] && colon=${cur%"${cur##*:}"}
+    [[ $cur == "${COMP_WORDS[COMP_CWORD]}" ]] && keep=$colon
+    i=1
     # `--opt=value`: bash splits it at `=` into three words.
     if [[ $cur == "=" ]]; then cur=""; fi
-    while [[ $i -lt $COMP_CWORD ]]; do
-        word=${COMP_WORDS[i]}
+    while [[ $i -lt $cword ]]; do
+        word=${hc_words[i]}
         if [[ $word == "=" ]]; then
             :
         elif [[ -z $pending && $word == --*=* ]]; then
@@ -330,6 +376,7 @@ _FUNC() {
                 --control) control=${word#*=} ;;
                 --cache-id) cache=${word#*=} ;;
             esac
+            typed+="$(_FUNC_same "$key" "${word%%=*}") "
         elif [[ -n $pending ]]; then
             case $pending in
                 --control) control=$word ;;
@@ -338,15 +385,39 @@ _FUNC() {
             pending=""
         elif [[ $word == -* ]] && _FUNC_value "$key" "$word" >/dev/null; then
             pending=$word
+            typed+="$(_FUNC_same "$key" "$word") "
         elif sub=$(_FUNC_sub "$key" "$word"); then
             key=$sub
+            typed=" "
+        elif [[ $word == -[!-]?* && $word != *=* ]]; then
+            # Clustered short options (`-fl`, `-fc wb`, `-i3`): letter by letter; the first
+            # that takes a value takes the rest of the word, or else the next word.
+            local rest=${word#-} letter
+            while [[ -n $rest ]]; do
+                letter=-${rest:0:1}
+                rest=${rest:1}
+                typed+="$(_FUNC_same "$key" "$letter") "
+                if _FUNC_value "$key" "$letter" >/dev/null; then
+                    if [[ -z $rest ]]; then
+                        pending=$letter
+                    elif [[ $letter == -i ]]; then
+                        cache=$rest
+                    fi
+                    break
+                fi
+            done
+        elif [[ $word == -* ]]; then
+            typed+="$(_FUNC_same "$key" "$word") "
         fi
         i=$((i + 1))
     done
     if [[ -n $pending ]]; then
         kind=$(_FUNC_value "$key" "$pending")
     elif [[ $cur == -* ]]; then
-        kind="words $(_FUNC_words "$key" -)"
+        kind="words"
+        for word in $(_FUNC_words "$key" -); do
+            [[ $typed == *" $word "* ]] || kind+=" $word"
+        done
     else
         kind=$(_FUNC_words "$key" "") || return 0
     fi
@@ -363,11 +434,11 @@ _FUNC() {
         files)
             if type compopt >/dev/null 2>&1; then compopt -o filenames 2>/dev/null; fi
             local IFS=$'\n'
-            COMPREPLY=($(compgen -f -- "$cur")) ;;
+            COMPREPLY=($(compgen -P "$keep" -f -- "${cur#"$colon"}")) ;;
         dirs)
             if type compopt >/dev/null 2>&1; then compopt -o filenames 2>/dev/null; fi
             local IFS=$'\n'
-            COMPREPLY=($(compgen -d -- "$cur")) ;;
+            COMPREPLY=($(compgen -P "$keep" -d -- "${cur#"$colon"}")) ;;
         cache-ids)
             COMPREPLY=($(compgen -W "$(_FUNC_ids "$control" "")" -- "$cur")) ;;
         core-ids)
@@ -375,6 +446,13 @@ _FUNC() {
                 COMPREPLY=($(compgen -W "$(_FUNC_ids "$control" "$cache")" -- "$cur"))
             fi ;;
     esac
+    if [[ -n $colon && -z $keep && $kind != files && $kind != dirs ]]; then
+        i=0
+        while [[ $i -lt ${#COMPREPLY[@]} ]]; do
+            COMPREPLY[i]=${COMPREPLY[i]#"$colon"}
+            i=$((i + 1))
+        done
+    fi
     return 0
 }
 

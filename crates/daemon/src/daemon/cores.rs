@@ -384,6 +384,127 @@ impl Daemon {
         Ok(json!({ "losses": safety::record(&what, &accepted) }))
     }
 
+    /// `--script --remove-core --detach` (casadm's detach; the kernel's
+    /// `cache_mngt_remove_core_from_cache` with `detach`, OCF's `ocf_mngt_cache_detach_core`):
+    /// the core's export goes, its dirty data is flushed first unless `--no-flush`, and the core
+    /// becomes inactive, kept in the cache's metadata with its lines until `-A -j` or
+    /// `--try-add` attaches its device again. `--no-flush` loses nothing: the dirty data stays
+    /// on the cache device. Its clients need the consent `-R` asks for.
+    pub(super) fn detach_core(&self, cache_id: u16, core: u16, given: &Consents) -> Reply {
+        let what = format!("detaching core {core} of cache {cache_id}");
+        let name = export_name(cache_id, core);
+        let flush = !given.gives(Consent::DiscardDirty);
+        let still_active = |c: &CacheEntry| {
+            match c.cores.get(&core) {
+            None => Err(format!("core {core} does not exist in cache {cache_id}")),
+            Some(e) if !e.active => Err(format!(
+                "core {core} of cache {cache_id} is inactive ({} is not attached): it is detached already; attach it with -A -i {cache_id} -j {core} -d DEVICE, or remove it with --remove-inactive -i {cache_id} -j {core}",
+                e.device
+            )),
+            Some(e) => Ok(e.frontend),
+        }
+        };
+        let (handle, kind) = {
+            let st = self.state.lock();
+            let c = st.cache(cache_id)?;
+            (c.cache.clone(), still_active(c)?)
+        };
+        let losses = self.clients_of(
+            &[(name.clone(), kind)],
+            !given.gives(Consent::DisconnectClients),
+        );
+        let accepted = safety::decide(&what, losses, given)?;
+        if flush {
+            // As -R: the bulk of the flush outside the state lock, the clients still served.
+            handle.flush_core(core).map_err(|e| {
+                format!("cache {cache_id}: flushing core {core}: {}", engine_err(e))
+            })?;
+        }
+        let mut st = self.state.lock();
+        let c = st.cache(cache_id)?;
+        still_active(c)?;
+        if !given.gives(Consent::DisconnectClients) {
+            let late = self.clients_of(&[(name.clone(), kind)], false);
+            safety::decide(&what, late, given)?;
+        }
+        let unexported = self
+            .frontends
+            .get(Some(kind))
+            .ok()
+            .is_some_and(|f| f.stop(&name));
+        let detached = (|| {
+            if flush {
+                c.cache.flush_core(core)?;
+            }
+            c.cache.detach_core(core)
+        })();
+        let kept = match detached {
+            Ok(n) => n,
+            Err(e) => {
+                if unexported {
+                    self.serve_again(c, cache_id, core, kind);
+                }
+                return Err(format!("cache {cache_id}: {}", engine_err(e)));
+            }
+        };
+        let line = c.cache.line_size().bytes() as u64;
+        self.traces.core_removed(&self.registry, cache_id, core);
+        if let Some(e) = st
+            .caches
+            .get_mut(&cache_id)
+            .and_then(|c| c.cores.get_mut(&core))
+        {
+            e.active = false;
+            e.key = None;
+            e.target = None;
+        }
+        self.save_locked(&st);
+        tracing::info!(
+            "cache {cache_id}: core {core} detached, kept inactive with {kept} dirty lines"
+        );
+        Ok(json!({
+            "dirty_lines": kept,
+            "dirty_bytes": kept * line,
+            "losses": safety::record(&what, &accepted),
+        }))
+    }
+
+    /// `--script --add-core --update-path` (the kernel's `cache_mngt_update_core_uuid`): record
+    /// `device` as the path of active core `core`, which must be the device the core is on
+    /// (a renamed node, another link to it); the next load opens it there.
+    pub(super) fn update_core_path(&self, cache_id: u16, core: u16, device: &str) -> Reply {
+        let mut st = self.state.lock();
+        let c = st.cache(cache_id)?;
+        let e = st.active_core(cache_id, core)?;
+        if crate::devices::is_missing(device) {
+            return Err(format!("device {device} not found"));
+        }
+        let same = matches!(
+            (&e.key, crate::devices::device_key(device)),
+            (Some(a), Some(b)) if *a == b
+        );
+        if !same {
+            return Err(format!(
+                "{device} is not the device of core {core} of cache {cache_id} ({}): --update-path records another path of the same device; to put the core on another device, remove it and add that one",
+                e.device
+            ));
+        }
+        c.cache
+            .set_core_path(core, device, crate::devices::identity(device))
+            .map_err(|e| format!("cache {cache_id}: {}", engine_err(e)))?;
+        let old = e.device.clone();
+        if let Some(e) = st
+            .caches
+            .get_mut(&cache_id)
+            .and_then(|c| c.cores.get_mut(&core))
+        {
+            e.device = device.to_string();
+        }
+        self.save_locked(&st);
+        tracing::info!("cache {cache_id}: core {core}'s path is now {device} (was {old})");
+        Ok(json!({ "device": device, "was": old }))
+    }
+
     /// Export core `core` of cache `cache_id` (entry `c`) again after a removal that failed
     /// once its export was stopped, so its clients can reconnect.
     pub(super) fn serve_again(&self, c: &CacheEntry, cache_id: u16, core: u16, kind: &'static str) {
