@@ -64,7 +64,7 @@ impl CacheInner {
         loop {
             match self.commit_once(p) {
                 Ok(Attempt::Retry) => {}
-                Ok(Attempt::Done) => return Ok(()),
+                Ok(Attempt::Done) => return self.note_mirror_lost(),
                 Err(e) => {
                     self.cleaner_signal.commit_failed(taken);
                     return Err(e);
