@@ -12,21 +12,22 @@
 //!   recorded them free (`release_limbo`), never before: always checked, a violation would let
 //!   a crash serve another address's data.
 
-use std::sync::atomic::{fence, Ordering};
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
+use hybridcache_volume::Volume;
+use parking_lot::RwLock;
+
 use crate::core_flush;
 use crate::core_state::CoreState;
-use crate::format::block_crc;
-use crate::format::digest_term;
-use crate::format::encode_block;
-use crate::format::BLOCK;
-use crate::format::{CommitRecord, Entry};
+use crate::format::Entry;
 use crate::inner::CacheInner;
+use crate::lines::Lines;
 use crate::lists::ListKind;
 use crate::persist::Persist;
-use crate::persist::{write_commit, PersistState};
+use crate::room_wait::CleanerSignal;
 use crate::stats::Counter;
 use crate::{CoreId, Result};
 
@@ -48,251 +49,42 @@ enum Attempt {
     Retry,
 }
 
+/// What a commit works on, each by reference, taken from the holder for one commit: the cache
+/// volume, persistence (its bits and sequence, through a [`crate::persist::CommitTurn`]), the line room (the
+/// lines' states for the snapshot, limbo), the cores to flush and the signal that wakes writes
+/// waiting for room.
+struct Commit<'a> {
+    volume: &'a dyn Volume,
+    persist: Option<&'a Persist>,
+    lines: &'a Lines,
+    cores: &'a RwLock<BTreeMap<CoreId, Arc<CoreState>>>,
+    signal: &'a CleanerSignal,
+}
+
 impl CacheInner {
+    fn committer(&self) -> Commit<'_> {
+        Commit {
+            volume: &*self.volume,
+            persist: self.persist.as_ref(),
+            lines: &self.lines,
+            cores: &self.cores,
+            signal: &self.cleaner_signal,
+        }
+    }
+
     /// Make everything acknowledged so far durable (see the module doc). Without persistence it
     /// only flushes the devices. Fails only when the cache volume fails: a core whose flush
     /// fails has the error counted on it and its lines recorded dirty, so that it cannot keep
     /// the other cores' writes from becoming durable.
     pub(crate) fn commit(&self) -> Result<()> {
-        let Some(p) = &self.persist else {
-            self.volume.flush()?;
-            self.flush_cores();
-            return Ok(());
-        };
-        let taken = self.cleaner_signal.commit_begins();
-        // Each retry follows a core newly marked failing, so there are at most as many as cores.
-        loop {
-            match self.commit_once(p) {
-                Ok(Attempt::Retry) => {}
-                Ok(Attempt::Done) => return self.note_mirror_lost(),
-                Err(e) => {
-                    self.cleaner_signal.commit_failed(taken);
-                    return Err(e);
-                }
-            }
-        }
-    }
-
-    /// Flush the cores that took writes since their last flush, and the failing ones (to learn
-    /// whether they came back). Returns whether a core failed that was not failing before.
-    /// The cores flush in parallel, each bounded by the core flush timeout (core_flush.rs): a
-    /// hung core counts as failed, so it cannot hold this commit (and every other core's
-    /// durability) hostage.
-    pub(crate) fn flush_cores(&self) -> bool {
-        let cores: Vec<Arc<CoreState>> = self.cores.read().values().cloned().collect();
-        let mut pending = Vec::new();
-        for c in cores {
-            let was_failing = self.lines.gauges()[c.id() as usize].failing();
-            if !c.take_unflushed() && !was_failing {
-                continue;
-            }
-            let flush = core_flush::start_device_flush(c.id(), c.watch(), c.volume());
-            pending.push((c, was_failing, flush));
-        }
-        let deadline = Instant::now() + core_flush::core_flush_timeout();
-        let mut newly_failing = false;
-        for (c, was_failing, flush) in pending {
-            match flush.wait(deadline) {
-                Ok(()) => {
-                    if was_failing {
-                        self.core_recovered(c.id());
-                    }
-                }
-                Err(_) => {
-                    c.mark_unflushed();
-                    c.counters().add(Counter::CoreWriteErrors, 1);
-                    if !was_failing {
-                        self.lines.gauges()[c.id() as usize].set_failing(true);
-                        newly_failing = true;
-                    }
-                }
-            }
-        }
-        newly_failing
-    }
-
-    /// A failing core's flush succeeded: commits may record its lines as they are again. Its
-    /// blocks are rewritten at the next commit, or lines recorded dirty while it failed would
-    /// stay dirty on the device (and not reusable) until something else changed their block.
-    fn core_recovered(&self, id: CoreId) {
-        self.lines.gauges()[id as usize].set_failing(false);
-        if let Some(p) = &self.persist {
-            for line in 0..self.lines.count() {
-                if self.lines.table().key(line).is_some_and(|k| k.core() == id) {
-                    p.touch(line);
-                }
-            }
-        }
+        self.committer().run()?;
+        self.note_mirror_lost()
     }
 
     /// After a commit: if `core` is failing, its acknowledged writes are not known durable, and
     /// a flush on it must fail, unless its device flushes now.
     pub(crate) fn retry_failing_core(&self, core: &CoreState) -> Result<()> {
-        if !self.lines.gauges()[core.id() as usize].failing() {
-            return Ok(());
-        }
-        core_flush::flush_device(core.id(), core.watch(), core.volume())
-            .inspect_err(|_| core.counters().add(Counter::CoreWriteErrors, 1))?;
-        // Everything written to it before this flush is durable now.
-        self.core_recovered(core.id());
-        Ok(())
-    }
-
-    fn commit_once(&self, p: &Persist) -> Result<Attempt> {
-        let mut st = p.state.lock();
-        let blocks = p.changed.take_all();
-        let epb = p.geometry.entries_per_block as u64;
-        let seq = st.seq + 1;
-        let (buf, dirty_lines) = self.snapshot(p, &blocks, seq);
-        let (terms, digest) = next_digest(&st, &blocks, &buf, seq);
-        let result = self.write_snapshot(p, &blocks, &buf, CommitRecord { seq, digest });
-        // A failed commit's number is burnt: its blocks may have reached the device, and the
-        // retry must not give other contents the same sequence number.
-        st.seq = seq;
-        if !matches!(result, Ok(Attempt::Done)) {
-            // Nothing is known to be durable: the blocks go back into the next commit.
-            for &b in &blocks {
-                p.changed.set(b, true);
-            }
-            return result;
-        }
-        st.digest = digest;
-        for (&b, &t) in blocks.iter().zip(&terms) {
-            st.terms[b as usize] = t;
-        }
-        for (i, &b) in blocks.iter().enumerate() {
-            p.slot.set(b, !p.slot.get(b));
-            for (j, &dirty) in dirty_lines[i].iter().enumerate() {
-                p.durable_dirty.set(b * epb + j as u64, dirty);
-            }
-        }
-        drop(st);
-        if !blocks.is_empty() {
-            self.release_limbo();
-            // Lines cleaned before the snapshot are reusable now: wake the writes waiting for one.
-            self.cleaner_signal.room_made();
-        }
-        Ok(Attempt::Done)
-    }
-
-    /// Step 1: the snapshot of `blocks`, encoded as commit `seq`, and per block which of its
-    /// lines it records dirty. A line's durably-dirty bit is raised before its state is read.
-    fn snapshot(&self, p: &Persist, blocks: &[u64], seq: u64) -> (Vec<u8>, Vec<Vec<bool>>) {
-        let epb = p.geometry.entries_per_block as u64;
-        let mut buf = vec![0u8; blocks.len() * BLOCK];
-        // Per block, which of its lines the snapshot records as dirty.
-        let mut dirty_lines: Vec<Vec<bool>> = Vec::with_capacity(blocks.len());
-        for (i, &b) in blocks.iter().enumerate() {
-            let first = b * epb;
-            let last = (first + epb).min(self.lines.count() as u64);
-            let mut entries = Vec::with_capacity((last - first) as usize);
-            let mut dirty = Vec::with_capacity(entries.capacity());
-            for line in first..last {
-                let line = line as u32;
-                // Raise the bit before reading the state (Dekker with `durably_dirty`).
-                let was = p.durable_dirty.get(line as u64);
-                p.durable_dirty.set(line as u64, true);
-                fence(Ordering::SeqCst);
-                let e = self.snapshot_entry(line);
-                if e.dirty == 0 && !was {
-                    p.durable_dirty.set(line as u64, false);
-                }
-                dirty.push(e.dirty != 0);
-                entries.push(e);
-            }
-            encode_block(
-                &mut buf[i * BLOCK..(i + 1) * BLOCK],
-                b,
-                seq,
-                p.nonce,
-                p.mask_bytes,
-                &entries,
-            );
-            dirty_lines.push(dirty);
-        }
-        (buf, dirty_lines)
-    }
-
-    /// Steps 2 to 5: flush the cache volume and the cores (a core that fails for the first time
-    /// asks for a new snapshot), write the blocks to the copies that do not hold their last
-    /// commit, flush, then write the commit record.
-    fn write_snapshot(
-        &self,
-        p: &Persist,
-        blocks: &[u64],
-        buf: &[u8],
-        record: CommitRecord,
-    ) -> Result<Attempt> {
-        self.volume.flush()?;
-        if self.flush_cores() {
-            return Ok(Attempt::Retry);
-        }
-        if blocks.is_empty() {
-            return Ok(Attempt::Done);
-        }
-        for (i, &b) in blocks.iter().enumerate() {
-            let slot = !p.slot.get(b) as u32;
-            self.volume.write_at(
-                &buf[i * BLOCK..(i + 1) * BLOCK],
-                p.geometry.slot_offset(b, slot),
-            )?;
-        }
-        self.volume.flush()?;
-        // Only now, with every block durable, may the record say the commit completed: a
-        // loader then insists on exactly these versions (docs/format.md).
-        write_commit(&*self.volume, record, p.nonce, p.geometry.meta_blocks)?;
-        Ok(Attempt::Done)
-    }
-
-    /// A line's state as it goes on disk: only consistent combinations.
-    fn snapshot_entry(&self, line: u32) -> Entry {
-        let key = self.lines.table().key(line);
-        let valid = self.lines.table().valid(line);
-        // A racing update may show new valid with old dirty bits; dirty data outside valid
-        // sectors cannot exist, so it is dropped here.
-        let mut dirty = self.lines.table().dirty(line) & valid;
-        if key.is_some_and(|k| self.lines.gauges()[k.core() as usize].failing()) {
-            // The core may not hold what cleaning wrote to it (its flush failed): the cache's
-            // copy stays the one to trust. Valid sectors hold the newest data, so this never
-            // serves anything older; the line is only cleaned again later.
-            dirty = valid;
-        }
-        match key {
-            Some(k) if valid != 0 => Entry {
-                key: Some(k),
-                valid,
-                dirty,
-            },
-            _ => Entry {
-                key: None,
-                valid: 0,
-                dirty: 0,
-            },
-        }
-    }
-
-    /// Move lines that are no longer durably dirty from limbo to the free lists.
-    fn release_limbo(&self) {
-        let Some(p) = &self.persist else { return };
-        for shard in 0..self.lines.lists().shard_count() {
-            let mut s = self.lines.lists().lock(shard);
-            let mut cur = s.first(ListKind::Limbo);
-            while let Some(line) = cur {
-                cur = self.lines.lists().next(line);
-                if !p.durable_dirty.get(line as u64) {
-                    // Always checked: a mapped line on the free list would be handed out while
-                    // it still holds data.
-                    assert!(
-                        self.lines.table().key(line).is_none(),
-                        "line {line} in limbo is mapped"
-                    );
-                    self.lines
-                        .lists()
-                        .move_back(&mut s, ListKind::Limbo, ListKind::Free, line);
-                    self.lines.free_lines().fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        }
+        self.committer().retry_failing_core(core)
     }
 
     /// Called by background cleaning's workers between units (no stripe held): on a persistent
@@ -337,20 +129,158 @@ impl CacheInner {
     }
 }
 
-/// The terms of `blocks` (encoded in `buf` as commit `seq`) and the record's digest: the last
-/// commit's with these blocks' terms replaced.
-fn next_digest(st: &PersistState, blocks: &[u64], buf: &[u8], seq: u64) -> (Vec<u32>, u64) {
-    // The record's digest: the last one with these blocks' terms replaced.
-    let terms: Vec<u32> = blocks
-        .iter()
-        .enumerate()
-        .map(|(i, &b)| digest_term(b, seq, block_crc(&buf[i * BLOCK..])))
-        .collect();
-    let mut digest = st.digest;
-    for (&b, &t) in blocks.iter().zip(&terms) {
-        digest = digest
-            .wrapping_sub(st.terms[b as usize] as u64)
-            .wrapping_add(t as u64);
+impl Commit<'_> {
+    fn run(&self) -> Result<()> {
+        let Some(p) = self.persist else {
+            self.volume.flush()?;
+            self.flush_cores();
+            return Ok(());
+        };
+        let taken = self.signal.commit_begins();
+        // Each retry follows a core newly marked failing, so there are at most as many as cores.
+        loop {
+            match self.once(p) {
+                Ok(Attempt::Retry) => {}
+                Ok(Attempt::Done) => return Ok(()),
+                Err(e) => {
+                    self.signal.commit_failed(taken);
+                    return Err(e);
+                }
+            }
+        }
     }
-    (terms, digest)
+
+    /// One attempt: the snapshot (step 1), the flushes that make its data durable (step 2; a
+    /// core failing for the first time asks for a new snapshot), the writes (steps 3 to 5).
+    /// An attempt that does not complete leaves its blocks to the next (`CommitTurn`'s drop).
+    fn once(&self, p: &Persist) -> Result<Attempt> {
+        let turn = p.begin_commit();
+        let snap = turn.snapshot(self.lines.count(), |line| self.snapshot_entry(line));
+        self.volume.flush()?;
+        if self.flush_cores() {
+            return Ok(Attempt::Retry);
+        }
+        if !turn.is_empty() {
+            turn.write(self.volume, &snap)?;
+        }
+        if turn.completed(snap) {
+            self.release_limbo(p);
+            // Lines cleaned before the snapshot are reusable now: wake the writes waiting for one.
+            self.signal.room_made();
+        }
+        Ok(Attempt::Done)
+    }
+
+    /// Flush the cores that took writes since their last flush, and the failing ones (to learn
+    /// whether they came back). Returns whether a core failed that was not failing before.
+    /// The cores flush in parallel, each bounded by the core flush timeout (core_flush.rs): a
+    /// hung core counts as failed, so it cannot hold this commit (and every other core's
+    /// durability) hostage.
+    fn flush_cores(&self) -> bool {
+        let cores: Vec<Arc<CoreState>> = self.cores.read().values().cloned().collect();
+        let mut pending = Vec::new();
+        for c in cores {
+            let was_failing = self.lines.gauges()[c.id() as usize].failing();
+            if !c.take_unflushed() && !was_failing {
+                continue;
+            }
+            let flush = core_flush::start_device_flush(c.id(), c.watch(), c.volume());
+            pending.push((c, was_failing, flush));
+        }
+        let deadline = Instant::now() + core_flush::core_flush_timeout();
+        let mut newly_failing = false;
+        for (c, was_failing, flush) in pending {
+            match flush.wait(deadline) {
+                Ok(()) => {
+                    if was_failing {
+                        self.core_recovered(c.id());
+                    }
+                }
+                Err(_) => {
+                    c.mark_unflushed();
+                    c.counters().add(Counter::CoreWriteErrors, 1);
+                    if !was_failing {
+                        self.lines.gauges()[c.id() as usize].set_failing(true);
+                        newly_failing = true;
+                    }
+                }
+            }
+        }
+        newly_failing
+    }
+
+    /// A failing core's flush succeeded: commits may record its lines as they are again. Its
+    /// blocks are rewritten at the next commit, or lines recorded dirty while it failed would
+    /// stay dirty on the device (and not reusable) until something else changed their block.
+    fn core_recovered(&self, id: CoreId) {
+        self.lines.gauges()[id as usize].set_failing(false);
+        if let Some(p) = self.persist {
+            for line in 0..self.lines.count() {
+                if self.lines.table().key(line).is_some_and(|k| k.core() == id) {
+                    p.touch(line);
+                }
+            }
+        }
+    }
+
+    fn retry_failing_core(&self, core: &CoreState) -> Result<()> {
+        if !self.lines.gauges()[core.id() as usize].failing() {
+            return Ok(());
+        }
+        core_flush::flush_device(core.id(), core.watch(), core.volume())
+            .inspect_err(|_| core.counters().add(Counter::CoreWriteErrors, 1))?;
+        // Everything written to it before this flush is durable now.
+        self.core_recovered(core.id());
+        Ok(())
+    }
+
+    /// A line's state as it goes on disk: only consistent combinations.
+    fn snapshot_entry(&self, line: u32) -> Entry {
+        let key = self.lines.table().key(line);
+        let valid = self.lines.table().valid(line);
+        // A racing update may show new valid with old dirty bits; dirty data outside valid
+        // sectors cannot exist, so it is dropped here.
+        let mut dirty = self.lines.table().dirty(line) & valid;
+        if key.is_some_and(|k| self.lines.gauges()[k.core() as usize].failing()) {
+            // The core may not hold what cleaning wrote to it (its flush failed): the cache's
+            // copy stays the one to trust. Valid sectors hold the newest data, so this never
+            // serves anything older; the line is only cleaned again later.
+            dirty = valid;
+        }
+        match key {
+            Some(k) if valid != 0 => Entry {
+                key: Some(k),
+                valid,
+                dirty,
+            },
+            _ => Entry {
+                key: None,
+                valid: 0,
+                dirty: 0,
+            },
+        }
+    }
+
+    /// Move lines that are no longer durably dirty from limbo to the free lists.
+    fn release_limbo(&self, p: &Persist) {
+        for shard in 0..self.lines.lists().shard_count() {
+            let mut s = self.lines.lists().lock(shard);
+            let mut cur = s.first(ListKind::Limbo);
+            while let Some(line) = cur {
+                cur = self.lines.lists().next(line);
+                if !p.recorded_dirty(line) {
+                    // Always checked: a mapped line on the free list would be handed out while
+                    // it still holds data.
+                    assert!(
+                        self.lines.table().key(line).is_none(),
+                        "line {line} in limbo is mapped"
+                    );
+                    self.lines
+                        .lists()
+                        .move_back(&mut s, ListKind::Limbo, ListKind::Free, line);
+                    self.lines.free_lines().fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+    }
 }

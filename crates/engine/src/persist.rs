@@ -23,7 +23,7 @@
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 
 use hybridcache_volume::Volume;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 
 use crate::format::{
     block_crc, decode_block, decode_config, digest_term, encode_block, encode_commit,
@@ -80,30 +80,62 @@ impl Bits {
     }
 }
 
+/// Persistence's state: the geometry of the metadata area, the bits of changed blocks, of which
+/// copy holds each block's last commit and of durably dirty lines, and the commit sequence and
+/// digest. Private: the commit protocol (commit.rs) works on it through a [`CommitTurn`], a load
+/// (recovery.rs) through the `load_*` methods, the line room through `touch` and
+/// `durably_dirty`.
+///
+/// Invariants: `slot` and `durable_dirty` change only under `state`'s lock, in a commit turn
+/// (or while a load owns the cache alone); a block's bit in `changed` is cleared only by a
+/// turn, which sets it again unless its commit completed.
 pub(crate) struct Persist {
-    pub(crate) geometry: Geometry,
-    pub(crate) nonce: u64,
-    pub(crate) mask_bytes: usize,
+    geometry: Geometry,
+    nonce: u64,
+    mask_bytes: usize,
     /// Blocks whose lines changed since the last snapshot.
-    pub(crate) changed: Bits,
+    changed: Bits,
     /// Per block, which slot holds its newest committed copy.
-    pub(crate) slot: Bits,
+    slot: Bits,
     /// Per line: the device may record this line as dirty.
-    pub(crate) durable_dirty: Bits,
-    pub(crate) state: Mutex<PersistState>,
+    durable_dirty: Bits,
+    state: Mutex<PersistState>,
 }
 
+/// The commit sequence and digest, and the superblock as last written: under `Persist`'s lock.
 pub(crate) struct PersistState {
     /// Sequence of the last metadata commit (completed or failed: a failed one's number is
     /// never reused, so two versions of a block never share a sequence number).
-    pub(crate) seq: u64,
+    seq: u64,
     /// Per block, its term in the digest of the metadata as last recorded complete.
-    pub(crate) terms: Vec<u32>,
+    terms: Vec<u32>,
     /// Sum of `terms`: what the next commit record's digest starts from.
-    pub(crate) digest: u64,
+    digest: u64,
     /// Sequence of the last superblock write; its parity picks the config slot.
     sb_seq: u64,
     sb: Superblock,
+}
+
+/// A snapshot of the changed metadata blocks, encoded, with what completing it records.
+pub(crate) struct Snapshot {
+    buf: Vec<u8>,
+    /// Per block, which of its lines the snapshot records dirty.
+    dirty_lines: Vec<Vec<bool>>,
+    /// Per block, its term in the digest; and the record's digest.
+    terms: Vec<u32>,
+    digest: u64,
+}
+
+/// One commit under way (commit.rs runs the protocol): holds persistence's lock from taking the
+/// changed blocks to recording the outcome, so commits run one at a time. Dropped without
+/// [`CommitTurn::completed`], its blocks go back into the next commit (nothing of it is known
+/// durable) and its sequence number stays burnt.
+pub(crate) struct CommitTurn<'a> {
+    p: &'a Persist,
+    st: MutexGuard<'a, PersistState>,
+    blocks: Vec<u64>,
+    seq: u64,
+    done: bool,
 }
 
 pub(crate) fn random_u64() -> u64 {
@@ -176,7 +208,18 @@ impl Persist {
         write_commit(volume, rec, self.nonce, self.geometry.meta_blocks)
     }
 
+    #[inline]
+    pub(crate) fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+
+    #[inline]
+    pub(crate) fn mask_bytes(&self) -> usize {
+        self.mask_bytes
+    }
+
     /// Note that `line`'s state changed. Called after the change.
+    #[inline]
     pub(crate) fn touch(&self, line: u32) {
         let block = line as u64 / self.geometry.entries_per_block as u64;
         if !self.changed.get(block) {
@@ -187,9 +230,64 @@ impl Persist {
     /// Whether the device may record `line` as dirty. Callers that act on a `false` (reuse the
     /// line) must have changed the line's state before asking: with the SeqCst fence here and the
     /// one in the snapshot, either the snapshot sees the change or this sees the snapshot's bit.
+    #[inline]
     pub(crate) fn durably_dirty(&self, line: u32) -> bool {
         fence(Ordering::SeqCst);
         self.durable_dirty.get(line as u64)
+    }
+
+    /// `line`'s durably-dirty bit without the fence: for whoever orders itself after the
+    /// commits that set it (the committer releasing limbo, a load that owns the cache alone).
+    pub(crate) fn recorded_dirty(&self, line: u32) -> bool {
+        self.durable_dirty.get(line as u64)
+    }
+
+    /// Start a commit: wait for the one under way, take the blocks changed since the last
+    /// snapshot and the next sequence number.
+    pub(crate) fn begin_commit(&self) -> CommitTurn<'_> {
+        let st = self.state.lock();
+        let blocks = self.changed.take_all();
+        let seq = st.seq + 1;
+        CommitTurn {
+            p: self,
+            st,
+            blocks,
+            seq,
+            done: false,
+        }
+    }
+
+    // ---- a load (recovery.rs), which owns the cache alone --------------------------------
+
+    /// Block `block`'s copy in `slot` is the one the load used (the newest committed).
+    pub(crate) fn load_slot(&self, block: u64, slot: u32) {
+        debug_assert!(slot < 2);
+        if slot == 1 {
+            self.slot.set(block, true);
+        }
+    }
+
+    /// Lines `64 * word ..` whose bits are set in `bits` are recorded dirty on the device.
+    pub(crate) fn load_dirty_word(&self, word: u64, bits: u64) {
+        self.durable_dirty.or_word(word, bits);
+    }
+
+    /// Block `block` must be rewritten by the next commit (a load dropped one of its lines).
+    pub(crate) fn load_changed(&self, block: u64) {
+        self.changed.set(block, true);
+    }
+
+    /// The commit state the load found: the last sequence number seen and the blocks' terms.
+    pub(crate) fn load_commit_state(&self, seq: u64, terms: Vec<u32>) {
+        assert_eq!(
+            terms.len() as u64,
+            self.geometry.meta_blocks,
+            "one digest term per metadata block"
+        );
+        let mut st = self.state.lock();
+        st.seq = seq;
+        st.digest = terms.iter().map(|&t| t as u64).sum();
+        st.terms = terms;
     }
 
     pub(crate) fn superblock(&self) -> Superblock {
@@ -210,6 +308,131 @@ impl Persist {
         st.sb = sb;
         st.sb_seq = seq;
         Ok(())
+    }
+}
+
+impl CommitTurn<'_> {
+    /// No line changed since the last snapshot: the commit only flushes.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// Step 1: the snapshot of the changed blocks of `lines` lines, each line's state read by
+    /// `entry` (under its stripe, so never half updated). A line's durably-dirty bit is raised
+    /// before its state is read (Dekker with [`Persist::durably_dirty`]): either a reuser of
+    /// the line sees the bit, or this sees its change.
+    pub(crate) fn snapshot(&self, lines: u32, mut entry: impl FnMut(u32) -> Entry) -> Snapshot {
+        let p = self.p;
+        let epb = p.geometry.entries_per_block as u64;
+        let mut buf = vec![0u8; self.blocks.len() * BLOCK];
+        let mut dirty_lines: Vec<Vec<bool>> = Vec::with_capacity(self.blocks.len());
+        for (i, &b) in self.blocks.iter().enumerate() {
+            let first = b * epb;
+            let last = (first + epb).min(lines as u64);
+            let mut entries = Vec::with_capacity((last - first) as usize);
+            let mut dirty = Vec::with_capacity(entries.capacity());
+            for line in first..last {
+                let was = p.durable_dirty.get(line);
+                p.durable_dirty.set(line, true);
+                fence(Ordering::SeqCst);
+                let e = entry(line as u32);
+                if e.dirty == 0 && !was {
+                    p.durable_dirty.set(line, false);
+                }
+                dirty.push(e.dirty != 0);
+                entries.push(e);
+            }
+            encode_block(
+                &mut buf[i * BLOCK..(i + 1) * BLOCK],
+                b,
+                self.seq,
+                p.nonce,
+                p.mask_bytes,
+                &entries,
+            );
+            dirty_lines.push(dirty);
+        }
+        let (terms, digest) = self.next_digest(&buf);
+        Snapshot {
+            buf,
+            dirty_lines,
+            terms,
+            digest,
+        }
+    }
+
+    /// The terms of the snapshot's blocks and the record's digest: the last commit's with these
+    /// blocks' terms replaced.
+    fn next_digest(&self, buf: &[u8]) -> (Vec<u32>, u64) {
+        let terms: Vec<u32> = self
+            .blocks
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| digest_term(b, self.seq, block_crc(&buf[i * BLOCK..])))
+            .collect();
+        let mut digest = self.st.digest;
+        for (&b, &t) in self.blocks.iter().zip(&terms) {
+            digest = digest
+                .wrapping_sub(self.st.terms[b as usize] as u64)
+                .wrapping_add(t as u64);
+        }
+        (terms, digest)
+    }
+
+    /// Steps 3 to 5, once the data the snapshot refers to is durable: each block to the copy
+    /// that does not hold its last commit, a flush, then the commit record (and its flush).
+    pub(crate) fn write(&self, volume: &dyn Volume, snap: &Snapshot) -> Result<()> {
+        let p = self.p;
+        for (i, &b) in self.blocks.iter().enumerate() {
+            let slot = !p.slot.get(b) as u32;
+            volume.write_at(
+                &snap.buf[i * BLOCK..(i + 1) * BLOCK],
+                p.geometry.slot_offset(b, slot),
+            )?;
+        }
+        volume.flush()?;
+        // Only now, with every block durable, may the record say the commit completed: a
+        // loader then insists on exactly these versions (docs/format.md).
+        let record = CommitRecord {
+            seq: self.seq,
+            digest: snap.digest,
+        };
+        write_commit(volume, record, p.nonce, p.geometry.meta_blocks)
+    }
+
+    /// The commit completed (or, with no block changed, needed no writes): the new copies are
+    /// the committed ones, and the lines the snapshot records clean are no longer durably
+    /// dirty. Returns whether any block was committed.
+    pub(crate) fn completed(mut self, snap: Snapshot) -> bool {
+        let p = self.p;
+        let epb = p.geometry.entries_per_block as u64;
+        self.st.seq = self.seq;
+        self.st.digest = snap.digest;
+        for (&b, &t) in self.blocks.iter().zip(&snap.terms) {
+            self.st.terms[b as usize] = t;
+        }
+        for (i, &b) in self.blocks.iter().enumerate() {
+            p.slot.set(b, !p.slot.get(b));
+            for (j, &dirty) in snap.dirty_lines[i].iter().enumerate() {
+                p.durable_dirty.set(b * epb + j as u64, dirty);
+            }
+        }
+        self.done = true;
+        !self.blocks.is_empty()
+    }
+}
+
+impl Drop for CommitTurn<'_> {
+    fn drop(&mut self) {
+        // A failed commit's number is burnt: its blocks may have reached the device, and the
+        // retry must not give other contents the same sequence number.
+        self.st.seq = self.seq;
+        if !self.done {
+            // Nothing is known to be durable: the blocks go back into the next commit.
+            for &b in &self.blocks {
+                self.p.changed.set(b, true);
+            }
+        }
     }
 }
 
@@ -438,11 +661,7 @@ pub(crate) fn format_volume(
     )?;
     write_config(volume, sb, 1)?;
     let p = Persist::new(geometry, sb.nonce, mask_bytes, sb.clone(), 0, 1);
-    {
-        let mut st = p.state.lock();
-        st.terms = terms;
-        st.digest = digest;
-    }
+    p.load_commit_state(0, terms);
     Ok(p)
 }
 

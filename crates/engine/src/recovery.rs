@@ -165,8 +165,8 @@ impl Decode<'_> {
     fn blocks(&self, blocks: std::ops::Range<u64>) -> Result<Decoded> {
         const CHUNK_BLOCKS: u64 = 8192;
         let p = self.p;
-        let geometry = p.geometry;
-        let mask_bytes = p.mask_bytes;
+        let geometry = p.geometry();
+        let mask_bytes = p.mask_bytes();
         let epb = geometry.entries_per_block as u64;
         let table = self.table;
         let corrupt = EngineError::Corrupt;
@@ -275,9 +275,7 @@ impl Decode<'_> {
                         }
                     }
                 }
-                if slot == 1 {
-                    p.slot.set(block, true);
-                }
+                p.load_slot(block, slot as u32);
                 out.seqs[k] = seq;
                 let mut changed = false;
                 for (j, e) in entries.iter().enumerate() {
@@ -314,7 +312,7 @@ impl Decode<'_> {
                     if e.dirty != 0 {
                         let word = line as u64 / 64;
                         if word != dirty_word.0 {
-                            p.durable_dirty.or_word(dirty_word.0, dirty_word.1);
+                            p.load_dirty_word(dirty_word.0, dirty_word.1);
                             dirty_word = (word, 0);
                         }
                         dirty_word.1 |= 1 << (line % 64);
@@ -334,12 +332,12 @@ impl Decode<'_> {
                     g.1 += (e.dirty != 0) as u64;
                 }
                 if changed {
-                    p.changed.set(block, true);
+                    p.load_changed(block);
                 }
             }
             b += n;
         }
-        p.durable_dirty.or_word(dirty_word.0, dirty_word.1);
+        p.load_dirty_word(dirty_word.0, dirty_word.1);
         Ok(out)
     }
 }
@@ -366,7 +364,7 @@ impl Link<'_> {
     ) -> std::result::Result<Vec<(u64, u64)>, (u32, EngineError)> {
         const BATCH: u32 = 64;
         let table = self.table;
-        let epb = self.p.geometry.entries_per_block as u64;
+        let epb = self.p.geometry().entries_per_block as u64;
         let mut dropped = vec![(0u64, 0u64); crate::MAX_CORES as usize];
         let (lo, hi) = (buckets.start, buckets.end);
         let mut lines = [0u32; BATCH as usize + 1];
@@ -424,13 +422,13 @@ impl Link<'_> {
                         g.0 += 1;
                         g.1 += (table.dirty(line) != 0) as u64;
                         table.clear_state(line);
-                        self.p.changed.set(block, true);
+                        self.p.load_changed(block);
                         continue;
                     }
                     g.0 += 1;
                     g.1 += (table.dirty(other) != 0) as u64;
                     table.unmap(other, key);
-                    self.p.changed.set(other as u64 / epb, true);
+                    self.p.load_changed(other as u64 / epb);
                 }
                 table.link(line, bucket);
             }
@@ -461,7 +459,7 @@ pub(crate) fn restore(
     version: u32,
 ) -> Result<()> {
     let p = inner.persist.as_ref().expect("restore needs persistence");
-    let geometry = p.geometry;
+    let geometry = p.geometry();
     let record = if version >= 2 {
         Some(last_commit(volume, sb.nonce, geometry.meta_blocks)?)
     } else {
@@ -560,24 +558,18 @@ pub(crate) fn restore(
             )));
         }
     }
-    {
-        let mut st = p.state.lock();
-        st.seq = record.map_or(max_seq, |r| r.seq.max(max_seq));
-        st.digest = terms.iter().map(|&t| t as u64).sum();
-        st.terms = terms;
-    }
+    p.load_commit_state(record.map_or(max_seq, |r| r.seq.max(max_seq)), terms);
     for (id, (occupancy, dirty)) in gauges.into_iter().enumerate() {
         inner.lines.gauges()[id].restore(occupancy, dirty);
     }
     // Lines the device may still record as dirty for a mapping that lost to a newer one wait in
     // limbo until a commit rewrites their block.
-    let durable = &p.durable_dirty;
     let free = inner
         .lines
         .rebuild_lists(|table, line| match table.key(line) {
             Some(_) if table.dirty(line) != 0 => ListKind::Dirty,
             Some(_) => ListKind::Clean,
-            None if durable.get(line as u64) => ListKind::Limbo,
+            None if p.recorded_dirty(line) => ListKind::Limbo,
             None => ListKind::Free,
         });
     inner.lines.free_lines().store(free, Ordering::Relaxed);

@@ -61,14 +61,6 @@ const NOT_YET_PRIVATE: &[(&str, &str)] = &[
         "unit tests of other modules reach the holder through `Cache::inner`",
     ),
     (
-        "Persist",
-        "the commit protocol (commit.rs) and recovery work on persist.rs's slots and bits",
-    ),
-    (
-        "PersistState",
-        "the commit's sequence and digest, under `Persist::state`",
-    ),
-    (
         "CleanerState",
         "the cleaning policies' schedule, worked on by cleaning.rs's ticks",
     ),
