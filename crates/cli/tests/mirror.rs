@@ -1,0 +1,219 @@
+//! A mirrored write-back cache through the real daemon (issue 34; docs/cli.md "Mirrored
+//! caches"): the primary cache device is an NBD export served by nbdkit (memory plugin behind
+//! the error filter), the mirror a file. fio writes the exported volume with crc32c
+//! verification and flushes; in the middle of the run the primary starts failing every request.
+//! fio must complete without an error (its verification reads the dirty data back from the
+//! mirror), `-L` must say `Primary lost`, and after `-T` the core file alone must verify.
+//! Then the failover: a crash (kill -9) of a daemon whose primary is gone, and the cache
+//! brought up on a new daemon from the mirror alone with `--load-mirror`.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{fio, nbdkit, need, sparse_file, workdir, Daemon};
+
+const MIB: u64 = 1 << 20;
+
+fn job(uri_or_file: &[String], name: &str, extra: &[&str]) -> Vec<String> {
+    let mut a: Vec<String> = uri_or_file.to_vec();
+    a.extend(
+        [
+            "--verify_state_save=0".to_string(),
+            format!("--name={name}"),
+            "--rw=randwrite".into(),
+            "--bsrange=4k-128k".into(),
+            "--iodepth=4".into(),
+            "--size=24m".into(),
+            "--verify=crc32c".into(),
+            "--verify_fatal=1".into(),
+            "--randrepeat=1".into(),
+            "--fsync=16".into(),
+            "--end_fsync=1".into(),
+        ]
+        .into_iter(),
+    );
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a
+}
+
+fn exported_writes(d: &Daemon) -> u64 {
+    d.stats_json(1, Some(1))["blocks"]["exported_writes"]["count"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+#[test]
+fn fio_verify_survives_the_primary_failing_mid_run_and_the_core_alone_has_it() {
+    if !need(&["nbdkit", "fio"]) {
+        return;
+    }
+    let dir = workdir();
+    let sock = dir.path().join("primary.sock");
+    let inject = dir.path().join("inject");
+    let _nbdkit = nbdkit(
+        &sock,
+        &[
+            "--filter=error".into(),
+            "memory".into(),
+            "64M".into(),
+            "error-rate=100%".into(),
+            format!("error-file={}", inject.display()),
+        ],
+    );
+    let primary = format!("nbd+unix:///?socket={}", sock.display());
+    let mirror = dir.path().join("mirror.img");
+    let core = dir.path().join("core.img");
+    sparse_file(&mirror, 64 * MIB);
+    sparse_file(&core, 64 * MIB);
+    let mirror_spec = format!("file:{}", mirror.display());
+    let core_path = core.to_str().expect("UTF-8 path");
+    let d = Daemon::start(dir.path());
+    d.ok(&["-S", "-d", &primary, "--mirror", &mirror_spec, "-c", "wb"]);
+    d.ok(&["-A", "-i", "1", "-d", core_path]);
+    let listed: serde_json::Value =
+        serde_json::from_str(&d.ok(&["-L", "-o", "json"])).expect("-L JSON");
+    assert_eq!(
+        listed["caches"][0]["mirror"]["state"], "redundant",
+        "{listed}"
+    );
+    // Nothing drains the dirty data behind fio's back: what it reads back comes from the cache.
+    d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "nop"]);
+
+    let uri = [
+        "--ioengine=nbd".to_string(),
+        format!("--uri={}", d.uri("cas1-1")),
+    ];
+    let run = {
+        let (dir, args) = (
+            dir.path().to_path_buf(),
+            job(&uri, "mirrored", &["--rate=,3m"]),
+        );
+        std::thread::spawn(move || fio(&dir, "mirrored", &args))
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while exported_writes(&d) < 512 {
+        assert!(!run.is_finished(), "fio ended before the primary failed");
+        assert!(Instant::now() < deadline, "fio never wrote to cas1-1");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The primary fails every request from here on.
+    std::fs::write(&inject, b"").unwrap();
+    let at_failure = exported_writes(&d);
+    let report = run.join().expect("the fio thread");
+    assert_eq!(
+        report["jobs"][0]["write"]["io_bytes"].as_u64(),
+        Some(24 * MIB),
+        "fio wrote all of its run"
+    );
+    assert!(
+        at_failure < 6144,
+        "the primary failed after fio's writes, not during them ({at_failure} blocks)"
+    );
+    let listed: serde_json::Value =
+        serde_json::from_str(&d.ok(&["-L", "-o", "json"])).expect("-L JSON");
+    assert_eq!(
+        listed["caches"][0]["mirror"]["state"], "primary lost",
+        "{listed}"
+    );
+    let table = d.ok(&["-L"]);
+    assert!(table.contains("Primary lost"), "{table}");
+    let stats = d.ok(&["-P", "-i", "1"]);
+    assert!(
+        stats.contains("Mirror State") && stats.contains("Primary lost"),
+        "{stats}"
+    );
+    // The log says what is at risk, at ERROR, once the watcher has looked.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !d.log_text().contains("primary lost") {
+        assert!(Instant::now() < deadline, "no log line: {}", d.log_text());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(d.log_text().contains("ERROR"), "{}", d.log_text());
+
+    // Stop: the dirty data drains to the core from the mirror; the core file then verifies alone.
+    d.ok(&["-T", "-i", "1"]);
+    let file = [
+        "--ioengine=psync".to_string(),
+        format!("--filename={core_path}"),
+    ];
+    fio(
+        dir.path(),
+        "core-alone",
+        &job(&file, "mirrored", &["--verify_only"]),
+    );
+}
+
+#[test]
+fn load_mirror_brings_every_flushed_write_back_after_the_primary_is_gone() {
+    if !need(&["fio"]) {
+        return;
+    }
+    let dir = workdir();
+    let primary = dir.path().join("primary.img");
+    let mirror = dir.path().join("mirror.img");
+    let core = dir.path().join("core.img");
+    sparse_file(&primary, 64 * MIB);
+    sparse_file(&mirror, 64 * MIB);
+    sparse_file(&core, 64 * MIB);
+    let primary_spec = format!("file:{}", primary.display());
+    let mirror_spec = format!("file:{}", mirror.display());
+    let core_path = core.to_str().expect("UTF-8 path");
+    let mut d = Daemon::start(dir.path());
+    d.ok(&[
+        "-S",
+        "-d",
+        &primary_spec,
+        "--mirror",
+        &mirror_spec,
+        "-c",
+        "wb",
+    ]);
+    d.ok(&["-A", "-i", "1", "-d", core_path]);
+    d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "nop"]);
+    // The mirror is claimed: nothing else may use it.
+    let err = d.fails(&["-S", "-d", &mirror_spec, "-i", "2"]);
+    assert!(err.contains("the mirror of cache 1"), "{err}");
+    let uri = [
+        "--ioengine=nbd".to_string(),
+        format!("--uri={}", d.uri("cas1-1")),
+    ];
+    fio(dir.path(), "before", &job(&uri, "failover", &[]));
+    let dirty = d.stats_json(1, None)["usage"]["dirty"]["count"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(dirty > 0, "the run left nothing dirty");
+    // The host dies and its primary with it.
+    d.kill();
+    std::fs::remove_file(&primary).unwrap();
+    let d = Daemon::start(dir.path());
+    // A plain load of the mirror is refused: it would trust lines the mirror never got.
+    let err = d.fails(&["-S", "-d", &mirror_spec, "--load"]);
+    assert!(err.contains("--load-mirror"), "{err}");
+    let out = d.ok(&["-S", "-d", &mirror_spec, "--load-mirror"]);
+    assert!(out.starts_with("cache 1 loaded"), "{out}");
+    assert!(
+        d.log_text().contains("brought up from its mirror"),
+        "{}",
+        d.log_text()
+    );
+    let uri = [
+        "--ioengine=nbd".to_string(),
+        format!("--uri={}", d.uri("cas1-1")),
+    ];
+    fio(
+        dir.path(),
+        "after",
+        &job(&uri, "failover", &["--verify_only"]),
+    );
+    d.ok(&["-T", "-i", "1"]);
+    let file = [
+        "--ioengine=psync".to_string(),
+        format!("--filename={core_path}"),
+    ];
+    fio(
+        dir.path(),
+        "core-alone",
+        &job(&file, "failover", &["--verify_only"]),
+    );
+}
