@@ -1307,6 +1307,7 @@ mod tests {
                 dirty_for_s: Some(3723),
                 inactive_cores: 0,
                 metadata_bytes: 3 << 20,
+                mirror: None,
             },
             core: None,
             io_class: None,

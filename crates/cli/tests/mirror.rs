@@ -17,22 +17,19 @@ const MIB: u64 = 1 << 20;
 
 fn job(uri_or_file: &[String], name: &str, extra: &[&str]) -> Vec<String> {
     let mut a: Vec<String> = uri_or_file.to_vec();
-    a.extend(
-        [
-            "--verify_state_save=0".to_string(),
-            format!("--name={name}"),
-            "--rw=randwrite".into(),
-            "--bsrange=4k-128k".into(),
-            "--iodepth=4".into(),
-            "--size=24m".into(),
-            "--verify=crc32c".into(),
-            "--verify_fatal=1".into(),
-            "--randrepeat=1".into(),
-            "--fsync=16".into(),
-            "--end_fsync=1".into(),
-        ]
-        .into_iter(),
-    );
+    a.extend([
+        "--verify_state_save=0".to_string(),
+        format!("--name={name}"),
+        "--rw=randwrite".into(),
+        "--bsrange=4k-128k".into(),
+        "--iodepth=4".into(),
+        "--size=24m".into(),
+        "--verify=crc32c".into(),
+        "--verify_fatal=1".into(),
+        "--randrepeat=1".into(),
+        "--fsync=16".into(),
+        "--end_fsync=1".into(),
+    ]);
     a.extend(extra.iter().map(|s| s.to_string()));
     a
 }

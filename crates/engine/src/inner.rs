@@ -225,7 +225,7 @@ impl CacheInner {
             return Ok(());
         };
         if m.state() != crate::MirrorState::MirrorLost
-            || p.superblock().mirror.as_ref().is_none_or(|r| r.lost)
+            || !p.superblock().mirror.as_ref().is_some_and(|r| !r.lost)
         {
             return Ok(());
         }
