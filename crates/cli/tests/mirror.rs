@@ -156,17 +156,25 @@ fn load_mirror_brings_every_flushed_write_back_after_the_primary_is_gone() {
     let primary_spec = format!("file:{}", primary.display());
     let mirror_spec = format!("file:{}", mirror.display());
     let core_path = core.to_str().expect("UTF-8 path");
-    let mut d = Daemon::start(dir.path());
-    d.ok(&[
-        "-S",
-        "-d",
-        &primary_spec,
-        "--mirror",
-        &mirror_spec,
-        "-c",
-        "wb",
-    ]);
-    d.ok(&["-A", "-i", "1", "-d", core_path]);
+    // Declared in the configuration file (its `mirror` key): created at the first start,
+    // loaded with its mirror at the next.
+    let config = dir.path().join("hybridcache.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[cache]]\nid = 1\ndevice = \"{primary_spec}\"\nmode = \"wb\"\nmirror = \"{mirror_spec}\"\nmirror_lost = \"keep\"\n\n[[core]]\ncache = 1\nid = 1\ndevice = \"{core_path}\"\n"
+        ),
+    )
+    .unwrap();
+    let config = config.to_str().expect("UTF-8 path");
+    let mut d = Daemon::start_with(dir.path(), &["--config", config]);
+    assert!(d.stop());
+    d = Daemon::start_with(dir.path(), &["--config", config]);
+    let listed: serde_json::Value =
+        serde_json::from_str(&d.ok(&["-L", "-o", "json"])).expect("-L JSON");
+    let mirror = &listed["caches"][0]["mirror"];
+    assert_eq!(mirror["state"], "redundant", "{listed}\n{}", d.log_text());
+    assert_eq!(mirror["mirror_lost"], "keep", "{listed}");
     d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "nop"]);
     // The mirror is claimed: nothing else may use it.
     let err = d.fails(&["-S", "-d", &mirror_spec, "-i", "2"]);

@@ -30,22 +30,6 @@ impl Cache {
         force: bool,
         policy: MirrorLostPolicy,
     ) -> Result<Cache> {
-        if !force {
-            let slots = persist::read_config(&*mirror)?;
-            persist::refuse_newer(&slots)?;
-            if let Some((_, sb, _)) = persist::newest(&slots) {
-                return Err(EngineError::Invalid(format!(
-                    "the mirror {} holds cache {} ({}){}; its metadata would be lost: --force overwrites it",
-                    mirror.name(),
-                    sb.cache_id,
-                    sb.uuid,
-                    match sb.mirror.as_ref() {
-                        Some(r) if r.role == MirrorRecord::MIRROR => " as its mirror",
-                        _ => "",
-                    }
-                )));
-            }
-        }
         Cache::create_on(primary, Some((mirror, policy)), config, force)
     }
 
@@ -114,6 +98,11 @@ impl Cache {
                     return Err(EngineError::DamagedSuperblock(why.clone()));
                 }
             }
+            // After the cache device's checks: a cache it holds is `ExistingCache`, which the
+            // configuration file loads (with this mirror) instead.
+            if let Some((m, _)) = &mirror {
+                refuse_a_used_mirror(&**m)?;
+            }
         }
         let line_bytes = config.line_size.bytes() as u64;
         let geometry = Geometry::compute(cache_volume.size(), line_bytes).ok_or(
@@ -154,4 +143,23 @@ impl Cache {
         inner.save_policies()?;
         Ok(Cache::started(inner))
     }
+}
+
+/// A mirror that holds a cache (or a cache's mirror) is overwritten only with `force`.
+fn refuse_a_used_mirror(mirror: &dyn hybridcache_volume::Volume) -> Result<()> {
+    let slots = persist::read_config(mirror)?;
+    persist::refuse_newer(&slots)?;
+    if let Some((_, sb, _)) = persist::newest(&slots) {
+        return Err(EngineError::Invalid(format!(
+            "the mirror {} holds cache {} ({}){}; its metadata would be lost: --force overwrites it",
+            mirror.name(),
+            sb.cache_id,
+            sb.uuid,
+            match sb.mirror.as_ref() {
+                Some(r) if r.role == MirrorRecord::MIRROR => " as its mirror",
+                _ => "",
+            }
+        )));
+    }
+    Ok(())
 }
