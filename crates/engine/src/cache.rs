@@ -760,13 +760,14 @@ impl Cache {
                 errors.add(&e);
             }
         }
+        let (occupancy_lines, dirty_lines) = c.lines(id);
         Ok(Stats {
             usage: Usage {
                 line_size: self.inner.line_bytes as u32,
                 total_lines: self.inner.lines.count() as u64,
-                occupancy_lines: c.occupancy[id as usize].load(Ordering::Relaxed),
+                occupancy_lines,
                 free_lines: self.inner.lines.free_lines().load(Ordering::Relaxed),
-                dirty_lines: c.dirty[id as usize].load(Ordering::Relaxed),
+                dirty_lines,
             },
             requests,
             blocks,

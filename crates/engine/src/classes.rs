@@ -35,8 +35,10 @@ pub(crate) struct ClassState {
     active: AtomicBool,
     table: RwLock<Arc<IoClasses>>,
     line_class: OnceLock<Box<[AtomicU8]>>,
-    pub(crate) occupancy: [AtomicU64; CLASSES],
-    pub(crate) dirty: [AtomicU64; CLASSES],
+    /// Lines of each class, and dirty lines: moved only by `mapped`, `unmapped`, `dirtied` (the
+    /// line room, under the line's stripe) and `install` (recounted under every stripe).
+    occupancy: [AtomicU64; CLASSES],
+    dirty: [AtomicU64; CLASSES],
     lines: u32,
 }
 
@@ -54,6 +56,14 @@ impl ClassState {
 
     pub(crate) fn active(&self) -> bool {
         self.active.load(Relaxed)
+    }
+
+    /// (occupancy, dirty) lines of class `id` over the whole cache.
+    pub(crate) fn lines(&self, id: ClassId) -> (u64, u64) {
+        (
+            self.occupancy[id as usize].load(Relaxed),
+            self.dirty[id as usize].load(Relaxed),
+        )
     }
 
     pub(crate) fn table(&self) -> Arc<IoClasses> {
@@ -233,8 +243,8 @@ impl ClassState {
 
 /// One core's lines by class: what `-P -j CORE -d` shows as the class' occupancy and dirty.
 pub(crate) struct ClassGauges {
-    pub(crate) occupancy: [AtomicU64; CLASSES],
-    pub(crate) dirty: [AtomicU64; CLASSES],
+    occupancy: [AtomicU64; CLASSES],
+    dirty: [AtomicU64; CLASSES],
 }
 
 /// A core's class gauges, kept by core id beside its other line gauges (so an inactive core's

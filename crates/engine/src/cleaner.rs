@@ -454,9 +454,25 @@ impl CacheInner {
 /// failed, or the interruption when the flush was interrupted.
 pub(crate) fn flush_cores_dirty(inner: &Arc<CacheInner>, cores: Vec<Arc<CoreState>>) -> Result<()> {
     let (tx, rx) = mpsc::channel::<(CoreId, Result<()>)>();
-    let mut running: Vec<Arc<CoreState>> = Vec::new();
-    let mut results: Vec<(CoreId, Result<()>)> = Vec::new();
     let limit = core_flush::core_flush_timeout();
+    let mut results: Vec<(CoreId, Result<()>)> = Vec::new();
+    let running = start_dirty_flushes(inner, cores, &tx, limit, &mut results);
+    drop(tx);
+    wait_dirty_flushes(&rx, running, limit, &mut results);
+    dirty_flushes_outcome(inner, results)
+}
+
+/// Start a thread flushing each of `cores`' dirty data; returns the cores whose flush runs.
+/// A core whose earlier flush hangs, or flushed here for want of a thread, has its result in
+/// `results` instead.
+fn start_dirty_flushes(
+    inner: &Arc<CacheInner>,
+    cores: Vec<Arc<CoreState>>,
+    tx: &mpsc::Sender<(CoreId, Result<()>)>,
+    limit: Duration,
+    results: &mut Vec<(CoreId, Result<()>)>,
+) -> Vec<Arc<CoreState>> {
+    let mut running = Vec::new();
     for core in cores {
         // Flushes of one core may run together (two operators, -F during a stop); a new one is
         // refused only while an earlier one waits on a hung device.
@@ -488,7 +504,17 @@ pub(crate) fn flush_cores_dirty(inner: &Arc<CacheInner>, cores: Vec<Arc<CoreStat
             }
         }
     }
-    drop(tx);
+    running
+}
+
+/// Collect the results of the `running` flushes into `results`, a core whose device completes
+/// nothing for `limit` counting as timed out (its thread goes on waiting).
+fn wait_dirty_flushes(
+    rx: &mpsc::Receiver<(CoreId, Result<()>)>,
+    mut running: Vec<Arc<CoreState>>,
+    limit: Duration,
+    results: &mut Vec<(CoreId, Result<()>)>,
+) {
     while !running.is_empty() {
         match rx.recv_timeout(Duration::from_millis(100).min(limit)) {
             Ok((id, r)) => {
@@ -523,6 +549,11 @@ pub(crate) fn flush_cores_dirty(inner: &Arc<CacheInner>, cores: Vec<Arc<CoreStat
             }
         });
     }
+}
+
+/// The flush's result from each core's: one core, its own; several, the interruption if any
+/// was interrupted, else every core's result when any failed.
+fn dirty_flushes_outcome(inner: &CacheInner, mut results: Vec<(CoreId, Result<()>)>) -> Result<()> {
     results.sort_by_key(|(id, _)| *id);
     if results.len() == 1 {
         return results.pop().map_or(Ok(()), |(_, r)| r);

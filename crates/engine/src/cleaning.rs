@@ -96,8 +96,8 @@ impl CleanerThread {
         let _ = self.handle.join();
         if let Some(cache) = self.cache.upgrade() {
             let mut st = cache.cleaner.lock();
-            cache.restart_clock(&mut st, 0);
-            st.last_now = None;
+            st.forget_clock();
+            cache.clear_fences();
         }
     }
 }
@@ -125,9 +125,7 @@ impl CacheInner {
     /// Forget every time recorded on the old clock, which means nothing on the next one. Age
     /// marks are dropped: lines get later marks (cleaned later, never too early).
     fn restart_clock(&self, st: &mut CleanerState, now: u64) {
-        st.last_fence_ms = None;
-        st.next_run_ms = 0;
-        st.last_activity_ms = now;
+        st.restart(now);
         self.clear_fences();
     }
 
@@ -139,7 +137,7 @@ impl CacheInner {
         if tick.cleaned == 0 {
             return TICK;
         }
-        let next = self.cleaner.lock().next_run_ms;
+        let next = self.cleaner.lock().next_run_ms();
         Duration::from_millis(next.saturating_sub(now)).min(TICK)
     }
 
@@ -153,17 +151,12 @@ impl CacheInner {
     pub(crate) fn cleaner_tick(&self, now: u64) -> CleaningTick {
         let cfg = *self.cleaning.read();
         let mut st = self.cleaner.lock();
-        if st.last_now.is_some_and(|t| now < t) {
+        if st.tick_at(now) {
             // Time went back: a new clock.
             self.restart_clock(&mut st, now);
         }
-        st.last_now = Some(now);
-        let marker = self.io_marker();
-        if marker != st.io_marker {
-            st.io_marker = marker;
-            st.last_activity_ms = now;
-        }
-        if cfg.policy != CleaningPolicy::Alru && st.last_fence_ms.take().is_some() {
+        st.requests_seen(self.io_marker(), now);
+        if cfg.policy != CleaningPolicy::Alru && st.take_fences() {
             self.clear_fences();
         }
         let result = match cfg.policy {
@@ -223,44 +216,44 @@ impl CacheInner {
         let stale = now.checked_sub(staleness);
         // Marks spaced by a sixteenth of the staleness time: ages are known to within that.
         let spacing = (staleness / 16).max(TICK.as_millis() as u64);
-        if st.last_fence_ms.map_or(true, |t| now >= t + spacing) {
+        if st.fence_due(now, spacing) {
             for i in 0..self.lines.lists().shard_count() {
                 let mut s = self.lines.lists().lock(i);
                 self.lines
                     .lists()
                     .place_fence(&mut s, now, stale.unwrap_or(0), FENCES);
             }
-            st.last_fence_ms = Some(now);
+            st.fences_placed(now);
         }
         // The dirty-ratio trigger is looked at on every tick: crossing the threshold starts
         // cleaning at once, whatever wake-up or activity said at the last run.
         let usage = self.usage(None);
-        let was_active = st.ratio_active;
+        let was_active = st.ratio_active();
         if p.dirty_ratio_threshold >= 100 {
-            st.ratio_active = false;
+            st.set_ratio_active(false);
         } else {
             let threshold = self.lines.count() as u64 * p.dirty_ratio_threshold as u64 / 100;
             let inertia = (p.dirty_ratio_inertia_mib as u64) << 20;
             let inertia_lines = inertia.div_ceil(self.line_bytes);
             if usage.dirty_lines > 0 && usage.dirty_lines >= threshold {
-                st.ratio_active = true;
+                st.set_ratio_active(true);
             } else if usage.dirty_lines + inertia_lines < threshold || usage.dirty_lines == 0 {
-                st.ratio_active = false;
+                st.set_ratio_active(false);
             }
         }
-        let ratio_started = st.ratio_active && !was_active;
-        if now < st.next_run_ms && !ratio_started {
+        let ratio_started = st.ratio_active() && !was_active;
+        if now < st.next_run_ms() && !ratio_started {
             return Ok(CleaningTick::default());
         }
-        let idle_for = now.saturating_sub(st.last_activity_ms);
-        if !st.ratio_active && idle_for < p.activity_threshold_ms as u64 {
+        let idle_for = st.idle_for(now);
+        if !st.ratio_active() && idle_for < p.activity_threshold_ms as u64 {
             // Not idle long enough: look again at the next tick (not only once the cache could
             // have been idle long enough, so that the dirty-ratio trigger is not missed).
             self.set_waiting(true);
             return Ok(CleaningTick::default());
         }
         let budget = p.flush_max_buffers as usize;
-        let (picked, passed_failing) = match (st.ratio_active, stale) {
+        let (picked, passed_failing) = match (st.ratio_active(), stale) {
             (true, _) => self.alru_pick(st, budget, None),
             (false, Some(stale)) => self.alru_pick(st, budget, Some(stale)),
             (false, None) => (Vec::new(), false),
@@ -272,11 +265,11 @@ impl CacheInner {
         let more = picked.len() >= budget;
         let cleaned = self.clean_and_commit(picked, budget)?;
         self.set_waiting(!more && !passed_failing);
-        st.next_run_ms = if more {
+        st.run_next_at(if more {
             now
         } else {
             now + p.wake_up_s as u64 * 1000
-        };
+        });
         Ok(CleaningTick {
             ran: true,
             cleaned,
@@ -301,10 +294,11 @@ impl CacheInner {
         let mut progress = true;
         let mut taken = vec![0usize; n];
         let mut passed_failing = false;
+        let first = st.take_shard(n);
         while picked.len() < budget && progress {
             progress = false;
             for i in 0..n {
-                let shard = (st.next_shard + i) % n;
+                let shard = (first + i) % n;
                 let s = self.lines.lists().lock(shard);
                 let end = match stale {
                     Some(t) => match self.lines.lists().stale_end(&s, t) {
@@ -339,16 +333,15 @@ impl CacheInner {
                 progress |= got > 0;
             }
         }
-        st.next_shard = (st.next_shard + 1) % n;
         (picked, passed_failing)
     }
 
     fn acp_tick(&self, st: &mut CleanerState, now: u64) -> Result<CleaningTick> {
-        if now < st.next_run_ms {
+        if now < st.next_run_ms() {
             return Ok(CleaningTick::default());
         }
         let p = self.cleaning.read().acp;
-        st.next_run_ms = now + p.wake_up_ms as u64;
+        st.run_next_at(now + p.wake_up_ms as u64);
         let budget = p.flush_max_buffers as usize;
         let Some((core, chunk, dirty)) = self.dirtiest_chunk() else {
             // Dirty lines but no chunk to clean: they are all of failing cores.

@@ -149,19 +149,22 @@ pub struct CleaningTick {
     pub more: bool,
 }
 
+/// The cleaning policy's schedule, kept between the cleaner's ticks (cleaning.rs), under the
+/// cache's `cleaner` mutex. Times are the tick's clock (ms); a clock that goes back starts a
+/// new schedule (`restart`).
 #[derive(Default)]
 pub(crate) struct CleanerState {
     /// Requests seen so far (sum of the cores' exported bytes: any change is activity).
-    pub(crate) io_marker: u64,
-    pub(crate) last_activity_ms: u64,
-    pub(crate) next_run_ms: u64,
-    pub(crate) last_fence_ms: Option<u64>,
+    io_marker: u64,
+    last_activity_ms: u64,
+    next_run_ms: u64,
+    last_fence_ms: Option<u64>,
     /// alru's dirty-ratio trigger is on (hysteresis between threshold and threshold - inertia).
-    pub(crate) ratio_active: bool,
+    ratio_active: bool,
     /// Where alru's next run starts among the shards, so every shard gets its turn.
-    pub(crate) next_shard: usize,
+    next_shard: usize,
     /// The previous tick's time: a tick with an earlier one is on a new clock.
-    pub(crate) last_now: Option<u64>,
+    last_now: Option<u64>,
 }
 
 impl CleanerState {
@@ -169,5 +172,77 @@ impl CleanerState {
     pub(crate) fn reset_schedule(&mut self) {
         self.next_run_ms = 0;
         self.ratio_active = false;
+    }
+
+    /// Forget every time recorded on the old clock; the cache counts as active at `now`.
+    pub(crate) fn restart(&mut self, now: u64) {
+        self.last_fence_ms = None;
+        self.next_run_ms = 0;
+        self.last_activity_ms = now;
+    }
+
+    /// The cleaner thread stopped: whoever ticks next starts on a clock of its own.
+    pub(crate) fn forget_clock(&mut self) {
+        self.restart(0);
+        self.last_now = None;
+    }
+
+    /// A tick at `now`: whether the clock went back since the last one (a new clock).
+    pub(crate) fn tick_at(&mut self, now: u64) -> bool {
+        let back = self.last_now.is_some_and(|t| now < t);
+        self.last_now = Some(now);
+        back
+    }
+
+    /// The requests seen so far are `marker`: a change means activity at `now`.
+    pub(crate) fn requests_seen(&mut self, marker: u64, now: u64) {
+        if marker != self.io_marker {
+            self.io_marker = marker;
+            self.last_activity_ms = now;
+        }
+    }
+
+    /// How long the cache has been without requests at `now`.
+    pub(crate) fn idle_for(&self, now: u64) -> u64 {
+        now.saturating_sub(self.last_activity_ms)
+    }
+
+    /// Whether age marks were placed since the last restart; forgets that they were.
+    pub(crate) fn take_fences(&mut self) -> bool {
+        self.last_fence_ms.take().is_some()
+    }
+
+    /// Whether alru's next age marks are due at `now`, `spacing` after the last ones.
+    pub(crate) fn fence_due(&self, now: u64, spacing: u64) -> bool {
+        self.last_fence_ms.map_or(true, |t| now >= t + spacing)
+    }
+
+    pub(crate) fn fences_placed(&mut self, now: u64) {
+        self.last_fence_ms = Some(now);
+    }
+
+    pub(crate) fn ratio_active(&self) -> bool {
+        self.ratio_active
+    }
+
+    pub(crate) fn set_ratio_active(&mut self, on: bool) {
+        self.ratio_active = on;
+    }
+
+    /// When the policy runs next (0: at the next tick).
+    pub(crate) fn next_run_ms(&self) -> u64 {
+        self.next_run_ms
+    }
+
+    pub(crate) fn run_next_at(&mut self, ms: u64) {
+        self.next_run_ms = ms;
+    }
+
+    /// The shard alru's next run starts at, of `shards`; the next run starts at the one after.
+    pub(crate) fn take_shard(&mut self, shards: usize) -> usize {
+        debug_assert!(shards > 0);
+        let first = self.next_shard % shards;
+        self.next_shard = (first + 1) % shards;
+        first
     }
 }

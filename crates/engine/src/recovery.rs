@@ -22,7 +22,7 @@ use hybridcache_volume::{Volume, VolumeRef};
 use crate::bits::Mask;
 use crate::format::{
     block_crc, decode_block, decode_commit, digest_term, BlockError, CommitRecord, CommitSlot,
-    ConfigSlot, CoreRecord, Geometry, MirrorRecord, Superblock, BLOCK, COMMIT_SLOTS,
+    ConfigSlot, CoreRecord, Entry, Geometry, MirrorRecord, Superblock, BLOCK, COMMIT_SLOTS,
 };
 use crate::inner::CacheInner;
 use crate::ioclass::IoClasses;
@@ -159,17 +159,32 @@ struct Decoded {
     gauges: Vec<(u64, u64)>,
 }
 
+/// A thread's buffers for decoding, reused from block to block.
+struct Scratch {
+    /// The entries of the copy in use, and of the other copy.
+    entries: Vec<Entry>,
+    other: Vec<Entry>,
+    /// Durably-dirty bits gathered a word at a time (word, bits): one atomic OR per 64 lines,
+    /// not per line.
+    dirty_word: (u64, u64),
+}
+
+/// A copy of a block that failed its checks, in words.
+fn why(e: &BlockError) -> String {
+    match e {
+        BlockError::Checksum => "checksum mismatch".to_string(),
+        BlockError::WrongIndex(i) => format!("holds block {i}"),
+        BlockError::ForeignNonce => "belongs to another cache".to_string(),
+    }
+}
+
 impl Decode<'_> {
     /// Read, check and decode `blocks`, and give each line they describe its key and masks
     /// (not linked into the lookup table yet: [`Link::buckets`] does that).
     fn blocks(&self, blocks: std::ops::Range<u64>) -> Result<Decoded> {
         const CHUNK_BLOCKS: u64 = 8192;
-        let p = self.p;
-        let geometry = p.geometry();
-        let mask_bytes = p.mask_bytes();
-        let epb = geometry.entries_per_block as u64;
-        let table = self.table;
-        let corrupt = EngineError::Corrupt;
+        let geometry = self.p.geometry();
+        let epb = geometry.entries_per_block as usize;
         let first = blocks.start;
         let count = (blocks.end - blocks.start) as usize;
         let mut out = Decoded {
@@ -180,10 +195,11 @@ impl Decode<'_> {
             gauges: vec![(0, 0); crate::MAX_CORES as usize],
         };
         let mut buf = vec![0u8; (CHUNK_BLOCKS.min(count as u64) * 2) as usize * BLOCK];
-        let mut entries = Vec::with_capacity(epb as usize);
-        let mut other_entries = Vec::with_capacity(epb as usize);
-        // Durably-dirty bits gathered a word at a time: one atomic OR per 64 lines, not per line.
-        let mut dirty_word: (u64, u64) = (u64::MAX, 0);
+        let mut scratch = Scratch {
+            entries: Vec::with_capacity(epb),
+            other: Vec::with_capacity(epb),
+            dirty_word: (u64::MAX, 0),
+        };
         let mut b = first;
         while b < blocks.end {
             let n = (blocks.end - b).min(CHUNK_BLOCKS);
@@ -191,154 +207,207 @@ impl Decode<'_> {
             self.volume
                 .read_at(&mut buf[..len], geometry.slot_offset(b, 0))?;
             for i in 0..n {
+                let at = (i * 2) as usize * BLOCK;
                 let block = b + i;
                 let k = (block - first) as usize;
-                let count = geometry.lines_in_block(block);
-                let at = (i * 2) as usize * BLOCK;
-                let copies = [
-                    decode_block(
-                        &buf[at..at + BLOCK],
-                        block,
-                        self.nonce,
-                        mask_bytes,
-                        count,
-                        &mut entries,
-                    ),
-                    decode_block(
-                        &buf[at + BLOCK..at + 2 * BLOCK],
-                        block,
-                        self.nonce,
-                        mask_bytes,
-                        count,
-                        &mut other_entries,
-                    ),
-                ];
-                let crcs = [block_crc(&buf[at..]), block_crc(&buf[at + BLOCK..])];
-                let why = |e: &BlockError| match e {
-                    BlockError::Checksum => "checksum mismatch".to_string(),
-                    BlockError::WrongIndex(i) => format!("holds block {i}"),
-                    BlockError::ForeignNonce => "belongs to another cache".to_string(),
-                };
-                let lines = format!("lines {}..{}", block * epb, block * epb + count as u64);
-                let (slot, seq) = match &copies {
-                    [Ok(s0), Ok(s1)] if s1 > s0 => (1, *s1),
-                    [Ok(s0), _] => (0, *s0),
-                    [Err(_), Ok(s1)] => (1, *s1),
-                    [Err(e0), Err(e1)] => {
-                        return Err(corrupt(format!(
-                            "metadata block {block} ({lines}) is damaged in both copies: at byte offset {} {}, at byte offset {} {}",
-                            geometry.slot_offset(block, 0),
-                            why(e0),
-                            geometry.slot_offset(block, 1),
-                            why(e1)
-                        )));
-                    }
-                };
-                if slot == 1 {
-                    std::mem::swap(&mut entries, &mut other_entries);
-                }
-                out.terms[k] = digest_term(block, seq, crcs[slot]);
-                if let Some(rec) = self.record {
-                    // The version the last completed commit left: the newest copy not newer
-                    // than it.
-                    let committed = (0..2)
-                        .filter_map(|c| match copies[c] {
-                            Ok(s) if s <= rec.seq => Some((s, c)),
-                            _ => None,
-                        })
-                        .max();
-                    let Some((cseq, c)) = committed else {
-                        let describe = |c: usize| match &copies[c] {
-                            Ok(s) => format!("sequence {s}, from a commit that never completed"),
-                            Err(e) => why(e),
-                        };
-                        return Err(corrupt(format!(
-                            "metadata block {block} ({lines}) has no copy as of the last completed commit {}: at byte offset {} {}, at byte offset {} {}",
-                            rec.seq,
-                            geometry.slot_offset(block, 0),
-                            describe(0),
-                            geometry.slot_offset(block, 1),
-                            describe(1)
-                        )));
-                    };
-                    out.committed_digest = out
-                        .committed_digest
-                        .wrapping_add(digest_term(block, cseq, crcs[c]) as u64);
-                    if let Some(bad) = (0..2).find(|&c| copies[c].is_err()) {
-                        if let Err(e) = &copies[bad] {
-                            out.suspects.push(format!(
-                                "block {block} ({lines}): copy at byte offset {} {}, copy at byte offset {} has sequence {cseq}",
-                                geometry.slot_offset(block, bad as u32),
-                                why(e),
-                                geometry.slot_offset(block, 1 - bad as u32),
-                            ));
-                        }
-                    }
-                }
-                p.load_slot(block, slot as u32);
-                out.seqs[k] = seq;
-                let mut changed = false;
-                for (j, e) in entries.iter().enumerate() {
-                    let line = (block * epb + j as u64) as u32;
-                    let Some(key) = e.key else {
-                        if e.valid != 0 || e.dirty != 0 {
-                            return Err(corrupt(format!(
-                                "metadata block {block}: free line {line} has sector state"
-                            )));
-                        }
-                        continue;
-                    };
-                    if e.valid == 0 || e.dirty & !e.valid != 0 || e.valid & !self.full != 0 {
-                        return Err(corrupt(format!(
-                            "metadata block {block}: line {line} has impossible sector masks (valid {:#x}, dirty {:#x})",
-                            e.valid, e.dirty
-                        )));
-                    }
-                    let Some(&(_, lines_of_core)) =
-                        self.core_lines.iter().find(|c| c.0 == key.core())
-                    else {
-                        return Err(corrupt(format!(
-                            "metadata block {block}: line {line} belongs to core {}, which the superblock does not list",
-                            key.core()
-                        )));
-                    };
-                    if key.line() >= lines_of_core {
-                        return Err(corrupt(format!(
-                            "metadata block {block}: line {line} maps core line {} beyond the end of core {}",
-                            key.line(),
-                            key.core()
-                        )));
-                    }
-                    if e.dirty != 0 {
-                        let word = line as u64 / 64;
-                        if word != dirty_word.0 {
-                            p.load_dirty_word(dirty_word.0, dirty_word.1);
-                            dirty_word = (word, 0);
-                        }
-                        dirty_word.1 |= 1 << (line % 64);
-                    }
-                    // After a crash, clean sectors may have been overwritten in place by writes
-                    // that were never committed: only dirty ones are trusted.
-                    let valid = if self.crashed { e.dirty } else { e.valid };
-                    if valid == 0 {
-                        // The device must learn the line is free before a later clean load
-                        // could trust its content.
-                        changed = true;
-                        continue;
-                    }
-                    table.set_state(line, key, valid, e.dirty);
-                    let g = &mut out.gauges[key.core() as usize];
-                    g.0 += 1;
-                    g.1 += (e.dirty != 0) as u64;
-                }
-                if changed {
-                    p.load_changed(block);
-                }
+                self.block(block, k, &buf[at..at + 2 * BLOCK], &mut out, &mut scratch)?;
             }
             b += n;
         }
-        p.load_dirty_word(dirty_word.0, dirty_word.1);
+        self.p
+            .load_dirty_word(scratch.dirty_word.0, scratch.dirty_word.1);
         Ok(out)
+    }
+
+    /// Block `block` (the `k`th of this thread's range) from its two copies in `copies`: the
+    /// copy to use, its term of the digest, the check against the commit record, and its lines.
+    fn block(
+        &self,
+        block: u64,
+        k: usize,
+        copies: &[u8],
+        out: &mut Decoded,
+        s: &mut Scratch,
+    ) -> Result<()> {
+        let geometry = self.p.geometry();
+        let count = geometry.lines_in_block(block);
+        let mask_bytes = self.p.mask_bytes();
+        let (first, second) = copies.split_at(BLOCK);
+        let found = [
+            decode_block(first, block, self.nonce, mask_bytes, count, &mut s.entries),
+            decode_block(second, block, self.nonce, mask_bytes, count, &mut s.other),
+        ];
+        let crcs = [block_crc(first), block_crc(second)];
+        let (slot, seq) = self.pick_copy(block, count, &found)?;
+        if slot == 1 {
+            std::mem::swap(&mut s.entries, &mut s.other);
+        }
+        out.terms[k] = digest_term(block, seq, crcs[slot]);
+        if let Some(rec) = self.record {
+            self.committed_copy(block, count, rec, &found, &crcs, out)?;
+        }
+        self.p.load_slot(block, slot as u32);
+        out.seqs[k] = seq;
+        if self.restore_lines(block, &s.entries, out, &mut s.dirty_word)? {
+            // The device must learn a dropped line is free before a later clean load could
+            // trust its content.
+            self.p.load_changed(block);
+        }
+        Ok(())
+    }
+
+    /// Which copy of `block` to use, and its sequence number: the newer valid one. Both
+    /// damaged is corruption.
+    fn pick_copy(
+        &self,
+        block: u64,
+        count: usize,
+        found: &[std::result::Result<u64, BlockError>; 2],
+    ) -> Result<(usize, u64)> {
+        let geometry = self.p.geometry();
+        match found {
+            [Ok(s0), Ok(s1)] if s1 > s0 => Ok((1, *s1)),
+            [Ok(s0), _] => Ok((0, *s0)),
+            [Err(_), Ok(s1)] => Ok((1, *s1)),
+            [Err(e0), Err(e1)] => Err(EngineError::Corrupt(format!(
+                "metadata block {block} ({}) is damaged in both copies: at byte offset {} {}, at byte offset {} {}",
+                self.lines_of_block(block, count),
+                geometry.slot_offset(block, 0),
+                why(e0),
+                geometry.slot_offset(block, 1),
+                why(e1)
+            ))),
+        }
+    }
+
+    /// The version of `block` the last completed commit (`rec`) left: the newest copy not
+    /// newer than it, whose term goes into the digest the record must match. None is
+    /// corruption; a damaged copy beside it is a suspect, named if the digest does not match.
+    fn committed_copy(
+        &self,
+        block: u64,
+        count: usize,
+        rec: CommitRecord,
+        found: &[std::result::Result<u64, BlockError>; 2],
+        crcs: &[u32; 2],
+        out: &mut Decoded,
+    ) -> Result<()> {
+        let geometry = self.p.geometry();
+        let committed = (0..2)
+            .filter_map(|c| match found[c] {
+                Ok(s) if s <= rec.seq => Some((s, c)),
+                _ => None,
+            })
+            .max();
+        let Some((cseq, c)) = committed else {
+            let describe = |c: usize| match &found[c] {
+                Ok(s) => format!("sequence {s}, from a commit that never completed"),
+                Err(e) => why(e),
+            };
+            return Err(EngineError::Corrupt(format!(
+                "metadata block {block} ({}) has no copy as of the last completed commit {}: at byte offset {} {}, at byte offset {} {}",
+                self.lines_of_block(block, count),
+                rec.seq,
+                geometry.slot_offset(block, 0),
+                describe(0),
+                geometry.slot_offset(block, 1),
+                describe(1)
+            )));
+        };
+        out.committed_digest = out
+            .committed_digest
+            .wrapping_add(digest_term(block, cseq, crcs[c]) as u64);
+        if let Some(bad) = (0..2).find(|&c| found[c].is_err()) {
+            if let Err(e) = &found[bad] {
+                out.suspects.push(format!(
+                    "block {block} ({}): copy at byte offset {} {}, copy at byte offset {} has sequence {cseq}",
+                    self.lines_of_block(block, count),
+                    geometry.slot_offset(block, bad as u32),
+                    why(e),
+                    geometry.slot_offset(block, 1 - bad as u32),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// "lines a..b": the lines `block` describes, for messages.
+    fn lines_of_block(&self, block: u64, count: usize) -> String {
+        let epb = self.p.geometry().entries_per_block as u64;
+        format!("lines {}..{}", block * epb, block * epb + count as u64)
+    }
+
+    /// Check `block`'s entries and give each mapped line its key and masks; count them in the
+    /// gauges and gather their durably-dirty bits in `dirty_word`. Returns whether a line was
+    /// dropped (recorded mapped, but with no sector left to trust after a crash).
+    fn restore_lines(
+        &self,
+        block: u64,
+        entries: &[Entry],
+        out: &mut Decoded,
+        dirty_word: &mut (u64, u64),
+    ) -> Result<bool> {
+        let epb = self.p.geometry().entries_per_block as u64;
+        let corrupt = EngineError::Corrupt;
+        let mut changed = false;
+        for (j, e) in entries.iter().enumerate() {
+            let line = (block * epb + j as u64) as u32;
+            let Some(key) = e.key else {
+                if e.valid != 0 || e.dirty != 0 {
+                    return Err(corrupt(format!(
+                        "metadata block {block}: free line {line} has sector state"
+                    )));
+                }
+                continue;
+            };
+            self.check_entry(block, line, key, e)?;
+            if e.dirty != 0 {
+                let word = line as u64 / 64;
+                if word != dirty_word.0 {
+                    self.p.load_dirty_word(dirty_word.0, dirty_word.1);
+                    *dirty_word = (word, 0);
+                }
+                dirty_word.1 |= 1 << (line % 64);
+            }
+            // After a crash, clean sectors may have been overwritten in place by writes
+            // that were never committed: only dirty ones are trusted.
+            let valid = if self.crashed { e.dirty } else { e.valid };
+            if valid == 0 {
+                changed = true;
+                continue;
+            }
+            self.table.set_state(line, key, valid, e.dirty);
+            let g = &mut out.gauges[key.core() as usize];
+            g.0 += 1;
+            g.1 += (e.dirty != 0) as u64;
+        }
+        Ok(changed)
+    }
+
+    /// A mapped entry is possible: sector masks that fit a line (dirty within valid), a core
+    /// the superblock lists, a core line within that core.
+    fn check_entry(&self, block: u64, line: u32, key: Key, e: &Entry) -> Result<()> {
+        let corrupt = EngineError::Corrupt;
+        if e.valid == 0 || e.dirty & !e.valid != 0 || e.valid & !self.full != 0 {
+            return Err(corrupt(format!(
+                "metadata block {block}: line {line} has impossible sector masks (valid {:#x}, dirty {:#x})",
+                e.valid, e.dirty
+            )));
+        }
+        let Some(&(_, lines_of_core)) = self.core_lines.iter().find(|c| c.0 == key.core()) else {
+            return Err(corrupt(format!(
+                "metadata block {block}: line {line} belongs to core {}, which the superblock does not list",
+                key.core()
+            )));
+        };
+        if key.line() >= lines_of_core {
+            return Err(corrupt(format!(
+                "metadata block {block}: line {line} maps core line {} beyond the end of core {}",
+                key.line(),
+                key.core()
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -459,12 +528,64 @@ pub(crate) fn restore(
     version: u32,
 ) -> Result<()> {
     let p = inner.persist.as_ref().expect("restore needs persistence");
-    let geometry = p.geometry();
+    let meta_blocks = p.geometry().meta_blocks;
     let record = if version >= 2 {
-        Some(last_commit(volume, sb.nonce, geometry.meta_blocks)?)
+        Some(last_commit(volume, sb.nonce, meta_blocks)?)
     } else {
         None
     };
+    let threads = load_threads(meta_blocks);
+    let mut found = decode_all(inner, p, volume, sb, line_sectors, record, threads)?;
+    link_all(inner, p, threads, &found.block_seq, &mut found.gauges)?;
+    if let Some(rec) = record {
+        check_digest(rec, found.committed_digest, found.suspects)?;
+    }
+    let max_seq = found.block_seq.iter().copied().max().unwrap_or(0);
+    p.load_commit_state(record.map_or(max_seq, |r| r.seq.max(max_seq)), found.terms);
+    for (id, (occupancy, dirty)) in found.gauges.into_iter().enumerate() {
+        inner.lines.gauges()[id].restore(occupancy, dirty);
+    }
+    // Lines the device may still record as dirty for a mapping that lost to a newer one wait in
+    // limbo until a commit rewrites their block.
+    let free = inner
+        .lines
+        .rebuild_lists(|table, line| match table.key(line) {
+            Some(_) if table.dirty(line) != 0 => ListKind::Dirty,
+            Some(_) => ListKind::Clean,
+            None if p.recorded_dirty(line) => ListKind::Limbo,
+            None => ListKind::Free,
+        });
+    inner.lines.free_lines().store(free, Ordering::Relaxed);
+    Ok(())
+}
+
+/// What the first pass found in all blocks, its threads' parts joined in block order.
+struct Found {
+    /// The digest of the versions found for the recorded commit.
+    committed_digest: u64,
+    /// Blocks with a damaged copy whose other copy might be an older version than that commit
+    /// left (named on refusal).
+    suspects: Vec<String>,
+    /// Per block, its term of the digest of the metadata as found.
+    terms: Vec<u32>,
+    /// Sequence of the copy each block was read from: settles a core line mapped by two lines
+    /// (the newer mapping wins; the older is a leftover of a line dropped since).
+    block_seq: Vec<u64>,
+    /// Per core id: (lines, dirty lines) given a state.
+    gauges: Vec<(u64, u64)>,
+}
+
+/// The first pass over `threads` threads: every block read, checked and decoded.
+fn decode_all(
+    inner: &CacheInner,
+    p: &Persist,
+    volume: &dyn Volume,
+    sb: &Superblock,
+    line_sectors: u32,
+    record: Option<CommitRecord>,
+    threads: usize,
+) -> Result<Found> {
+    let meta_blocks = p.geometry().meta_blocks;
     let full: Mask = if line_sectors == 128 {
         Mask::MAX
     } else {
@@ -485,37 +606,45 @@ pub(crate) fn restore(
         full,
         core_lines: &core_lines,
     };
-    let threads = load_threads(geometry.meta_blocks);
-    let parts = in_parallel(threads, |i| {
-        decode.blocks(share(geometry.meta_blocks, threads, i))
-    });
-    // The digest of the versions found for the recorded commit, and blocks with a damaged copy
-    // whose other copy might be an older version than that commit left (named on refusal).
-    let mut committed_digest = 0u64;
-    let mut suspects: Vec<String> = Vec::new();
-    let mut terms = Vec::with_capacity(geometry.meta_blocks as usize);
-    // Sequence of the copy each block was read from: settles a core line mapped by two lines
-    // (the newer mapping wins; the older is a leftover of a line dropped since).
-    let mut block_seq = Vec::with_capacity(geometry.meta_blocks as usize);
-    let mut gauges = vec![(0u64, 0u64); crate::MAX_CORES as usize];
+    let parts = in_parallel(threads, |i| decode.blocks(share(meta_blocks, threads, i)));
+    let mut found = Found {
+        committed_digest: 0,
+        suspects: Vec::new(),
+        terms: Vec::with_capacity(meta_blocks as usize),
+        block_seq: Vec::with_capacity(meta_blocks as usize),
+        gauges: vec![(0u64, 0u64); crate::MAX_CORES as usize],
+    };
     // Parts are in block order, so the first error is the one a single pass would meet first.
     for part in parts {
         let part = part?;
-        committed_digest = committed_digest.wrapping_add(part.committed_digest);
-        suspects.extend(part.suspects);
-        terms.extend(part.terms);
-        block_seq.extend(part.seqs);
-        for (g, d) in gauges.iter_mut().zip(&part.gauges) {
+        found.committed_digest = found.committed_digest.wrapping_add(part.committed_digest);
+        found.suspects.extend(part.suspects);
+        found.terms.extend(part.terms);
+        found.block_seq.extend(part.seqs);
+        for (g, d) in found.gauges.iter_mut().zip(&part.gauges) {
             g.0 += d.0;
             g.1 += d.1;
         }
     }
-    let max_seq = block_seq.iter().copied().max().unwrap_or(0);
+    debug_assert_eq!(found.terms.len() as u64, meta_blocks);
+    Ok(found)
+}
+
+/// The second pass over `threads` threads: every line linked into the lookup table, a core
+/// line mapped twice settled by `block_seq`; the lines dropped so are taken off `gauges`.
+/// Of the errors, the one at the lowest line, as a single pass would meet it first.
+fn link_all(
+    inner: &CacheInner,
+    p: &Persist,
+    threads: usize,
+    block_seq: &[u64],
+    gauges: &mut [(u64, u64)],
+) -> Result<()> {
     let link = Link {
         table: inner.lines.table(),
         p,
         lines: inner.lines.count(),
-        block_seq: &block_seq,
+        block_seq,
     };
     let buckets = inner.lines.table().bucket_count() as u64;
     let linked = in_parallel(threads, |i| link.buckets(share(buckets, threads, i)));
@@ -535,45 +664,34 @@ pub(crate) fn restore(
             }
         }
     }
-    if let Some((_, e)) = first_error {
-        return Err(e);
+    match first_error {
+        Some((_, e)) => Err(e),
+        None => Ok(()),
     }
-    if let Some(rec) = record {
-        if committed_digest != rec.digest {
-            let found = if suspects.is_empty() {
-                "every block has a valid copy, so one holds an older or misplaced version (a stale or misdirected sector)".to_string()
-            } else {
-                let n = suspects.len();
-                suspects.truncate(8);
-                format!(
-                    "{n} blocks have a damaged copy, and the other copy of at least one is older than that commit: {}",
-                    suspects.join("; ")
-                )
-            };
-            return Err(EngineError::Corrupt(format!(
-                "the metadata does not match the last completed commit {} (commit record in slot {} at byte offset {}): {found}",
-                rec.seq,
-                rec.seq % 2,
-                COMMIT_SLOTS[(rec.seq % 2) as usize]
-            )));
-        }
+}
+
+/// The versions found must be the ones the last completed commit (`rec`) left: their digest
+/// is the record's, or the load is refused, naming the suspect blocks.
+fn check_digest(rec: CommitRecord, committed_digest: u64, mut suspects: Vec<String>) -> Result<()> {
+    if committed_digest == rec.digest {
+        return Ok(());
     }
-    p.load_commit_state(record.map_or(max_seq, |r| r.seq.max(max_seq)), terms);
-    for (id, (occupancy, dirty)) in gauges.into_iter().enumerate() {
-        inner.lines.gauges()[id].restore(occupancy, dirty);
-    }
-    // Lines the device may still record as dirty for a mapping that lost to a newer one wait in
-    // limbo until a commit rewrites their block.
-    let free = inner
-        .lines
-        .rebuild_lists(|table, line| match table.key(line) {
-            Some(_) if table.dirty(line) != 0 => ListKind::Dirty,
-            Some(_) => ListKind::Clean,
-            None if p.recorded_dirty(line) => ListKind::Limbo,
-            None => ListKind::Free,
-        });
-    inner.lines.free_lines().store(free, Ordering::Relaxed);
-    Ok(())
+    let found = if suspects.is_empty() {
+        "every block has a valid copy, so one holds an older or misplaced version (a stale or misdirected sector)".to_string()
+    } else {
+        let n = suspects.len();
+        suspects.truncate(8);
+        format!(
+            "{n} blocks have a damaged copy, and the other copy of at least one is older than that commit: {}",
+            suspects.join("; ")
+        )
+    };
+    Err(EngineError::Corrupt(format!(
+        "the metadata does not match the last completed commit {} (commit record in slot {} at byte offset {}): {found}",
+        rec.seq,
+        rec.seq % 2,
+        COMMIT_SLOTS[(rec.seq % 2) as usize]
+    )))
 }
 
 /// A cache loaded from `cache_volume` (`Cache::load`): the checks (superblock, geometry, core

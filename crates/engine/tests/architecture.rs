@@ -60,18 +60,6 @@ const NOT_YET_PRIVATE: &[(&str, &str)] = &[
         "Cache",
         "unit tests of other modules reach the holder through `Cache::inner`",
     ),
-    (
-        "CleanerState",
-        "the cleaning policies' schedule, worked on by cleaning.rs's ticks",
-    ),
-    (
-        "ClassState",
-        "IO class gauges, read by the facade's statistics",
-    ),
-    (
-        "ClassGauges",
-        "IO class gauges per core, read by the facade's statistics",
-    ),
 ];
 
 /// A source file with comments, string and char literals blanked and `#[cfg(test)]` items
