@@ -1,9 +1,10 @@
 //! A mirrored write-back cache through the real daemon (issue 34; docs/cli.md "Mirrored
-//! caches"): the primary cache device is an NBD export served by nbdkit (memory plugin behind
-//! the error filter), the mirror a file. fio writes the exported volume with crc32c
-//! verification and flushes; in the middle of the run the primary starts failing every request.
-//! fio must complete without an error (its verification reads the dirty data back from the
-//! mirror), `-L` must say `Primary lost`, and after `-T` the core file alone must verify.
+//! caches"): one device is an NBD export served by nbdkit (memory plugin behind the error
+//! filter), the other a file. fio writes the exported volume with crc32c verification and
+//! flushes; in the middle of the run the NBD device starts failing every request (the primary
+//! in one test, the mirror in the other). fio must complete without an error (with the primary
+//! lost, the dirty data is drained to the core from the mirror), `-L` must say which device is
+//! lost, and after `-T` the core file alone must verify.
 //! Then the failover: a crash (kill -9) of a daemon whose primary is gone, and the cache
 //! brought up on a new daemon from the mirror alone with `--load-mirror`.
 
@@ -42,11 +43,26 @@ fn exported_writes(d: &Daemon) -> u64 {
 
 #[test]
 fn fio_verify_survives_the_primary_failing_mid_run_and_the_core_alone_has_it() {
+    one_device_fails_mid_run(true);
+}
+
+#[test]
+fn fio_verify_survives_the_mirror_failing_mid_run_and_the_core_alone_has_it() {
+    one_device_fails_mid_run(false);
+}
+
+/// The device that fails is an nbdkit export behind the error filter, the other a file.
+fn one_device_fails_mid_run(primary_fails: bool) {
     if !need(&["nbdkit", "fio"]) {
         return;
     }
+    let (state, shown, level) = if primary_fails {
+        ("primary lost", "Primary lost", "ERROR")
+    } else {
+        ("mirror lost", "Mirror lost", "WARN")
+    };
     let dir = workdir();
-    let sock = dir.path().join("primary.sock");
+    let sock = dir.path().join("failing.sock");
     let inject = dir.path().join("inject");
     let _nbdkit = nbdkit(
         &sock,
@@ -58,12 +74,17 @@ fn fio_verify_survives_the_primary_failing_mid_run_and_the_core_alone_has_it() {
             format!("error-file={}", inject.display()),
         ],
     );
-    let primary = format!("nbd+unix:///?socket={}", sock.display());
-    let mirror = dir.path().join("mirror.img");
+    let remote = format!("nbd+unix:///?socket={}", sock.display());
+    let file = dir.path().join("device.img");
     let core = dir.path().join("core.img");
-    sparse_file(&mirror, 64 * MIB);
+    sparse_file(&file, 64 * MIB);
     sparse_file(&core, 64 * MIB);
-    let mirror_spec = format!("file:{}", mirror.display());
+    let file_spec = format!("file:{}", file.display());
+    let (primary, mirror_spec) = if primary_fails {
+        (remote, file_spec)
+    } else {
+        (file_spec, remote)
+    };
     let core_path = core.to_str().expect("UTF-8 path");
     let d = Daemon::start(dir.path());
     d.ok(&["-S", "-d", &primary, "--mirror", &mirror_spec, "-c", "wb"]);
@@ -94,7 +115,7 @@ fn fio_verify_survives_the_primary_failing_mid_run_and_the_core_alone_has_it() {
         assert!(Instant::now() < deadline, "fio never wrote to cas1-1");
         std::thread::sleep(Duration::from_millis(50));
     }
-    // The primary fails every request from here on.
+    // The failing device fails every request from here on.
     std::fs::write(&inject, b"").unwrap();
     let at_failure = exported_writes(&d);
     let report = run.join().expect("the fio thread");
@@ -105,30 +126,34 @@ fn fio_verify_survives_the_primary_failing_mid_run_and_the_core_alone_has_it() {
     );
     assert!(
         at_failure < 6144,
-        "the primary failed after fio's writes, not during them ({at_failure} blocks)"
+        "the device failed after fio's writes, not during them ({at_failure} blocks)"
     );
     let listed: serde_json::Value =
         serde_json::from_str(&d.ok(&["-L", "-o", "json"])).expect("-L JSON");
-    assert_eq!(
-        listed["caches"][0]["mirror"]["state"], "primary lost",
-        "{listed}"
-    );
+    assert_eq!(listed["caches"][0]["mirror"]["state"], state, "{listed}");
     let table = d.ok(&["-L"]);
-    assert!(table.contains("Primary lost"), "{table}");
+    assert!(table.contains(shown), "{table}");
     let stats = d.ok(&["-P", "-i", "1"]);
     assert!(
-        stats.contains("Mirror State") && stats.contains("Primary lost"),
+        stats.contains("Mirror State") && stats.contains(shown),
         "{stats}"
     );
-    // The log says what is at risk, at ERROR, once the watcher has looked.
+    // The log says what is at risk, once the watcher has looked.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !d.log_text().contains("primary lost") {
+    while !d.log_text().contains(state) {
         assert!(Instant::now() < deadline, "no log line: {}", d.log_text());
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert!(d.log_text().contains("ERROR"), "{}", d.log_text());
+    assert!(
+        d.log_text()
+            .lines()
+            .any(|l| l.contains(state) && l.contains(level)),
+        "{}",
+        d.log_text()
+    );
 
-    // Stop: the dirty data drains to the core from the mirror; the core file then verifies alone.
+    // Stop: what is still dirty drains to the core (from the mirror when the primary is lost);
+    // the core file then verifies alone.
     d.ok(&["-T", "-i", "1"]);
     let file = [
         "--ioengine=psync".to_string(),
