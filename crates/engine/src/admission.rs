@@ -9,9 +9,31 @@ use std::sync::atomic::Ordering;
 
 use crate::core_state::CoreState;
 use crate::inner::CacheInner;
-use crate::policy::PromotionPolicy;
+use crate::lines::Lines;
+use crate::policy::{PromotionPolicy, PromotionState};
 use crate::segment::Seg;
+
+/// What admission looks at, by reference: the line room's free-line count and size, and
+/// promotion's parameters and access table. Built per request for free (three references).
+pub(crate) struct Admission<'a> {
+    lines: &'a Lines,
+    promotion: &'a PromotionState,
+    line_bytes: u64,
+}
+
 impl CacheInner {
+    /// Admission's view of this cache.
+    #[inline]
+    pub(crate) fn admission(&self) -> Admission<'_> {
+        Admission {
+            lines: &self.lines,
+            promotion: &self.promotion,
+            line_bytes: self.line_bytes,
+        }
+    }
+}
+
+impl Admission<'_> {
     /// Whether sequential cutoff sends this request around the cache (and records it in the
     /// core's streams).
     #[inline]

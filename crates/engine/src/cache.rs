@@ -53,7 +53,7 @@ use crate::progress::FlushStatus;
 use crate::readahead::PrefetchThread;
 use crate::recovery::LoadSource;
 use crate::stats::{BackgroundErrors, Stats, Usage};
-use crate::{CacheConfig, CacheMode, CoreId, EngineError, LineSize, Result, MAX_CORE_ID, SECTOR};
+use crate::{CacheConfig, CacheMode, CoreId, EngineError, LineSize, Result, SECTOR};
 
 /// A cache: one cache volume serving one or more cores. Cheap to clone (a shared handle).
 #[derive(Clone)]
@@ -196,7 +196,7 @@ impl Cache {
         }
         self.stop_background_cleaner();
         self.stop_background_prefetch();
-        let cores: Vec<Arc<CoreState>> = self.inner.cores.read().values().cloned().collect();
+        let cores: Vec<Arc<CoreState>> = self.inner.cores.all();
         for c in &cores {
             c.stop();
         }
@@ -293,37 +293,22 @@ impl Cache {
                 self.inner.line_size.kib()
             )));
         }
-        let mut cores = self.inner.cores.write();
-        let inactive = self.inner.inactive.read();
-        let taken = |i: &CoreId| cores.contains_key(i) || inactive.contains_key(i);
-        let id = match id {
-            Some(id) if id as u32 > MAX_CORE_ID => return Err(EngineError::BadCoreId(id as u32)),
-            Some(id) if taken(&id) => return Err(EngineError::DuplicateCore(id)),
-            Some(id) => id,
-            // As casadm's find_free_core_id: the lowest free id from 1, and 0 only when every
-            // other is taken, so that ids given without -j match Open CAS's.
-            None => (1..=MAX_CORE_ID as CoreId)
-                .chain([0])
-                .find(|i| !taken(i))
-                .ok_or(EngineError::TooManyCores)?,
-        };
-        drop(inactive);
-        if let Some(p) = &self.inner.persist {
-            let record = CoreRecord {
-                id,
-                path: volume.name().to_string(),
-                size,
-                uuid: new_uuid(),
-                identity,
-            };
-            p.update_superblock(&*self.inner.volume, |sb| sb.cores.push(record))?;
-        }
-        let state = self
-            .inner
-            .lines
-            .new_core_state(id, volume, SeqCutoff::default());
-        cores.insert(id, state);
-        drop(cores);
+        let id = self.inner.cores.add(id, |id| {
+            if let Some(p) = &self.inner.persist {
+                let record = CoreRecord {
+                    id,
+                    path: volume.name().to_string(),
+                    size,
+                    uuid: new_uuid(),
+                    identity,
+                };
+                p.update_superblock(&*self.inner.volume, |sb| sb.cores.push(record))?;
+            }
+            Ok(self
+                .inner
+                .lines
+                .new_core_state(id, volume, SeqCutoff::default()))
+        })?;
         // A new core starts with the default seq cutoff; the superblock forgets a removed
         // core's settings. A failure here leaves the old record, which a load reads as default.
         self.inner.save_policies()?;
@@ -349,7 +334,7 @@ impl Cache {
     pub fn remove_core_counted(&self, id: CoreId, force: bool) -> Result<u64> {
         let core = match self.inner.core_by_id(id) {
             Ok(core) => Some(core),
-            Err(e) if !self.inner.inactive.read().contains_key(&id) => return Err(e),
+            Err(e) if !self.inner.cores.is_inactive(id) => return Err(e),
             Err(_) => None,
         };
         if let Some(core) = &core {
@@ -384,9 +369,7 @@ impl Cache {
                 return Err(e);
             }
         }
-        self.inner.cores.write().remove(&id);
-        self.inner.inactive.write().remove(&id);
-        self.inner.seq_cutoff_inactive.write().remove(&id);
+        self.inner.cores.remove(id);
         self.inner.save_policies()?;
         Ok(dirty)
     }
@@ -412,51 +395,36 @@ impl Cache {
         volume: VolumeRef,
         identity: Option<String>,
     ) -> Result<()> {
-        let mut inactive = self.inner.inactive.write();
-        let Some(rec) = inactive.get(&id) else {
-            return Err(if self.inner.cores.read().contains_key(&id) {
-                EngineError::DuplicateCore(id)
-            } else {
-                EngineError::NoSuchCore(id)
-            });
-        };
-        if volume.size() != rec.size {
-            return Err(EngineError::CoreMismatch {
-                id,
-                why: format!(
-                    "{} is {} bytes but the cache recorded {} bytes for {}",
-                    volume.name(),
-                    volume.size(),
-                    rec.size,
-                    rec.path
-                ),
-            });
-        }
-        if let Some(p) = &self.inner.persist {
-            // The next load must look where the core is now.
-            let path = volume.name().to_string();
-            p.update_superblock(&*self.inner.volume, |sb| {
-                if let Some(c) = sb.cores.iter_mut().find(|c| c.id == id) {
-                    c.path = path;
-                    c.identity = identity;
-                }
-            })?;
-        }
-        inactive.remove(&id);
-        let seq = self
-            .inner
-            .seq_cutoff_inactive
-            .write()
-            .remove(&id)
-            .unwrap_or_default();
-        let state = self.inner.lines.new_core_state(id, volume, seq);
-        self.inner.cores.write().insert(id, state);
-        Ok(())
+        self.inner.cores.activate(id, |rec, seq| {
+            if volume.size() != rec.size {
+                return Err(EngineError::CoreMismatch {
+                    id,
+                    why: format!(
+                        "{} is {} bytes but the cache recorded {} bytes for {}",
+                        volume.name(),
+                        volume.size(),
+                        rec.size,
+                        rec.path
+                    ),
+                });
+            }
+            if let Some(p) = &self.inner.persist {
+                // The next load must look where the core is now.
+                let path = volume.name().to_string();
+                p.update_superblock(&*self.inner.volume, |sb| {
+                    if let Some(c) = sb.cores.iter_mut().find(|c| c.id == id) {
+                        c.path = path;
+                        c.identity = identity;
+                    }
+                })?;
+            }
+            Ok(self.inner.lines.new_core_state(id, volume, seq))
+        })
     }
 
     /// The exported volume of a core.
     pub fn core(&self, id: CoreId) -> Result<Core> {
-        if self.inner.inactive.read().contains_key(&id) {
+        if self.inner.cores.is_inactive(id) {
             return Err(EngineError::CoreInactive(id));
         }
         Ok(Core {
@@ -469,7 +437,7 @@ impl Cache {
         let mut out: Vec<CoreInfo> = self
             .inner
             .cores
-            .read()
+            .active()
             .values()
             .map(|c| CoreInfo {
                 id: c.id(),
@@ -478,12 +446,18 @@ impl Cache {
                 status: CoreStatus::Active,
             })
             .collect();
-        out.extend(self.inner.inactive.read().values().map(|r| CoreInfo {
-            id: r.id,
-            name: r.path.clone(),
-            size: r.size,
-            status: CoreStatus::Inactive,
-        }));
+        out.extend(
+            self.inner
+                .cores
+                .inactive_records()
+                .into_iter()
+                .map(|r| CoreInfo {
+                    id: r.id,
+                    name: r.path,
+                    size: r.size,
+                    status: CoreStatus::Inactive,
+                }),
+        );
         out.sort_by_key(|c| c.id);
         out
     }
@@ -500,7 +474,7 @@ impl Cache {
     /// Flush every core, counted in the progress entry the caller began. Each core flushes
     /// on its own, bounded by the core flush timeout: a hung core is reported, not waited for.
     fn flush_cores(&self) -> Result<()> {
-        let cores: Vec<Arc<CoreState>> = self.inner.cores.read().values().cloned().collect();
+        let cores: Vec<Arc<CoreState>> = self.inner.cores.all();
         crate::cleaner::flush_cores_dirty(&self.inner, cores)
     }
 
@@ -564,8 +538,8 @@ impl Cache {
 
     /// A core's sequential cutoff settings.
     pub fn seq_cutoff(&self, core: CoreId) -> Result<SeqCutoff> {
-        if let Some(s) = self.inner.seq_cutoff_inactive.read().get(&core) {
-            return Ok(*s);
+        if let Some(s) = self.inner.cores.inactive_seq_cutoff(core) {
+            return Ok(s);
         }
         Ok(self.inner.core_by_id(core)?.seq().params())
     }
@@ -576,17 +550,10 @@ impl Cache {
         let targets: Vec<Arc<CoreState>> = match core {
             Some(id) => {
                 // The guard must be gone before save_policies reads the map again.
-                let old = self
-                    .inner
-                    .seq_cutoff_inactive
-                    .write()
-                    .get_mut(&id)
-                    .map(|s| std::mem::replace(s, params));
+                let old = self.inner.cores.replace_inactive_seq_cutoff(id, params);
                 if let Some(old) = old {
                     if let Err(e) = self.inner.save_policies() {
-                        if let Some(s) = self.inner.seq_cutoff_inactive.write().get_mut(&id) {
-                            *s = old;
-                        }
+                        self.inner.cores.replace_inactive_seq_cutoff(id, old);
                         return Err(e);
                     }
                     return Ok(());
@@ -594,10 +561,8 @@ impl Cache {
                 vec![self.inner.core_by_id(id)?]
             }
             None => {
-                for s in self.inner.seq_cutoff_inactive.write().values_mut() {
-                    *s = params;
-                }
-                self.inner.cores.read().values().cloned().collect()
+                self.inner.cores.set_inactive_seq_cutoffs(params);
+                self.inner.cores.all()
             }
         };
         let old: Vec<SeqCutoff> = targets.iter().map(|c| c.seq().params()).collect();
@@ -752,7 +717,7 @@ impl Cache {
             crate::BlockStats,
             crate::ErrorStats,
         ) = Default::default();
-        for core in self.inner.cores.read().values() {
+        for core in self.inner.cores.active().values() {
             if let Some(k) = core.classes().counters(id) {
                 let (r, b, e) = k.snapshot();
                 requests.add(&r);
@@ -810,7 +775,7 @@ impl Cache {
     /// usage statistics". `occupancy_lines` and `dirty_lines` are theirs; None while every
     /// recorded core is attached.
     pub fn inactive_usage(&self) -> Option<Usage> {
-        let inactive = self.inner.inactive.read();
+        let inactive = self.inner.cores.inactive_records();
         if inactive.is_empty() {
             return None;
         }
@@ -820,8 +785,8 @@ impl Cache {
             free_lines: self.inner.lines.free_lines().load(Ordering::Relaxed),
             ..Usage::default()
         };
-        for id in inactive.keys() {
-            let g = &self.inner.lines.gauges()[*id as usize];
+        for r in &inactive {
+            let g = &self.inner.lines.gauges()[r.id as usize];
             usage.occupancy_lines += g.occupancy();
             usage.dirty_lines += g.dirty();
         }
@@ -858,7 +823,7 @@ impl Cache {
             usage: self.inner.usage(None),
             ..Stats::default()
         };
-        for core in self.inner.cores.read().values() {
+        for core in self.inner.cores.active().values() {
             let (r, b, e) = core.counters().snapshot();
             total.requests.add(&r);
             total.blocks.add(&b);
@@ -889,14 +854,14 @@ impl Cache {
     /// Request latency histograms of every attached core, merged.
     pub fn latency(&self) -> LatencyStats {
         let mut all = LatencyStats::default();
-        for core in self.inner.cores.read().values() {
+        for core in self.inner.cores.active().values() {
             all.merge(&core.latency().snapshot());
         }
         all
     }
 
     pub fn reset_stats(&self) {
-        for core in self.inner.cores.read().values() {
+        for core in self.inner.cores.active().values() {
             core.counters().reset();
             core.latency().reset();
             core.classes().reset();

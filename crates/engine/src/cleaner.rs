@@ -87,8 +87,8 @@ impl CacheInner {
         let mut cleaned = 0;
         let mut first_error = None;
         for group in items.chunk_by(|a, b| a.0.core() == b.0.core()) {
-            let core = match self.cores.read().get(&group[0].0.core()) {
-                Some(c) => c.clone(),
+            let core = match self.cores.get(group[0].0.core()) {
+                Some(c) => c,
                 // Its lines are being dropped by core removal.
                 None => continue,
             };

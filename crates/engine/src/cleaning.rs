@@ -106,7 +106,7 @@ impl CacheInner {
     /// Any request since the last look changes this.
     fn io_marker(&self) -> u64 {
         self.cores
-            .read()
+            .active()
             .values()
             .map(|c| {
                 let (_, b, _) = c.counters().snapshot();
@@ -368,7 +368,7 @@ impl CacheInner {
     fn dirtiest_chunk(&self) -> Option<(u16, u64, u64)> {
         let per_chunk = (ACP_CHUNK_BYTES / self.line_bytes).max(1);
         let mut best: Option<(u64, u64, u16, u64)> = None; // (bucket, dirty, core, chunk)
-        let cores: Vec<u16> = self.cores.read().keys().copied().collect();
+        let cores: Vec<u16> = self.cores.active().keys().copied().collect();
         // A failing core's chunks cannot be cleaned; trying them on every run would starve the
         // other cores.
         let cores = cores

@@ -12,16 +12,14 @@
 //!   recorded them free (`release_limbo`), never before: always checked, a violation would let
 //!   a crash serve another address's data.
 
-use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
 use hybridcache_volume::Volume;
-use parking_lot::RwLock;
 
 use crate::core_flush;
-use crate::core_state::CoreState;
+use crate::core_state::{CoreState, Cores};
 use crate::format::Entry;
 use crate::inner::CacheInner;
 use crate::lines::Lines;
@@ -57,7 +55,7 @@ struct Commit<'a> {
     volume: &'a dyn Volume,
     persist: Option<&'a Persist>,
     lines: &'a Lines,
-    cores: &'a RwLock<BTreeMap<CoreId, Arc<CoreState>>>,
+    cores: &'a Cores,
     signal: &'a CleanerSignal,
 }
 
@@ -177,7 +175,7 @@ impl Commit<'_> {
     /// hung core counts as failed, so it cannot hold this commit (and every other core's
     /// durability) hostage.
     fn flush_cores(&self) -> bool {
-        let cores: Vec<Arc<CoreState>> = self.cores.read().values().cloned().collect();
+        let cores: Vec<Arc<CoreState>> = self.cores.all();
         let mut pending = Vec::new();
         for c in cores {
             let was_failing = self.lines.gauges()[c.id() as usize].failing();

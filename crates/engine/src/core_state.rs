@@ -21,19 +21,21 @@
 //!   `#[inline]` accessors (references to the counters, streams, latency; copies of id and
 //!   size), and change only the gauges, through the line room.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use hybridcache_volume::VolumeRef;
-use parking_lot::{RwLock, RwLockReadGuard};
+use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 
 use crate::classes::{CoreClassCounters, CoreClassGauges};
 use crate::core_flush::CoreWatch;
+use crate::format::CoreRecord;
 use crate::latency::Latency;
 use crate::policy::{SeqCutoff, SeqState};
 use crate::prefetch::ReadStreams;
 use crate::stats::{thread_slot, Counters, SLOTS};
-use crate::{CoreId, EngineError, Result};
+use crate::{CoreId, EngineError, Result, MAX_CORE_ID};
 
 /// Size of an acp chunk of core address space.
 pub(crate) const ACP_CHUNK_BYTES: u64 = 100 << 20;
@@ -334,5 +336,187 @@ impl Drop for Entered<'_> {
             "a request left core {} without entering",
             self.0.id
         );
+    }
+}
+
+/// A cache's registry of cores: the active ones (attached, serving requests) and the inactive
+/// ones (recorded in the superblock, their device missing since the load), each inactive one
+/// with the seq cutoff settings it gets back when it returns.
+///
+/// Invariants: an id is active or inactive, never both (checked whenever one is registered;
+/// always on, since two states of one core would count its lines twice); an active core is
+/// registered from the end of its attach to the start of its removal.
+///
+/// Changes (add, activate, remove, load) run one at a time under `changes`, which is held while
+/// a change writes the superblock; `active` and `inactive` are only ever held briefly, never
+/// across a device write or another room's lock. A commit holds persistence's lock while it
+/// looks the cores up to flush them: an add that held `active` across its superblock write
+/// (which waits for that lock) would wait for the commit forever, and the commit for it.
+#[derive(Default)]
+pub(crate) struct Cores {
+    changes: Mutex<()>,
+    active: RwLock<BTreeMap<CoreId, Arc<CoreState>>>,
+    inactive: RwLock<BTreeMap<CoreId, (CoreRecord, SeqCutoff)>>,
+}
+
+impl Cores {
+    /// Active core `id`.
+    #[inline]
+    pub(crate) fn get(&self, id: CoreId) -> Option<Arc<CoreState>> {
+        self.active.read().get(&id).cloned()
+    }
+
+    /// The active cores, for a look at each of them (the registry cannot change meanwhile).
+    pub(crate) fn active(&self) -> RwLockReadGuard<'_, BTreeMap<CoreId, Arc<CoreState>>> {
+        self.active.read()
+    }
+
+    /// The active cores as they are now, to work on without holding the registry.
+    pub(crate) fn all(&self) -> Vec<Arc<CoreState>> {
+        self.active.read().values().cloned().collect()
+    }
+
+    pub(crate) fn is_inactive(&self, id: CoreId) -> bool {
+        self.inactive.read().contains_key(&id)
+    }
+
+    /// Whether `id` names a core of the cache, active or inactive.
+    pub(crate) fn known(&self, id: CoreId) -> bool {
+        self.active.read().contains_key(&id) || self.inactive.read().contains_key(&id)
+    }
+
+    /// The inactive cores' records, by id.
+    pub(crate) fn inactive_records(&self) -> Vec<CoreRecord> {
+        self.inactive
+            .read()
+            .values()
+            .map(|(r, _)| r.clone())
+            .collect()
+    }
+
+    /// Every core's seq cutoff, the inactive ones' as kept for their return.
+    pub(crate) fn seq_cutoffs(&self) -> BTreeMap<CoreId, SeqCutoff> {
+        let mut out: BTreeMap<CoreId, SeqCutoff> = self
+            .inactive
+            .read()
+            .iter()
+            .map(|(id, (_, s))| (*id, *s))
+            .collect();
+        for (id, c) in self.active.read().iter() {
+            out.insert(*id, c.seq().params());
+        }
+        out
+    }
+
+    /// Inactive core `id`'s seq cutoff.
+    pub(crate) fn inactive_seq_cutoff(&self, id: CoreId) -> Option<SeqCutoff> {
+        self.inactive.read().get(&id).map(|(_, s)| *s)
+    }
+
+    /// Give inactive core `id` the seq cutoff `params`; its previous one, or None when `id` is
+    /// not inactive.
+    pub(crate) fn replace_inactive_seq_cutoff(
+        &self,
+        id: CoreId,
+        params: SeqCutoff,
+    ) -> Option<SeqCutoff> {
+        let mut inactive = self.inactive.write();
+        inactive
+            .get_mut(&id)
+            .map(|(_, s)| std::mem::replace(s, params))
+    }
+
+    /// Give every inactive core the seq cutoff `params`.
+    pub(crate) fn set_inactive_seq_cutoffs(&self, params: SeqCutoff) {
+        for (_, s) in self.inactive.write().values_mut() {
+            *s = params;
+        }
+    }
+
+    /// Add a core with id `id`, or the lowest free one as casadm's find_free_core_id (from 1,
+    /// and 0 only when every other is taken, so that ids given without -j match Open CAS's).
+    /// `make` records and builds it; no other change of the registry runs meanwhile, so the id
+    /// stays free.
+    pub(crate) fn add(
+        &self,
+        id: Option<CoreId>,
+        make: impl FnOnce(CoreId) -> Result<Arc<CoreState>>,
+    ) -> Result<CoreId> {
+        let _change = self.changes.lock();
+        let id = self.free_id(id)?;
+        let state = make(id)?;
+        assert_eq!(state.id(), id, "core {id} registered under its own id");
+        self.active.write().insert(id, state);
+        Ok(id)
+    }
+
+    /// `id` if it is free, or the lowest free id (see `add`).
+    fn free_id(&self, id: Option<CoreId>) -> Result<CoreId> {
+        let active = self.active.read();
+        let inactive = self.inactive.read();
+        let taken = |i: &CoreId| active.contains_key(i) || inactive.contains_key(i);
+        Ok(match id {
+            Some(id) if id as u32 > MAX_CORE_ID => return Err(EngineError::BadCoreId(id as u32)),
+            Some(id) if taken(&id) => return Err(EngineError::DuplicateCore(id)),
+            Some(id) => id,
+            None => (1..=MAX_CORE_ID as CoreId)
+                .chain([0])
+                .find(|i| !taken(i))
+                .ok_or(EngineError::TooManyCores)?,
+        })
+    }
+
+    /// Bring inactive core `id` back: `make` checks its record, records where it is now and
+    /// builds it from its kept seq cutoff; no other change of the registry runs meanwhile.
+    pub(crate) fn activate(
+        &self,
+        id: CoreId,
+        make: impl FnOnce(&CoreRecord, SeqCutoff) -> Result<Arc<CoreState>>,
+    ) -> Result<()> {
+        let _change = self.changes.lock();
+        let found = self.inactive.read().get(&id).cloned();
+        let Some((rec, seq)) = found else {
+            return Err(if self.active.read().contains_key(&id) {
+                EngineError::DuplicateCore(id)
+            } else {
+                EngineError::NoSuchCore(id)
+            });
+        };
+        let state = make(&rec, seq)?;
+        assert_eq!(state.id(), id, "core {id} registered under its own id");
+        // A seq cutoff set on the inactive core while `make` ran is the one it comes back with.
+        if let Some((_, seq)) = self.inactive.write().remove(&id) {
+            state.seq().set_params(seq);
+        }
+        self.active.write().insert(id, state);
+        Ok(())
+    }
+
+    /// Forget core `id`, active or inactive (its removal has completed).
+    pub(crate) fn remove(&self, id: CoreId) {
+        let _change = self.changes.lock();
+        self.active.write().remove(&id);
+        self.inactive.write().remove(&id);
+    }
+
+    /// Register the cores a load found: `active` with their devices, `inactive` with the seq
+    /// cutoff each keeps for its return.
+    pub(crate) fn load(
+        &self,
+        active: Vec<Arc<CoreState>>,
+        inactive: BTreeMap<CoreId, (CoreRecord, SeqCutoff)>,
+    ) {
+        let _change = self.changes.lock();
+        let mut a = self.active.write();
+        let mut i = self.inactive.write();
+        for c in active {
+            assert!(
+                !inactive.contains_key(&c.id()),
+                "core {} loaded both active and inactive",
+                c.id()
+            );
+            a.insert(c.id(), c);
+        }
+        *i = inactive;
     }
 }

@@ -7,11 +7,10 @@
 //! read-ahead's marks).
 //!
 //! Invariants: `line_size`, `line_bytes`, the line count, `volume` and `data_offset` never
-//! change after `build`; `mode` changes only through `Cache::set_mode`; a core is in `cores`
-//! from the end of its attach to the start of its removal, and its id in `inactive` only while
-//! its device is missing, never in both.
+//! change after `build`; `mode` changes only through `Cache::set_mode`; the cores' registry
+//! (`Cores`, core_state.rs) keeps a core active from the end of its attach to the start of its
+//! removal, and inactive only while its device is missing, never both.
 
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
 
@@ -21,15 +20,14 @@ use parking_lot::{Mutex, RwLock};
 use crate::bits::Mask;
 use crate::classes::ReqClass;
 use crate::cleaning_state::{CleanerState, CleaningCounters, Pacer};
-use crate::core_state::CoreState;
-use crate::format::CoreRecord;
+use crate::core_state::{CoreState, Cores};
 use crate::lines::Lines;
 use crate::meta::Key;
 use crate::mirror::Mirror;
 use crate::offload::OffloadState;
 use crate::persist::Persist;
+use crate::policy::PolicyRecord;
 use crate::policy::PromotionState;
-use crate::policy::{PolicyRecord, SeqCutoff};
 use crate::prefetch::PrefetchState;
 use crate::progress::FlushProgress;
 use crate::room_wait::CleanerSignal;
@@ -52,11 +50,10 @@ pub(crate) struct CacheInner {
     /// Where line 0 starts on the cache volume.
     pub(crate) data_offset: u64,
     pub(crate) mode: AtomicU8,
-    pub(crate) cores: RwLock<BTreeMap<CoreId, Arc<CoreState>>>,
+    /// The active and inactive cores (core_state.rs).
+    pub(crate) cores: Cores,
     /// None for a volatile cache (metadata in RAM only).
     pub(crate) persist: Option<Persist>,
-    /// Cores recorded in the superblock whose device was missing at load.
-    pub(crate) inactive: RwLock<BTreeMap<CoreId, CoreRecord>>,
     pub(crate) cleaning: RwLock<CleaningConfig>,
     pub(crate) cleaner: Mutex<CleanerState>,
     pub(crate) prefetch: PrefetchState,
@@ -71,9 +68,6 @@ pub(crate) struct CacheInner {
     pub(crate) prefetch_errors: BackgroundErrorLog,
     pub(crate) promotion: PromotionState,
     pub(crate) flush_progress: FlushProgress,
-    /// Sequential cutoff settings of cores recorded but not attached (inactive), kept so that
-    /// the superblock keeps them.
-    pub(crate) seq_cutoff_inactive: RwLock<BTreeMap<CoreId, SeqCutoff>>,
     /// A mirrored cache's pair of devices (mirror.rs); `volume` is the same object then. None
     /// without a mirror.
     pub(crate) mirror: Option<Arc<Mirror>>,
@@ -118,11 +112,7 @@ impl CacheInner {
     }
 
     pub(crate) fn core_by_id(&self, id: CoreId) -> Result<Arc<CoreState>> {
-        self.cores
-            .read()
-            .get(&id)
-            .cloned()
-            .ok_or(EngineError::NoSuchCore(id))
+        self.cores.get(id).ok_or(EngineError::NoSuchCore(id))
     }
 
     // ---- reads ----------------------------------------------------------------------------
@@ -160,9 +150,8 @@ impl CacheInner {
             lines: Lines::new(lines, config.line_size),
             data_offset,
             mode: AtomicU8::new(config.mode as u8),
-            cores: RwLock::new(BTreeMap::new()),
+            cores: Cores::default(),
             persist,
-            inactive: RwLock::new(BTreeMap::new()),
             cleaning: RwLock::new(CleaningConfig::default()),
             cleaner: Mutex::new(CleanerState::default()),
             prefetch: PrefetchState::new(),
@@ -174,17 +163,13 @@ impl CacheInner {
             prefetch_errors: BackgroundErrorLog::default(),
             promotion: PromotionState::new(Promotion::default()),
             flush_progress: FlushProgress::default(),
-            seq_cutoff_inactive: RwLock::new(BTreeMap::new()),
             mirror: None,
         }
     }
 
     /// The policies as the superblock records them.
     fn policy_record(&self) -> PolicyRecord {
-        let mut seq_cutoff = self.seq_cutoff_inactive.read().clone();
-        for (id, c) in self.cores.read().iter() {
-            seq_cutoff.insert(*id, c.seq().params());
-        }
+        let seq_cutoff = self.cores.seq_cutoffs();
         PolicyRecord {
             cleaning: *self.cleaning.read(),
             promotion: self.promotion.params(),
@@ -276,9 +261,7 @@ impl CacheInner {
     }
 
     pub(crate) fn check_invariants(&self) {
-        let known_core = |id: CoreId| {
-            self.cores.read().contains_key(&id) || self.inactive.read().contains_key(&id)
-        };
+        let known_core = |id: CoreId| self.cores.known(id);
         self.lines
             .check_invariants(self.persist.is_some(), &known_core)
     }

@@ -97,7 +97,7 @@ impl CacheInner {
             .classify(core.id(), offset, len as u64, false);
         let mut bypass = matches!(mode, CacheMode::Wo | CacheMode::Pt)
             || class.is_some_and(|c| c.cap == 0)
-            || self.cut_off(core, offset, len as u64, false);
+            || self.admission().cut_off(core, offset, len as u64, false);
         let mut segs = self.lines.segments(core.id(), offset, len as u64);
         let locks = lock(
             self.lines.stripes_of(segs.iter().map(|s| s.key)),
@@ -105,7 +105,7 @@ impl CacheInner {
         );
         let waited = locks.waited();
         self.lines.lookup(&mut segs);
-        bypass = bypass || self.promotion_declines(&segs);
+        bypass = bypass || self.admission().promotion_declines(&segs);
         // Offload may serve a hit from the core only when no line it touches has a dirty
         // sector: the core then holds the very data the cache does. The stripes stay locked
         // through the core read, so no write can dirty them meanwhile.

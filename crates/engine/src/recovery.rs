@@ -992,15 +992,18 @@ fn attach_loaded_cores(
     policies: &PolicyRecord,
 ) {
     let seq_of = |id: CoreId| policies.seq_cutoff.get(&id).copied().unwrap_or_default();
-    for (id, vol) in active {
-        let state = inner.lines.new_core_state(id, vol, seq_of(id));
-        inner.cores.write().insert(id, state);
-    }
+    let active = active
+        .into_iter()
+        .map(|(id, vol)| inner.lines.new_core_state(id, vol, seq_of(id)))
+        .collect();
     for (id, rec) in &inactive {
         inner.lines.rebuild_chunks(*id, rec.size);
-        inner.seq_cutoff_inactive.write().insert(*id, seq_of(*id));
     }
-    *inner.inactive.write() = inactive;
+    let inactive = inactive
+        .into_iter()
+        .map(|(id, rec)| (id, (rec, seq_of(id))))
+        .collect();
+    inner.cores.load(active, inactive);
 }
 
 fn check_line_size(line_size: u32) -> Result<LineSize> {

@@ -103,7 +103,9 @@ impl CacheInner {
         // A class with allocation 0 is never cached: its writes are pass-through too.
         let cut = mode != CacheMode::Pt
             && (class.is_some_and(|c| c.cap == 0)
-                || self.cut_off(core, offset, buf.len() as u64, true));
+                || self
+                    .admission()
+                    .cut_off(core, offset, buf.len() as u64, true));
         match mode {
             CacheMode::Wa => self.write_through(core, buf, offset, false, class),
             _ if cut => self.write_invalidate(core, buf, offset, CacheMode::Pt, class),
@@ -187,7 +189,7 @@ impl CacheInner {
     /// its unmapped lines, or offload sends them to the core.
     #[inline]
     fn decide_write_back(&self, core: &CoreState, segs: &[Seg]) -> Decision {
-        let declined = self.promotion_declines(segs);
+        let declined = self.admission().promotion_declines(segs);
         // Offload takes only write misses: with no core line mapped (under the locks) there is
         // no cached copy that the core's new data could leave stale.
         let offloaded =
@@ -478,7 +480,7 @@ impl CacheInner {
         let locks = self.lines.lock_segs(&segs, WaitFor::All);
         let waited = locks.waited();
         self.lines.lookup(&mut segs);
-        let declined = insert && self.promotion_declines(&segs);
+        let declined = insert && self.admission().promotion_declines(&segs);
         // As in write-back: offload takes write misses only (nothing mapped, nothing stale).
         let offloaded = insert
             && !declined
