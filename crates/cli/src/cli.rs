@@ -236,6 +236,19 @@ pub enum Command {
         /// Load the cache the device holds (its id, mode, line size and cores).
         #[arg(short = 'l', long)]
         load: bool,
+        /// A second device that keeps a copy of the dirty data and metadata (write-back
+        /// survives the loss of either device; docs/cli.md "Mirrored caches"). With --load:
+        /// the mirror of the cache loaded.
+        #[arg(long, value_name = "DEV", conflicts_with = "load_mirror")]
+        mirror: Option<String>,
+        /// Bring the cache up from its mirror (-d) alone: every dirty line it recorded; clean
+        /// lines come from the cores again (failover, or a lost primary).
+        #[arg(long, conflicts_with_all = ["load", "force"])]
+        load_mirror: bool,
+        /// When the mirror is lost: drain the dirty data and serve write-through (`drain`,
+        /// the default), or stay write-back unprotected (`keep`).
+        #[arg(long, value_name = "drain|keep", requires = "mirror")]
+        mirror_lost: Option<String>,
     },
 
     /// Stop a cache (flushing its dirty data first).
@@ -730,6 +743,9 @@ impl Command {
                 line_size,
                 force,
                 load,
+                mirror,
+                load_mirror,
+                mirror_lost,
             } => Request::StartCache {
                 device: device_from_here(device),
                 id: *id,
@@ -737,6 +753,9 @@ impl Command {
                 line_size_kib: *line_size,
                 force: *force,
                 load: *load,
+                mirror: mirror.as_deref().map(device_from_here),
+                load_mirror: *load_mirror,
+                mirror_lost: mirror_lost.clone(),
             },
             Command::StopCache {
                 id,
@@ -1323,6 +1342,9 @@ mod tests {
             line_size_kib: Some(16),
             force: true,
             load: false,
+            mirror: None,
+            load_mirror: false,
+            mirror_lost: None,
         };
         assert_eq!(
             req(&["-S", "-d", "ram:1G", "-i", "3", "-c", "wb", "-x", "16", "--force"]),

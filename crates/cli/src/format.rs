@@ -79,6 +79,22 @@ pub fn list_with_pool(caches: &[CacheInfo], core_pool: &[String], format: Output
             "-".into(),
             c.cores.iter().map(|k| k.clients).sum::<usize>().to_string(),
         ]);
+        if let Some(m) = &c.mirror {
+            let branch = if c.cores.is_empty() {
+                "└mirror"
+            } else {
+                "├mirror"
+            };
+            rows.push([
+                branch.into(),
+                "-".into(),
+                m.device.clone(),
+                mirror_status(&m.state),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+            ]);
+        }
         let n = c.cores.len();
         for (i, core) in c.cores.iter().enumerate() {
             let branch = if i + 1 == n { "└core" } else { "├core" };
@@ -146,6 +162,15 @@ pub fn list_with_pool(caches: &[CacheInfo], core_pool: &[String], format: Output
             serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
         }
     }
+}
+
+/// A mirror's state as `-L` and `-P` show it: `Redundant`, `Primary lost`, `Mirror lost`.
+pub fn mirror_status(state: &str) -> String {
+    let mut s = state.to_string();
+    if let Some(first) = s.get_mut(0..1) {
+        first.make_ascii_uppercase();
+    }
+    s
 }
 
 /// Where udev keeps the persistent names of disks.
@@ -839,6 +864,14 @@ fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
             gib(c.lines * line_kib * 1024),
         ));
         v.push(("cache_device", "Cache Device", c.device.clone()));
+        if let Some(m) = &c.mirror {
+            v.push(("mirror_device", "Mirror Device", m.device.clone()));
+            v.push(("mirror_state", "Mirror State", mirror_status(&m.state)));
+            v.push(("mirror_lost", "On Mirror Lost", m.mirror_lost.clone()));
+            if let Some(why) = &m.reason {
+                v.push(("mirror_failure", "Mirror Failure", why.clone()));
+            }
+        }
         // casadm shows a cache's own exported object only in standby, which we do not have.
         v.push(("exported_object", "Exported Object", "-".into()));
         v.push(("core_devices", "Core Devices", c.cores.len().to_string()));
@@ -1274,6 +1307,7 @@ mod tests {
                 dirty_for_s: Some(3723),
                 inactive_cores: 0,
                 metadata_bytes: 3 << 20,
+                mirror: None,
             },
             core: None,
             io_class: None,

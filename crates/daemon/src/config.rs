@@ -141,6 +141,12 @@ pub struct CacheSection {
     /// in the background).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lazy_startup: Option<bool>,
+    /// The mirror of the cache's dirty data and metadata (`-S --mirror`; docs/format.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mirror: Option<String>,
+    /// What the cache does when its mirror is lost: `drain` (default) or `keep`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mirror_lost: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

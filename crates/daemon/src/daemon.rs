@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use hybridcache_engine::{Cache, EngineError};
+use hybridcache_engine::{Cache, EngineError, MirrorLostPolicy, MirrorState};
 use hybridcache_nbd::{ExportRegistry, Server};
 use parking_lot::{Condvar, Mutex};
 use serde_json::{json, Value};
@@ -126,6 +126,14 @@ struct CoreEntry {
     lazy_startup: Option<bool>,
 }
 
+struct MirrorEntry {
+    device: String,
+    key: Option<DeviceKey>,
+    policy: MirrorLostPolicy,
+    /// The state last logged, so that each change is logged once.
+    logged: MirrorState,
+}
+
 /// A cache of the configuration file that is not running: its device was missing at start (it
 /// starts when the device appears), or starting it failed. Kept exactly as the file had it.
 struct Waiting {
@@ -147,6 +155,8 @@ struct CacheEntry {
     ioclass: (Option<PathBuf>, Option<bool>),
     /// The configuration file's `lazy_startup`, kept so that saving the file keeps it.
     lazy_startup: Option<bool>,
+    /// A mirrored cache's mirror device (claimed as the cache device is).
+    mirror: Option<MirrorEntry>,
 }
 
 #[derive(Default)]
@@ -245,6 +255,11 @@ impl State {
             if c.key.as_ref().is_some_and(|k| k.conflicts(key)) {
                 return Some(format!("the cache device of cache {id}"));
             }
+            if let Some(m) = &c.mirror {
+                if m.key.as_ref().is_some_and(|k| k.conflicts(key)) {
+                    return Some(format!("the mirror of cache {id}"));
+                }
+            }
             for (core_id, core) in &c.cores {
                 if core.key.as_ref().is_some_and(|k| k.conflicts(key)) {
                     return Some(format!("core {core_id} of cache {id}"));
@@ -313,16 +328,26 @@ impl Daemon {
                 line_size_kib,
                 force,
                 load,
+                mirror,
+                load_mirror,
+                mirror_lost,
             } => {
-                if load && force {
+                if (load || load_mirror) && force {
                     return Err("--load and --force contradict each other: --force overwrites the cache that --load would load".into());
                 }
-                let how = if load {
+                if load && load_mirror {
+                    return Err("--load loads a cache from its cache device, --load-mirror from its mirror alone: give one".into());
+                }
+                let how = if load_mirror {
+                    Start::LoadMirror
+                } else if load {
                     Start::Load
                 } else {
                     Start::Create { force }
                 };
-                let started = self.start_cache(&device, id, mode.as_deref(), line_size_kib, how)?;
+                let mirror = mirror.as_deref().map(|m| (m, mirror_lost.as_deref()));
+                let started =
+                    self.start_cache(&device, id, mode.as_deref(), line_size_kib, how, mirror)?;
                 Ok(self.attach_pooled_after_start(started))
             }
             Request::StopCache {

@@ -322,6 +322,10 @@ impl Collector for Collected {
             "hybridcache_cache_dirty_for_seconds",
             "How long the cache has held dirty data (0 while clean), as -P's Dirty for",
         );
+        let mut mirror = Family::gauge(
+            "hybridcache_cache_mirror_redundant",
+            "A mirrored cache: 1 while both devices work, 0 once one is lost (the state label says which)",
+        );
         let mut flushing = Family::gauge(
             "hybridcache_flush_in_progress",
             "1 while a flush runs (-F, a mode switch that flushes, a stop)",
@@ -489,6 +493,20 @@ impl Collector for Collected {
                 base.clone(),
                 cache.dirty_for(None).map_or(0.0, |d| d.as_secs_f64()),
             );
+            if let Some(m) = cache.mirror_status() {
+                mirror.push(
+                    labels(&[
+                        ("cache", id.clone()),
+                        ("mirror", m.device.clone()),
+                        ("state", m.state.as_str().replace(' ', "_")),
+                    ]),
+                    if m.state == hybridcache_engine::MirrorState::Redundant {
+                        1.0
+                    } else {
+                        0.0
+                    },
+                );
+            }
             let flush = cache.flush_status();
             flushing.push(base.clone(), if flush.is_some() { 1.0 } else { 0.0 });
             if let Some(f) = flush {
@@ -610,6 +628,7 @@ impl Collector for Collected {
             &dirty_ratio,
             &dirty_for,
             &flushing,
+            &mirror,
             &flush_ratio,
             &core_info,
             &core_active,

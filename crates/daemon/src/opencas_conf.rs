@@ -164,6 +164,8 @@ impl OpenCasConf {
             ioclass_ignore_unsupported: None,
             // Open CAS's default: open-cas.service waits for every device not marked lazy.
             lazy_startup: Some(false),
+            mirror: None,
+            mirror_lost: None,
         };
         let mut notes = Vec::new();
         let mut left_out = None;

@@ -26,6 +26,16 @@ pub enum Request {
         force: bool,
         #[serde(default)]
         load: bool,
+        /// A mirror for the dirty data and metadata (docs/format.md, "The mirror"): given to a
+        /// new cache, or with `load` the mirror of the cache loaded.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mirror: Option<String>,
+        /// Bring the cache up from `device`, its mirror, alone (failover).
+        #[serde(default)]
+        load_mirror: bool,
+        /// What to do when the mirror is lost: `drain` (default) or `keep`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mirror_lost: Option<String>,
     },
     /// Result: `{"losses": [...]}`, the [`crate::safety::Loss`]es the operator accepted (also
     /// in the results of `remove-core`, `zero-metadata` and `start-cache`).
@@ -344,6 +354,22 @@ pub struct CacheInfo {
     /// Bytes of RAM the cache's metadata takes (`-P`'s Metadata Memory Footprint).
     #[serde(default)]
     pub metadata_bytes: u64,
+    /// A mirrored cache's mirror and whether the cache is still redundant.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mirror: Option<MirrorInfo>,
+}
+
+/// A mirrored cache's mirror, as `-L` and `-P` show it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct MirrorInfo {
+    pub device: String,
+    /// `redundant`, `primary lost` or `mirror lost`.
+    pub state: String,
+    /// `mirror_lost`: `drain` or `keep`.
+    pub mirror_lost: String,
+    /// Why the cache is no longer redundant: the failed operation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 /// How far a running flush has got.
@@ -686,7 +712,10 @@ mod tests {
                 mode: None,
                 line_size_kib: None,
                 force: false,
-                load: false
+                load: false,
+                mirror: None,
+                load_mirror: false,
+                mirror_lost: None,
             }
         );
         let line = serde_json::to_string(&Request::Flush {

@@ -517,6 +517,8 @@ mod tests {
             ioclass_file: None,
             ioclass_ignore_unsupported: None,
             lazy_startup: None,
+            mirror: None,
+            mirror_lost: None,
         }
     }
 

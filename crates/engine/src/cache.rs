@@ -41,7 +41,7 @@ use parking_lot::Mutex;
 use crate::cleaning::CleanerThread;
 use crate::cleaning_state::{CleaningStats, CleaningTick};
 use crate::core_state::CoreState;
-use crate::format::{ConfigSlot, CoreRecord, Geometry, Superblock};
+use crate::format::{ConfigSlot, CoreRecord, Superblock};
 use crate::inner::CacheInner;
 use crate::ioclass::{ClassId, IoClasses};
 use crate::latency::{self, LatencyKind, LatencyStats};
@@ -51,6 +51,7 @@ use crate::persist::{self, new_uuid};
 use crate::policy::{CleaningConfig, LazyFlush, Prefetch, Promotion, SeqCutoff};
 use crate::progress::FlushStatus;
 use crate::readahead::PrefetchThread;
+use crate::recovery::LoadSource;
 use crate::stats::{BackgroundErrors, Stats, Usage};
 use crate::{CacheConfig, CacheMode, CoreId, EngineError, LineSize, Result, SECTOR};
 
@@ -123,7 +124,7 @@ impl Cache {
     }
 
     /// Wrap a built cache and start its cleaner thread.
-    fn started(inner: CacheInner) -> Cache {
+    pub(crate) fn started(inner: CacheInner) -> Cache {
         // Dirty data a load brought back has been dirty at least since the load.
         for g in inner.lines.gauges().iter() {
             let _ = g.dirty_for();
@@ -139,60 +140,6 @@ impl Cache {
         }
     }
 
-    /// Create a new persistent cache on `cache_volume` (docs/format.md). A volume that already
-    /// holds a cache is refused unless `force`.
-    pub fn create(cache_volume: VolumeRef, config: CacheConfig, force: bool) -> Result<Cache> {
-        let slots = persist::read_config(&*cache_volume)?;
-        if !force {
-            persist::refuse_newer(&slots)?;
-            if let Some((_, sb, _)) = persist::newest(&slots) {
-                return Err(EngineError::ExistingCache {
-                    id: sb.cache_id,
-                    uuid: sb.uuid.clone(),
-                    line_kib: sb.line_size / 1024,
-                    cores: sb.describe_cores(),
-                });
-            }
-            for slot in &slots {
-                if let ConfigSlot::Corrupt(why) = slot {
-                    return Err(EngineError::DamagedSuperblock(why.clone()));
-                }
-            }
-        }
-        let line_bytes = config.line_size.bytes() as u64;
-        let geometry = Geometry::compute(cache_volume.size(), line_bytes).ok_or(
-            EngineError::CacheTooSmall {
-                bytes: cache_volume.size(),
-                line: config.line_size.bytes(),
-            },
-        )?;
-        let sb = Superblock {
-            cache_id: config.id,
-            uuid: new_uuid(),
-            nonce: persist::random_u64(),
-            line_size: config.line_size.bytes(),
-            lines: geometry.lines,
-            data_offset: geometry.data_offset,
-            meta_blocks: geometry.meta_blocks,
-            entries_per_block: geometry.entries_per_block,
-            mode: config.mode.as_str().into(),
-            clean_shutdown: false,
-            cores: Vec::new(),
-            params: Default::default(),
-        };
-        let mask_bytes = config.line_size.sectors() as usize / 8;
-        let persist = persist::format_volume(&*cache_volume, geometry, &sb, mask_bytes)?;
-        let inner = CacheInner::build(
-            cache_volume,
-            &config,
-            geometry.lines,
-            geometry.data_offset,
-            Some(persist),
-        );
-        inner.save_policies()?;
-        Ok(Cache::started(inner))
-    }
-
     /// Load the cache held by `cache_volume`, after a clean stop or a crash. `open_core` opens
     /// each recorded core's device; a core it cannot open (None) is loaded inactive, its dirty
     /// data kept. Everything is checked before anything is written: corrupt metadata, a core of
@@ -204,6 +151,7 @@ impl Cache {
     ) -> Result<Cache> {
         Ok(Cache::started(crate::recovery::load(
             cache_volume,
+            LoadSource::Plain,
             open_core,
         )?))
     }

@@ -368,7 +368,7 @@ impl CacheInner {
             let c = &self.cleaning_counters;
             c.write_begins();
             let result = self
-                .cache_read(core, buf, &reads)
+                .cache_read_dirty(core, buf, &reads)
                 .and_then(|()| self.core_write(core, buf, &write));
             c.write_ends();
             match result {

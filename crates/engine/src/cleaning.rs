@@ -174,7 +174,13 @@ impl CacheInner {
             cleaned: 0,
             more: false,
         });
-        if self.cleaner_signal.take_room_request() {
+        // A mirrored cache that lost a device drains its dirty lines as room requests do: they
+        // are on one device only (or on a mirror it no longer serves from but in need).
+        let drain = self
+            .mirror
+            .as_ref()
+            .is_some_and(|m| m.drains() && self.usage(None).dirty_lines > 0);
+        if self.cleaner_signal.take_room_request() || drain {
             // Lazy flush sent writes to the core for want of a line: make room now, under any
             // policy (nop means no periodic cleaning, not no room). The oldest dirty lines go,
             // as an inline make-room would have taken them, `ROOM_BATCH` (an eighth of a small
@@ -198,6 +204,7 @@ impl CacheInner {
         }
         // Writes that found no room since the look above: go again at once.
         tick.more |= self.cleaner_signal.room_wanted();
+        tick.more |= drain && tick.cleaned > 0;
         tick
     }
 

@@ -75,7 +75,8 @@ impl CacheInner {
     /// fails has the error counted on it and its lines recorded dirty, so that it cannot keep
     /// the other cores' writes from becoming durable.
     pub(crate) fn commit(&self) -> Result<()> {
-        self.committer().run()
+        self.committer().run()?;
+        self.note_mirror_lost()
     }
 
     /// After a commit: if `core` is failing, its acknowledged writes are not known durable, and

@@ -77,6 +77,80 @@ impl CacheInner {
         Ok(())
     }
 
+    /// Write data that makes sectors dirty: on a mirrored cache to both devices (mirror.rs).
+    #[inline]
+    pub(crate) fn cache_write_dirty(
+        &self,
+        core: &CoreState,
+        buf: &[u8],
+        runs: &[Run],
+    ) -> Result<()> {
+        let Some(m) = &self.mirror else {
+            return self.cache_write(core, buf, runs);
+        };
+        let _queued = self.offload.cache_io();
+        for r in runs {
+            m.write_dirty(&buf[r.buf_off..r.buf_off + r.len], r.dev_off)
+                .inspect_err(|_| core.counters().add(Counter::CacheWriteErrors, 1))?;
+            core.counters()
+                .add(Counter::CacheWrittenBytes, r.len as u64);
+        }
+        Ok(())
+    }
+
+    /// Read dirty sectors: on a mirrored cache from the mirror when the primary fails.
+    #[inline]
+    pub(crate) fn cache_read_dirty(
+        &self,
+        core: &CoreState,
+        buf: &mut [u8],
+        runs: &[Run],
+    ) -> Result<()> {
+        let Some(m) = &self.mirror else {
+            return self.cache_read(core, buf, runs);
+        };
+        let _queued = self.offload.cache_io();
+        for r in runs {
+            m.read_dirty(&mut buf[r.buf_off..r.buf_off + r.len], r.dev_off)
+                .inspect_err(|_| core.counters().add(Counter::CacheReadErrors, 1))?;
+            core.counters().add(Counter::CacheReadBytes, r.len as u64);
+        }
+        Ok(())
+    }
+
+    /// A read of `segs` whose cache read failed, again: dirty sectors from the mirror (through
+    /// `cache_read_dirty`), the rest from the core. Without a mirror, a dirty sector exists
+    /// nowhere else and the read fails with `failed`. Caller holds the segments' stripes.
+    pub(crate) fn read_around_cache(
+        &self,
+        core: &CoreState,
+        buf: &mut [u8],
+        segs: &[Seg],
+        failed: crate::EngineError,
+    ) -> Result<()> {
+        let any_dirty = segs.iter().any(|s| s.mask() & s.dirty != 0);
+        if any_dirty && self.mirror.is_none() {
+            return Err(failed);
+        }
+        let (mut core_runs, mut dirty_runs) = (Vec::new(), Vec::new());
+        for s in segs {
+            let m = s.mask();
+            let dirty = if s.mapped() { m & s.dirty } else { 0 };
+            for (first, n) in bits::runs(m & !dirty) {
+                let buf_off = s.buf_off + (first - s.first) as usize * SECTOR as usize;
+                let len = n as usize * SECTOR as usize;
+                push_run(&mut core_runs, self.core_off(s.key, first), buf_off, len);
+            }
+            for (first, n) in bits::runs(dirty) {
+                let buf_off = s.buf_off + (first - s.first) as usize * SECTOR as usize;
+                let len = n as usize * SECTOR as usize;
+                push_run(&mut dirty_runs, self.cache_off(s.line, first), buf_off, len);
+            }
+        }
+        self.core_read(core, buf, &core_runs)?;
+        self.cache_read_dirty(core, buf, &dirty_runs)
+    }
+
     /// Write the sectors `mask` of segment `s` from the request buffer into cache line `line`.
     #[inline]
     pub(crate) fn cache_write_mask(

@@ -71,6 +71,30 @@ pub struct Superblock {
     /// Policy parameters, by name (reserved for the policies).
     #[serde(default)]
     pub params: serde_json::Map<String, serde_json::Value>,
+    /// A mirrored cache's pairing (docs/format.md, "The mirror"); None without a mirror.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mirror: Option<MirrorRecord>,
+}
+
+/// Which of a mirrored cache's two devices a superblock is on, and what it knows of the other.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct MirrorRecord {
+    /// `primary` or `mirror`.
+    pub role: String,
+    /// On the primary: the mirror's device as the user named it.
+    #[serde(default)]
+    pub path: String,
+    /// The primary's size in bytes: the geometry a load of the mirror alone must find.
+    pub size: u64,
+    /// On the primary: the mirror missed writes (it failed, or the cache ran without it) and
+    /// is stale.
+    #[serde(default)]
+    pub lost: bool,
+}
+
+impl MirrorRecord {
+    pub const PRIMARY: &'static str = "primary";
+    pub const MIRROR: &'static str = "mirror";
 }
 
 impl Superblock {

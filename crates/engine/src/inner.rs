@@ -23,6 +23,7 @@ use crate::cleaning_state::{CleanerState, CleaningCounters, Pacer};
 use crate::core_state::{CoreState, Cores};
 use crate::lines::Lines;
 use crate::meta::Key;
+use crate::mirror::Mirror;
 use crate::offload::OffloadState;
 use crate::persist::Persist;
 use crate::policy::PolicyRecord;
@@ -67,11 +68,25 @@ pub(crate) struct CacheInner {
     pub(crate) prefetch_errors: BackgroundErrorLog,
     pub(crate) promotion: PromotionState,
     pub(crate) flush_progress: FlushProgress,
+    /// A mirrored cache's pair of devices (mirror.rs); `volume` is the same object then. None
+    /// without a mirror.
+    pub(crate) mirror: Option<Arc<Mirror>>,
 }
 
 impl CacheInner {
     #[inline]
     pub(crate) fn mode(&self) -> CacheMode {
+        let mode = self.set_mode();
+        match &self.mirror {
+            Some(m) => m.effective_mode(mode),
+            None => mode,
+        }
+    }
+
+    /// The mode the cache was set to; a mirrored cache that lost a device serves in another
+    /// (`mode`).
+    #[inline]
+    pub(crate) fn set_mode(&self) -> CacheMode {
         CacheMode::ALL[self.mode.load(Ordering::Relaxed) as usize]
     }
 
@@ -148,6 +163,7 @@ impl CacheInner {
             prefetch_errors: BackgroundErrorLog::default(),
             promotion: PromotionState::new(Promotion::default()),
             flush_progress: FlushProgress::default(),
+            mirror: None,
         }
     }
 
@@ -186,7 +202,25 @@ impl CacheInner {
     }
 }
 
-impl CacheInner {}
+impl CacheInner {
+    /// Record in the primary's superblock that the mirror missed writes, once: a later load
+    /// must not take the stale mirror for a copy.
+    pub(crate) fn note_mirror_lost(&self) -> Result<()> {
+        let (Some(m), Some(p)) = (&self.mirror, &self.persist) else {
+            return Ok(());
+        };
+        if m.state() != crate::MirrorState::MirrorLost
+            || !p.superblock().mirror.as_ref().is_some_and(|r| !r.lost)
+        {
+            return Ok(());
+        }
+        p.update_superblock(&*self.volume, |sb| {
+            if let Some(r) = sb.mirror.as_mut() {
+                r.lost = true;
+            }
+        })
+    }
+}
 
 /// The line room's changes that also touch persistence (which lines a commit must write, which
 /// may not be reused yet) and read-ahead's marks: the holder hands both over.

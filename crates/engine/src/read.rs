@@ -237,16 +237,8 @@ impl CacheInner {
         } = plan;
         if let Err(e) = cached {
             // The cache device failed: clean sectors can still come from the core, dirty ones
-            // exist nowhere else.
-            if segs.iter().any(|s| s.mask() & s.dirty != 0) {
-                return Err(e);
-            }
-            let all = [Run {
-                dev_off: offset,
-                buf_off: 0,
-                len: buf.len(),
-            }];
-            return self.core_read(core, buf, &all);
+            // only from a mirror.
+            return self.read_around_cache(core, buf, &segs, e);
         }
 
         if bypass {

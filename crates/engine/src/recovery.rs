@@ -15,17 +15,20 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use std::sync::Arc;
+
 use hybridcache_volume::{Volume, VolumeRef};
 
 use crate::bits::Mask;
 use crate::format::{
     block_crc, decode_block, decode_commit, digest_term, BlockError, CommitRecord, CommitSlot,
-    ConfigSlot, CoreRecord, Entry, Geometry, Superblock, BLOCK, COMMIT_SLOTS,
+    ConfigSlot, CoreRecord, Entry, Geometry, MirrorRecord, Superblock, BLOCK, COMMIT_SLOTS,
 };
 use crate::inner::CacheInner;
 use crate::ioclass::IoClasses;
 use crate::lists::ListKind;
 use crate::meta::{Key, LineTable, Walks, FREE};
+use crate::mirror::{Mirror, MirrorLostPolicy, Window};
 use crate::persist::{self, Persist};
 use crate::policy::PolicyRecord;
 use crate::{CacheConfig, CacheMode, CoreId, EngineError, LineSize, Result, MAX_CORE_ID, SECTOR};
@@ -697,9 +700,11 @@ fn check_digest(rec: CommitRecord, committed_digest: u64, mut suspects: Vec<Stri
 /// clean-stop mark cleared).
 pub(crate) fn load(
     cache_volume: VolumeRef,
+    source: LoadSource,
     open_core: &mut dyn FnMut(&CoreRecord) -> Option<VolumeRef>,
 ) -> Result<CacheInner> {
     let (sb_seq, sb, version) = newest_superblock(&*cache_volume)?;
+    let cache_volume = check_pairing(cache_volume, &sb, &source)?;
     let (line_size, mode, recorded) = check_superblock(&sb, &*cache_volume)?;
     let (active, inactive) = open_cores(&sb, open_core)?;
     let policies = recorded_policies(&sb)?;
@@ -726,18 +731,116 @@ pub(crate) fn load(
     )?;
     apply_policies(&inner, &policies)?;
     attach_loaded_cores(&inner, active, inactive, &policies);
+    // From here on the device changes: a crash must be recovered as a crash.
+    if let LoadSource::Mirrored(mirror, policy) = source {
+        // The primary's metadata is the truth; a crash may have left the mirror's a commit
+        // behind or ahead. Its dirty data needs no copy (mirror.rs).
+        let m = Arc::new(Mirror::new(
+            cache_volume.clone(),
+            mirror,
+            recorded.data_offset,
+            policy,
+        ));
+        m.copy_metadata()?;
+        inner.volume = m.clone();
+        inner.mirror = Some(m);
+    }
     let p = inner
         .persist
         .as_ref()
         .expect("a loaded cache is persistent");
-    // From here on the device changes: a crash must be recovered as a crash.
     p.record_loaded_state(&*inner.volume)?;
     // Both slots: an older superblock left with the clean-stop mark would make a load that
     // falls back to it (the newer damaged) trust clean lines written over since.
+    let mirrored = inner.mirror.is_some();
     for _ in 0..2 {
-        p.update_superblock(&*inner.volume, |sb| sb.clean_shutdown = false)?;
+        p.update_superblock(&*inner.volume, |sb| {
+            sb.clean_shutdown = false;
+            if let Some(r) = sb.mirror.as_mut() {
+                // Without its mirror (a plain load of the primary, or the mirror brought up
+                // alone) the cache runs unprotected from here: a mirror it had is stale.
+                if !mirrored {
+                    r.role = MirrorRecord::PRIMARY.into();
+                    r.lost = true;
+                }
+            }
+        })?;
     }
     Ok(inner)
+}
+
+/// Where a load takes the cache from.
+pub(crate) enum LoadSource {
+    /// A cache device (the primary of a mirrored cache loaded without its mirror).
+    Plain,
+    /// The primary, with its mirror.
+    Mirrored(VolumeRef, MirrorLostPolicy),
+    /// The mirror alone (failover): its dirty sectors only.
+    MirrorAlone,
+}
+
+/// Check that the devices of a load belong together (docs/format.md, "The mirror"): a mirror is
+/// loaded only as one, and only with the primary whose uuid and nonce it carries. Returns the
+/// volume to load from, cut to the primary's size when the device is larger (a mirror may be).
+fn check_pairing(volume: VolumeRef, sb: &Superblock, source: &LoadSource) -> Result<VolumeRef> {
+    let role = sb.mirror.as_ref().map(|r| r.role.as_str());
+    let name = volume.name().to_string();
+    let what = format!("cache {} ({})", sb.cache_id, sb.uuid);
+    match (source, role) {
+        (LoadSource::Plain, Some(MirrorRecord::MIRROR)) => {
+            return Err(EngineError::Invalid(format!(
+                "{name} is the mirror of {what}, not a cache device: bring the cache up from it with --load-mirror (it trusts only the mirror's dirty data)"
+            )))
+        }
+        (LoadSource::MirrorAlone, r) if r != Some(MirrorRecord::MIRROR) => {
+            return Err(EngineError::Invalid(format!(
+                "{name} holds {what}, not the mirror of a cache: load it with --load"
+            )))
+        }
+        (LoadSource::Mirrored(mirror, _), _) => {
+            let Some(rec) = sb.mirror.as_ref().filter(|r| r.role == MirrorRecord::PRIMARY) else {
+                return Err(EngineError::Invalid(format!(
+                    "{what} on {name} has no mirror: load it without --mirror (giving an existing cache a mirror is not supported yet)"
+                )));
+            };
+            if rec.lost {
+                return Err(EngineError::Invalid(format!(
+                    "the mirror of {what} missed writes (it failed, or the cache ran without it) and is stale: load the cache without --mirror (rebuilding a mirror is not supported yet)"
+                )));
+            }
+            let (_, msb, _) = newest_superblock(&**mirror).map_err(|e| {
+                EngineError::Invalid(format!(
+                    "{} is not the mirror of {what}: {e}",
+                    mirror.name()
+                ))
+            })?;
+            let is_mirror = msb.mirror.as_ref().is_some_and(|r| r.role == MirrorRecord::MIRROR);
+            if msb.uuid != sb.uuid || msb.nonce != sb.nonce || !is_mirror {
+                return Err(EngineError::Invalid(format!(
+                    "{} is not the mirror of {what}: it holds cache {} ({}){}",
+                    mirror.name(),
+                    msb.cache_id,
+                    msb.uuid,
+                    if is_mirror { "" } else { " as a cache device" }
+                )));
+            }
+            let need = sb.data_offset + sb.lines as u64 * sb.line_size as u64;
+            if mirror.size() < need {
+                return Err(EngineError::Invalid(format!(
+                    "the mirror {} holds {} bytes; the cache's data region ends at {need}",
+                    mirror.name(),
+                    mirror.size()
+                )));
+            }
+        }
+        _ => {}
+    }
+    Ok(match sb.mirror.as_ref() {
+        Some(r) if r.size != 0 && volume.size() > r.size => {
+            Arc::new(Window::new(volume, r.size)) as VolumeRef
+        }
+        _ => volume,
+    })
 }
 
 /// The newest intact superblock (its sequence number and format version), or why there is none.

@@ -391,7 +391,7 @@ impl CacheInner {
                 s.count as usize * SECTOR as usize,
             );
         }
-        let cache_ok = self.cache_write(core, buf, &cache_runs).is_ok();
+        let cache_ok = self.cache_write_dirty(core, buf, &cache_runs).is_ok();
         let mut fallback = Vec::new();
         for &(i, line, new) in targets {
             let s = &segs[i];

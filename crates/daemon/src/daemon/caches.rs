@@ -13,14 +13,15 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use hybridcache_engine::{
-    Cache, CacheConfig, CacheMode, CoreRecord, CoreStatus, EngineError, LineSize,
+    Cache, CacheConfig, CacheMode, CoreRecord, CoreStatus, EngineError, LineSize, MirrorLostPolicy,
+    MirrorState,
 };
 use hybridcache_volume::VolumeRef;
 use serde_json::json;
 
 use super::{
     engine_err, export_name, flush_retrying, not_the_recorded_device, CacheEntry, CoreEntry,
-    Daemon, Reply, State, MAX_CACHE_ID,
+    Daemon, MirrorEntry, Reply, State, MAX_CACHE_ID,
 };
 use crate::devices::{device_key, DeviceKey};
 use crate::frontend::{ExportSpec, Frontend};
@@ -38,6 +39,18 @@ pub(super) enum Start {
     Load,
     /// The configuration file: load the cache the device holds, create one otherwise.
     LoadOrCreate,
+    /// The cache whose mirror the device is, from the mirror alone (`--load-mirror`).
+    LoadMirror,
+}
+
+/// Which devices a load takes a cache from.
+enum LoadFrom {
+    /// The cache device alone.
+    Device,
+    /// The primary with its mirror: (device, its claim key, volume, policy).
+    Mirrored(String, Option<DeviceKey>, VolumeRef, MirrorLostPolicy),
+    /// The mirror alone.
+    MirrorAlone,
 }
 
 /// Give up a cache just loaded: stop it keeping its dirty data, so it loads again later.
@@ -141,7 +154,13 @@ impl Daemon {
         mode: Option<&str>,
         line_kib: Option<u32>,
         how: Start,
+        mirror: Option<(&str, Option<&str>)>,
     ) -> Reply {
+        let policy: MirrorLostPolicy = match mirror.and_then(|(_, p)| p) {
+            Some(p) => p.parse()?,
+            None => MirrorLostPolicy::default(),
+        };
+        let mirror = mirror.map(|(m, _)| m);
         let mut st = self.state.lock();
         // The device watcher calls this outside `handle`: once shutdown holds the lock no cache
         // may start, or it would escape the shutdown's flush.
@@ -169,6 +188,37 @@ impl Daemon {
         }
         // ram: and null: devices start empty every time: their metadata stays in RAM.
         let volatile = device.starts_with("ram:") || device.starts_with("null:");
+        if volatile && (mirror.is_some() || how == Start::LoadMirror) {
+            return Err(format!(
+                "{device} keeps its metadata in RAM: a volatile cache has nothing a mirror could keep"
+            ));
+        }
+        if mirror == Some(device) {
+            return Err(format!("{device} cannot be its own mirror"));
+        }
+        if how == Start::LoadMirror {
+            if mode.is_some() || line_kib.is_some() {
+                return Err("--load-mirror takes the cache mode and line size recorded on the mirror; omit -c and -x".into());
+            }
+            if mirror.is_some() {
+                return Err("--load-mirror brings the cache up from its mirror (-d) alone; giving it a new primary (--mirror) is not supported yet".into());
+            }
+            let key = st.check_free(device)?;
+            let volume = self.open_claimed(device, false)?;
+            let loaded = self.load_locked(&mut st, device, key, id, volume, LoadFrom::MirrorAlone);
+            if let Err(e) = &loaded {
+                self.abandon_exports(device, e);
+            }
+            return loaded;
+        }
+        // The mirror is claimed as the cache device is: nothing else may write it.
+        let mirror_volume = match mirror {
+            Some(m) => {
+                let mkey = st.check_free(m)?;
+                Some((m, mkey, self.open_claimed(m, false)?))
+            }
+            None => None,
+        };
         if how == Start::Load {
             if mode.is_some() || line_kib.is_some() {
                 return Err("--load takes the cache mode and line size recorded on the device; omit -c and -x (switch the mode afterwards with set-cache-mode)".into());
@@ -180,7 +230,11 @@ impl Daemon {
             }
             let key = st.check_free(device)?;
             let volume = self.open_claimed(device, false)?;
-            let loaded = self.load_locked(&mut st, device, key, id, volume);
+            let from = match mirror_volume {
+                Some((m, mkey, mv)) => LoadFrom::Mirrored(m.to_string(), mkey, mv, policy),
+                None => LoadFrom::Device,
+            };
+            let loaded = self.load_locked(&mut st, device, key, id, volume, from);
             if let Err(e) = &loaded {
                 self.abandon_exports(device, e);
             }
@@ -200,10 +254,17 @@ impl Daemon {
         let accepted = match how {
             Start::Create { force } if !volatile => {
                 let given = Consents::none().with(Consent::Overwrite, force);
-                safety::decide(&what, device_losses(device, &*volume)?, &given)?
+                let mut losses = device_losses(device, &*volume)?;
+                if let Some((m, _, mv)) = &mirror_volume {
+                    losses.extend(device_losses(m, &**mv)?);
+                }
+                safety::decide(&what, losses, &given)?
             }
             Start::LoadOrCreate if !volatile => {
                 check_signatures(device, &*volume, how)?;
+                if let Some((m, _, mv)) = &mirror_volume {
+                    check_signatures(m, &**mv, how)?;
+                }
                 Vec::new()
             }
             _ => Vec::new(),
@@ -217,9 +278,19 @@ impl Daemon {
             Cache::new(volume, config)
         } else {
             let force = matches!(how, Start::Create { force: true });
-            match Cache::create(volume.clone(), config, force) {
+            let created = match &mirror_volume {
+                Some((_, _, mv)) => {
+                    Cache::create_mirrored(volume.clone(), mv.clone(), config, force, policy)
+                }
+                None => Cache::create(volume.clone(), config, force),
+            };
+            match created {
                 Err(EngineError::ExistingCache { .. }) if how == Start::LoadOrCreate => {
-                    return self.load_locked(&mut st, device, key, Some(id), volume);
+                    let from = match mirror_volume {
+                        Some((m, mkey, mv)) => LoadFrom::Mirrored(m.to_string(), mkey, mv, policy),
+                        None => LoadFrom::Device,
+                    };
+                    return self.load_locked(&mut st, device, key, Some(id), volume, from);
                 }
                 other => other,
             }
@@ -229,6 +300,16 @@ impl Daemon {
             e => format!("{device}: {}", engine_err(e)),
         })?;
         let persistent = cache.persistent();
+        let mirror = mirror_volume.map(|(m, mkey, _)| MirrorEntry {
+            device: m.to_string(),
+            key: mkey,
+            policy,
+            logged: MirrorState::Redundant,
+        });
+        let mirrored = mirror
+            .as_ref()
+            .map(|m| format!(", mirrored on {}", m.device))
+            .unwrap_or_default();
         st.caches.insert(
             id,
             CacheEntry {
@@ -238,11 +319,12 @@ impl Daemon {
                 cores: BTreeMap::new(),
                 ioclass: (None, None),
                 lazy_startup: None,
+                mirror,
             },
         );
         self.save_locked(&st);
         tracing::info!(
-            "started {} cache {id} on {device} ({mode}, {} KiB lines)",
+            "started {} cache {id} on {device} ({mode}, {} KiB lines{mirrored})",
             if persistent { "persistent" } else { "volatile" },
             line_size.kib()
         );
@@ -266,6 +348,7 @@ impl Daemon {
         key: Option<DeviceKey>,
         want_id: Option<u16>,
         volume: VolumeRef,
+        from: LoadFrom,
     ) -> Reply {
         let mut notes = Vec::new();
         let mut in_use: Option<String> = None;
@@ -293,10 +376,22 @@ impl Daemon {
                     }
                 }
             };
-            Cache::load(volume, &mut open_core)
+            match &from {
+                LoadFrom::Device => Cache::load(volume, &mut open_core),
+                LoadFrom::Mirrored(_, _, mv, policy) => {
+                    Cache::load_mirrored(volume, mv.clone(), &mut open_core, *policy)
+                }
+                LoadFrom::MirrorAlone => Cache::load_mirror(volume, &mut open_core),
+            }
         };
         let cache =
             loaded.map_err(|e| format!("cannot load the cache on {device}: {}", engine_err(e)))?;
+        if matches!(from, LoadFrom::MirrorAlone) {
+            tracing::warn!(
+                "cache {} brought up from its mirror {device} alone: every dirty line it recorded is back; clean lines were not on it and are read from the cores again; the cache runs on {device} without a mirror",
+                cache.id()
+            );
+        }
         let id = cache.id();
         let problem = if let Some(p) = in_use {
             Some(p)
@@ -370,6 +465,15 @@ impl Daemon {
         let mode = cache.mode();
         let line_kib = cache.line_size().kib();
         let count = cores.len();
+        let mirror = match from {
+            LoadFrom::Mirrored(m, mkey, _, policy) => Some(MirrorEntry {
+                device: m,
+                key: mkey,
+                policy,
+                logged: MirrorState::Redundant,
+            }),
+            _ => None,
+        };
         st.caches.insert(
             id,
             CacheEntry {
@@ -379,6 +483,7 @@ impl Daemon {
                 cores,
                 ioclass: (None, None),
                 lazy_startup: None,
+                mirror,
             },
         );
         self.save_locked(st);
@@ -637,4 +742,40 @@ fn too_small(device: &str, bytes: u64, line: u32, volatile: bool) -> String {
         line / 1024,
         safety::count_text(min),
     )
+}
+
+impl Daemon {
+    /// Log each change of a mirrored cache's state once, saying what is at risk: ERROR when
+    /// the primary is lost (the dirty lines are on the mirror alone), WARN when the mirror is.
+    pub(super) fn mirror_tick(&self) {
+        let mut st = self.state.lock();
+        for (id, c) in st.caches.iter_mut() {
+            let (Some(m), Some(status)) = (c.mirror.as_mut(), c.cache.mirror_status()) else {
+                continue;
+            };
+            if status.state == m.logged {
+                continue;
+            }
+            m.logged = status.state;
+            let usage = c.cache.stats().usage;
+            let dirty = usage.dirty_lines;
+            let bytes = dirty * c.cache.line_size().bytes() as u64;
+            let why = status.reason.unwrap_or_default();
+            match status.state {
+                MirrorState::PrimaryLost => tracing::error!(
+                    "cache {id}: primary lost ({why}); its {dirty} dirty lines ({bytes} bytes) are on the mirror {} alone: served from it and drained to the cores; the cache serves as pass-through until it is loaded again",
+                    m.device
+                ),
+                MirrorState::MirrorLost => tracing::warn!(
+                    "cache {id}: mirror lost ({why}); its {dirty} dirty lines ({bytes} bytes) are on {} alone{}",
+                    c.device,
+                    match m.policy {
+                        MirrorLostPolicy::Drain => ": draining them to the cores, write-through from now on",
+                        MirrorLostPolicy::Keep => ", and write-back goes on unprotected (mirror_lost = keep)",
+                    }
+                ),
+                MirrorState::Redundant => {}
+            }
+        }
+    }
 }

@@ -87,11 +87,14 @@ fn cache_config(
         id,
         device: c.device.clone(),
         line_size: Some(c.cache.line_size().kib()),
-        mode: Some(c.cache.mode().to_string()),
+        // As set: a mirrored cache that lost a device serves in another mode meanwhile.
+        mode: Some(c.cache.configured_mode().to_string()),
         params,
         ioclass_file: c.ioclass.0.clone(),
         ioclass_ignore_unsupported: c.ioclass.1,
         lazy_startup: c.lazy_startup,
+        mirror: c.mirror.as_ref().map(|m| m.device.clone()),
+        mirror_lost: c.mirror.as_ref().map(|m| m.policy.as_str().to_string()),
     };
     let cores = c
         .cores
@@ -320,7 +323,8 @@ impl Daemon {
             Start::Load => (None, None),
             _ => (c.mode.as_deref(), c.line_size),
         };
-        self.start_cache(&c.device, Some(c.id), mode, line_size, how)?;
+        let mirror = c.mirror.as_deref().map(|m| (m, c.mirror_lost.as_deref()));
+        self.start_cache(&c.device, Some(c.id), mode, line_size, how, mirror)?;
         // One request per group, so each group's fields are applied together.
         let mut groups: BTreeMap<&str, BTreeMap<String, String>> = BTreeMap::new();
         for (key, value) in &c.params {

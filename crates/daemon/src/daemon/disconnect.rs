@@ -153,6 +153,7 @@ impl Disconnected {
             dirty_for_s: None,
             inactive_cores: 0,
             metadata_bytes: 0,
+            mirror: None,
             cores: self
                 .cores
                 .iter()
@@ -190,6 +191,8 @@ impl Disconnected {
             ioclass_file: self.ioclass.0.clone(),
             ioclass_ignore_unsupported: self.ioclass.1,
             lazy_startup: self.lazy_startup,
+            mirror: None,
+            mirror_lost: None,
         };
         let cores = self
             .cores
@@ -634,6 +637,7 @@ impl Daemon {
                 cores,
                 ioclass,
                 lazy_startup,
+                mirror: None,
             },
         );
         self.save_locked(&st);

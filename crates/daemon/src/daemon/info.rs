@@ -67,6 +67,12 @@ fn cache_info(id: u16, c: &CacheEntry, frontends: &Frontends) -> CacheInfo {
         prefetch: c.cache.prefetch().policy.to_string(),
         inactive_cores: c.cores.values().filter(|core| !core.active).count(),
         metadata_bytes: c.cache.metadata_bytes(),
+        mirror: c.cache.mirror_status().map(|m| protocol::MirrorInfo {
+            device: c.mirror.as_ref().map_or(m.device, |e| e.device.clone()),
+            state: m.state.as_str().into(),
+            mirror_lost: m.policy.as_str().into(),
+            reason: m.reason,
+        }),
         cores: c
             .cores
             .iter()
@@ -139,6 +145,7 @@ fn waiting_info(w: &Waiting) -> CacheInfo {
         dirty_for_s: None,
         inactive_cores: w.cores.len(),
         metadata_bytes: 0,
+        mirror: None,
         cores: w
             .cores
             .iter()

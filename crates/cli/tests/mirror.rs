@@ -1,0 +1,249 @@
+//! A mirrored write-back cache through the real daemon (issue 34; docs/cli.md "Mirrored
+//! caches"): one device is an NBD export served by nbdkit (memory plugin behind the error
+//! filter), the other a file. fio writes the exported volume with crc32c verification and
+//! flushes; in the middle of the run the NBD device starts failing every request (the primary
+//! in one test, the mirror in the other). fio must complete without an error (with the primary
+//! lost, the dirty data is drained to the core from the mirror), `-L` must say which device is
+//! lost, and after `-T` the core file alone must verify.
+//! Then the failover: a crash (kill -9) of a daemon whose primary is gone, and the cache
+//! brought up on a new daemon from the mirror alone with `--load-mirror`.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{fio, nbdkit, need, sparse_file, workdir, Daemon};
+
+const MIB: u64 = 1 << 20;
+
+fn job(uri_or_file: &[String], name: &str, extra: &[&str]) -> Vec<String> {
+    let mut a: Vec<String> = uri_or_file.to_vec();
+    a.extend([
+        "--verify_state_save=0".to_string(),
+        format!("--name={name}"),
+        "--rw=randwrite".into(),
+        "--bsrange=4k-128k".into(),
+        "--iodepth=4".into(),
+        "--size=24m".into(),
+        "--verify=crc32c".into(),
+        "--verify_fatal=1".into(),
+        "--randrepeat=1".into(),
+        "--fsync=16".into(),
+        "--end_fsync=1".into(),
+    ]);
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a
+}
+
+fn exported_writes(d: &Daemon) -> u64 {
+    d.stats_json(1, Some(1))["blocks"]["exported_writes"]["count"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+#[test]
+fn fio_verify_survives_the_primary_failing_mid_run_and_the_core_alone_has_it() {
+    one_device_fails_mid_run(true);
+}
+
+#[test]
+fn fio_verify_survives_the_mirror_failing_mid_run_and_the_core_alone_has_it() {
+    one_device_fails_mid_run(false);
+}
+
+/// The device that fails is an nbdkit export behind the error filter, the other a file.
+fn one_device_fails_mid_run(primary_fails: bool) {
+    if !need(&["nbdkit", "fio"]) {
+        return;
+    }
+    let (state, shown, level) = if primary_fails {
+        ("primary lost", "Primary lost", "ERROR")
+    } else {
+        ("mirror lost", "Mirror lost", "WARN")
+    };
+    let dir = workdir();
+    let sock = dir.path().join("failing.sock");
+    let inject = dir.path().join("inject");
+    let _nbdkit = nbdkit(
+        &sock,
+        &[
+            "--filter=error".into(),
+            "memory".into(),
+            "64M".into(),
+            "error-rate=100%".into(),
+            format!("error-file={}", inject.display()),
+        ],
+    );
+    let remote = format!("nbd+unix:///?socket={}", sock.display());
+    let file = dir.path().join("device.img");
+    let core = dir.path().join("core.img");
+    sparse_file(&file, 64 * MIB);
+    sparse_file(&core, 64 * MIB);
+    let file_spec = format!("file:{}", file.display());
+    let (primary, mirror_spec) = if primary_fails {
+        (remote, file_spec)
+    } else {
+        (file_spec, remote)
+    };
+    let core_path = core.to_str().expect("UTF-8 path");
+    let d = Daemon::start(dir.path());
+    d.ok(&["-S", "-d", &primary, "--mirror", &mirror_spec, "-c", "wb"]);
+    d.ok(&["-A", "-i", "1", "-d", core_path]);
+    let listed: serde_json::Value =
+        serde_json::from_str(&d.ok(&["-L", "-o", "json"])).expect("-L JSON");
+    assert_eq!(
+        listed["caches"][0]["mirror"]["state"], "redundant",
+        "{listed}"
+    );
+    // Nothing drains the dirty data behind fio's back: what it reads back comes from the cache.
+    d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "nop"]);
+
+    let uri = [
+        "--ioengine=nbd".to_string(),
+        format!("--uri={}", d.uri("cas1-1")),
+    ];
+    let run = {
+        let (dir, args) = (
+            dir.path().to_path_buf(),
+            job(&uri, "mirrored", &["--rate=,3m"]),
+        );
+        std::thread::spawn(move || fio(&dir, "mirrored", &args))
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while exported_writes(&d) < 512 {
+        assert!(!run.is_finished(), "fio ended before the primary failed");
+        assert!(Instant::now() < deadline, "fio never wrote to cas1-1");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The failing device fails every request from here on.
+    std::fs::write(&inject, b"").unwrap();
+    let at_failure = exported_writes(&d);
+    let report = run.join().expect("the fio thread");
+    assert_eq!(
+        report["jobs"][0]["write"]["io_bytes"].as_u64(),
+        Some(24 * MIB),
+        "fio wrote all of its run"
+    );
+    assert!(
+        at_failure < 6144,
+        "the device failed after fio's writes, not during them ({at_failure} blocks)"
+    );
+    let listed: serde_json::Value =
+        serde_json::from_str(&d.ok(&["-L", "-o", "json"])).expect("-L JSON");
+    assert_eq!(listed["caches"][0]["mirror"]["state"], state, "{listed}");
+    let table = d.ok(&["-L"]);
+    assert!(table.contains(shown), "{table}");
+    let stats = d.ok(&["-P", "-i", "1"]);
+    assert!(
+        stats.contains("Mirror State") && stats.contains(shown),
+        "{stats}"
+    );
+    // The log says what is at risk, once the watcher has looked.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !d.log_text().contains(state) {
+        assert!(Instant::now() < deadline, "no log line: {}", d.log_text());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        d.log_text()
+            .lines()
+            .any(|l| l.contains(state) && l.contains(level)),
+        "{}",
+        d.log_text()
+    );
+
+    // Stop: what is still dirty drains to the core (from the mirror when the primary is lost);
+    // the core file then verifies alone.
+    d.ok(&["-T", "-i", "1"]);
+    let file = [
+        "--ioengine=psync".to_string(),
+        format!("--filename={core_path}"),
+    ];
+    fio(
+        dir.path(),
+        "core-alone",
+        &job(&file, "mirrored", &["--verify_only"]),
+    );
+}
+
+#[test]
+fn load_mirror_brings_every_flushed_write_back_after_the_primary_is_gone() {
+    if !need(&["fio"]) {
+        return;
+    }
+    let dir = workdir();
+    let primary = dir.path().join("primary.img");
+    let mirror = dir.path().join("mirror.img");
+    let core = dir.path().join("core.img");
+    sparse_file(&primary, 64 * MIB);
+    sparse_file(&mirror, 64 * MIB);
+    sparse_file(&core, 64 * MIB);
+    let primary_spec = format!("file:{}", primary.display());
+    let mirror_spec = format!("file:{}", mirror.display());
+    let core_path = core.to_str().expect("UTF-8 path");
+    // Declared in the configuration file (its `mirror` key): created at the first start,
+    // loaded with its mirror at the next.
+    let config = dir.path().join("hybridcache.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[cache]]\nid = 1\ndevice = \"{primary_spec}\"\nmode = \"wb\"\nmirror = \"{mirror_spec}\"\nmirror_lost = \"keep\"\n\n[[core]]\ncache = 1\nid = 1\ndevice = \"{core_path}\"\n"
+        ),
+    )
+    .unwrap();
+    let config = config.to_str().expect("UTF-8 path");
+    let mut d = Daemon::start_with(dir.path(), &["--config", config]);
+    assert!(d.stop());
+    d = Daemon::start_with(dir.path(), &["--config", config]);
+    let listed: serde_json::Value =
+        serde_json::from_str(&d.ok(&["-L", "-o", "json"])).expect("-L JSON");
+    let mirror = &listed["caches"][0]["mirror"];
+    assert_eq!(mirror["state"], "redundant", "{listed}\n{}", d.log_text());
+    assert_eq!(mirror["mirror_lost"], "keep", "{listed}");
+    d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "nop"]);
+    // The mirror is claimed: nothing else may use it.
+    let err = d.fails(&["-S", "-d", &mirror_spec, "-i", "2"]);
+    assert!(err.contains("the mirror of cache 1"), "{err}");
+    let uri = [
+        "--ioengine=nbd".to_string(),
+        format!("--uri={}", d.uri("cas1-1")),
+    ];
+    fio(dir.path(), "before", &job(&uri, "failover", &[]));
+    let dirty = d.stats_json(1, None)["usage"]["dirty"]["count"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(dirty > 0, "the run left nothing dirty");
+    // The host dies and its primary with it.
+    d.kill();
+    std::fs::remove_file(&primary).unwrap();
+    let d = Daemon::start(dir.path());
+    // A plain load of the mirror is refused: it would trust lines the mirror never got.
+    let err = d.fails(&["-S", "-d", &mirror_spec, "--load"]);
+    assert!(err.contains("--load-mirror"), "{err}");
+    let out = d.ok(&["-S", "-d", &mirror_spec, "--load-mirror"]);
+    assert!(out.starts_with("cache 1 loaded"), "{out}");
+    assert!(
+        d.log_text().contains("brought up from its mirror"),
+        "{}",
+        d.log_text()
+    );
+    let uri = [
+        "--ioengine=nbd".to_string(),
+        format!("--uri={}", d.uri("cas1-1")),
+    ];
+    fio(
+        dir.path(),
+        "after",
+        &job(&uri, "failover", &["--verify_only"]),
+    );
+    d.ok(&["-T", "-i", "1"]);
+    let file = [
+        "--ioengine=psync".to_string(),
+        format!("--filename={core_path}"),
+    ];
+    fio(
+        dir.path(),
+        "core-alone",
+        &job(&file, "failover", &["--verify_only"]),
+    );
+}

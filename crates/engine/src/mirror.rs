@@ -1,0 +1,486 @@
+//! The mirror (docs/format.md, "The mirror"): a second device that holds a line-for-line copy of
+//! what cannot be read again from the core, the dirty data and the metadata.
+//!
+//! `Mirror` is the cache volume of a mirrored cache: a `Volume` over the primary and the mirror.
+//! What the rooms write through the plain `Volume` calls is what both devices need (metadata
+//! blocks, commit records, superblocks, flushes) or clean data (read fills, read-ahead,
+//! write-through copies), told apart by offset: below `data_offset` goes to both, above to the
+//! primary only. Data that makes sectors dirty goes through [`Mirror::write_dirty`], to both;
+//! dirty data read back (cleaning, a read whose primary copy failed) through
+//! [`Mirror::read_dirty`], which falls back to the mirror.
+//!
+//! Invariants: a sector the metadata records dirty is on every device not lost (its data was
+//! written to both before the line turned dirty, and a commit flushes both before it writes the
+//! metadata naming it); the mirror's superblock has role `mirror` and never the clean-stop mark,
+//! so any load of it trusts dirty sectors only; a device once lost is never written again by
+//! this run (it is stale from the first write it missed).
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+
+use hybridcache_volume::{ErrorKind, Op, ReadPiece, Volume, VolumeError, VolumeRef};
+use parking_lot::Mutex;
+
+use crate::format::{decode_config, encode_config, ConfigSlot, MirrorRecord, CONFIG_SLOT_BYTES};
+use crate::CacheMode;
+
+/// What a mirrored cache does once its mirror is lost.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum MirrorLostPolicy {
+    /// Drain the dirty lines to the cores and serve as write-through: nothing acknowledged
+    /// depends on one device any more once the drain is done.
+    #[default]
+    Drain,
+    /// Stay write-back, without protection: dirty lines exist on the primary only.
+    Keep,
+}
+
+impl std::str::FromStr for MirrorLostPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "drain" => Ok(MirrorLostPolicy::Drain),
+            "keep" => Ok(MirrorLostPolicy::Keep),
+            other => Err(format!("mirror_lost is `drain` or `keep`, not `{other}`")),
+        }
+    }
+}
+
+impl MirrorLostPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MirrorLostPolicy::Drain => "drain",
+            MirrorLostPolicy::Keep => "keep",
+        }
+    }
+}
+
+/// Whether a mirrored cache still has both devices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MirrorState {
+    Redundant,
+    /// The primary failed: dirty data is served from the mirror, the rest from the cores.
+    PrimaryLost,
+    /// The mirror failed: dirty data is on the primary only.
+    MirrorLost,
+}
+
+impl MirrorState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MirrorState::Redundant => "redundant",
+            MirrorState::PrimaryLost => "primary lost",
+            MirrorState::MirrorLost => "mirror lost",
+        }
+    }
+}
+
+/// A mirrored cache's mirror as `-L` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MirrorStatus {
+    /// The mirror's device.
+    pub device: String,
+    pub state: MirrorState,
+    pub policy: MirrorLostPolicy,
+    /// Why the cache left `redundant`: the failed operation and its error.
+    pub reason: Option<String>,
+}
+
+const REDUNDANT: u8 = 0;
+const PRIMARY_LOST: u8 = 1;
+const MIRROR_LOST: u8 = 2;
+
+pub(crate) struct Mirror {
+    primary: VolumeRef,
+    mirror: VolumeRef,
+    /// Where cache line 0 starts: below it everything goes to both devices.
+    data_offset: u64,
+    policy: MirrorLostPolicy,
+    state: AtomicU8,
+    reason: Mutex<Option<String>>,
+}
+
+impl Mirror {
+    /// The cache volume of a new cache whose data region ends at `data_end`: the primary
+    /// itself, or with a mirror (which must hold that region, line for line) the pair.
+    pub(crate) fn wrap(
+        primary: VolumeRef,
+        mirror: Option<(VolumeRef, MirrorLostPolicy)>,
+        data_offset: u64,
+        data_end: u64,
+    ) -> crate::Result<(VolumeRef, Option<Arc<Mirror>>)> {
+        let Some((mirror, policy)) = mirror else {
+            return Ok((primary, None));
+        };
+        if mirror.size() < data_end {
+            return Err(crate::EngineError::Invalid(format!(
+                "the mirror {} holds {} bytes; a mirror of {} (line for line) needs at least {data_end} (a smaller mirror is not supported yet)",
+                mirror.name(),
+                mirror.size(),
+                primary.name()
+            )));
+        }
+        let pair = Arc::new(Mirror::new(primary, mirror, data_offset, policy));
+        Ok((pair.clone(), Some(pair)))
+    }
+
+    /// What the primary's superblock records of the pair.
+    pub(crate) fn record(&self) -> MirrorRecord {
+        MirrorRecord {
+            role: MirrorRecord::PRIMARY.into(),
+            path: self.mirror.name().to_string(),
+            size: self.primary.size(),
+            lost: false,
+        }
+    }
+
+    pub(crate) fn new(
+        primary: VolumeRef,
+        mirror: VolumeRef,
+        data_offset: u64,
+        policy: MirrorLostPolicy,
+    ) -> Mirror {
+        Mirror {
+            primary,
+            mirror,
+            data_offset,
+            policy,
+            state: AtomicU8::new(REDUNDANT),
+            reason: Mutex::new(None),
+        }
+    }
+
+    pub(crate) fn state(&self) -> MirrorState {
+        match self.state.load(Ordering::SeqCst) {
+            PRIMARY_LOST => MirrorState::PrimaryLost,
+            MIRROR_LOST => MirrorState::MirrorLost,
+            _ => MirrorState::Redundant,
+        }
+    }
+
+    pub(crate) fn status(&self) -> MirrorStatus {
+        MirrorStatus {
+            device: self.mirror.name().to_string(),
+            state: self.state(),
+            policy: self.policy,
+            reason: self.reason.lock().clone(),
+        }
+    }
+
+    /// The mode the cache serves in, given the mode it was set to: pass-through without the
+    /// primary (dirty data still comes from the mirror), write-through without the mirror when
+    /// the policy drains.
+    pub(crate) fn effective_mode(&self, mode: CacheMode) -> CacheMode {
+        match self.state() {
+            MirrorState::Redundant => mode,
+            MirrorState::PrimaryLost => CacheMode::Pt,
+            MirrorState::MirrorLost => match self.policy {
+                MirrorLostPolicy::Drain if mode.makes_dirty() => CacheMode::Wt,
+                _ => mode,
+            },
+        }
+    }
+
+    /// Whether cleaning should drain every dirty line: they are on one device only, or on a
+    /// device the cache no longer serves from.
+    pub(crate) fn drains(&self) -> bool {
+        match self.state() {
+            MirrorState::Redundant => false,
+            MirrorState::PrimaryLost => true,
+            MirrorState::MirrorLost => self.policy == MirrorLostPolicy::Drain,
+        }
+    }
+
+    fn lose(&self, which: u8, what: &str, e: &VolumeError) {
+        // The first loss wins: with both devices gone the operations fail anyway, and the state
+        // says which one went first (the other still holds everything up to then).
+        if self
+            .state
+            .compare_exchange(REDUNDANT, which, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+        {
+            let device = if which == PRIMARY_LOST {
+                self.primary.name()
+            } else {
+                self.mirror.name()
+            };
+            *self.reason.lock() = Some(format!("{what} of {device} failed: {e}"));
+        }
+    }
+
+    fn primary_usable(&self) -> bool {
+        self.state.load(Ordering::SeqCst) != PRIMARY_LOST
+    }
+
+    fn mirror_usable(&self) -> bool {
+        self.state.load(Ordering::SeqCst) != MIRROR_LOST
+    }
+
+    fn primary_gone(&self, op: Op, offset: u64, len: usize) -> VolumeError {
+        VolumeError::new(
+            self.primary.name(),
+            op,
+            offset,
+            len as u64,
+            ErrorKind::Invalid("lost earlier (this cache runs from its mirror)".into()),
+        )
+    }
+
+    /// Write to both devices (those not lost). Fails only when no device took the write.
+    fn write_both(&self, buf: &[u8], offset: u64) -> hybridcache_volume::Result<()> {
+        let mut done = false;
+        let mut last = None;
+        if self.primary_usable() {
+            match self.primary.write_at(buf, offset) {
+                Ok(()) => done = true,
+                Err(e) => {
+                    self.lose(PRIMARY_LOST, "a write", &e);
+                    last = Some(e);
+                }
+            }
+        }
+        if self.mirror_usable() {
+            let converted;
+            let to_mirror = match self.as_mirror_superblock(buf, offset) {
+                Some(b) => {
+                    converted = b;
+                    &converted[..]
+                }
+                None => buf,
+            };
+            match self.mirror.write_at(to_mirror, offset) {
+                Ok(()) => done = true,
+                Err(e) => {
+                    self.lose(MIRROR_LOST, "a write", &e);
+                    last = Some(e);
+                }
+            }
+        }
+        match (done, last) {
+            (true, _) => Ok(()),
+            (false, Some(e)) => Err(e),
+            (false, None) => Err(self.primary_gone(Op::Write, offset, buf.len())),
+        }
+    }
+
+    /// A superblock written to a config slot, as the mirror keeps it: role `mirror`, never the
+    /// clean-stop mark (a load of the mirror must trust its dirty sectors only). None for
+    /// anything else (a wipe, a commit record, a metadata block).
+    fn as_mirror_superblock(&self, buf: &[u8], offset: u64) -> Option<Vec<u8>> {
+        if offset != 0 && offset != CONFIG_SLOT_BYTES {
+            return None;
+        }
+        match decode_config(buf, &mut |_| None) {
+            ConfigSlot::Valid { seq, mut sb, .. } => {
+                sb.clean_shutdown = false;
+                let primary = sb.mirror.take();
+                sb.mirror = Some(MirrorRecord {
+                    role: MirrorRecord::MIRROR.into(),
+                    path: String::new(),
+                    size: primary.map_or(0, |p| p.size),
+                    lost: false,
+                });
+                Some(encode_config(&sb, seq))
+            }
+            _ => None,
+        }
+    }
+
+    /// Write data that makes sectors dirty: to both devices before the caller acknowledges
+    /// it. Fails when the primary cannot take it (the caller then sends it to the core); a
+    /// failed mirror only loses the mirror.
+    pub(crate) fn write_dirty(&self, buf: &[u8], offset: u64) -> hybridcache_volume::Result<()> {
+        if !self.primary_usable() {
+            return Err(self.primary_gone(Op::Write, offset, buf.len()));
+        }
+        self.primary
+            .write_at(buf, offset)
+            .inspect_err(|e| self.lose(PRIMARY_LOST, "a dirty-data write", e))?;
+        if self.mirror_usable() {
+            if let Err(e) = self.mirror.write_at(buf, offset) {
+                self.lose(MIRROR_LOST, "a dirty-data write", &e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Read dirty data: from the primary, or from the mirror once the primary fails.
+    pub(crate) fn read_dirty(&self, buf: &mut [u8], offset: u64) -> hybridcache_volume::Result<()> {
+        if self.primary_usable() {
+            match self.primary.read_at(buf, offset) {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    self.lose(PRIMARY_LOST, "a read", &e);
+                    if !self.mirror_usable() {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        self.mirror.read_at(buf, offset)
+    }
+
+    /// Copy the primary's metadata region (config slots, commit records, metadata blocks) onto
+    /// the mirror, superblocks as the mirror keeps them, then flush: after a crash that left
+    /// the two a commit apart, the mirror's metadata is the primary's again.
+    pub(crate) fn copy_metadata(&self) -> hybridcache_volume::Result<()> {
+        const CHUNK: u64 = 1 << 20;
+        let mut buf = vec![0u8; CHUNK as usize];
+        let mut at = 0;
+        while at < self.data_offset {
+            let n = (self.data_offset - at).min(CHUNK) as usize;
+            self.primary.read_at(&mut buf[..n], at)?;
+            if at == 0 || at == CONFIG_SLOT_BYTES {
+                if let Some(sb) = self.as_mirror_superblock(&buf[..n], at) {
+                    buf[..sb.len()].copy_from_slice(&sb);
+                    // The rest of the slot: what the primary has after its superblock is no
+                    // part of it, and the commit record at the slot's end is copied as is.
+                    buf[sb.len()..n.min(CONFIG_SLOT_BYTES as usize - 512)].fill(0);
+                }
+            }
+            self.mirror.write_at(&buf[..n], at)?;
+            at += n as u64;
+        }
+        self.mirror.flush()
+    }
+}
+
+impl Volume for Mirror {
+    fn name(&self) -> &str {
+        self.primary.name()
+    }
+
+    fn size(&self) -> u64 {
+        self.primary.size()
+    }
+
+    fn logical_block_size(&self) -> u32 {
+        self.primary.logical_block_size()
+    }
+
+    /// Metadata from the primary, or the mirror once it fails. Data only from the primary: a
+    /// clean line's copy on the mirror is stale (dirty data is read through `read_dirty`).
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> hybridcache_volume::Result<()> {
+        if offset < self.data_offset {
+            return self.read_dirty(buf, offset);
+        }
+        if !self.primary_usable() {
+            return Err(self.primary_gone(Op::Read, offset, buf.len()));
+        }
+        self.primary
+            .read_at(buf, offset)
+            .inspect_err(|e| self.lose(PRIMARY_LOST, "a read", e))
+    }
+
+    fn read_batch(&self, pieces: &mut [ReadPiece<'_>]) -> hybridcache_volume::Result<()> {
+        if pieces.iter().any(|p| p.offset < self.data_offset) {
+            for p in pieces.iter_mut() {
+                self.read_at(p.buf, p.offset)?;
+            }
+            return Ok(());
+        }
+        if !self.primary_usable() {
+            let (offset, len) = pieces.first().map_or((0, 0), |p| (p.offset, p.buf.len()));
+            return Err(self.primary_gone(Op::Read, offset, len));
+        }
+        // Called as the trait's: the rooms' own `read_batch` is another thing.
+        Volume::read_batch(&*self.primary, pieces)
+            .inspect_err(|e| self.lose(PRIMARY_LOST, "a read", e))
+    }
+
+    /// Metadata to both devices; clean data (read fills, read-ahead, write-through copies) to
+    /// the primary only.
+    fn write_at(&self, buf: &[u8], offset: u64) -> hybridcache_volume::Result<()> {
+        if offset < self.data_offset {
+            return self.write_both(buf, offset);
+        }
+        if !self.primary_usable() {
+            return Err(self.primary_gone(Op::Write, offset, buf.len()));
+        }
+        self.primary
+            .write_at(buf, offset)
+            .inspect_err(|e| self.lose(PRIMARY_LOST, "a write", e))
+    }
+
+    fn flush(&self) -> hybridcache_volume::Result<()> {
+        let mut done = false;
+        let mut last = None;
+        if self.primary_usable() {
+            match self.primary.flush() {
+                Ok(()) => done = true,
+                Err(e) => {
+                    self.lose(PRIMARY_LOST, "a flush", &e);
+                    last = Some(e);
+                }
+            }
+        }
+        if self.mirror_usable() {
+            match self.mirror.flush() {
+                Ok(()) => done = true,
+                Err(e) => {
+                    self.lose(MIRROR_LOST, "a flush", &e);
+                    last = Some(e);
+                }
+            }
+        }
+        match (done, last) {
+            (true, _) => Ok(()),
+            (false, Some(e)) => Err(e),
+            (false, None) => Err(self.primary_gone(Op::Flush, 0, 0)),
+        }
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> hybridcache_volume::Result<()> {
+        if !self.primary_usable() {
+            return Err(self.primary_gone(Op::Discard, offset, len as usize));
+        }
+        Volume::discard(&*self.primary, offset, len)
+    }
+
+    fn discard_zeroes(&self) -> bool {
+        self.primary.discard_zeroes()
+    }
+}
+
+/// The first `size` bytes of a volume: a mirror larger than its primary, loaded alone, shows
+/// the geometry the primary's size gave.
+pub(crate) struct Window {
+    inner: VolumeRef,
+    size: u64,
+}
+
+impl Window {
+    pub(crate) fn new(inner: VolumeRef, size: u64) -> Window {
+        Window { inner, size }
+    }
+}
+
+impl Volume for Window {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn logical_block_size(&self) -> u32 {
+        self.inner.logical_block_size()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> hybridcache_volume::Result<()> {
+        self.inner.read_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> hybridcache_volume::Result<()> {
+        self.inner.write_at(buf, offset)
+    }
+    fn flush(&self) -> hybridcache_volume::Result<()> {
+        self.inner.flush()
+    }
+    fn discard(&self, offset: u64, len: u64) -> hybridcache_volume::Result<()> {
+        Volume::discard(&*self.inner, offset, len)
+    }
+    fn discard_zeroes(&self) -> bool {
+        self.inner.discard_zeroes()
+    }
+    fn read_batch(&self, pieces: &mut [ReadPiece<'_>]) -> hybridcache_volume::Result<()> {
+        Volume::read_batch(&*self.inner, pieces)
+    }
+}
