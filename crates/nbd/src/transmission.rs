@@ -1205,13 +1205,9 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
         }
     }
 
-    /// Writes `replies` from where they are, with whatever was queued before them, in one
-    /// vectored write (or as few as the socket takes), as the connection's writer: no copy
-    /// into the queue.
-    fn send_all(&self, replies: &[&[u8]]) -> io::Result<()> {
-        if replies.is_empty() {
-            return Ok(());
-        }
+    /// Waits until no other worker writes, then marks this one as the writer (`after_write`
+    /// hands the role on); fails once the connection's writes have failed.
+    fn become_writer(&self) -> io::Result<MutexGuard<'_, OutQueue>> {
         let mut q = self.out.lock();
         loop {
             if q.failed {
@@ -1223,6 +1219,17 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
             self.out_cv.wait(&mut q);
         }
         q.flushing = true;
+        Ok(q)
+    }
+
+    /// Writes `replies` from where they are, with whatever was queued before them, in one
+    /// vectored write (or as few as the socket takes), as the connection's writer: no copy
+    /// into the queue.
+    fn send_all(&self, replies: &[&[u8]]) -> io::Result<()> {
+        if replies.is_empty() {
+            return Ok(());
+        }
+        let mut q = self.become_writer()?;
         let mut queued = std::mem::take(&mut q.spare);
         std::mem::swap(&mut queued, &mut q.pending);
         self.out_cv.notify_all();
@@ -1244,18 +1251,7 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
     /// Runs `f` as the only writer of this connection (after the worker
     /// writing now, if any), then writes what was queued meanwhile.
     fn with_writer(&self, f: impl FnOnce(&mut W) -> io::Result<()>) -> io::Result<()> {
-        let mut q = self.out.lock();
-        loop {
-            if q.failed {
-                return Err(io::ErrorKind::BrokenPipe.into());
-            }
-            if !q.flushing {
-                break;
-            }
-            self.out_cv.wait(&mut q);
-        }
-        q.flushing = true;
-        drop(q);
+        drop(self.become_writer()?);
         let res = f(&mut self.writer.lock());
         self.after_write(res)
     }
