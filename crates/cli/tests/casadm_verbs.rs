@@ -35,6 +35,13 @@ struct Rig {
     daemon: Option<Daemon>,
 }
 
+/// The client reads back what `Rig::write_dirty` wrote with `seed`.
+fn assert_reads_back(c: &mut Client, seed: u8, when: &str) {
+    let mut back = vec![0u8; WRITTEN as usize];
+    c.read(&mut back, 0).expect(when);
+    assert_eq!(back, pattern(seed, WRITTEN as usize), "{when}");
+}
+
 impl Rig {
     fn new(cores: usize) -> Rig {
         let dir = workdir();
@@ -180,11 +187,8 @@ fn purge_cache_flushes_then_empties_the_cache_and_keeps_the_exports() {
     assert!(d
         .ok(&["-G", "-n", "seq-cutoff", "-i", "1", "-j", "2", "-o", "csv"])
         .contains(",2048"));
-    let mut back = vec![0u8; WRITTEN as usize];
-    c1.read(&mut back, 0).expect("read after the purge");
-    assert_eq!(back, pattern(3, WRITTEN as usize));
-    c2.read(&mut back, 0).expect("read after the purge");
-    assert_eq!(back, pattern(4, WRITTEN as usize));
+    assert_reads_back(&mut c1, 3, "read after the purge");
+    assert_reads_back(&mut c2, 4, "read after the purge");
     // casadm's short forms too.
     d.ok(&["--script", "--purge-cache", "-i", "1"]);
 }
@@ -265,9 +269,7 @@ fn purge_core_empties_one_core_and_leaves_the_other() {
         .ok(&["-G", "-n", "seq-cutoff", "-i", "1", "-j", "1", "-o", "csv"])
         .contains(",never"));
     // The export stayed: the same connection reads its data and writes again.
-    let mut back = vec![0u8; WRITTEN as usize];
-    c1.read(&mut back, 0).expect("read after the purge");
-    assert_eq!(back, pattern(6, WRITTEN as usize));
+    assert_reads_back(&mut c1, 6, "read after the purge");
     rig.write_dirty(&mut c1, 8);
     assert_eq!(rig.lines(Some(1)).1, WRITTEN / 4096);
     // The purged core is still in the cache's metadata: it comes back at a load.
@@ -276,8 +278,7 @@ fn purge_core_empties_one_core_and_leaves_the_other() {
     d.ok(&["-S", "-d", &rig.spec, "--load"]);
     assert_eq!(rig.lines(Some(1)).1, WRITTEN / 4096);
     let mut c1 = rig.client(1);
-    c1.read(&mut back, 0).expect("read after the load");
-    assert_eq!(back, pattern(8, WRITTEN as usize));
+    assert_reads_back(&mut c1, 8, "read after the load");
 
     let e = d.fails(&["--script", "--purge-core", "-i", "1", "-j", "9"]);
     assert!(e.contains("core 9 does not exist in cache 1"), "{e}");
@@ -386,9 +387,7 @@ fn try_add_keeps_a_core_in_the_pool_until_its_cache_loads() {
     assert!(!rows.iter().any(|r| r.starts_with("core pool")), "{rows:?}");
     assert_eq!(rig.lines(Some(1)).1, WRITTEN / 4096);
     let mut c = rig.client(1);
-    let mut back = vec![0u8; WRITTEN as usize];
-    c.read(&mut back, 0).expect("read");
-    assert_eq!(back, pattern(10, WRITTEN as usize));
+    assert_reads_back(&mut c, 10, "read");
 }
 
 #[test]
@@ -634,8 +633,7 @@ fn purge_core_keeps_its_statistics_and_its_place_in_the_metadata() {
         uuid,
         "the core was removed and added again"
     );
-    c1.read(&mut back, 0).expect("read after the purge");
-    assert_eq!(back, pattern(11, WRITTEN as usize));
+    assert_reads_back(&mut c1, 11, "read after the purge");
 }
 
 #[test]
@@ -659,10 +657,8 @@ fn purge_cache_keeps_its_statistics_and_its_metadata() {
     let now = superblock(&rig);
     assert_eq!(now.uuid, sb.uuid, "the cache was started anew");
     assert_eq!(now.cores, sb.cores, "the cores were added anew");
-    c1.read(&mut back, 0).expect("read after the purge");
-    assert_eq!(back, pattern(12, WRITTEN as usize));
-    c2.read(&mut back, 0).expect("read after the purge");
-    assert_eq!(back, pattern(13, WRITTEN as usize));
+    assert_reads_back(&mut c1, 12, "read after the purge");
+    assert_reads_back(&mut c2, 13, "read after the purge");
 }
 
 /// A core on RAM keeps its device through a purge (the last pass removed and re-added the
@@ -832,9 +828,7 @@ fn remove_core_detach_keeps_the_core_in_the_metadata() {
     let out = d.ok(&["-A", "-i", "1", "-j", "1", "-d", core]);
     assert!(out.contains("attached again"), "{out}");
     let mut c = rig.client(1);
-    let mut back = vec![0u8; WRITTEN as usize];
-    c.read(&mut back, 0).expect("read after the attach");
-    assert_eq!(back, pattern(15, WRITTEN as usize));
+    assert_reads_back(&mut c, 15, "read after the attach");
 
     // Without --no-flush the core gets its data first; --try-add attaches it again.
     rig.write_dirty(&mut c, 16);
@@ -917,9 +911,7 @@ fn add_core_update_path_records_the_core_s_new_path() {
     let out = d.ok(&["-S", "-d", &rig.spec, "--load"]);
     assert!(!out.contains("inactive"), "{out}");
     let mut c = rig.client(1);
-    let mut back = vec![0u8; WRITTEN as usize];
-    c.read(&mut back, 0).expect("read after the load");
-    assert_eq!(back, pattern(17, WRITTEN as usize));
+    assert_reads_back(&mut c, 17, "read after the load");
 }
 
 /// casctl's `start` (utils/casctl `start`: `casadm -S --load` of every cache of
@@ -947,9 +939,7 @@ fn casctl_start_loads_the_caches_of_opencas_conf() {
     assert!(out.contains("cache 1 loaded from"), "{out}");
     assert_eq!(rig.lines(None).1, WRITTEN / 4096, "its dirty data loaded");
     let mut c = rig.client(1);
-    let mut back = vec![0u8; WRITTEN as usize];
-    c.read(&mut back, 0).expect("read after casctl start");
-    assert_eq!(back, pattern(18, WRITTEN as usize));
+    assert_reads_back(&mut c, 18, "read after casctl start");
     let out = d.ok(&["casctl", "start", "--config", path_str(&conf)]);
     assert!(out.contains("cache 1 is running already"), "{out}");
 
