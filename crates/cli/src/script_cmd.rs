@@ -57,6 +57,7 @@ pub enum CasctlCmd {
     /// (`lazy_startup = false`, opencas.conf's default) is still not running. A missing file
     /// is not a failure (casctl does not fail the boot for it).
     Settle {
+        /// The configuration file whose caches and cores to wait for.
         #[arg(long, value_name = "FILE", default_value = "/etc/opencas/opencas.conf")]
         config: std::path::PathBuf,
         /// How long to wait, seconds.
