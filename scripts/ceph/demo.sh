@@ -44,6 +44,14 @@ cpu_mark() {
     echo "$t"
 }
 
+# The whole machine's busy and total CPU time (jiffies, every CPU) from /proc/stat: the OSDs and
+# hybridcache are not all that runs here (the fio client with librbd, nbdfuse, the loop devices,
+# the mon), so the report says how busy the machine was, not only what the OSDs used.
+machine_mark() {
+    awk '/^cpu / {print $2 + $3 + $4 + $7 + $8 + $9, $2 + $3 + $4 + $5 + $6 + $7 + $8 + $9}' \
+        /proc/stat
+}
+
 cache_stats() {
     local config=$1 name=$2 i
     [ "$config" = cached ] || return 0
@@ -102,7 +110,7 @@ run_config() {
     rbd_fio warm img --rw=randread --bs=4k --iodepth=16 --numjobs="$JOBS" --size="$HIT_REGION" \
         --offset_increment="$HIT_REGION" --group_reporting
     osd_metadata "$config"
-    local spec name rw bs size
+    local spec name rw bs size t0 t1 m0 m1 n0 n1
     for spec in "randread-4k randread 4k $HIT_REGION" "randwrite-4k randwrite 4k $REGION" \
         "randrw70-4k randrw 4k $REGION" "seqwrite-512k write 512k $REGION" \
         "seqread-512k read 512k $REGION"; do
@@ -110,13 +118,16 @@ run_config() {
         reset_stats "$config"
         perf_dump "$config" "$name" before
         t0=$(cpu_mark)
+        read -r m0 n0 <<<"$(machine_mark)"
         local extra=()
         [ "$rw" = randrw ] && extra=(--rwmixread=70)
         workload "$config" "$name" "$rw" "$bs" "$size" --time_based --runtime="$RUNTIME" \
             "${extra[@]}"
         t1=$(cpu_mark)
+        read -r m1 n1 <<<"$(machine_mark)"
         perf_dump "$config" "$name" after
         echo $(((t1 - t0))) >"$OUT/$config-$name.cpu"
+        echo "$((m1 - m0)) $((n1 - n0))" >"$OUT/$config-$name.machine"
         cache_stats "$config" "$name"
     done
     stop_stack

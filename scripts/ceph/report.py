@@ -174,6 +174,16 @@ def cpu_share(out, config, name):
         return None
 
 
+def machine_busy(out, config, name):
+    """How busy the whole machine was during a run, in % of all its CPUs (/proc/stat)."""
+    try:
+        with open(os.path.join(out, f"{config}-{name}.machine")) as f:
+            busy, total = (int(v) for v in f.read().split())
+        return 100.0 * busy / total if total else None
+    except (OSError, ValueError):
+        return None
+
+
 def pct(v):
     return "-" if v is None else f"{v:.1f}"
 
@@ -184,8 +194,8 @@ def main():
     lines = [
         "| workload | metric | baseline | cached | gain | study's gain | mean lat base/cached (ms) "
         "| p99 base/cached (ms) | OSD+cache CPU base/cached (% of machine) "
-        "| CPU per IO cached (µs) | CPU ceiling (IOPS) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| machine busy base/cached (%) | CPU per IO cached (µs) | CPU ceiling (IOPS) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, (label, study, metric) in STUDY.items():
         try:
@@ -200,6 +210,7 @@ def main():
             f"{study:.1f}x" if metric == "iops" else f"{(study - 1) * 100:+.1f}%")
         gain_txt = f"{gain:.1f}x" if metric == "iops" else f"{(gain - 1) * 100:+.1f}%"
         cb, cc = cpu_share(out, "bare", name), cpu_share(out, "cached", name)
+        mb, mc = machine_busy(out, "bare", name), machine_busy(out, "cached", name)
         # The OSDs' and hybridcache's CPU time per request: with every core of the machine
         # given to them, this is the most IOPS the cached cluster could do here.
         cs = cpu_seconds(out, "cached", name)
@@ -212,11 +223,12 @@ def main():
             f"| {label} | {unit} | {base[key]:.0f} | {cached[key]:.0f} | {gain_txt} | {study_txt} "
             f"| {base['mean_us'] / 1e3:.1f} / {cached['mean_us'] / 1e3:.1f} "
             f"| {base['p99_us'] / 1e3:.1f} / {cached['p99_us'] / 1e3:.1f} "
-            f"| {pct(cb)} / {pct(cc)} | {pct(per_io)} | "
+            f"| {pct(cb)} / {pct(cc)} | {pct(mb)} / {pct(mc)} | {pct(per_io)} | "
             f"{'-' if ceiling is None else f'{ceiling:.0f}'} |")
         results.append({"workload": name, "label": label, "metric": unit, "baseline": base,
                         "cached": cached, "gain": gain, "study_gain": study,
                         "cpu_pct": {"baseline": cb, "cached": cc}, "cpu_us_per_io": per_io,
+                        "machine_busy_pct": {"baseline": mb, "cached": mc},
                         "cpu_ceiling_iops": ceiling,
                         "cache_stats": cache(out, name)})
     stats = ["", "Cache statistics per OSD during each cached run (dirty % at the end, read hit "
