@@ -52,6 +52,15 @@ machine_mark() {
         /proc/stat
 }
 
+# The CPU time of the shell's waited-for children (bash's `times`, second line): around one
+# workload that is the fio client with librbd, which on this one machine shares the CPUs with the
+# OSDs (the study's clients ran on other hosts). Seconds, from `times` output saved before and
+# after.
+client_seconds() {
+    awk 'NR == 2 { for (i = 1; i <= 2; i++) { split($i, t, "m"); s += t[1] * 60 + t[2] } }
+        END { printf "%.3f\n", s }' "$1"
+}
+
 cache_stats() {
     local config=$1 name=$2 i
     [ "$config" = cached ] || return 0
@@ -119,15 +128,20 @@ run_config() {
         perf_dump "$config" "$name" before
         t0=$(cpu_mark)
         read -r m0 n0 <<<"$(machine_mark)"
+        times >"$CEPH_DIR/times.before"
         local extra=()
         [ "$rw" = randrw ] && extra=(--rwmixread=70)
         workload "$config" "$name" "$rw" "$bs" "$size" --time_based --runtime="$RUNTIME" \
             "${extra[@]}"
+        times >"$CEPH_DIR/times.after"
         t1=$(cpu_mark)
         read -r m1 n1 <<<"$(machine_mark)"
         perf_dump "$config" "$name" after
         echo $(((t1 - t0))) >"$OUT/$config-$name.cpu"
         echo "$((m1 - m0)) $((n1 - n0))" >"$OUT/$config-$name.machine"
+        awk -v a="$(client_seconds "$CEPH_DIR/times.after")" \
+            -v b="$(client_seconds "$CEPH_DIR/times.before")" 'BEGIN { printf "%.3f\n", a - b }' \
+            >"$OUT/$config-$name.client"
         cache_stats "$config" "$name"
     done
     stop_stack
