@@ -205,7 +205,9 @@ impl Cache {
         }
         self.inner.commit()?;
         if let Some(p) = &self.inner.persist {
-            p.update_superblock(&*self.inner.volume, |sb| sb.clean_shutdown = true)?;
+            p.update_superblock(&**self.inner.devices.volume(), |sb| {
+                sb.clean_shutdown = true
+            })?;
         }
         Ok(())
     }
@@ -229,7 +231,7 @@ impl Cache {
 
     /// The cache volume's name.
     pub fn volume_name(&self) -> &str {
-        self.inner.volume.name()
+        self.inner.devices.volume().name()
     }
 
     /// Switch the cache mode. When leaving wb/wo for a mode that holds no dirty data and
@@ -238,7 +240,9 @@ impl Cache {
     /// cache, and every mode keeps them correct).
     pub fn set_mode(&self, mode: CacheMode, flush_first: bool) -> Result<()> {
         if let Some(p) = &self.inner.persist {
-            p.update_superblock(&*self.inner.volume, |sb| sb.mode = mode.as_str().into())?;
+            p.update_superblock(&**self.inner.devices.volume(), |sb| {
+                sb.mode = mode.as_str().into()
+            })?;
         }
         let old = self.mode();
         self.inner.mode.store(mode as u8, Ordering::Relaxed);
@@ -302,7 +306,7 @@ impl Cache {
                     uuid: new_uuid(),
                     identity,
                 };
-                p.update_superblock(&*self.inner.volume, |sb| sb.cores.push(record))?;
+                p.update_superblock(&**self.inner.devices.volume(), |sb| sb.cores.push(record))?;
             }
             Ok(self
                 .inner
@@ -359,7 +363,9 @@ impl Cache {
             // The device must record the lines free before the core leaves the superblock, or a
             // crash in between would leave lines of an unknown core.
             let recorded = self.inner.commit().and_then(|()| {
-                p.update_superblock(&*self.inner.volume, |sb| sb.cores.retain(|c| c.id != id))
+                p.update_superblock(&**self.inner.devices.volume(), |sb| {
+                    sb.cores.retain(|c| c.id != id)
+                })
             });
             if let Err(e) = recorded {
                 // The core stays attached, only its cached lines are gone, so a retry can work.
@@ -411,7 +417,7 @@ impl Cache {
             if let Some(p) = &self.inner.persist {
                 // The next load must look where the core is now.
                 let path = volume.name().to_string();
-                p.update_superblock(&*self.inner.volume, |sb| {
+                p.update_superblock(&**self.inner.devices.volume(), |sb| {
                     if let Some(c) = sb.cores.iter_mut().find(|c| c.id == id) {
                         c.path = path;
                         c.identity = identity;
@@ -629,17 +635,17 @@ impl Cache {
 
     /// Offload's settings (offload.rs).
     pub fn offload(&self) -> Offload {
-        self.inner.offload.params()
+        self.inner.devices.offload().params()
     }
 
     /// Change offload at run time; recorded in the superblock. Invalid values are refused and
     /// change nothing.
     pub fn set_offload(&self, params: Offload) -> Result<()> {
         params.validate()?;
-        let old = self.inner.offload.params();
-        self.inner.offload.set_params(params);
+        let old = self.inner.devices.offload().params();
+        self.inner.devices.offload().set_params(params);
         if let Err(e) = self.inner.save_policies() {
-            self.inner.offload.set_params(old);
+            self.inner.devices.offload().set_params(old);
             return Err(e);
         }
         Ok(())

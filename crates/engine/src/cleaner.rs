@@ -113,7 +113,7 @@ impl CacheInner {
                 pieces.push(Piece {
                     item: i,
                     core_off: key.line() * self.line_bytes + first as u64 * SECTOR,
-                    cache_off: self.data_offset
+                    cache_off: self.devices.data_offset()
                         + line as u64 * self.line_bytes
                         + first as u64 * SECTOR,
                     len: n as usize * SECTOR as usize,
@@ -368,8 +368,9 @@ impl CacheInner {
             let c = &self.cleaning_counters;
             c.write_begins();
             let result = self
+                .devices
                 .cache_read_dirty(core, buf, &reads)
-                .and_then(|()| self.core_write(core, buf, &write));
+                .and_then(|()| self.devices.core_write(core, buf, &write));
             c.write_ends();
             match result {
                 Ok(()) => {

@@ -1,18 +1,104 @@
 //! Device I/O with its accounting: reads and writes of the cache volume and of the cores, run
-//! by run, counted per core (bytes and errors) and in offload's queue depths.
+//! by run, counted per core (bytes and errors) and in offload's queue depths. `Devices` owns
+//! the cache volume (a mirrored cache's pair, mirror.rs), where the line data starts on it,
+//! offload's queue-depth accounting, and the cores' `failing` marks a failed core write sets
+//! (shared with the line room, which owns the other gauges).
 //!
 //! Invariants: a core write sets the core's `unflushed` before it returns, so any commit that
 //! sees the line it cleaned as clean also flushes the core; a failed core write marks the core
 //! failing (commits then record its lines dirty). Callers hold the stripes of what they write.
+//! The volume, `data_offset` and `line_bytes` never change after `new`, except that a mirrored
+//! cache's load puts the pair in place of the primary before any I/O (`set_mirror`).
+
+use std::sync::Arc;
+
+use hybridcache_volume::{ReadPiece, VolumeRef};
 
 use crate::bits::{self, Mask};
-use crate::core_state::CoreState;
-use crate::inner::CacheInner;
+use crate::core_state::{CoreGauges, CoreState};
 use crate::latency::{self};
+use crate::meta::Key;
+use crate::mirror::Mirror;
+use crate::offload::OffloadState;
 use crate::segment::{push_run, Run, Seg};
 use crate::stats::Counter;
-use crate::{Result, SECTOR};
-impl CacheInner {
+use crate::{Result, MAX_CORES, SECTOR};
+
+pub(crate) struct Devices {
+    volume: VolumeRef,
+    /// A mirrored cache's pair of devices; `volume` is the same object then.
+    mirror: Option<Arc<Mirror>>,
+    /// Where line 0 starts on the cache volume.
+    data_offset: u64,
+    line_bytes: u64,
+    /// Queue depths of the devices and the share of requests to route (offload.rs).
+    offload: OffloadState,
+    /// The line room's per-core gauges: a failed core write marks its core failing there.
+    gauges: Arc<[CoreGauges]>,
+}
+
+impl Devices {
+    pub(crate) fn new(
+        volume: VolumeRef,
+        data_offset: u64,
+        line_bytes: u64,
+        gauges: Arc<[CoreGauges]>,
+    ) -> Devices {
+        Devices {
+            volume,
+            mirror: None,
+            data_offset,
+            line_bytes,
+            offload: OffloadState::new(MAX_CORES as usize),
+            gauges,
+        }
+    }
+
+    /// Serve the cache through the pair `m` (a new or loaded mirrored cache), before any I/O.
+    pub(crate) fn set_mirror(&mut self, m: Arc<Mirror>) {
+        self.volume = m.clone();
+        self.mirror = Some(m);
+    }
+
+    /// The cache volume, for metadata I/O (superblock, commits, recovery).
+    #[inline]
+    pub(crate) fn volume(&self) -> &VolumeRef {
+        &self.volume
+    }
+
+    #[inline]
+    pub(crate) fn mirror(&self) -> Option<&Arc<Mirror>> {
+        self.mirror.as_ref()
+    }
+
+    #[inline]
+    pub(crate) fn offload(&self) -> &OffloadState {
+        &self.offload
+    }
+
+    #[inline]
+    pub(crate) fn data_offset(&self) -> u64 {
+        self.data_offset
+    }
+
+    #[inline]
+    pub(crate) fn cache_off(&self, line: u32, sector: u32) -> u64 {
+        self.data_offset + line as u64 * self.line_bytes + sector as u64 * SECTOR
+    }
+
+    #[inline]
+    fn core_off(&self, key: Key, sector: u32) -> u64 {
+        key.line() * self.line_bytes + sector as u64 * SECTOR
+    }
+
+    /// Read several requests' cache runs in one batch (`pieces`, one per run); `requests` of
+    /// them count in offload's queue depth, as single reads would. Bytes are the caller's to
+    /// count (per request, once it knows the batch succeeded); a failed batch counts nothing.
+    pub(crate) fn cache_read_batch(&self, pieces: &mut [ReadPiece<'_>], requests: usize) -> bool {
+        let _queued: Vec<_> = (0..requests).map(|_| self.offload.cache_io()).collect();
+        self.volume.read_batch(pieces).is_ok()
+    }
+
     #[inline]
     pub(crate) fn core_read(&self, core: &CoreState, buf: &mut [u8], runs: &[Run]) -> Result<()> {
         if !runs.is_empty() {
@@ -42,7 +128,7 @@ impl CacheInner {
             drop(op);
             written.inspect_err(|_| {
                 core.counters().add(Counter::CoreWriteErrors, 1);
-                self.lines.gauges()[core.id() as usize].set_failing(true);
+                self.gauges[core.id() as usize].set_failing(true);
             })?;
             // Before the caller can mark anything clean: a commit that sees the line clean
             // then sees this too, and flushes the core.
