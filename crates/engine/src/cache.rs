@@ -651,6 +651,37 @@ impl Cache {
         Ok(())
     }
 
+    /// Fallback pass-through's settings (fallback.rs).
+    pub fn fallback_pt(&self) -> crate::FallbackPt {
+        self.inner.devices.fallback().params()
+    }
+
+    /// Change fallback pass-through; recorded in the superblock. A threshold above the errors
+    /// in the window (or 0) leaves the fallback, one at or below them enters it.
+    pub fn set_fallback_pt(&self, params: crate::FallbackPt) -> Result<()> {
+        params.validate()?;
+        let old = self.inner.devices.fallback().params();
+        self.inner.devices.fallback().set_params(params);
+        if let Err(e) = self.inner.save_policies() {
+            self.inner.devices.fallback().set_params(old);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Whether the cache serves in fallback pass-through, its error count and the dirty data
+    /// found unreadable. A mirrored cache never falls back (its mirror states say more).
+    pub fn fallback_status(&self) -> crate::FallbackStatus {
+        let mut s = self.inner.devices.fallback().status();
+        s.active = self.inner.devices.fallback_active();
+        s
+    }
+
+    /// The dirty ranges found unreadable since the last call (each once), to log.
+    pub fn take_unreadable_dirty(&self) -> Vec<crate::UnreadableDirty> {
+        self.inner.devices.fallback().take_unreadable()
+    }
+
     /// Read-ahead's settings (policy.rs `Prefetch`).
     pub fn prefetch(&self) -> Prefetch {
         self.inner.prefetch.params()
@@ -874,12 +905,15 @@ impl Cache {
         all
     }
 
+    /// Reset every core's counters, and the cache device's error count: a cache in fallback
+    /// pass-through caches again (as Open CAS's `casadm -Z`).
     pub fn reset_stats(&self) {
         for core in self.inner.cores.active().values() {
             core.counters().reset();
             core.latency().reset();
             core.classes().reset();
         }
+        self.inner.devices.fallback().reset();
     }
 
     /// Bytes of RAM the per-line metadata takes, over the whole cache.

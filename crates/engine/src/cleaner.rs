@@ -370,6 +370,11 @@ impl CacheInner {
             let result = self
                 .devices
                 .cache_read_dirty(core, buf, &reads)
+                .inspect_err(|_| {
+                    // Which of the group's dirty data is lost, to name it.
+                    let pieces = group.iter().map(|p| (p.core_off, p.cache_off, p.len));
+                    self.devices.find_unreadable_dirty(core.id(), pieces);
+                })
                 .and_then(|()| self.devices.core_write(core, buf, &write));
             c.write_ends();
             match result {

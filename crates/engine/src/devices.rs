@@ -4,6 +4,9 @@
 //! offload's queue-depth accounting, and the cores' `failing` marks a failed core write sets
 //! (shared with the line room, which owns the other gauges).
 //!
+//! It also counts the cache device's errors for fallback pass-through (fallback.rs) and, when
+//! a dirty range cannot be read, records it there as lost.
+//!
 //! Invariants: a core write sets the core's `unflushed` before it returns, so any commit that
 //! sees the line it cleaned as clean also flushes the core; a failed core write marks the core
 //! failing (commits then record its lines dirty). Callers hold the stripes of what they write.
@@ -16,13 +19,14 @@ use hybridcache_volume::{ReadPiece, VolumeRef};
 
 use crate::bits::{self, Mask};
 use crate::core_state::{CoreGauges, CoreState};
+use crate::fallback::FallbackState;
 use crate::latency::{self};
 use crate::meta::Key;
 use crate::mirror::Mirror;
 use crate::offload::OffloadState;
 use crate::segment::{push_run, Run, Seg};
 use crate::stats::Counter;
-use crate::{Result, MAX_CORES, SECTOR};
+use crate::{CoreId, Result, MAX_CORES, SECTOR};
 
 pub(crate) struct Devices {
     volume: VolumeRef,
@@ -35,6 +39,8 @@ pub(crate) struct Devices {
     offload: OffloadState,
     /// The line room's per-core gauges: a failed core write marks its core failing there.
     gauges: Arc<[CoreGauges]>,
+    /// The cache device's errors and the fallback they trip (fallback.rs).
+    fallback: FallbackState,
 }
 
 impl Devices {
@@ -51,6 +57,48 @@ impl Devices {
             line_bytes,
             offload: OffloadState::new(MAX_CORES as usize),
             gauges,
+            fallback: FallbackState::new(),
+        }
+    }
+
+    #[inline]
+    pub(crate) fn fallback(&self) -> &FallbackState {
+        &self.fallback
+    }
+
+    /// Whether new requests go pass-through because the cache device failed too often; never
+    /// on a mirrored cache, whose lost device its own states handle.
+    #[inline]
+    pub(crate) fn fallback_active(&self) -> bool {
+        self.mirror.is_none() && self.fallback.active()
+    }
+
+    #[cold]
+    fn cache_error(&self, core: &CoreState, counter: Counter) {
+        core.counters().add(counter, 1);
+        if self.mirror.is_none() {
+            self.fallback.error();
+        }
+    }
+
+    /// After a failed read of dirty data (`pieces`: core offset, cache offset, length), read
+    /// each piece again alone and record those that fail as unreadable: on a cache without a
+    /// mirror that data exists nowhere else. The probes are not counted again as errors.
+    pub(crate) fn find_unreadable_dirty(
+        &self,
+        core: CoreId,
+        pieces: impl Iterator<Item = (u64, u64, usize)>,
+    ) {
+        if self.mirror.is_some() {
+            return;
+        }
+        let mut scratch = Vec::new();
+        for (core_off, cache_off, len) in pieces {
+            scratch.resize(len, 0);
+            if self.volume.read_at(&mut scratch, cache_off).is_err() {
+                self.fallback
+                    .unreadable(core, core_off, len as u64, self.line_bytes);
+            }
         }
     }
 
@@ -144,7 +192,7 @@ impl Devices {
         for r in runs {
             self.volume
                 .read_at(&mut buf[r.buf_off..r.buf_off + r.len], r.dev_off)
-                .inspect_err(|_| core.counters().add(Counter::CacheReadErrors, 1))?;
+                .inspect_err(|_| self.cache_error(core, Counter::CacheReadErrors))?;
             core.counters().add(Counter::CacheReadBytes, r.len as u64);
         }
         Ok(())
@@ -156,7 +204,7 @@ impl Devices {
         for r in runs {
             self.volume
                 .write_at(&buf[r.buf_off..r.buf_off + r.len], r.dev_off)
-                .inspect_err(|_| core.counters().add(Counter::CacheWriteErrors, 1))?;
+                .inspect_err(|_| self.cache_error(core, Counter::CacheWriteErrors))?;
             core.counters()
                 .add(Counter::CacheWrittenBytes, r.len as u64);
         }
@@ -177,7 +225,7 @@ impl Devices {
         let _queued = self.offload.cache_io();
         for r in runs {
             m.write_dirty(&buf[r.buf_off..r.buf_off + r.len], r.dev_off)
-                .inspect_err(|_| core.counters().add(Counter::CacheWriteErrors, 1))?;
+                .inspect_err(|_| self.cache_error(core, Counter::CacheWriteErrors))?;
             core.counters()
                 .add(Counter::CacheWrittenBytes, r.len as u64);
         }
@@ -198,7 +246,7 @@ impl Devices {
         let _queued = self.offload.cache_io();
         for r in runs {
             m.read_dirty(&mut buf[r.buf_off..r.buf_off + r.len], r.dev_off)
-                .inspect_err(|_| core.counters().add(Counter::CacheReadErrors, 1))?;
+                .inspect_err(|_| self.cache_error(core, Counter::CacheReadErrors))?;
             core.counters().add(Counter::CacheReadBytes, r.len as u64);
         }
         Ok(())
@@ -214,11 +262,10 @@ impl Devices {
         segs: &[Seg],
         failed: crate::EngineError,
     ) -> Result<()> {
-        let any_dirty = segs.iter().any(|s| s.mask() & s.dirty != 0);
-        if any_dirty && self.mirror.is_none() {
-            return Err(failed);
-        }
         let (mut core_runs, mut dirty_runs) = (Vec::new(), Vec::new());
+        // Without a mirror, each dirty run is tried alone on the cache device again, and the
+        // core offset of each kept, to name the data lost if it fails.
+        let mut dirty_at = Vec::new();
         for s in segs {
             let m = s.mask();
             let dirty = if s.mapped() { m & s.dirty } else { 0 };
@@ -230,11 +277,34 @@ impl Devices {
             for (first, n) in bits::runs(dirty) {
                 let buf_off = s.buf_off + (first - s.first) as usize * SECTOR as usize;
                 let len = n as usize * SECTOR as usize;
-                push_run(&mut dirty_runs, self.cache_off(s.line, first), buf_off, len);
+                if self.mirror.is_none() {
+                    dirty_at.push(self.core_off(s.key, first));
+                    dirty_runs.push(Run {
+                        dev_off: self.cache_off(s.line, first),
+                        buf_off,
+                        len,
+                    });
+                } else {
+                    push_run(&mut dirty_runs, self.cache_off(s.line, first), buf_off, len);
+                }
             }
         }
         self.core_read(core, buf, &core_runs)?;
-        self.cache_read_dirty(core, buf, &dirty_runs)
+        if self.mirror.is_some() {
+            return self.cache_read_dirty(core, buf, &dirty_runs);
+        }
+        let mut lost = false;
+        for (r, &core_off) in dirty_runs.iter().zip(&dirty_at) {
+            if self.cache_read(core, buf, std::slice::from_ref(r)).is_err() {
+                self.fallback
+                    .unreadable(core.id(), core_off, r.len as u64, self.line_bytes);
+                lost = true;
+            }
+        }
+        if lost {
+            return Err(failed);
+        }
+        Ok(())
     }
 
     /// Write the sectors `mask` of segment `s` from the request buffer into cache line `line`.

@@ -72,12 +72,13 @@ impl CacheInner {
         let mode = self.set_mode();
         match self.devices.mirror() {
             Some(m) => m.effective_mode(mode),
+            None if self.devices.fallback_active() => CacheMode::Pt,
             None => mode,
         }
     }
 
-    /// The mode the cache was set to; a mirrored cache that lost a device serves in another
-    /// (`mode`).
+    /// The mode the cache was set to; a mirrored cache that lost a device, or one in fallback
+    /// pass-through, serves in another (`mode`).
     #[inline]
     pub(crate) fn set_mode(&self) -> CacheMode {
         CacheMode::ALL[self.mode.load(Ordering::Relaxed) as usize]
@@ -176,6 +177,7 @@ impl CacheInner {
             },
             prefetch: self.prefetch.params(),
             offload: self.devices.offload().params(),
+            fallback_pt: self.devices.fallback().params(),
         }
     }
 

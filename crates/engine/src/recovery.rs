@@ -979,6 +979,7 @@ fn apply_policies(inner: &CacheInner, policies: &PolicyRecord) -> Result<()> {
         .prefetch
         .set_params(policies.prefetch, inner.lines.count());
     inner.devices.offload().set_params(policies.offload);
+    inner.devices.fallback().set_params(policies.fallback_pt);
     Ok(())
 }
 
