@@ -225,8 +225,15 @@ impl Cache {
         self.inner.lines.count() as u64
     }
 
+    /// The mode the cache serves in: the mode set, or a mirrored cache's degraded one. Fallback
+    /// pass-through is not a mode (`fallback_status`): it would otherwise be shown and saved as
+    /// the mode set, and outlive the errors that caused it.
     pub fn mode(&self) -> CacheMode {
-        self.inner.mode()
+        let set = self.inner.set_mode();
+        self.inner
+            .devices
+            .mirror()
+            .map_or(set, |m| m.effective_mode(set))
     }
 
     /// The cache volume's name.

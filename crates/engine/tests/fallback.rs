@@ -130,7 +130,7 @@ fn reaching_the_threshold_turns_new_io_into_pass_through() {
     r.check_line(1);
     let s = r.cache.fallback_status();
     assert!(s.active && s.errors == 2, "{s:?}");
-    assert_eq!(r.cache.mode(), CacheMode::Pt, "the mode served");
+    assert_eq!(r.cache.mode(), CacheMode::Wt, "the mode set stays");
 
     // The device now fails everything: new writes and reads must not touch it at all.
     r.fail(dead());
@@ -247,11 +247,15 @@ fn reset_or_a_higher_threshold_leaves_the_fallback() {
         ..FaultConfig::default()
     });
     r.check_line(0);
-    assert_eq!(r.cache.mode(), CacheMode::Pt);
+    assert!(r.cache.fallback_status().active);
+    let before = r.occupancy();
+    r.write_line(5, 5);
+    assert_eq!(r.occupancy(), before, "pass-through");
     r.cache.reset_stats();
     let s = r.cache.fallback_status();
     assert!(!s.active && s.errors == 0, "{s:?}");
-    assert_eq!(r.cache.mode(), CacheMode::Wt);
+    r.write_line(6, 6);
+    assert_eq!(r.occupancy(), before + 1, "caching again after the reset");
 
     r.fail(FaultConfig {
         fail_next_reads: 1,
@@ -265,7 +269,7 @@ fn reset_or_a_higher_threshold_leaves_the_fallback() {
             window_s: 0,
         })
         .unwrap();
-    assert_eq!(r.cache.mode(), CacheMode::Wt);
+    assert!(!r.cache.fallback_status().active);
     let before = r.occupancy();
     r.write_line(7, 7);
     assert_eq!(r.occupancy(), before + 1, "caching again");
