@@ -549,7 +549,7 @@ pub enum Command {
     /// cleaning-acp (-w -b), cleaning-io, seq-cutoff (-j; -p -t), promotion (-p),
     /// promotion-nhit (-t -o), lazy-flush (-p on|off), prefetch (-p readahead|none),
     /// prefetch-readahead (-t --distance --max-in-flight), offload (-p on|off),
-    /// offload-queue (--share -t). See docs/policies.md.
+    /// offload-queue (--share -t), fallback-pt (-t --window). See docs/policies.md.
     #[command(short_flag = 'X', long_flag = "set-param")]
     SetParam {
         /// Parameter group (see above).
@@ -579,7 +579,7 @@ pub enum Command {
         #[arg(short = 'b', long = "flush-max-buffers")]
         flush_max_buffers: Option<String>,
         /// alru activity threshold (ms); seq-cutoff threshold (KiB); nhit threshold (accesses);
-        /// prefetch-readahead threshold (KiB).
+        /// prefetch-readahead threshold (KiB); fallback-pt threshold (cache-device errors).
         #[arg(short = 't', long = "threshold", visible_alias = "activity-threshold")]
         threshold: Option<String>,
         /// alru dirty ratio threshold, percent (100 = off).
@@ -612,6 +612,10 @@ pub enum Command {
         /// offload-queue: percent of eligible requests sent to the core.
         #[arg(long = "share")]
         share: Option<String>,
+        /// fallback-pt: seconds a cache-device error counts towards the threshold (0: until
+        /// the counters are reset).
+        #[arg(long = "window")]
+        window: Option<String>,
     },
 
     /// Print a parameter group (names as for set-param, and cache-line-size).
@@ -952,6 +956,7 @@ impl Command {
                 distance,
                 max_in_flight,
                 share,
+                window,
             } => {
                 let given = [
                     ("-v", value),
@@ -970,6 +975,7 @@ impl Command {
                     ("--distance", distance),
                     ("--max-in-flight", max_in_flight),
                     ("--share", share),
+                    ("--window", window),
                 ];
                 let group = crate::params::find(name).ok();
                 let mut values = std::collections::BTreeMap::new();

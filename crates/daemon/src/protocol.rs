@@ -357,6 +357,37 @@ pub struct CacheInfo {
     /// A mirrored cache's mirror and whether the cache is still redundant.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mirror: Option<MirrorInfo>,
+    /// Fallback pass-through's errors and the dirty data found unreadable: set while the
+    /// fallback is in force or some dirty data could not be read (engine fallback.rs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback: Option<FallbackInfo>,
+}
+
+/// Fallback pass-through as `-L` and `-P` show it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct FallbackInfo {
+    /// New I/O goes pass-through.
+    pub active: bool,
+    /// Cache-device errors counted in the window, and the threshold and window set.
+    pub errors: u64,
+    pub threshold: u32,
+    pub window_s: u32,
+    /// Dirty lines with data whose read from the cache device failed, and those bytes.
+    pub unreadable_dirty_lines: u64,
+    pub unreadable_dirty_bytes: u64,
+}
+
+impl FallbackInfo {
+    pub fn of(s: &hybridcache_engine::FallbackStatus) -> Option<FallbackInfo> {
+        (s.active || s.unreadable_dirty_lines > 0).then_some(FallbackInfo {
+            active: s.active,
+            errors: s.errors,
+            threshold: s.params.threshold,
+            window_s: s.params.window_s,
+            unreadable_dirty_lines: s.unreadable_dirty_lines,
+            unreadable_dirty_bytes: s.unreadable_dirty_bytes,
+        })
+    }
 }
 
 /// A mirrored cache's mirror, as `-L` and `-P` show it.

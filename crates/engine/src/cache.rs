@@ -684,6 +684,12 @@ impl Cache {
         s
     }
 
+    /// The cache-device error count with which the cache fell back to pass-through, once per
+    /// fallback, to log.
+    pub fn take_fallback_entered(&self) -> Option<u64> {
+        self.inner.devices.fallback().take_entered()
+    }
+
     /// The dirty ranges found unreadable since the last call (each once), to log.
     pub fn take_unreadable_dirty(&self) -> Vec<crate::UnreadableDirty> {
         self.inner.devices.fallback().take_unreadable()

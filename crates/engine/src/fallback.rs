@@ -106,6 +106,8 @@ pub(crate) struct FallbackState {
     active: AtomicBool,
     /// When each error in the window happened, oldest first.
     errors: Mutex<VecDeque<Instant>>,
+    /// The error count that last made the cache fall back, until reported (`take_entered`).
+    entered: Mutex<Option<u64>>,
     unreadable: Mutex<Unreadable>,
 }
 
@@ -115,6 +117,7 @@ impl FallbackState {
             params: Mutex::new(FallbackPt::default()),
             active: AtomicBool::new(false),
             errors: Mutex::new(VecDeque::new()),
+            entered: Mutex::new(None),
             unreadable: Mutex::new(Unreadable::default()),
         }
     }
@@ -156,7 +159,17 @@ impl FallbackState {
         }
         errors.push_back(now);
         let reached = errors.len() >= p.threshold as usize;
-        (reached && !self.active.swap(true, Ordering::Relaxed)).then_some(errors.len() as u64)
+        let entered =
+            (reached && !self.active.swap(true, Ordering::Relaxed)).then_some(errors.len() as u64);
+        if entered.is_some() {
+            *self.entered.lock() = entered;
+        }
+        entered
+    }
+
+    /// The error count with which the cache last fell back, once (for the log).
+    pub(crate) fn take_entered(&self) -> Option<u64> {
+        self.entered.lock().take()
     }
 
     /// Forget the errors and the unreadable ranges found: the cache caches again.
