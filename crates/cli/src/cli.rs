@@ -249,6 +249,13 @@ pub enum Command {
         /// the default), or stay write-back unprotected (`keep`).
         #[arg(long, value_name = "drain|keep", requires = "mirror")]
         mirror_lost: Option<String>,
+        /// Fallback pass-through: cache-device errors within the window that turn new I/O
+        /// pass-through (0 = off; as `-X -n fallback-pt -t`).
+        #[arg(long, value_name = "ERRORS")]
+        fallback_pt_threshold: Option<u32>,
+        /// Fallback pass-through's window in seconds (0 = never forget; as `--window`).
+        #[arg(long, value_name = "SECONDS")]
+        fallback_pt_window: Option<u32>,
     },
 
     /// Stop a cache (flushing its dirty data first).
@@ -750,6 +757,8 @@ impl Command {
                 mirror,
                 load_mirror,
                 mirror_lost,
+                fallback_pt_threshold,
+                fallback_pt_window,
             } => Request::StartCache {
                 device: device_from_here(device),
                 id: *id,
@@ -760,6 +769,8 @@ impl Command {
                 mirror: mirror.as_deref().map(device_from_here),
                 load_mirror: *load_mirror,
                 mirror_lost: mirror_lost.clone(),
+                fallback_pt_threshold: *fallback_pt_threshold,
+                fallback_pt_window: *fallback_pt_window,
             },
             Command::StopCache {
                 id,
@@ -1351,6 +1362,8 @@ mod tests {
             mirror: None,
             load_mirror: false,
             mirror_lost: None,
+            fallback_pt_threshold: None,
+            fallback_pt_window: None,
         };
         assert_eq!(
             req(&["-S", "-d", "ram:1G", "-i", "3", "-c", "wb", "-x", "16", "--force"]),

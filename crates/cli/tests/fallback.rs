@@ -48,19 +48,21 @@ fn a_failing_cache_device_falls_back_to_pass_through_and_clean_data_keeps_servin
     sparse_file(&core, 64 * MIB);
     let d = Daemon::start(dir.path());
     let cache_dev = format!("nbd+unix:///?socket={}", sock.display());
-    d.ok(&["-S", "-d", &cache_dev, "-c", "wt"]);
-    d.ok(&["-A", "-i", "1", "-d", core.to_str().expect("UTF-8 path")]);
     d.ok(&[
-        "-X",
-        "-n",
-        "fallback-pt",
-        "-i",
-        "1",
-        "-t",
-        "8",
-        "--window",
+        "-S",
+        "-d",
+        &cache_dev,
+        "-c",
+        "wt",
+        "--fallback-pt-threshold",
+        "4",
+        "--fallback-pt-window",
         "300",
     ]);
+    assert_eq!(d.param("fallback-pt", 1, "Error threshold"), "4");
+    assert_eq!(d.param("fallback-pt", 1, "Error window [s]"), "300");
+    d.ok(&["-A", "-i", "1", "-d", core.to_str().expect("UTF-8 path")]);
+    d.ok(&["-X", "-n", "fallback-pt", "-i", "1", "-t", "8"]);
     assert_eq!(d.param("fallback-pt", 1, "Error threshold"), "8");
     assert_eq!(d.param("fallback-pt", 1, "Error window [s]"), "300");
     let uri = d.uri("cas1-1");

@@ -36,6 +36,12 @@ pub enum Request {
         /// What to do when the mirror is lost: `drain` (default) or `keep`.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         mirror_lost: Option<String>,
+        /// Fallback pass-through's threshold and window (`-X -n fallback-pt`), set as the cache
+        /// starts.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        fallback_pt_threshold: Option<u32>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        fallback_pt_window: Option<u32>,
     },
     /// Result: `{"losses": [...]}`, the [`crate::safety::Loss`]es the operator accepted (also
     /// in the results of `remove-core`, `zero-metadata` and `start-cache`).
@@ -747,6 +753,8 @@ mod tests {
                 mirror: None,
                 load_mirror: false,
                 mirror_lost: None,
+                fallback_pt_threshold: None,
+                fallback_pt_window: None,
             }
         );
         let line = serde_json::to_string(&Request::Flush {
