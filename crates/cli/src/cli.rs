@@ -249,6 +249,13 @@ pub enum Command {
         /// the default), or stay write-back unprotected (`keep`).
         #[arg(long, value_name = "drain|keep", requires = "mirror")]
         mirror_lost: Option<String>,
+        /// Fallback pass-through: cache-device errors within the window that turn new I/O
+        /// pass-through (0 = off; as `-X -n fallback-pt -t`).
+        #[arg(long, value_name = "ERRORS")]
+        fallback_pt_threshold: Option<u32>,
+        /// Fallback pass-through's window in seconds (0 = never forget; as `--window`).
+        #[arg(long, value_name = "SECONDS")]
+        fallback_pt_window: Option<u32>,
     },
 
     /// Stop a cache (flushing its dirty data first).
@@ -549,7 +556,7 @@ pub enum Command {
     /// cleaning-acp (-w -b), cleaning-io, seq-cutoff (-j; -p -t), promotion (-p),
     /// promotion-nhit (-t -o), lazy-flush (-p on|off), prefetch (-p readahead|none),
     /// prefetch-readahead (-t --distance --max-in-flight), offload (-p on|off),
-    /// offload-queue (--share -t). See docs/policies.md.
+    /// offload-queue (--share -t), fallback-pt (-t --window). See docs/policies.md.
     #[command(short_flag = 'X', long_flag = "set-param")]
     SetParam {
         /// Parameter group (see above).
@@ -579,7 +586,7 @@ pub enum Command {
         #[arg(short = 'b', long = "flush-max-buffers")]
         flush_max_buffers: Option<String>,
         /// alru activity threshold (ms); seq-cutoff threshold (KiB); nhit threshold (accesses);
-        /// prefetch-readahead threshold (KiB).
+        /// prefetch-readahead threshold (KiB); fallback-pt threshold (cache-device errors).
         #[arg(short = 't', long = "threshold", visible_alias = "activity-threshold")]
         threshold: Option<String>,
         /// alru dirty ratio threshold, percent (100 = off).
@@ -612,6 +619,10 @@ pub enum Command {
         /// offload-queue: percent of eligible requests sent to the core.
         #[arg(long = "share")]
         share: Option<String>,
+        /// fallback-pt: seconds a cache-device error counts towards the threshold (0: until
+        /// the counters are reset).
+        #[arg(long = "window")]
+        window: Option<String>,
     },
 
     /// Print a parameter group (names as for set-param, and cache-line-size).
@@ -746,6 +757,8 @@ impl Command {
                 mirror,
                 load_mirror,
                 mirror_lost,
+                fallback_pt_threshold,
+                fallback_pt_window,
             } => Request::StartCache {
                 device: device_from_here(device),
                 id: *id,
@@ -756,6 +769,8 @@ impl Command {
                 mirror: mirror.as_deref().map(device_from_here),
                 load_mirror: *load_mirror,
                 mirror_lost: mirror_lost.clone(),
+                fallback_pt_threshold: *fallback_pt_threshold,
+                fallback_pt_window: *fallback_pt_window,
             },
             Command::StopCache {
                 id,
@@ -952,6 +967,7 @@ impl Command {
                 distance,
                 max_in_flight,
                 share,
+                window,
             } => {
                 let given = [
                     ("-v", value),
@@ -970,6 +986,7 @@ impl Command {
                     ("--distance", distance),
                     ("--max-in-flight", max_in_flight),
                     ("--share", share),
+                    ("--window", window),
                 ];
                 let group = crate::params::find(name).ok();
                 let mut values = std::collections::BTreeMap::new();
@@ -1345,6 +1362,8 @@ mod tests {
             mirror: None,
             load_mirror: false,
             mirror_lost: None,
+            fallback_pt_threshold: None,
+            fallback_pt_window: None,
         };
         assert_eq!(
             req(&["-S", "-d", "ram:1G", "-i", "3", "-c", "wb", "-x", "16", "--force"]),

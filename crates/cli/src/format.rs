@@ -872,6 +872,31 @@ fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
                 v.push(("mirror_failure", "Mirror Failure", why.clone()));
             }
         }
+        if let Some(f) = &c.fallback {
+            v.push((
+                "fallback_pt",
+                "Fallback Pass-Through",
+                if f.active { "Yes" } else { "No" }.into(),
+            ));
+            v.push((
+                "cache_device_errors",
+                "Cache Device Errors",
+                format!(
+                    "{} of threshold {} in {} s",
+                    f.errors, f.threshold, f.window_s
+                ),
+            ));
+            v.push((
+                "unreadable_dirty_lines",
+                "Unreadable Dirty Lines",
+                f.unreadable_dirty_lines.to_string(),
+            ));
+            v.push((
+                "unreadable_dirty_bytes",
+                "Unreadable Dirty Data [B]",
+                f.unreadable_dirty_bytes.to_string(),
+            ));
+        }
         // casadm shows a cache's own exported object only in standby, which we do not have.
         v.push(("exported_object", "Exported Object", "-".into()));
         v.push(("core_devices", "Core Devices", c.cores.len().to_string()));
@@ -1308,6 +1333,7 @@ mod tests {
                 inactive_cores: 0,
                 metadata_bytes: 3 << 20,
                 mirror: None,
+                fallback: None,
             },
             core: None,
             io_class: None,

@@ -68,6 +68,8 @@ const OURS_ONLY: &[&str] = &[
     "lazy-flush",
     "offload",
     "offload-queue",
+    // casadm sets the threshold with `-X -n fallback-pt -t`; the window is ours.
+    "fallback-pt",
 ];
 
 /// Every parameter group the CLI knows, as its refusal of an unknown one lists them: the test

@@ -331,7 +331,24 @@ impl Daemon {
                 mirror,
                 load_mirror,
                 mirror_lost,
+                fallback_pt_threshold,
+                fallback_pt_window,
             } => {
+                let mut fallback_pt = BTreeMap::new();
+                if let Some(t) = fallback_pt_threshold {
+                    fallback_pt.insert("threshold".to_string(), t.to_string());
+                }
+                if let Some(w) = fallback_pt_window {
+                    fallback_pt.insert("window".to_string(), w.to_string());
+                }
+                // Refused before anything starts, so a bad value leaves no cache behind.
+                let defaults = hybridcache_engine::FallbackPt::default();
+                hybridcache_engine::FallbackPt {
+                    threshold: fallback_pt_threshold.unwrap_or(defaults.threshold),
+                    window_s: fallback_pt_window.unwrap_or(defaults.window_s),
+                }
+                .validate()
+                .map_err(|e| e.to_string())?;
                 if (load || load_mirror) && force {
                     return Err("--load and --force contradict each other: --force overwrites the cache that --load would load".into());
                 }
@@ -348,6 +365,11 @@ impl Daemon {
                 let mirror = mirror.as_deref().map(|m| (m, mirror_lost.as_deref()));
                 let started =
                     self.start_cache(&device, id, mode.as_deref(), line_size_kib, how, mirror)?;
+                if !fallback_pt.is_empty() {
+                    if let Some(id) = started["id"].as_u64().and_then(|i| u16::try_from(i).ok()) {
+                        self.set_param(id, None, "fallback-pt", String::new(), fallback_pt)?;
+                    }
+                }
                 Ok(self.attach_pooled_after_start(started))
             }
             Request::StopCache {

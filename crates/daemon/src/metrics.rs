@@ -326,6 +326,18 @@ impl Collector for Collected {
             "hybridcache_cache_mirror_redundant",
             "A mirrored cache: 1 while both devices work, 0 once one is lost (the state label says which)",
         );
+        let mut fallback = Family::gauge(
+            "hybridcache_cache_fallback_pass_through",
+            "1 while the cache serves new I/O pass-through because its device's errors reached the fallback-pt threshold",
+        );
+        let mut fallback_errors = Family::gauge(
+            "hybridcache_cache_device_errors_in_window",
+            "Cache-device errors counted in the fallback-pt window (0 while fallback-pt is off)",
+        );
+        let mut unreadable_dirty = Family::gauge(
+            "hybridcache_cache_unreadable_dirty_lines",
+            "Dirty lines with data whose read from the cache device failed (nowhere else), since the last reset",
+        );
         let mut flushing = Family::gauge(
             "hybridcache_flush_in_progress",
             "1 while a flush runs (-F, a mode switch that flushes, a stop)",
@@ -493,6 +505,10 @@ impl Collector for Collected {
                 base.clone(),
                 cache.dirty_for(None).map_or(0.0, |d| d.as_secs_f64()),
             );
+            let f = cache.fallback_status();
+            fallback.push(base.clone(), if f.active { 1.0 } else { 0.0 });
+            fallback_errors.push(base.clone(), f.errors as f64);
+            unreadable_dirty.push(base.clone(), f.unreadable_dirty_lines as f64);
             if let Some(m) = cache.mirror_status() {
                 mirror.push(
                     labels(&[
@@ -629,6 +645,9 @@ impl Collector for Collected {
             &dirty_for,
             &flushing,
             &mirror,
+            &fallback,
+            &fallback_errors,
+            &unreadable_dirty,
             &flush_ratio,
             &core_info,
             &core_active,

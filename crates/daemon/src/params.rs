@@ -410,6 +410,27 @@ fn set_offload(c: &Cache, _: Option<CoreId>, v: &BTreeMap<String, String>) -> Re
     engine(c.set_offload(p))
 }
 
+fn get_fallback_pt(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
+    let p = c.fallback_pt();
+    Ok(vec![p.threshold.to_string(), p.window_s.to_string()])
+}
+
+/// A threshold above the errors counted (or 0) leaves a fallback in force, one at or below
+/// them enters it (engine fallback.rs).
+fn set_fallback_pt(
+    c: &Cache,
+    _: Option<CoreId>,
+    v: &BTreeMap<String, String>,
+) -> Result<(), String> {
+    let mut p = c.fallback_pt();
+    set_u32s(
+        "fallback-pt",
+        v,
+        &mut [("threshold", &mut p.threshold), ("window", &mut p.window_s)],
+    )?;
+    engine(c.set_fallback_pt(p))
+}
+
 fn get_offload_queue(c: &Cache, _: Option<CoreId>) -> Result<Vec<String>, String> {
     let p = c.offload();
     Ok(vec![p.share_pct.to_string(), p.threshold.to_string()])
@@ -636,6 +657,19 @@ pub const GROUPS: &[Group] = &[
         in_config: true,
         get: get_offload_queue,
         set: Some(set_offload_queue),
+    },
+    Group {
+        name: "fallback-pt",
+        help: "fallback pass-through: cache-device errors within the window that turn new I/O pass-through (-t, 0 = off, up to 1000000; --window seconds, 0 = never forget)",
+        fields: &[
+            // casadm's label for the threshold; the window is ours (bcache decays errors).
+            field("threshold", "-t", "Error threshold"),
+            field("window", "--window", "Error window [s]"),
+        ],
+        per_core: false,
+        in_config: true,
+        get: get_fallback_pt,
+        set: Some(set_fallback_pt),
     },
 ];
 

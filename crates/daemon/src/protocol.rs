@@ -36,6 +36,12 @@ pub enum Request {
         /// What to do when the mirror is lost: `drain` (default) or `keep`.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         mirror_lost: Option<String>,
+        /// Fallback pass-through's threshold and window (`-X -n fallback-pt`), set as the cache
+        /// starts.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        fallback_pt_threshold: Option<u32>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        fallback_pt_window: Option<u32>,
     },
     /// Result: `{"losses": [...]}`, the [`crate::safety::Loss`]es the operator accepted (also
     /// in the results of `remove-core`, `zero-metadata` and `start-cache`).
@@ -357,6 +363,37 @@ pub struct CacheInfo {
     /// A mirrored cache's mirror and whether the cache is still redundant.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mirror: Option<MirrorInfo>,
+    /// Fallback pass-through's errors and the dirty data found unreadable: set while the
+    /// fallback is in force or some dirty data could not be read (engine fallback.rs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback: Option<FallbackInfo>,
+}
+
+/// Fallback pass-through as `-L` and `-P` show it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct FallbackInfo {
+    /// New I/O goes pass-through.
+    pub active: bool,
+    /// Cache-device errors counted in the window, and the threshold and window set.
+    pub errors: u64,
+    pub threshold: u32,
+    pub window_s: u32,
+    /// Dirty lines with data whose read from the cache device failed, and those bytes.
+    pub unreadable_dirty_lines: u64,
+    pub unreadable_dirty_bytes: u64,
+}
+
+impl FallbackInfo {
+    pub fn of(s: &hybridcache_engine::FallbackStatus) -> Option<FallbackInfo> {
+        (s.active || s.unreadable_dirty_lines > 0).then_some(FallbackInfo {
+            active: s.active,
+            errors: s.errors,
+            threshold: s.params.threshold,
+            window_s: s.params.window_s,
+            unreadable_dirty_lines: s.unreadable_dirty_lines,
+            unreadable_dirty_bytes: s.unreadable_dirty_bytes,
+        })
+    }
 }
 
 /// A mirrored cache's mirror, as `-L` and `-P` show it.
@@ -716,6 +753,8 @@ mod tests {
                 mirror: None,
                 load_mirror: false,
                 mirror_lost: None,
+                fallback_pt_threshold: None,
+                fallback_pt_window: None,
             }
         );
         let line = serde_json::to_string(&Request::Flush {

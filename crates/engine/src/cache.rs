@@ -205,7 +205,9 @@ impl Cache {
         }
         self.inner.commit()?;
         if let Some(p) = &self.inner.persist {
-            p.update_superblock(&*self.inner.volume, |sb| sb.clean_shutdown = true)?;
+            p.update_superblock(&**self.inner.devices.volume(), |sb| {
+                sb.clean_shutdown = true
+            })?;
         }
         Ok(())
     }
@@ -223,13 +225,20 @@ impl Cache {
         self.inner.lines.count() as u64
     }
 
+    /// The mode the cache serves in: the mode set, or a mirrored cache's degraded one. Fallback
+    /// pass-through is not a mode (`fallback_status`): it would otherwise be shown and saved as
+    /// the mode set, and outlive the errors that caused it.
     pub fn mode(&self) -> CacheMode {
-        self.inner.mode()
+        let set = self.inner.set_mode();
+        self.inner
+            .devices
+            .mirror()
+            .map_or(set, |m| m.effective_mode(set))
     }
 
     /// The cache volume's name.
     pub fn volume_name(&self) -> &str {
-        self.inner.volume.name()
+        self.inner.devices.volume().name()
     }
 
     /// Switch the cache mode. When leaving wb/wo for a mode that holds no dirty data and
@@ -238,7 +247,9 @@ impl Cache {
     /// cache, and every mode keeps them correct).
     pub fn set_mode(&self, mode: CacheMode, flush_first: bool) -> Result<()> {
         if let Some(p) = &self.inner.persist {
-            p.update_superblock(&*self.inner.volume, |sb| sb.mode = mode.as_str().into())?;
+            p.update_superblock(&**self.inner.devices.volume(), |sb| {
+                sb.mode = mode.as_str().into()
+            })?;
         }
         let old = self.mode();
         self.inner.mode.store(mode as u8, Ordering::Relaxed);
@@ -302,7 +313,7 @@ impl Cache {
                     uuid: new_uuid(),
                     identity,
                 };
-                p.update_superblock(&*self.inner.volume, |sb| sb.cores.push(record))?;
+                p.update_superblock(&**self.inner.devices.volume(), |sb| sb.cores.push(record))?;
             }
             Ok(self
                 .inner
@@ -359,7 +370,9 @@ impl Cache {
             // The device must record the lines free before the core leaves the superblock, or a
             // crash in between would leave lines of an unknown core.
             let recorded = self.inner.commit().and_then(|()| {
-                p.update_superblock(&*self.inner.volume, |sb| sb.cores.retain(|c| c.id != id))
+                p.update_superblock(&**self.inner.devices.volume(), |sb| {
+                    sb.cores.retain(|c| c.id != id)
+                })
             });
             if let Err(e) = recorded {
                 // The core stays attached, only its cached lines are gone, so a retry can work.
@@ -411,7 +424,7 @@ impl Cache {
             if let Some(p) = &self.inner.persist {
                 // The next load must look where the core is now.
                 let path = volume.name().to_string();
-                p.update_superblock(&*self.inner.volume, |sb| {
+                p.update_superblock(&**self.inner.devices.volume(), |sb| {
                     if let Some(c) = sb.cores.iter_mut().find(|c| c.id == id) {
                         c.path = path;
                         c.identity = identity;
@@ -629,20 +642,57 @@ impl Cache {
 
     /// Offload's settings (offload.rs).
     pub fn offload(&self) -> Offload {
-        self.inner.offload.params()
+        self.inner.devices.offload().params()
     }
 
     /// Change offload at run time; recorded in the superblock. Invalid values are refused and
     /// change nothing.
     pub fn set_offload(&self, params: Offload) -> Result<()> {
         params.validate()?;
-        let old = self.inner.offload.params();
-        self.inner.offload.set_params(params);
+        let old = self.inner.devices.offload().params();
+        self.inner.devices.offload().set_params(params);
         if let Err(e) = self.inner.save_policies() {
-            self.inner.offload.set_params(old);
+            self.inner.devices.offload().set_params(old);
             return Err(e);
         }
         Ok(())
+    }
+
+    /// Fallback pass-through's settings (fallback.rs).
+    pub fn fallback_pt(&self) -> crate::FallbackPt {
+        self.inner.devices.fallback().params()
+    }
+
+    /// Change fallback pass-through; recorded in the superblock. A threshold above the errors
+    /// in the window (or 0) leaves the fallback, one at or below them enters it.
+    pub fn set_fallback_pt(&self, params: crate::FallbackPt) -> Result<()> {
+        params.validate()?;
+        let old = self.inner.devices.fallback().params();
+        self.inner.devices.fallback().set_params(params);
+        if let Err(e) = self.inner.save_policies() {
+            self.inner.devices.fallback().set_params(old);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Whether the cache serves in fallback pass-through, its error count and the dirty data
+    /// found unreadable. A mirrored cache never falls back (its mirror states say more).
+    pub fn fallback_status(&self) -> crate::FallbackStatus {
+        let mut s = self.inner.devices.fallback().status();
+        s.active = self.inner.devices.fallback_active();
+        s
+    }
+
+    /// The cache-device error count with which the cache fell back to pass-through, once per
+    /// fallback, to log.
+    pub fn take_fallback_entered(&self) -> Option<u64> {
+        self.inner.devices.fallback().take_entered()
+    }
+
+    /// The dirty ranges found unreadable since the last call (each once), to log.
+    pub fn take_unreadable_dirty(&self) -> Vec<crate::UnreadableDirty> {
+        self.inner.devices.fallback().take_unreadable()
     }
 
     /// Read-ahead's settings (policy.rs `Prefetch`).
@@ -868,12 +918,15 @@ impl Cache {
         all
     }
 
+    /// Reset every core's counters, and the cache device's error count: a cache in fallback
+    /// pass-through caches again (as Open CAS's `casadm -Z`).
     pub fn reset_stats(&self) {
         for core in self.inner.cores.active().values() {
             core.counters().reset();
             core.latency().reset();
             core.classes().reset();
         }
+        self.inner.devices.fallback().reset();
     }
 
     /// Bytes of RAM the per-line metadata takes, over the whole cache.

@@ -113,7 +113,7 @@ impl CacheInner {
                 pieces.push(Piece {
                     item: i,
                     core_off: key.line() * self.line_bytes + first as u64 * SECTOR,
-                    cache_off: self.data_offset
+                    cache_off: self.devices.data_offset()
                         + line as u64 * self.line_bytes
                         + first as u64 * SECTOR,
                     len: n as usize * SECTOR as usize,
@@ -368,8 +368,14 @@ impl CacheInner {
             let c = &self.cleaning_counters;
             c.write_begins();
             let result = self
+                .devices
                 .cache_read_dirty(core, buf, &reads)
-                .and_then(|()| self.core_write(core, buf, &write));
+                .inspect_err(|_| {
+                    // Which of the group's dirty data is lost, to name it.
+                    let pieces = group.iter().map(|p| (p.core_off, p.cache_off, p.len));
+                    self.devices.find_unreadable_dirty(core.id(), pieces);
+                })
+                .and_then(|()| self.devices.core_write(core, buf, &write));
             c.write_ends();
             match result {
                 Ok(()) => {

@@ -177,8 +177,8 @@ impl CacheInner {
         // A mirrored cache that lost a device drains its dirty lines as room requests do: they
         // are on one device only (or on a mirror it no longer serves from but in need).
         let drain = self
-            .mirror
-            .as_ref()
+            .devices
+            .mirror()
             .is_some_and(|m| m.drains() && self.usage(None).dirty_lines > 0);
         if self.cleaner_signal.take_room_request() || drain {
             // Lazy flush sent writes to the core for want of a line: make room now, under any

@@ -62,7 +62,7 @@ struct Commit<'a> {
 impl CacheInner {
     fn committer(&self) -> Commit<'_> {
         Commit {
-            volume: &*self.volume,
+            volume: &**self.devices.volume(),
             persist: self.persist.as_ref(),
             lines: &self.lines,
             cores: &self.cores,

@@ -46,7 +46,7 @@ impl Cache {
         let inner = &self.inner;
         inner.core_by_id(id)?;
         if let Some(p) = &inner.persist {
-            p.update_superblock(&*inner.volume, |sb| {
+            p.update_superblock(&**inner.devices.volume(), |sb| {
                 if let Some(c) = sb.cores.iter_mut().find(|c| c.id == id) {
                     c.path = path.to_string();
                     c.identity = identity;

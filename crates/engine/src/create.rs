@@ -67,7 +67,7 @@ impl Cache {
     /// A mirrored cache's mirror: its device, state, policy and why it left `redundant`.
     /// None for a cache without one.
     pub fn mirror_status(&self) -> Option<MirrorStatus> {
-        self.inner.mirror.as_ref().map(|m| m.status())
+        self.inner.devices.mirror().map(|m| m.status())
     }
 
     /// The mode the cache was set to. It serves in another while a mirrored cache misses a
@@ -139,7 +139,9 @@ impl Cache {
             geometry.data_offset,
             Some(persist),
         );
-        inner.mirror = pair;
+        if let Some(m) = pair {
+            inner.devices.set_mirror(m);
+        }
         inner.save_policies()?;
         Ok(Cache::started(inner))
     }

@@ -1,18 +1,152 @@
 //! Device I/O with its accounting: reads and writes of the cache volume and of the cores, run
-//! by run, counted per core (bytes and errors) and in offload's queue depths.
+//! by run, counted per core (bytes and errors) and in offload's queue depths. `Devices` owns
+//! the cache volume (a mirrored cache's pair, mirror.rs), where the line data starts on it,
+//! offload's queue-depth accounting, and the cores' `failing` marks a failed core write sets
+//! (shared with the line room, which owns the other gauges).
+//!
+//! It also counts the cache device's errors for fallback pass-through (fallback.rs) and, when
+//! a dirty range cannot be read, records it there as lost.
 //!
 //! Invariants: a core write sets the core's `unflushed` before it returns, so any commit that
 //! sees the line it cleaned as clean also flushes the core; a failed core write marks the core
 //! failing (commits then record its lines dirty). Callers hold the stripes of what they write.
+//! The volume, `data_offset` and `line_bytes` never change after `new`, except that a mirrored
+//! cache's load puts the pair in place of the primary before any I/O (`set_mirror`).
+
+use std::sync::Arc;
+
+use hybridcache_volume::{ReadPiece, VolumeRef};
 
 use crate::bits::{self, Mask};
-use crate::core_state::CoreState;
-use crate::inner::CacheInner;
+use crate::core_state::{CoreGauges, CoreState};
+use crate::fallback::FallbackState;
 use crate::latency::{self};
+use crate::meta::Key;
+use crate::mirror::Mirror;
+use crate::offload::OffloadState;
 use crate::segment::{push_run, Run, Seg};
 use crate::stats::Counter;
-use crate::{Result, SECTOR};
-impl CacheInner {
+use crate::{CoreId, Result, MAX_CORES, SECTOR};
+
+pub(crate) struct Devices {
+    volume: VolumeRef,
+    /// A mirrored cache's pair of devices; `volume` is the same object then.
+    mirror: Option<Arc<Mirror>>,
+    /// Where line 0 starts on the cache volume.
+    data_offset: u64,
+    line_bytes: u64,
+    /// Queue depths of the devices and the share of requests to route (offload.rs).
+    offload: OffloadState,
+    /// The line room's per-core gauges: a failed core write marks its core failing there.
+    gauges: Arc<[CoreGauges]>,
+    /// The cache device's errors and the fallback they trip (fallback.rs).
+    fallback: FallbackState,
+}
+
+impl Devices {
+    pub(crate) fn new(
+        volume: VolumeRef,
+        data_offset: u64,
+        line_bytes: u64,
+        gauges: Arc<[CoreGauges]>,
+    ) -> Devices {
+        Devices {
+            volume,
+            mirror: None,
+            data_offset,
+            line_bytes,
+            offload: OffloadState::new(MAX_CORES as usize),
+            gauges,
+            fallback: FallbackState::new(),
+        }
+    }
+
+    #[inline]
+    pub(crate) fn fallback(&self) -> &FallbackState {
+        &self.fallback
+    }
+
+    /// Whether new requests go pass-through because the cache device failed too often; never
+    /// on a mirrored cache, whose lost device its own states handle.
+    #[inline]
+    pub(crate) fn fallback_active(&self) -> bool {
+        self.mirror.is_none() && self.fallback.active()
+    }
+
+    #[cold]
+    fn cache_error(&self, core: &CoreState, counter: Counter) {
+        core.counters().add(counter, 1);
+        if self.mirror.is_none() {
+            self.fallback.error();
+        }
+    }
+
+    /// After a failed read of dirty data (`pieces`: core offset, cache offset, length), read
+    /// each piece again alone and record those that fail as unreadable: on a cache without a
+    /// mirror that data exists nowhere else. The probes are not counted again as errors.
+    pub(crate) fn find_unreadable_dirty(
+        &self,
+        core: CoreId,
+        pieces: impl Iterator<Item = (u64, u64, usize)>,
+    ) {
+        if self.mirror.is_some() {
+            return;
+        }
+        let mut scratch = Vec::new();
+        for (core_off, cache_off, len) in pieces {
+            scratch.resize(len, 0);
+            if self.volume.read_at(&mut scratch, cache_off).is_err() {
+                self.fallback
+                    .unreadable(core, core_off, len as u64, self.line_bytes);
+            }
+        }
+    }
+
+    /// Serve the cache through the pair `m` (a new or loaded mirrored cache), before any I/O.
+    pub(crate) fn set_mirror(&mut self, m: Arc<Mirror>) {
+        self.volume = m.clone();
+        self.mirror = Some(m);
+    }
+
+    /// The cache volume, for metadata I/O (superblock, commits, recovery).
+    #[inline]
+    pub(crate) fn volume(&self) -> &VolumeRef {
+        &self.volume
+    }
+
+    #[inline]
+    pub(crate) fn mirror(&self) -> Option<&Arc<Mirror>> {
+        self.mirror.as_ref()
+    }
+
+    #[inline]
+    pub(crate) fn offload(&self) -> &OffloadState {
+        &self.offload
+    }
+
+    #[inline]
+    pub(crate) fn data_offset(&self) -> u64 {
+        self.data_offset
+    }
+
+    #[inline]
+    pub(crate) fn cache_off(&self, line: u32, sector: u32) -> u64 {
+        self.data_offset + line as u64 * self.line_bytes + sector as u64 * SECTOR
+    }
+
+    #[inline]
+    fn core_off(&self, key: Key, sector: u32) -> u64 {
+        key.line() * self.line_bytes + sector as u64 * SECTOR
+    }
+
+    /// Read several requests' cache runs in one batch (`pieces`, one per run); `requests` of
+    /// them count in offload's queue depth, as single reads would. Bytes are the caller's to
+    /// count (per request, once it knows the batch succeeded); a failed batch counts nothing.
+    pub(crate) fn cache_read_batch(&self, pieces: &mut [ReadPiece<'_>], requests: usize) -> bool {
+        let _queued: Vec<_> = (0..requests).map(|_| self.offload.cache_io()).collect();
+        self.volume.read_batch(pieces).is_ok()
+    }
+
     #[inline]
     pub(crate) fn core_read(&self, core: &CoreState, buf: &mut [u8], runs: &[Run]) -> Result<()> {
         if !runs.is_empty() {
@@ -42,7 +176,7 @@ impl CacheInner {
             drop(op);
             written.inspect_err(|_| {
                 core.counters().add(Counter::CoreWriteErrors, 1);
-                self.lines.gauges()[core.id() as usize].set_failing(true);
+                self.gauges[core.id() as usize].set_failing(true);
             })?;
             // Before the caller can mark anything clean: a commit that sees the line clean
             // then sees this too, and flushes the core.
@@ -58,7 +192,7 @@ impl CacheInner {
         for r in runs {
             self.volume
                 .read_at(&mut buf[r.buf_off..r.buf_off + r.len], r.dev_off)
-                .inspect_err(|_| core.counters().add(Counter::CacheReadErrors, 1))?;
+                .inspect_err(|_| self.cache_error(core, Counter::CacheReadErrors))?;
             core.counters().add(Counter::CacheReadBytes, r.len as u64);
         }
         Ok(())
@@ -70,7 +204,7 @@ impl CacheInner {
         for r in runs {
             self.volume
                 .write_at(&buf[r.buf_off..r.buf_off + r.len], r.dev_off)
-                .inspect_err(|_| core.counters().add(Counter::CacheWriteErrors, 1))?;
+                .inspect_err(|_| self.cache_error(core, Counter::CacheWriteErrors))?;
             core.counters()
                 .add(Counter::CacheWrittenBytes, r.len as u64);
         }
@@ -91,7 +225,7 @@ impl CacheInner {
         let _queued = self.offload.cache_io();
         for r in runs {
             m.write_dirty(&buf[r.buf_off..r.buf_off + r.len], r.dev_off)
-                .inspect_err(|_| core.counters().add(Counter::CacheWriteErrors, 1))?;
+                .inspect_err(|_| self.cache_error(core, Counter::CacheWriteErrors))?;
             core.counters()
                 .add(Counter::CacheWrittenBytes, r.len as u64);
         }
@@ -112,7 +246,7 @@ impl CacheInner {
         let _queued = self.offload.cache_io();
         for r in runs {
             m.read_dirty(&mut buf[r.buf_off..r.buf_off + r.len], r.dev_off)
-                .inspect_err(|_| core.counters().add(Counter::CacheReadErrors, 1))?;
+                .inspect_err(|_| self.cache_error(core, Counter::CacheReadErrors))?;
             core.counters().add(Counter::CacheReadBytes, r.len as u64);
         }
         Ok(())
@@ -128,11 +262,10 @@ impl CacheInner {
         segs: &[Seg],
         failed: crate::EngineError,
     ) -> Result<()> {
-        let any_dirty = segs.iter().any(|s| s.mask() & s.dirty != 0);
-        if any_dirty && self.mirror.is_none() {
-            return Err(failed);
-        }
         let (mut core_runs, mut dirty_runs) = (Vec::new(), Vec::new());
+        // Without a mirror, each dirty run is tried alone on the cache device again, and the
+        // core offset of each kept, to name the data lost if it fails.
+        let mut dirty_at = Vec::new();
         for s in segs {
             let m = s.mask();
             let dirty = if s.mapped() { m & s.dirty } else { 0 };
@@ -144,11 +277,34 @@ impl CacheInner {
             for (first, n) in bits::runs(dirty) {
                 let buf_off = s.buf_off + (first - s.first) as usize * SECTOR as usize;
                 let len = n as usize * SECTOR as usize;
-                push_run(&mut dirty_runs, self.cache_off(s.line, first), buf_off, len);
+                if self.mirror.is_none() {
+                    dirty_at.push(self.core_off(s.key, first));
+                    dirty_runs.push(Run {
+                        dev_off: self.cache_off(s.line, first),
+                        buf_off,
+                        len,
+                    });
+                } else {
+                    push_run(&mut dirty_runs, self.cache_off(s.line, first), buf_off, len);
+                }
             }
         }
         self.core_read(core, buf, &core_runs)?;
-        self.cache_read_dirty(core, buf, &dirty_runs)
+        if self.mirror.is_some() {
+            return self.cache_read_dirty(core, buf, &dirty_runs);
+        }
+        let mut lost = false;
+        for (r, &core_off) in dirty_runs.iter().zip(&dirty_at) {
+            if self.cache_read(core, buf, std::slice::from_ref(r)).is_err() {
+                self.fallback
+                    .unreadable(core.id(), core_off, r.len as u64, self.line_bytes);
+                lost = true;
+            }
+        }
+        if lost {
+            return Err(failed);
+        }
+        Ok(())
     }
 
     /// Write the sectors `mask` of segment `s` from the request buffer into cache line `line`.

@@ -1,13 +1,13 @@
 //! The holder: a cache's subsystems side by side. `CacheInner` owns the line room (`Lines`, a
-//! struct with private fields), the cores, persistence, the policies' state, and the signals
-//! between requests and background threads; the other rooms (devices.rs, admission.rs, read.rs,
-//! write.rs, cleaner.rs, cleaning.rs, commit.rs, readahead.rs, recovery.rs) are `impl
+//! struct with private fields), the devices room (`Devices`, likewise), the cores,
+//! persistence, the policies' state, and the signals between requests and background threads;
+//! the other rooms (admission.rs, read.rs, write.rs, cleaner.rs, cleaning.rs, commit.rs, readahead.rs, recovery.rs) are `impl
 //! CacheInner` blocks that work on it. This file knows only the lower rooms' types, never the
 //! rooms that use it; it hands the line room what a line change also touches (persistence,
 //! read-ahead's marks).
 //!
-//! Invariants: `line_size`, `line_bytes`, the line count, `volume` and `data_offset` never
-//! change after `build`; `mode` changes only through `Cache::set_mode`; the cores' registry
+//! Invariants: `line_size`, `line_bytes` and the line count never change after `build` (nor
+//! do the devices' volume and data offset, devices.rs); `mode` changes only through `Cache::set_mode`; the cores' registry
 //! (`Cores`, core_state.rs) keeps a core active from the end of its attach to the start of its
 //! removal, and inactive only while its device is missing, never both.
 
@@ -21,10 +21,9 @@ use crate::bits::Mask;
 use crate::classes::ReqClass;
 use crate::cleaning_state::{CleanerState, CleaningCounters, Pacer};
 use crate::core_state::{CoreState, Cores};
+use crate::devices::Devices;
 use crate::lines::Lines;
 use crate::meta::Key;
-use crate::mirror::Mirror;
-use crate::offload::OffloadState;
 use crate::persist::Persist;
 use crate::policy::PolicyRecord;
 use crate::policy::PromotionState;
@@ -38,17 +37,16 @@ use crate::CleaningConfig;
 use crate::LazyFlush;
 use crate::LineSize;
 use crate::Promotion;
-use crate::{CacheMode, CoreId, EngineError, Result, MAX_CORES, SECTOR};
+use crate::{CacheMode, CoreId, EngineError, Result, SECTOR};
 
 pub(crate) struct CacheInner {
     pub(crate) id: u16,
     pub(crate) line_size: LineSize,
     pub(crate) line_bytes: u64,
-    pub(crate) volume: VolumeRef,
+    /// The devices room (devices.rs): the cache volume, a mirror, offload's queue depths.
+    pub(crate) devices: Devices,
     /// The line room (lines.rs).
     pub(crate) lines: Lines,
-    /// Where line 0 starts on the cache volume.
-    pub(crate) data_offset: u64,
     pub(crate) mode: AtomicU8,
     /// The active and inactive cores (core_state.rs).
     pub(crate) cores: Cores,
@@ -60,31 +58,27 @@ pub(crate) struct CacheInner {
     pub(crate) cleaner_signal: Arc<CleanerSignal>,
     /// Lazy flush is on (policy.rs `LazyFlush`): read on every write-back write that lacks a line.
     pub(crate) lazy_flush: AtomicBool,
-    /// Offload (offload.rs): queue depths of the devices and the share of requests to route.
-    pub(crate) offload: OffloadState,
     pub(crate) pacer: Pacer,
     pub(crate) cleaning_counters: CleaningCounters,
     /// Device errors of read-ahead (cleaning's are in `cleaning_counters`).
     pub(crate) prefetch_errors: BackgroundErrorLog,
     pub(crate) promotion: PromotionState,
     pub(crate) flush_progress: FlushProgress,
-    /// A mirrored cache's pair of devices (mirror.rs); `volume` is the same object then. None
-    /// without a mirror.
-    pub(crate) mirror: Option<Arc<Mirror>>,
 }
 
 impl CacheInner {
     #[inline]
     pub(crate) fn mode(&self) -> CacheMode {
         let mode = self.set_mode();
-        match &self.mirror {
+        match self.devices.mirror() {
             Some(m) => m.effective_mode(mode),
+            None if self.devices.fallback_active() => CacheMode::Pt,
             None => mode,
         }
     }
 
-    /// The mode the cache was set to; a mirrored cache that lost a device serves in another
-    /// (`mode`).
+    /// The mode the cache was set to; a mirrored cache that lost a device, or one in fallback
+    /// pass-through, serves in another (`mode`).
     #[inline]
     pub(crate) fn set_mode(&self) -> CacheMode {
         CacheMode::ALL[self.mode.load(Ordering::Relaxed) as usize]
@@ -92,7 +86,7 @@ impl CacheInner {
 
     #[inline]
     pub(crate) fn cache_off(&self, line: u32, sector: u32) -> u64 {
-        self.data_offset + line as u64 * self.line_bytes + sector as u64 * SECTOR
+        self.devices.cache_off(line, sector)
     }
 
     #[inline]
@@ -142,13 +136,14 @@ impl CacheInner {
         data_offset: u64,
         persist: Option<Persist>,
     ) -> CacheInner {
+        let line_bytes = config.line_size.bytes() as u64;
+        let lines = Lines::new(lines, config.line_size);
         CacheInner {
             id: config.id,
             line_size: config.line_size,
-            line_bytes: config.line_size.bytes() as u64,
-            volume,
-            lines: Lines::new(lines, config.line_size),
-            data_offset,
+            line_bytes,
+            devices: Devices::new(volume, data_offset, line_bytes, lines.shared_gauges()),
+            lines,
             mode: AtomicU8::new(config.mode as u8),
             cores: Cores::default(),
             persist,
@@ -157,13 +152,11 @@ impl CacheInner {
             prefetch: PrefetchState::new(),
             cleaner_signal: Arc::new(CleanerSignal::default()),
             lazy_flush: AtomicBool::new(LazyFlush::default().enabled),
-            offload: OffloadState::new(MAX_CORES as usize),
             pacer: Pacer::default(),
             cleaning_counters: CleaningCounters::default(),
             prefetch_errors: BackgroundErrorLog::default(),
             promotion: PromotionState::new(Promotion::default()),
             flush_progress: FlushProgress::default(),
-            mirror: None,
         }
     }
 
@@ -183,7 +176,8 @@ impl CacheInner {
                 enabled: self.lazy_flush.load(Ordering::Relaxed),
             },
             prefetch: self.prefetch.params(),
-            offload: self.offload.params(),
+            offload: self.devices.offload().params(),
+            fallback_pt: self.devices.fallback().params(),
         }
     }
 
@@ -198,7 +192,7 @@ impl CacheInner {
         else {
             unreachable!("a struct serialises to an object");
         };
-        p.update_superblock(&*self.volume, |sb| sb.params = map)
+        p.update_superblock(&**self.devices.volume(), |sb| sb.params = map)
     }
 }
 
@@ -206,7 +200,7 @@ impl CacheInner {
     /// Record in the primary's superblock that the mirror missed writes, once: a later load
     /// must not take the stale mirror for a copy.
     pub(crate) fn note_mirror_lost(&self) -> Result<()> {
-        let (Some(m), Some(p)) = (&self.mirror, &self.persist) else {
+        let (Some(m), Some(p)) = (self.devices.mirror(), &self.persist) else {
             return Ok(());
         };
         if m.state() != crate::MirrorState::MirrorLost
@@ -214,7 +208,7 @@ impl CacheInner {
         {
             return Ok(());
         }
-        p.update_superblock(&*self.volume, |sb| {
+        p.update_superblock(&**self.devices.volume(), |sb| {
             if let Some(r) = sb.mirror.as_mut() {
                 r.lost = true;
             }

@@ -56,7 +56,8 @@ pub(crate) struct Lines {
     locks: StripedLocks,
     /// Per-core line counts, indexed by core id, so eviction can update them without a registry
     /// lookup.
-    gauges: Box<[CoreGauges]>,
+    /// Shared with the devices room, which marks a core failing when a write to it fails.
+    gauges: Arc<[CoreGauges]>,
     free_lines: AtomicU64,
     classes: ClassState,
 }
@@ -109,6 +110,11 @@ impl Lines {
     #[inline]
     pub(crate) fn gauges(&self) -> &[CoreGauges] {
         &self.gauges
+    }
+
+    /// The gauges, for the devices room to mark a core failing.
+    pub(crate) fn shared_gauges(&self) -> Arc<[CoreGauges]> {
+        self.gauges.clone()
     }
 
     /// The free-line count: changed by this room and by commits that release limbo lines.

@@ -857,6 +857,7 @@ pub struct PolicyRecord {
     pub lazy_flush: LazyFlush,
     pub prefetch: Prefetch,
     pub offload: crate::offload::Offload,
+    pub fallback_pt: crate::fallback::FallbackPt,
 }
 
 #[cfg(test)]

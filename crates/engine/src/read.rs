@@ -65,8 +65,8 @@ impl CacheInner {
         else {
             return Ok(());
         };
-        self.core_read(core, buf, &plan.core_runs)?;
-        let cached = self.cache_read(core, buf, &plan.cache_runs);
+        self.devices.core_read(core, buf, &plan.core_runs)?;
+        let cached = self.devices.cache_read(core, buf, &plan.cache_runs);
         self.read_finish(core, buf, offset, plan, cached)
     }
 
@@ -113,7 +113,7 @@ impl CacheInner {
             && segs
                 .iter()
                 .all(|s| s.mapped() && s.dirty == 0 && s.mask() & !s.valid == 0)
-            && self.offload.take(core.id() as usize);
+            && self.devices.offload().take(core.id() as usize);
         bypass = bypass || offloaded;
 
         let (core_runs, cache_runs, found) = self.read_runs(&segs, bypass);
@@ -238,7 +238,7 @@ impl CacheInner {
         if let Err(e) = cached {
             // The cache device failed: clean sectors can still come from the core, dirty ones
             // only from a mirror.
-            return self.read_around_cache(core, buf, &segs, e);
+            return self.devices.read_around_cache(core, buf, &segs, e);
         }
 
         if bypass {
@@ -281,7 +281,12 @@ impl CacheInner {
             let m = s.mask();
             let missing = m & !s.valid;
             if s.mapped() {
-                if missing != 0 && self.cache_write_mask(core, buf, s, s.line, missing).is_ok() {
+                if missing != 0
+                    && self
+                        .devices
+                        .cache_write_mask(core, buf, s, s.line, missing)
+                        .is_ok()
+                {
                     self.update_line(s.line, s.key, s.valid | missing, s.dirty, s.dirty == 0);
                 } else if s.dirty == 0 {
                     self.lines.touch_clean(s.line);
@@ -295,7 +300,7 @@ impl CacheInner {
                 lines_left = false;
                 continue;
             };
-            if self.cache_write_mask(core, buf, s, line, m).is_ok() {
+            if self.devices.cache_write_mask(core, buf, s, line, m).is_ok() {
                 self.insert_line(line, s.key, m, 0, class);
             } else {
                 self.lines.release_line(line);
@@ -346,10 +351,13 @@ impl CacheInner {
             // Needs the core: the planned hits go first, then this one as a single read would.
             self.finish_hits(core, reqs, &mut pending, &mut results, started);
             let buf = &mut *reqs[i].0;
-            results[i] = self.core_read(core, buf, &plan.core_runs).and_then(|()| {
-                let cached = self.cache_read(core, buf, &plan.cache_runs);
-                self.read_finish(core, buf, offset, plan, cached)
-            });
+            results[i] = self
+                .devices
+                .core_read(core, buf, &plan.core_runs)
+                .and_then(|()| {
+                    let cached = self.devices.cache_read(core, buf, &plan.cache_runs);
+                    self.read_finish(core, buf, offset, plan, cached)
+                });
             if results[i].is_ok() {
                 let kind = if latency::ended_on_core() {
                     LatencyKind::ReadCore
@@ -399,8 +407,7 @@ impl CacheInner {
                 }
             }
             // One cache I/O per request, as single reads count them for offload's view.
-            let _queued: Vec<_> = pending.iter().map(|_| self.offload.cache_io()).collect();
-            self.volume.read_batch(&mut pieces).is_ok()
+            self.devices.cache_read_batch(&mut pieces, pending.len())
         };
         for (i, plan) in pending.drain(..) {
             let (buf, offset) = (&mut *reqs[i].0, reqs[i].1);
@@ -410,7 +417,7 @@ impl CacheInner {
                 Ok(())
             } else {
                 // Which one failed: each reads again alone, counting its own bytes or error.
-                self.cache_read(core, buf, &plan.cache_runs)
+                self.devices.cache_read(core, buf, &plan.cache_runs)
             };
             results[i] = self.read_finish(core, buf, offset, plan, cached);
             if results[i].is_ok() {

@@ -82,8 +82,9 @@ impl CacheInner {
         let (core_runs, cache_runs) = self.prefetch_runs(&segs, &plan);
         let read: u64 = core_runs.iter().map(|r| r.len as u64).sum();
         let result = self
+            .devices
             .core_read(&core, &mut buf, &core_runs)
-            .and_then(|()| self.cache_write(&core, &buf, &cache_runs));
+            .and_then(|()| self.devices.cache_write(&core, &buf, &cache_runs));
         if let Err(e) = &result {
             self.prefetch_errors.record(core.id(), e);
         }
@@ -165,7 +166,9 @@ impl CacheInner {
                 );
                 push_run(
                     &mut cache_runs,
-                    self.data_offset + line as u64 * self.line_bytes + first as u64 * SECTOR,
+                    self.devices.data_offset()
+                        + line as u64 * self.line_bytes
+                        + first as u64 * SECTOR,
                     buf_off,
                     len,
                 );

@@ -742,19 +742,18 @@ pub(crate) fn load(
             policy,
         ));
         m.copy_metadata()?;
-        inner.volume = m.clone();
-        inner.mirror = Some(m);
+        inner.devices.set_mirror(m);
     }
     let p = inner
         .persist
         .as_ref()
         .expect("a loaded cache is persistent");
-    p.record_loaded_state(&*inner.volume)?;
+    p.record_loaded_state(&**inner.devices.volume())?;
     // Both slots: an older superblock left with the clean-stop mark would make a load that
     // falls back to it (the newer damaged) trust clean lines written over since.
-    let mirrored = inner.mirror.is_some();
+    let mirrored = inner.devices.mirror().is_some();
     for _ in 0..2 {
-        p.update_superblock(&*inner.volume, |sb| {
+        p.update_superblock(&**inner.devices.volume(), |sb| {
             sb.clean_shutdown = false;
             if let Some(r) = sb.mirror.as_mut() {
                 // Without its mirror (a plain load of the primary, or the mirror brought up
@@ -979,7 +978,8 @@ fn apply_policies(inner: &CacheInner, policies: &PolicyRecord) -> Result<()> {
     inner
         .prefetch
         .set_params(policies.prefetch, inner.lines.count());
-    inner.offload.set_params(policies.offload);
+    inner.devices.offload().set_params(policies.offload);
+    inner.devices.fallback().set_params(policies.fallback_pt);
     Ok(())
 }
 

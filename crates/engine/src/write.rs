@@ -192,8 +192,9 @@ impl CacheInner {
         let declined = self.admission().promotion_declines(segs);
         // Offload takes only write misses: with no core line mapped (under the locks) there is
         // no cached copy that the core's new data could leave stale.
-        let offloaded =
-            !declined && segs.iter().all(|s| !s.mapped()) && self.offload.take(core.id() as usize);
+        let offloaded = !declined
+            && segs.iter().all(|s| !s.mapped())
+            && self.devices.offload().take(core.id() as usize);
         Decision {
             declined,
             offloaded,
@@ -391,7 +392,10 @@ impl CacheInner {
                 s.count as usize * SECTOR as usize,
             );
         }
-        let cache_ok = self.cache_write_dirty(core, buf, &cache_runs).is_ok();
+        let cache_ok = self
+            .devices
+            .cache_write_dirty(core, buf, &cache_runs)
+            .is_ok();
         let mut fallback = Vec::new();
         for &(i, line, new) in targets {
             let s = &segs[i];
@@ -439,10 +443,10 @@ impl CacheInner {
             // in place already, and the span keeps reads and writes of these lines out.
             let _in_flight = locks.begin(span_of(segs), SpanKind::Around);
             drop(locks);
-            return self.core_write(core, buf, &core_runs);
+            return self.devices.core_write(core, buf, &core_runs);
         }
         core_runs.extend(fallback);
-        let result = self.core_write(core, buf, &core_runs);
+        let result = self.devices.core_write(core, buf, &core_runs);
         drop(locks);
         result
     }
@@ -485,7 +489,7 @@ impl CacheInner {
         let offloaded = insert
             && !declined
             && segs.iter().all(|s| !s.mapped())
-            && self.offload.take(core.id() as usize);
+            && self.devices.offload().take(core.id() as usize);
         let insert = insert && !declined && !offloaded;
         if declined || offloaded {
             self.count_pass_through_write(core, class);
@@ -503,11 +507,15 @@ impl CacheInner {
             buf_off: 0,
             len: buf.len(),
         }];
-        self.core_write(core, buf, &whole)?;
+        self.devices.core_write(core, buf, &whole)?;
         for s in &segs {
             let m = s.mask();
             if s.mapped() {
-                if self.cache_write_mask(core, buf, s, s.line, m).is_ok() {
+                if self
+                    .devices
+                    .cache_write_mask(core, buf, s, s.line, m)
+                    .is_ok()
+                {
                     self.update_line(s.line, s.key, s.valid | m, s.dirty & !m, true);
                 } else {
                     self.update_line(s.line, s.key, s.valid & !m, s.dirty & !m, false);
@@ -516,7 +524,7 @@ impl CacheInner {
                 let Some(line) = self.alloc_line(class) else {
                     continue;
                 };
-                if self.cache_write_mask(core, buf, s, line, m).is_ok() {
+                if self.devices.cache_write_mask(core, buf, s, line, m).is_ok() {
                     self.insert_line(line, s.key, m, 0, class);
                 } else {
                     self.lines.release_line(line);
@@ -554,9 +562,9 @@ impl CacheInner {
             // (the common case: a stream that seq cutoff sends around the cache). locks.rs.
             let _in_flight = locks.begin(span_of(&segs), SpanKind::Around);
             drop(locks);
-            return self.core_write(core, buf, &whole);
+            return self.devices.core_write(core, buf, &whole);
         }
-        self.core_write(core, buf, &whole)?;
+        self.devices.core_write(core, buf, &whole)?;
         self.invalidate(&segs);
         Ok(())
     }

@@ -53,12 +53,15 @@ const VALUE_RECORDS: &[&str] = &[
 const NOT_YET_PRIVATE: &[(&str, &str)] = &[
     (
         "CacheInner",
-        "the holder: its fields are the rooms themselves (lines, cores, persist, cleaner \
-         signal, policies' state), each with private fields of its own; the rooms above it \
-         (devices, read, write, cleaner, cleaning, commit, recovery) are still `impl \
-         CacheInner` blocks that reach a room through the holder's field (commit and \
-         admission run on structs of references it lends: `Commit`, `Admission`). Stays \
-         listed until devices is a struct of its own too",
+        "the holder: its fields are the rooms themselves (devices, lines, cores, persist, \
+         cleaner signal, policies' state), each with private fields of its own. What keeps \
+         them `pub(crate)`: the acting rooms above it (read, write, readahead, cleaner, \
+         cleaning, invalidate, commit's `commit`/`commit_ahead`, recovery's load) are still \
+         `impl CacheInner` blocks in their own files that reach a room through the holder's \
+         field (`self.devices`, `self.lines`, `self.cores`, ...), and the facade reads the \
+         policies' fields (cleaning, promotion, lazy flush) to set and show them. Commit and \
+         admission already run on structs of references it lends (`Commit`, `Admission`); the \
+         next step is the same for read and write (a request's struct of references)",
     ),
     (
         "Cache",

@@ -745,6 +745,34 @@ fn too_small(device: &str, bytes: u64, line: u32, volatile: bool) -> String {
 }
 
 impl Daemon {
+    /// Log a cache's fall back to pass-through once, with its error count, and each dirty
+    /// range found unreadable (the data lost unless the device heals), as they are found.
+    pub(super) fn fallback_tick(&self) {
+        let st = self.state.lock();
+        for (id, c) in st.caches.iter() {
+            if let Some(errors) = c.cache.take_fallback_entered() {
+                let p = c.cache.fallback_pt();
+                let dirty = c.cache.stats().usage.dirty_lines;
+                tracing::error!(
+                    "cache {id}: {errors} errors of the cache device {} within {} s reached the fallback-pt threshold {}: new I/O goes pass-through to the cores; its {dirty} dirty lines ({} bytes) are still read from it; `-Z -i {id}` (reset counters) or a higher threshold caches again",
+                    c.device,
+                    p.window_s,
+                    p.threshold,
+                    dirty * c.cache.line_size().bytes() as u64,
+                );
+            }
+            for u in c.cache.take_unreadable_dirty() {
+                tracing::error!(
+                    "cache {id}: dirty data unreadable on the cache device {}: core {} offset {} length {} bytes",
+                    c.device,
+                    u.core,
+                    u.core_offset,
+                    u.len,
+                );
+            }
+        }
+    }
+
     /// Log each change of a mirrored cache's state once, saying what is at risk: ERROR when
     /// the primary is lost (the dirty lines are on the mirror alone), WARN when the mirror is.
     pub(super) fn mirror_tick(&self) {

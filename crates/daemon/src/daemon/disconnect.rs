@@ -154,6 +154,7 @@ impl Disconnected {
             inactive_cores: 0,
             metadata_bytes: 0,
             mirror: None,
+            fallback: None,
             cores: self
                 .cores
                 .iter()

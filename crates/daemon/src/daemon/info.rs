@@ -43,6 +43,11 @@ fn cache_info(id: u16, c: &CacheEntry, frontends: &Frontends) -> CacheInfo {
             mode_change: f.mode_change.map(|(a, b)| format!("{a}->{b}")),
         }
     });
+    let fallback = protocol::FallbackInfo::of(&c.cache.fallback_status());
+    if fallback.as_ref().is_some_and(|f| f.active) {
+        // Not a mode: the mode set stays and comes back with a reset of the counters.
+        status = "Fallback pass-through".to_string();
+    }
     let mut mode = c.cache.mode().to_string();
     if let Some(f) = &flush {
         // As casadm: "Flushing" with how far, and the mode switch in progress.
@@ -73,6 +78,7 @@ fn cache_info(id: u16, c: &CacheEntry, frontends: &Frontends) -> CacheInfo {
             mirror_lost: m.policy.as_str().into(),
             reason: m.reason,
         }),
+        fallback,
         cores: c
             .cores
             .iter()
@@ -146,6 +152,7 @@ fn waiting_info(w: &Waiting) -> CacheInfo {
         inactive_cores: w.cores.len(),
         metadata_bytes: 0,
         mirror: None,
+        fallback: None,
         cores: w
             .cores
             .iter()

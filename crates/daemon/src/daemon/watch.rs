@@ -85,6 +85,7 @@ pub(super) fn spawn(daemon: Arc<Daemon>) -> std::io::Result<()> {
                 daemon.watch_tick(&mut seen);
                 daemon.health_tick(&mut health, epoch.elapsed());
                 daemon.mirror_tick();
+                daemon.fallback_tick();
             }
         })
         .map(|_| ())
