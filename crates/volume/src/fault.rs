@@ -134,6 +134,14 @@ impl Volume for FaultyVolume {
         self.inner.write_at(buf, offset)
     }
 
+    /// Piece by piece through `write_at`, so an injected error can hit any piece of a batch.
+    fn write_batch(&self, pieces: &[(&[u8], u64)]) -> Result<()> {
+        for &(buf, offset) in pieces {
+            self.write_at(buf, offset)?;
+        }
+        Ok(())
+    }
+
     fn flush(&self) -> Result<()> {
         self.inject(Access::Flush, Op::Flush, 0, 0)?;
         self.inner.flush()
@@ -319,6 +327,14 @@ impl Volume for CrashVolume {
         self.log_write(Op::Write, offset, PendingData::Bytes(buf.to_vec()))
     }
 
+    /// Each piece its own logged write, so a power cut can fall between the pieces of a batch.
+    fn write_batch(&self, pieces: &[(&[u8], u64)]) -> Result<()> {
+        for &(buf, offset) in pieces {
+            self.write_at(buf, offset)?;
+        }
+        Ok(())
+    }
+
     fn flush(&self) -> Result<()> {
         let mut log = self.log.lock();
         for (done, p) in log.iter().enumerate() {
@@ -413,6 +429,22 @@ mod tests {
         assert_eq!(read_vec(&**f.inner(), 131072 - 512, 512), vec![0; 512]);
         f.set_config(FaultConfig::default());
         f.read_at(&mut [0; 512], 4096).unwrap();
+    }
+
+    #[test]
+    fn faulty_injects_into_one_piece_of_a_batch() {
+        let f = FaultyVolume::new(ram(1 << 20));
+        f.set_config(FaultConfig {
+            fail_writes_in: Some(65536..65537),
+            ..FaultConfig::default()
+        });
+        let e = f
+            .write_batch(&[(&[1; 512], 0), (&[2; 512], 65536), (&[3; 512], 131072)])
+            .unwrap_err();
+        assert!(matches!(e.kind, ErrorKind::Injected));
+        assert_eq!((e.op, e.offset), (Op::Write, 65536));
+        assert_eq!(f.injected_faults(), 1);
+        assert_eq!(read_vec(&**f.inner(), 65536, 512), vec![0; 512]);
     }
 
     #[test]

@@ -148,6 +148,17 @@ pub trait Volume: Send + Sync {
         }
         Ok(())
     }
+    /// Write several `(data, offset)` ranges. A device that can have them in flight together
+    /// does so with one system call (a file volume on io_uring); the default writes one after
+    /// another, in order. The ranges must not overlap (their order on the device is then
+    /// unspecified). On an error, which pieces were written is unspecified: a caller that must
+    /// know writes them again one by one (rewriting the same data is harmless).
+    fn write_batch(&self, pieces: &[(&[u8], u64)]) -> Result<()> {
+        for &(buf, offset) in pieces {
+            self.write_at(buf, offset)?;
+        }
+        Ok(())
+    }
 }
 
 /// One range of a [`Volume::read_batch`]: `buf.len()` bytes at `offset` go into `buf`.

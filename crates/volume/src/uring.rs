@@ -199,9 +199,13 @@ pub(crate) fn read_batch(fd: RawFd, pieces: &mut [(&mut [u8], u64)]) -> io::Resu
     for group in pieces.chunks_mut(RING_ENTRIES as usize) {
         // Bytes each read transferred, or its error.
         let mut got: Vec<io::Result<usize>> = Vec::with_capacity(group.len());
+        let raw: Vec<(*mut u8, usize, u64)> = group
+            .iter_mut()
+            .map(|(b, o)| (b.as_mut_ptr(), b.len(), *o))
+            .collect();
         // SAFETY: every buffer stays borrowed (and so valid) until `submit_group` returns, and
         // it returns only after reaping every completion it submitted.
-        unsafe { submit_group(fd, group, &mut got) }?;
+        unsafe { submit_group(fd, Dir::Read, &raw, &mut got) }?;
         for ((buf, offset), r) in group.iter_mut().zip(got) {
             let res = match r {
                 // A short read (end of a file, or a partial transfer): the rest one at a time.
@@ -220,14 +224,48 @@ pub(crate) fn read_batch(fd: RawFd, pieces: &mut [(&mut [u8], u64)]) -> io::Resu
     }
 }
 
-/// Submits one read per piece of `group` (at most the ring's size) and reaps them all into
-/// `got`, in the group's order.
+/// Writes each `(data, offset)` fully, up to [`RING_ENTRIES`] in flight at once. Every
+/// submitted write is reaped before this returns, whatever fails, so no buffer is read after.
+pub(crate) fn write_batch(fd: RawFd, pieces: &[(&[u8], u64)]) -> io::Result<()> {
+    let mut first_error = None;
+    for group in pieces.chunks(RING_ENTRIES as usize) {
+        let mut got: Vec<io::Result<usize>> = Vec::with_capacity(group.len());
+        // The kernel only reads these buffers (IORING_OP_WRITE); the pointer is `*mut` only
+        // because the submission helper serves reads too.
+        let raw: Vec<(*mut u8, usize, u64)> = group
+            .iter()
+            .map(|(b, o)| (b.as_ptr() as *mut u8, b.len(), *o))
+            .collect();
+        // SAFETY: every buffer stays borrowed until `submit_group` returns, which is after it
+        // reaped every completion it submitted.
+        unsafe { submit_group(fd, Dir::Write, &raw, &mut got) }?;
+        for ((buf, offset), r) in group.iter().zip(got) {
+            let res = match r {
+                // A short write: the rest one at a time.
+                Ok(n) if n < buf.len() => write_all_at(fd, &buf[n..], *offset + n as u64),
+                Ok(_) => Ok(()),
+                Err(e) => Err(e),
+            };
+            if let Err(e) = res {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// Submits one read or write per piece of `group` (at most the ring's size) and reaps them
+/// all into `got`, in the group's order.
 ///
 /// # Safety
-/// Each piece's buffer must stay valid and unaliased until this returns.
+/// Each piece's buffer must stay valid (and, for reads, unaliased) until this returns.
 unsafe fn submit_group(
     fd: RawFd,
-    group: &mut [(&mut [u8], u64)],
+    dir: Dir,
+    group: &[(*mut u8, usize, u64)],
     got: &mut Vec<io::Result<usize>>,
 ) -> io::Result<()> {
     RING.with(|cell| {
@@ -236,14 +274,19 @@ unsafe fn submit_group(
             *slot = Some(new_ring()?);
         }
         let ring = slot.as_mut().expect("the ring was just created");
-        for (i, (buf, offset)) in group.iter_mut().enumerate() {
+        for (i, &(ptr, len, offset)) in group.iter().enumerate() {
             // Pieces above 1 GiB are not batched by any caller; clamp rather than truncate
-            // silently: the short-read path finishes the rest.
-            let len = buf.len().min(1 << 30) as u32;
-            let sqe = opcode::Read::new(types::Fd(fd), buf.as_mut_ptr(), len)
-                .offset(*offset)
-                .build()
-                .user_data(i as u64);
+            // silently: the short-transfer path finishes the rest.
+            let len = len.min(1 << 30) as u32;
+            let sqe = match dir {
+                Dir::Read => opcode::Read::new(types::Fd(fd), ptr, len)
+                    .offset(offset)
+                    .build(),
+                Dir::Write => opcode::Write::new(types::Fd(fd), ptr, len)
+                    .offset(offset)
+                    .build(),
+            };
+            let sqe = sqe.user_data(i as u64);
             // SAFETY: the caller keeps the buffer valid until its completion is reaped below.
             if unsafe { ring.submission().push(&sqe) }.is_err() {
                 // More entries than the ring holds: only possible if the group was too large.
