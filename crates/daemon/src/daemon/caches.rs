@@ -774,6 +774,10 @@ impl Daemon {
                         MirrorLostPolicy::Keep => ", and write-back goes on unprotected (mirror_lost = keep)",
                     }
                 ),
+                MirrorState::Rebuilding => tracing::info!(
+                    "cache {id}: rebuilding its mirror onto {}: {dirty} dirty lines ({bytes} bytes) to copy",
+                    status.device
+                ),
                 MirrorState::Redundant => {}
             }
         }
