@@ -458,7 +458,10 @@ impl Mirror {
         crate::EngineError::Invalid(format!(
             "the rebuild onto {} stopped: {}",
             self.mirror().name(),
-            self.reason.lock().clone().unwrap_or_else(|| "the mirror was lost".into())
+            self.reason
+                .lock()
+                .clone()
+                .unwrap_or_else(|| "the mirror was lost".into())
         ))
     }
 

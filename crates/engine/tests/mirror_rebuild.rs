@@ -131,7 +131,11 @@ fn rebuild_under_load(seed: u64) {
     cache
         .flush()
         .unwrap_or_else(|e| panic!("seed {seed}: flush: {e}"));
-    assert_eq!(cache.stats().usage.dirty_lines, 0, "seed {seed}: dirty left");
+    assert_eq!(
+        cache.stats().usage.dirty_lines,
+        0,
+        "seed {seed}: dirty left"
+    );
     core_media.read_at(&mut buf, 0).unwrap();
     check(&buf, &model, &format!("seed {seed}, the core device alone"));
 }
