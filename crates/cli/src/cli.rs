@@ -334,6 +334,23 @@ pub enum Command {
         force: bool,
     },
 
+    /// Rebuild a mirrored cache's lost mirror onto a new device while clients are served: the
+    /// dirty lines and the metadata are copied onto it, and the cache is redundant again when
+    /// this returns (`-L` shows the progress meanwhile).
+    #[command(long_flag = "attach-mirror")]
+    AttachMirror {
+        /// The cache whose mirror is lost.
+        #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
+        id: u16,
+        /// The new mirror: at least the size of the cache device's metadata and lines.
+        #[arg(short = 'd', long = "device")]
+        device: String,
+        /// Overwrite what the device holds (a file system, another cache: named and sized in
+        /// the refusal without it).
+        #[arg(short = 'f', long)]
+        force: bool,
+    },
+
     /// Take a core device out of the core pool, where --script --add-core --try-add keeps a
     /// core whose cache does not run yet.
     #[command(long_flag = "remove-detached")]
@@ -818,6 +835,11 @@ impl Command {
                 detach: false,
             },
             Command::ZeroMetadata { device, force } => Request::ZeroMetadata {
+                device: device_from_here(device),
+                force: *force,
+            },
+            Command::AttachMirror { id, device, force } => Request::AttachMirror {
+                cache: *id,
                 device: device_from_here(device),
                 force: *force,
             },

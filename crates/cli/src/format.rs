@@ -89,7 +89,7 @@ pub fn list_with_pool(caches: &[CacheInfo], core_pool: &[String], format: Output
                 branch.into(),
                 "-".into(),
                 m.device.clone(),
-                mirror_status(&m.state),
+                mirror_state(m),
                 "-".into(),
                 "-".into(),
                 "-".into(),
@@ -171,6 +171,19 @@ pub fn mirror_status(state: &str) -> String {
         first.make_ascii_uppercase();
     }
     s
+}
+
+/// A mirror's state with a rebuild's progress: `Rebuilding (1,024/4,096 dirty lines)`.
+pub fn mirror_state(m: &crate::protocol::MirrorInfo) -> String {
+    match m.rebuild {
+        Some((copied, total)) => format!(
+            "{} ({}/{} dirty lines)",
+            mirror_status(&m.state),
+            hybridcache_daemon::safety::count_text(copied),
+            hybridcache_daemon::safety::count_text(total)
+        ),
+        None => mirror_status(&m.state),
+    }
 }
 
 /// Where udev keeps the persistent names of disks.
@@ -866,7 +879,7 @@ fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
         v.push(("cache_device", "Cache Device", c.device.clone()));
         if let Some(m) = &c.mirror {
             v.push(("mirror_device", "Mirror Device", m.device.clone()));
-            v.push(("mirror_state", "Mirror State", mirror_status(&m.state)));
+            v.push(("mirror_state", "Mirror State", mirror_state(m)));
             v.push(("mirror_lost", "On Mirror Lost", m.mirror_lost.clone()));
             if let Some(why) = &m.reason {
                 v.push(("mirror_failure", "Mirror Failure", why.clone()));

@@ -337,6 +337,15 @@ fn run(cli: Cli) -> Result<()> {
                 );
             }
         },
+        Command::AttachMirror { id, device, .. } => {
+            let v: protocol::MirrorAttached = call(&control, &req)?;
+            println!(
+                "cache {id} is redundant again: its mirror {device} holds every dirty line ({} dirty lines, {}, copied in {:.1} s)",
+                hybridcache_daemon::safety::count_text(v.dirty_lines),
+                hybridcache_daemon::safety::size_text(v.dirty_bytes),
+                v.seconds
+            );
+        }
         Command::RemoveDetached { device } => {
             let _: serde_json::Value = call(&control, &req)?;
             println!("{device} removed from the core pool");

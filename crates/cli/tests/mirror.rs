@@ -247,3 +247,145 @@ fn load_mirror_brings_every_flushed_write_back_after_the_primary_is_gone() {
         &job(&file, "failover", &["--verify_only"]),
     );
 }
+
+/// An nbdkit memory export behind the error filter: its URI and the file whose existence makes
+/// every request fail.
+fn failing_device(dir: &std::path::Path, name: &str) -> (common::Kill, String, std::path::PathBuf) {
+    let sock = dir.join(format!("{name}.sock"));
+    let inject = dir.join(format!("{name}.inject"));
+    let server = nbdkit(
+        &sock,
+        &[
+            "--filter=error".into(),
+            "memory".into(),
+            "64M".into(),
+            "error-rate=100%".into(),
+            format!("error-file={}", inject.display()),
+        ],
+    );
+    (
+        server,
+        format!("nbd+unix:///?socket={}", sock.display()),
+        inject,
+    )
+}
+
+fn mirror_state(d: &Daemon) -> serde_json::Value {
+    let listed: serde_json::Value =
+        serde_json::from_str(&d.ok(&["-L", "-o", "json"])).expect("-L JSON");
+    listed["caches"][0]["mirror"]["state"].clone()
+}
+
+/// The issue's "a rebuild onto a new device under load, then the primary killed: still nothing
+/// lost": the mirror fails while fio writes, `--attach-mirror` rebuilds onto a new file while fio
+/// goes on writing, and then the primary fails too. Every write fio made, before the rebuild, during
+/// it and after, is read back right (the dirty data from the new mirror alone), and after `-T`
+/// the core file alone verifies.
+#[test]
+fn a_mirror_rebuilt_under_load_keeps_every_write_when_the_primary_fails_next() {
+    if !need(&["nbdkit", "fio"]) {
+        return;
+    }
+    let dir = workdir();
+    let (_primary_server, primary, primary_fails) = failing_device(dir.path(), "primary");
+    let (_mirror_server, mirror, mirror_fails) = failing_device(dir.path(), "mirror");
+    let new_mirror = dir.path().join("new-mirror.img");
+    let core = dir.path().join("core.img");
+    sparse_file(&new_mirror, 64 * MIB);
+    sparse_file(&core, 64 * MIB);
+    let core_path = core.to_str().expect("UTF-8 path");
+    let d = Daemon::start(dir.path());
+    // `keep`: the dirty lines stay on the cache while the mirror is lost, so the rebuild has
+    // them to copy (with `drain` they would go to the core first).
+    d.ok(&[
+        "-S",
+        "-d",
+        &primary,
+        "--mirror",
+        &mirror,
+        "--mirror-lost",
+        "keep",
+        "-c",
+        "wb",
+    ]);
+    d.ok(&["-A", "-i", "1", "-d", core_path]);
+    d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "nop"]);
+    // A new mirror that is the cache's own device, or a second cache's, is refused.
+    let refused = d.fails(&["--attach-mirror", "-i", "1", "-d", &primary]);
+    assert!(refused.contains("own device"), "{refused}");
+    let refused = d.fails(&[
+        "--attach-mirror",
+        "-i",
+        "1",
+        "-d",
+        &new_mirror.display().to_string(),
+    ]);
+    assert!(refused.contains("redundant already"), "{refused}");
+
+    let uri = [
+        "--ioengine=nbd".to_string(),
+        format!("--uri={}", d.uri("cas1-1")),
+    ];
+    let run = {
+        let (dir, args) = (
+            dir.path().to_path_buf(),
+            job(&uri, "rebuilt", &["--rate=,2m"]),
+        );
+        std::thread::spawn(move || fio(&dir, "rebuilt", &args))
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while exported_writes(&d) < 512 {
+        assert!(!run.is_finished(), "fio ended before the mirror failed");
+        assert!(Instant::now() < deadline, "fio never wrote to cas1-1");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::fs::write(&mirror_fails, b"").unwrap();
+    while mirror_state(&d) != "mirror lost" {
+        assert!(!run.is_finished(), "fio ended before the mirror was lost");
+        assert!(Instant::now() < deadline, "the mirror was never lost");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let attached = d.ok(&[
+        "--attach-mirror",
+        "-i",
+        "1",
+        "-d",
+        &new_mirror.display().to_string(),
+    ]);
+    assert!(attached.contains("redundant again"), "{attached}");
+    assert!(
+        !run.is_finished(),
+        "fio ended before the rebuild: not under load"
+    );
+    assert_eq!(mirror_state(&d), "redundant");
+    let table = d.ok(&["-L"]);
+    assert!(table.contains(&new_mirror.display().to_string()), "{table}");
+    // fio goes on writing onto the rebuilt pair, then the primary fails.
+    let written = exported_writes(&d);
+    while exported_writes(&d) < written + 256 && !run.is_finished() {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::fs::write(&primary_fails, b"").unwrap();
+    let report = run.join().expect("the fio thread");
+    assert_eq!(
+        report["jobs"][0]["write"]["io_bytes"].as_u64(),
+        Some(24 * MIB),
+        "fio wrote all of its run"
+    );
+    assert_eq!(mirror_state(&d), "primary lost");
+    assert!(
+        d.log_text().contains("mirror rebuilt on"),
+        "{}",
+        d.log_text()
+    );
+    d.ok(&["-T", "-i", "1"]);
+    let file = [
+        "--ioengine=psync".to_string(),
+        format!("--filename={core_path}"),
+    ];
+    fio(
+        dir.path(),
+        "core-alone",
+        &job(&file, "rebuilt", &["--verify_only"]),
+    );
+}

@@ -49,6 +49,7 @@ mod disconnect;
 mod guards;
 mod health;
 mod info;
+mod mirror;
 mod nbd_limits;
 mod pool;
 mod purge;
@@ -429,6 +430,11 @@ impl Daemon {
                 device,
             } => self.try_add_core(cache, core, &device),
             Request::RemoveDetached { device } => self.remove_detached(&device),
+            Request::AttachMirror {
+                cache,
+                device,
+                force,
+            } => self.attach_mirror(cache, &device, force),
             Request::PurgeCache { cache } => self.purge_cache(cache),
             Request::PurgeCore { cache, core } => self.purge_core(cache, core),
             Request::List => self.state.lock().list(&self.frontends),

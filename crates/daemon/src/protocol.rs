@@ -211,6 +211,13 @@ pub enum Request {
     RemoveDetached {
         device: String,
     },
+    /// `--attach-mirror -i ID -d DEV [--force]`: rebuild a mirrored cache's lost mirror onto
+    /// DEV while clients are served. Result: [`MirrorAttached`].
+    AttachMirror {
+        cache: u16,
+        device: String,
+        force: bool,
+    },
     /// `--script --purge-cache -i ID`: flush the cache, then invalidate every line it holds.
     /// Result: [`Purged`].
     PurgeCache {
@@ -400,13 +407,16 @@ impl FallbackInfo {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct MirrorInfo {
     pub device: String,
-    /// `redundant`, `primary lost` or `mirror lost`.
+    /// `redundant`, `primary lost`, `mirror lost` or `rebuilding`.
     pub state: String,
     /// `mirror_lost`: `drain` or `keep`.
     pub mirror_lost: String,
     /// Why the cache is no longer redundant: the failed operation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// While rebuilding (`--attach-mirror`): dirty lines copied, and how many there were.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rebuild: Option<(u64, u64)>,
 }
 
 /// How far a running flush has got.
@@ -797,6 +807,17 @@ pub struct CacheDeviceCheck {
     pub dirty_lines: u64,
     #[serde(default)]
     pub dirty_bytes: u64,
+}
+
+/// Result of [`Request::AttachMirror`]: what the rebuild copied onto the new mirror.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MirrorAttached {
+    pub cache: u16,
+    pub device: String,
+    /// Dirty lines copied from the primary, and their dirty bytes.
+    pub dirty_lines: u64,
+    pub dirty_bytes: u64,
+    pub seconds: f64,
 }
 
 /// Result of [`Request::PurgeCache`] and [`Request::PurgeCore`].

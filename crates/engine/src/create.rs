@@ -70,6 +70,79 @@ impl Cache {
         self.inner.devices.mirror().map(|m| m.status())
     }
 
+    /// Rebuild a lost mirror onto `device` while I/O goes on (`--attach-mirror`;
+    /// docs/format.md, "The mirror"): from the switch on every dirty write and metadata write
+    /// goes to it too; a pass copies the dirty lines that existed before, each under its
+    /// stripe; the metadata is copied; then a superblock naming a new pairing makes it the
+    /// mirror, and the old one is stale. A device that holds a cache is refused unless
+    /// `force`. Returns the dirty lines and bytes copied by the pass.
+    pub fn attach_mirror(&self, device: VolumeRef, force: bool) -> Result<(u64, u64)> {
+        let inner = &self.inner;
+        let Some(m) = inner.mirror.as_ref() else {
+            return Err(EngineError::Invalid(
+                "the cache has no mirror: giving a cache a mirror while it runs is not supported yet (stop it and start it with --mirror)".into(),
+            ));
+        };
+        let data_end = inner.data_offset + inner.lines.count() as u64 * inner.line_bytes;
+        if device.size() < data_end {
+            return Err(EngineError::Invalid(format!(
+                "{} holds {} bytes; the mirror of this cache (line for line) needs at least {data_end}",
+                device.name(),
+                device.size()
+            )));
+        }
+        if !force {
+            refuse_a_used_mirror(&*device)?;
+        }
+        m.begin_rebuild(device)?;
+        // A write that saw the mirror lost (and skipped it) holds its stripes until its line's
+        // dirty mask is updated: past this, those lines show dirty to the pass below, and
+        // every later write goes to the new mirror itself.
+        inner.lines.locks().pass_every_stripe();
+        let table = inner.lines.table();
+        let dirty_lines = (0..inner.lines.count())
+            .filter(|&l| table.key(l).is_some() && table.dirty(l) != 0)
+            .count() as u64;
+        let (mut lines, mut bytes) = (0u64, 0u64);
+        for line in 0..inner.lines.count() {
+            let Some(key) = table.key(line) else { continue };
+            if table.dirty(line) == 0 {
+                continue;
+            }
+            // Under the stripe a write to the line has finished (it reached the new mirror, or
+            // began before the switch and is read back here) or has not begun (it will).
+            let _stripe = inner.lines.locks().lock_sorted(vec![table.stripe(key)]);
+            if table.key(line) != Some(key) {
+                continue;
+            }
+            let dirty = table.dirty(line);
+            for (first, count) in crate::bits::runs(dirty) {
+                let len = count as usize * crate::SECTOR as usize;
+                m.rebuild_copy(inner.cache_off(line, first), len)?;
+                bytes += len as u64;
+            }
+            if dirty != 0 {
+                lines += 1;
+                m.rebuild_progress(lines, dirty_lines.max(lines));
+            }
+        }
+        m.finish_rebuild()?;
+        let generation = persist::random_u64().max(1);
+        let path = m.status().device;
+        let p = inner
+            .persist
+            .as_ref()
+            .expect("a mirrored cache is persistent");
+        p.update_superblock(&*inner.volume, |sb| {
+            if let Some(r) = sb.mirror.as_mut() {
+                r.path = path;
+                r.lost = false;
+                r.generation = generation;
+            }
+        })?;
+        Ok((lines, bytes))
+    }
+
     /// The mode the cache was set to. It serves in another while a mirrored cache misses a
     /// device ([`mode`](Self::mode)).
     pub fn configured_mode(&self) -> CacheMode {

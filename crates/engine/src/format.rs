@@ -90,6 +90,15 @@ pub struct MirrorRecord {
     /// is stale.
     #[serde(default)]
     pub lost: bool,
+    /// Which pairing of primary and mirror this is: a rebuild onto a new mirror draws a new
+    /// one, so a mirror lost earlier (same uuid and nonce) is told apart as stale. 0 for the
+    /// pairing made at creation.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub generation: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl MirrorRecord {

@@ -108,6 +108,14 @@ impl StripedLocks {
         }
     }
 
+    /// Take and release every stripe, one at a time: every request that held a stripe when
+    /// this began has finished. Callers hold no stripe.
+    pub(crate) fn pass_every_stripe(&self) {
+        for s in 0..self.locks.len() as u32 {
+            drop(self.lock_sorted(vec![s]));
+        }
+    }
+
     /// Lock `stripes` (sorted ascending, no duplicates) and return a guard that unlocks them.
     /// The guard tells whether some stripe was held by another request (the statistics call
     /// such a hit "deferred"); trying first costs nothing more than `lock`'s own fast path.

@@ -15,11 +15,11 @@
 //! so any load of it trusts dirty sectors only; a device once lost is never written again by
 //! this run (it is stale from the first write it missed).
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use hybridcache_volume::{ErrorKind, Op, ReadPiece, Volume, VolumeError, VolumeRef};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
 use crate::format::{decode_config, encode_config, ConfigSlot, MirrorRecord, CONFIG_SLOT_BYTES};
 use crate::CacheMode;
@@ -63,6 +63,10 @@ pub enum MirrorState {
     PrimaryLost,
     /// The mirror failed: dirty data is on the primary only.
     MirrorLost,
+    /// A new mirror is being filled (`--attach-mirror`): written like a mirror, not yet
+    /// trusted (no superblock on it until the copy is done), so the cache is as unprotected
+    /// as with the mirror lost.
+    Rebuilding,
 }
 
 impl MirrorState {
@@ -71,6 +75,7 @@ impl MirrorState {
             MirrorState::Redundant => "redundant",
             MirrorState::PrimaryLost => "primary lost",
             MirrorState::MirrorLost => "mirror lost",
+            MirrorState::Rebuilding => "rebuilding",
         }
     }
 }
@@ -84,20 +89,30 @@ pub struct MirrorStatus {
     pub policy: MirrorLostPolicy,
     /// Why the cache left `redundant`: the failed operation and its error.
     pub reason: Option<String>,
+    /// While rebuilding: dirty lines copied onto the new mirror, and how many there were to
+    /// copy when the pass began.
+    pub rebuild: Option<(u64, u64)>,
 }
 
 const REDUNDANT: u8 = 0;
 const PRIMARY_LOST: u8 = 1;
 const MIRROR_LOST: u8 = 2;
+const REBUILDING: u8 = 3;
 
 pub(crate) struct Mirror {
     primary: VolumeRef,
-    mirror: VolumeRef,
+    /// Replaced by a rebuild (`attach`), only while the state is `mirror lost`.
+    mirror: RwLock<VolumeRef>,
     /// Where cache line 0 starts: below it everything goes to both devices.
     data_offset: u64,
     policy: MirrorLostPolicy,
     state: AtomicU8,
     reason: Mutex<Option<String>>,
+    /// Held shared by every metadata write to both devices, exclusively by a rebuild's copy of
+    /// the metadata region: a commit racing the copy cannot be overwritten by an older block.
+    meta_copy: RwLock<()>,
+    rebuild_copied: AtomicU64,
+    rebuild_total: AtomicU64,
 }
 
 impl Mirror {
@@ -128,9 +143,10 @@ impl Mirror {
     pub(crate) fn record(&self) -> MirrorRecord {
         MirrorRecord {
             role: MirrorRecord::PRIMARY.into(),
-            path: self.mirror.name().to_string(),
+            path: self.mirror().name().to_string(),
             size: self.primary.size(),
             lost: false,
+            generation: 0,
         }
     }
 
@@ -142,28 +158,43 @@ impl Mirror {
     ) -> Mirror {
         Mirror {
             primary,
-            mirror,
+            mirror: RwLock::new(mirror),
             data_offset,
             policy,
             state: AtomicU8::new(REDUNDANT),
             reason: Mutex::new(None),
+            meta_copy: RwLock::new(()),
+            rebuild_copied: AtomicU64::new(0),
+            rebuild_total: AtomicU64::new(0),
         }
+    }
+
+    fn mirror(&self) -> VolumeRef {
+        self.mirror.read().clone()
     }
 
     pub(crate) fn state(&self) -> MirrorState {
         match self.state.load(Ordering::SeqCst) {
             PRIMARY_LOST => MirrorState::PrimaryLost,
             MIRROR_LOST => MirrorState::MirrorLost,
+            REBUILDING => MirrorState::Rebuilding,
             _ => MirrorState::Redundant,
         }
     }
 
     pub(crate) fn status(&self) -> MirrorStatus {
+        let state = self.state();
         MirrorStatus {
-            device: self.mirror.name().to_string(),
-            state: self.state(),
+            device: self.mirror().name().to_string(),
+            state,
             policy: self.policy,
             reason: self.reason.lock().clone(),
+            rebuild: (state == MirrorState::Rebuilding).then(|| {
+                (
+                    self.rebuild_copied.load(Ordering::Relaxed),
+                    self.rebuild_total.load(Ordering::Relaxed),
+                )
+            }),
         }
     }
 
@@ -174,7 +205,7 @@ impl Mirror {
         match self.state() {
             MirrorState::Redundant => mode,
             MirrorState::PrimaryLost => CacheMode::Pt,
-            MirrorState::MirrorLost => match self.policy {
+            MirrorState::MirrorLost | MirrorState::Rebuilding => match self.policy {
                 MirrorLostPolicy::Drain if mode.makes_dirty() => CacheMode::Wt,
                 _ => mode,
             },
@@ -187,7 +218,9 @@ impl Mirror {
         match self.state() {
             MirrorState::Redundant => false,
             MirrorState::PrimaryLost => true,
-            MirrorState::MirrorLost => self.policy == MirrorLostPolicy::Drain,
+            MirrorState::MirrorLost | MirrorState::Rebuilding => {
+                self.policy == MirrorLostPolicy::Drain
+            }
         }
     }
 
@@ -200,12 +233,29 @@ impl Mirror {
             .is_ok()
         {
             let device = if which == PRIMARY_LOST {
-                self.primary.name()
+                self.primary.name().to_string()
             } else {
-                self.mirror.name()
+                self.mirror().name().to_string()
             };
             *self.reason.lock() = Some(format!("{what} of {device} failed: {e}"));
+        } else if which == MIRROR_LOST
+            && self
+                .state
+                .compare_exchange(REBUILDING, MIRROR_LOST, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+        {
+            // The rebuild is over, unfinished: the new device never got a superblock.
+            let device = self.mirror().name().to_string();
+            *self.reason.lock() = Some(format!(
+                "{what} of {device} failed while rebuilding onto it: {e}"
+            ));
         }
+        // A primary failing while rebuilding changes nothing: the new mirror is not trusted, so
+        // the primary's errors reach the callers (the rebuild fails on them too).
+    }
+
+    fn rebuilding(&self) -> bool {
+        self.state.load(Ordering::SeqCst) == REBUILDING
     }
 
     fn primary_usable(&self) -> bool {
@@ -228,6 +278,7 @@ impl Mirror {
 
     /// Write to both devices (those not lost). Fails only when no device took the write.
     fn write_both(&self, buf: &[u8], offset: u64) -> hybridcache_volume::Result<()> {
+        let _copy = self.meta_copy.read();
         let mut done = false;
         let mut last = None;
         if self.primary_usable() {
@@ -239,7 +290,10 @@ impl Mirror {
                 }
             }
         }
-        if self.mirror_usable() {
+        // A mirror being rebuilt gets its superblock only when the copy is done: a load of it
+        // before that finds none and refuses it.
+        let superblock_slot = offset == 0 || offset == CONFIG_SLOT_BYTES;
+        if self.mirror_usable() && !(superblock_slot && self.rebuilding()) {
             let converted;
             let to_mirror = match self.as_mirror_superblock(buf, offset) {
                 Some(b) => {
@@ -248,7 +302,7 @@ impl Mirror {
                 }
                 None => buf,
             };
-            match self.mirror.write_at(to_mirror, offset) {
+            match self.mirror().write_at(to_mirror, offset) {
                 Ok(()) => done = true,
                 Err(e) => {
                     self.lose(MIRROR_LOST, "a write", &e);
@@ -277,8 +331,9 @@ impl Mirror {
                 sb.mirror = Some(MirrorRecord {
                     role: MirrorRecord::MIRROR.into(),
                     path: String::new(),
-                    size: primary.map_or(0, |p| p.size),
+                    size: primary.as_ref().map_or(0, |p| p.size),
                     lost: false,
+                    generation: primary.map_or(0, |p| p.generation),
                 });
                 Some(encode_config(&sb, seq))
             }
@@ -297,7 +352,7 @@ impl Mirror {
             .write_at(buf, offset)
             .inspect_err(|e| self.lose(PRIMARY_LOST, "a dirty-data write", e))?;
         if self.mirror_usable() {
-            if let Err(e) = self.mirror.write_at(buf, offset) {
+            if let Err(e) = self.mirror().write_at(buf, offset) {
                 self.lose(MIRROR_LOST, "a dirty-data write", &e);
             }
         }
@@ -311,13 +366,13 @@ impl Mirror {
                 Ok(()) => return Ok(()),
                 Err(e) => {
                     self.lose(PRIMARY_LOST, "a read", &e);
-                    if !self.mirror_usable() {
+                    if !self.mirror_usable() || self.rebuilding() {
                         return Err(e);
                     }
                 }
             }
         }
-        self.mirror.read_at(buf, offset)
+        self.mirror().read_at(buf, offset)
     }
 
     /// Copy the primary's metadata region (config slots, commit records, metadata blocks) onto
@@ -338,10 +393,116 @@ impl Mirror {
                     buf[sb.len()..n.min(CONFIG_SLOT_BYTES as usize - 512)].fill(0);
                 }
             }
-            self.mirror.write_at(&buf[..n], at)?;
+            self.mirror().write_at(&buf[..n], at)?;
             at += n as u64;
         }
-        self.mirror.flush()
+        self.mirror().flush()
+    }
+
+    /// Start a rebuild onto `new` (`--attach-mirror`), refused unless the mirror is lost. The
+    /// device's superblock slots are wiped first (a cut from here on leaves it holding no
+    /// cache); from the switch on, every metadata write and every dirty-data write goes to it
+    /// too, so what the copy pass reads later is all it can miss.
+    pub(crate) fn begin_rebuild(&self, new: VolumeRef) -> crate::Result<()> {
+        match self.state() {
+            MirrorState::MirrorLost => {}
+            MirrorState::Redundant => {
+                return Err(crate::EngineError::Invalid(format!(
+                    "the cache is redundant already (its mirror {} holds every dirty line); nothing to rebuild",
+                    self.mirror().name()
+                )))
+            }
+            MirrorState::Rebuilding => {
+                return Err(crate::EngineError::Invalid(format!(
+                    "a rebuild onto {} is under way",
+                    self.mirror().name()
+                )))
+            }
+            MirrorState::PrimaryLost => {
+                return Err(crate::EngineError::Invalid(format!(
+                    "the primary {} is lost, not the mirror: the cache runs from its mirror and needs a new primary (--attach-cache is not supported yet)",
+                    self.primary.name()
+                )))
+            }
+        }
+        let zeros = vec![0u8; (2 * CONFIG_SLOT_BYTES) as usize];
+        new.write_at(&zeros, 0)?;
+        new.flush()?;
+        self.rebuild_copied.store(0, Ordering::Relaxed);
+        self.rebuild_total.store(0, Ordering::Relaxed);
+        *self.mirror.write() = new;
+        self.state.store(REBUILDING, Ordering::SeqCst);
+        Ok(())
+    }
+
+    pub(crate) fn rebuild_progress(&self, copied: u64, total: u64) {
+        self.rebuild_total.store(total, Ordering::Relaxed);
+        self.rebuild_copied.store(copied, Ordering::Relaxed);
+    }
+
+    /// Copy dirty sectors read from the primary onto the mirror being rebuilt. The caller
+    /// holds the line's stripe, so no write to them races the copy.
+    pub(crate) fn rebuild_copy(&self, offset: u64, len: usize) -> crate::Result<()> {
+        let mut buf = vec![0u8; len];
+        self.primary.read_at(&mut buf, offset)?;
+        if !self.rebuilding() {
+            return Err(self.rebuild_aborted());
+        }
+        self.mirror()
+            .write_at(&buf, offset)
+            .inspect_err(|e| self.lose(MIRROR_LOST, "a rebuild write", e))?;
+        Ok(())
+    }
+
+    fn rebuild_aborted(&self) -> crate::EngineError {
+        crate::EngineError::Invalid(format!(
+            "the rebuild onto {} stopped: {}",
+            self.mirror().name(),
+            self.reason
+                .lock()
+                .clone()
+                .unwrap_or_else(|| "the mirror was lost".into())
+        ))
+    }
+
+    /// End a rebuild: the metadata region below the superblocks (commit records, metadata
+    /// blocks) copied under the exclusive metadata lock, flushed, then the state redundant.
+    /// The mirror still has no superblock: the caller writes one (through the pair) that
+    /// names the new pairing, and only that makes the mirror loadable.
+    pub(crate) fn finish_rebuild(&self) -> crate::Result<()> {
+        const CHUNK: u64 = 1 << 20;
+        let _copy = self.meta_copy.write();
+        let mirror = self.mirror();
+        // Flush first: the dirty sectors copied by the pass are durable before any metadata
+        // naming them is.
+        mirror.flush()?;
+        let mut buf = vec![0u8; CHUNK as usize];
+        let mut copy = |at: u64, n: usize| -> crate::Result<()> {
+            self.primary.read_at(&mut buf[..n], at)?;
+            mirror.write_at(&buf[..n], at)?;
+            Ok(())
+        };
+        for slot in crate::format::COMMIT_SLOTS {
+            copy(slot, crate::format::BLOCK)?;
+        }
+        let mut at = crate::format::META_OFFSET;
+        while at < self.data_offset {
+            let n = (self.data_offset - at).min(CHUNK) as usize;
+            copy(at, n)?;
+            at += n as u64;
+        }
+        mirror
+            .flush()
+            .inspect_err(|e| self.lose(MIRROR_LOST, "a rebuild flush", e))?;
+        if self
+            .state
+            .compare_exchange(REBUILDING, REDUNDANT, Ordering::SeqCst, Ordering::SeqCst)
+            .is_err()
+        {
+            return Err(self.rebuild_aborted());
+        }
+        *self.reason.lock() = None;
+        Ok(())
     }
 }
 
@@ -415,7 +576,7 @@ impl Volume for Mirror {
             }
         }
         if self.mirror_usable() {
-            match self.mirror.flush() {
+            match self.mirror().flush() {
                 Ok(()) => done = true,
                 Err(e) => {
                     self.lose(MIRROR_LOST, "a flush", &e);

@@ -823,6 +823,14 @@ fn check_pairing(volume: VolumeRef, sb: &Superblock, source: &LoadSource) -> Res
                     if is_mirror { "" } else { " as a cache device" }
                 )));
             }
+            let pairing = msb.mirror.as_ref().map_or(0, |r| r.generation);
+            if pairing != rec.generation {
+                return Err(EngineError::Invalid(format!(
+                    "{} is an earlier mirror of {what}, replaced by --attach-mirror since (pairing {pairing}, the cache's is {}): it missed writes and is stale",
+                    mirror.name(),
+                    rec.generation
+                )));
+            }
             let need = sb.data_offset + sb.lines as u64 * sb.line_size as u64;
             if mirror.size() < need {
                 return Err(EngineError::Invalid(format!(

@@ -67,7 +67,7 @@ pub(super) fn abandon(cache: &Cache) {
 /// What formatting `device` as a new cache destroys: the cache it holds (with its dirty lines,
 /// read from its metadata without loading it), hybridcache metadata that cannot be read, or a
 /// file system or other signature (signature.rs).
-fn device_losses(
+pub(super) fn device_losses(
     device: &str,
     volume: &dyn hybridcache_volume::Volume,
 ) -> std::result::Result<Vec<Loss>, String> {
@@ -801,6 +801,10 @@ impl Daemon {
                         MirrorLostPolicy::Drain => ": draining them to the cores, write-through from now on",
                         MirrorLostPolicy::Keep => ", and write-back goes on unprotected (mirror_lost = keep)",
                     }
+                ),
+                MirrorState::Rebuilding => tracing::info!(
+                    "cache {id}: rebuilding its mirror onto {}: {dirty} dirty lines ({bytes} bytes) to copy",
+                    status.device
                 ),
                 MirrorState::Redundant => {}
             }

@@ -77,6 +77,7 @@ fn cache_info(id: u16, c: &CacheEntry, frontends: &Frontends) -> CacheInfo {
             state: m.state.as_str().into(),
             mirror_lost: m.policy.as_str().into(),
             reason: m.reason,
+            rebuild: m.rebuild,
         }),
         fallback,
         cores: c

@@ -1,0 +1,94 @@
+//! `--attach-mirror`: a new mirror for a mirrored cache whose mirror is lost (docs/cli.md,
+//! "Mirrored caches"; the engine's rebuild is `Cache::attach_mirror`, docs/format.md).
+//!
+//! The device is claimed and checked as `-S --mirror` checks it (a file system, another cache's
+//! metadata: each a loss that needs `--force`) and recorded as the cache's mirror before the copy
+//! starts, so no other command can take it meanwhile. The copy runs without the state lock:
+//! clients are served, and `-L`/`-P` show its progress. A rebuild that fails puts the old record
+//! back (the cache is then `mirror lost` again, as it was).
+
+use std::time::Instant;
+
+use super::caches::device_losses;
+use super::{engine_err, Daemon, Reply};
+use crate::protocol::MirrorAttached;
+use crate::safety::{self, Consent, Consents};
+
+impl Daemon {
+    pub(super) fn attach_mirror(&self, id: u16, device: &str, force: bool) -> Reply {
+        let what = format!("attaching {device} as the mirror of cache {id}");
+        let (cache, volume, old, accepted) = {
+            let mut st = self.state.lock();
+            if self.stopping.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err("the daemon is shutting down".into());
+            }
+            let c = st.cache(id)?;
+            if c.mirror.is_none() {
+                return Err(format!(
+                    "cache {id} has no mirror: a mirror is given when the cache starts (-S ... --mirror DEV); adding one to a running cache is not supported yet"
+                ));
+            }
+            if c.device == device {
+                return Err(format!(
+                    "{device} is cache {id}'s own device; it cannot be its mirror"
+                ));
+            }
+            let key = st.check_free(device)?;
+            let volume = self.open_claimed(device, false)?;
+            let given = Consents::none().with(Consent::Overwrite, force);
+            let accepted = safety::decide(&what, device_losses(device, &*volume)?, &given)?;
+            let Some(c) = st.caches.get_mut(&id) else {
+                return Err(format!("cache {id} does not exist"));
+            };
+            let Some(m) = c.mirror.as_mut() else {
+                return Err(format!("cache {id} has no mirror"));
+            };
+            let old = (
+                std::mem::replace(&mut m.device, device.to_string()),
+                std::mem::replace(&mut m.key, key),
+            );
+            (c.cache.clone(), volume, old, accepted)
+        };
+        let started = Instant::now();
+        // The losses were decided above: the engine's own check of a used device is passed.
+        let rebuilt = cache.attach_mirror(volume, true);
+        let mut st = self.state.lock();
+        match rebuilt {
+            Ok((lines, bytes)) => {
+                let seconds = started.elapsed().as_secs_f64();
+                self.save_locked(&st);
+                tracing::info!(
+                    "cache {id}: mirror rebuilt on {device}: {} dirty lines ({}) copied in {seconds:.1} s; the cache is redundant again",
+                    safety::count_text(lines),
+                    safety::size_text(bytes)
+                );
+                let mut v = serde_json::to_value(MirrorAttached {
+                    cache: id,
+                    device: device.to_string(),
+                    dirty_lines: lines,
+                    dirty_bytes: bytes,
+                    seconds,
+                })
+                .map_err(|e| e.to_string())?;
+                v["losses"] = safety::record(&what, &accepted);
+                Ok(v)
+            }
+            Err(e) => {
+                // The cache may have been stopped meanwhile; only a record still naming this
+                // device is put back.
+                if let Some(m) = st
+                    .caches
+                    .get_mut(&id)
+                    .and_then(|c| c.mirror.as_mut())
+                    .filter(|m| m.device == device)
+                {
+                    (m.device, m.key) = old;
+                }
+                Err(format!(
+                    "cache {id}: {device} was not attached as its mirror: {}",
+                    engine_err(e)
+                ))
+            }
+        }
+    }
+}
