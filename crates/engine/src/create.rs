@@ -78,12 +78,12 @@ impl Cache {
     /// `force`. Returns the dirty lines and bytes copied by the pass.
     pub fn attach_mirror(&self, device: VolumeRef, force: bool) -> Result<(u64, u64)> {
         let inner = &self.inner;
-        let Some(m) = inner.mirror.as_ref() else {
+        let Some(m) = inner.devices.mirror() else {
             return Err(EngineError::Invalid(
                 "the cache has no mirror: giving a cache a mirror while it runs is not supported yet (stop it and start it with --mirror)".into(),
             ));
         };
-        let data_end = inner.data_offset + inner.lines.count() as u64 * inner.line_bytes;
+        let data_end = inner.devices.data_offset() + inner.lines.count() as u64 * inner.line_bytes;
         if device.size() < data_end {
             return Err(EngineError::Invalid(format!(
                 "{} holds {} bytes; the mirror of this cache (line for line) needs at least {data_end}",
@@ -133,7 +133,7 @@ impl Cache {
             .persist
             .as_ref()
             .expect("a mirrored cache is persistent");
-        p.update_superblock(&*inner.volume, |sb| {
+        p.update_superblock(&**inner.devices.volume(), |sb| {
             if let Some(r) = sb.mirror.as_mut() {
                 r.path = path;
                 r.lost = false;
