@@ -62,19 +62,7 @@ fn one_device_fails_mid_run(primary_fails: bool) {
         ("mirror lost", "Mirror lost", "WARN")
     };
     let dir = workdir();
-    let sock = dir.path().join("failing.sock");
-    let inject = dir.path().join("inject");
-    let _nbdkit = nbdkit(
-        &sock,
-        &[
-            "--filter=error".into(),
-            "memory".into(),
-            "64M".into(),
-            "error-rate=100%".into(),
-            format!("error-file={}", inject.display()),
-        ],
-    );
-    let remote = format!("nbd+unix:///?socket={}", sock.display());
+    let (_nbdkit, remote, inject) = failing_device(dir.path(), "failing");
     let file = dir.path().join("device.img");
     let core = dir.path().join("core.img");
     sparse_file(&file, 64 * MIB);
