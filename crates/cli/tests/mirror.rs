@@ -41,6 +41,36 @@ fn exported_writes(d: &Daemon) -> u64 {
         .unwrap_or(0)
 }
 
+/// fio's verifying job (`job`) on the daemon's export cas1-1, on a thread of its own.
+fn fio_in_background(
+    d: &Daemon,
+    dir: &std::path::Path,
+    name: &'static str,
+    rate: &str,
+) -> std::thread::JoinHandle<serde_json::Value> {
+    let uri = [
+        "--ioengine=nbd".to_string(),
+        format!("--uri={}", d.uri("cas1-1")),
+    ];
+    let (dir, args) = (dir.to_path_buf(), job(&uri, name, &[rate]));
+    std::thread::spawn(move || fio(&dir, name, &args))
+}
+
+/// Wait until fio has written 512 blocks to cas1-1, while it still runs: what comes next
+/// (`next`) happens in the middle of its run.
+fn wait_for_writes(
+    d: &Daemon,
+    run: &std::thread::JoinHandle<serde_json::Value>,
+    deadline: Instant,
+    next: &str,
+) {
+    while exported_writes(d) < 512 {
+        assert!(!run.is_finished(), "fio ended before {next}");
+        assert!(Instant::now() < deadline, "fio never wrote to cas1-1");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 #[test]
 fn fio_verify_survives_the_primary_failing_mid_run_and_the_core_alone_has_it() {
     one_device_fails_mid_run(true);
@@ -86,23 +116,9 @@ fn one_device_fails_mid_run(primary_fails: bool) {
     // Nothing drains the dirty data behind fio's back: what it reads back comes from the cache.
     d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "nop"]);
 
-    let uri = [
-        "--ioengine=nbd".to_string(),
-        format!("--uri={}", d.uri("cas1-1")),
-    ];
-    let run = {
-        let (dir, args) = (
-            dir.path().to_path_buf(),
-            job(&uri, "mirrored", &["--rate=,3m"]),
-        );
-        std::thread::spawn(move || fio(&dir, "mirrored", &args))
-    };
+    let run = fio_in_background(&d, dir.path(), "mirrored", "--rate=,3m");
     let deadline = Instant::now() + Duration::from_secs(60);
-    while exported_writes(&d) < 512 {
-        assert!(!run.is_finished(), "fio ended before the primary failed");
-        assert!(Instant::now() < deadline, "fio never wrote to cas1-1");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_writes(&d, &run, deadline, "the primary failed");
     // The failing device fails every request from here on.
     std::fs::write(&inject, b"").unwrap();
     let at_failure = exported_writes(&d);
@@ -310,23 +326,9 @@ fn a_mirror_rebuilt_under_load_keeps_every_write_when_the_primary_fails_next() {
     ]);
     assert!(refused.contains("redundant already"), "{refused}");
 
-    let uri = [
-        "--ioengine=nbd".to_string(),
-        format!("--uri={}", d.uri("cas1-1")),
-    ];
-    let run = {
-        let (dir, args) = (
-            dir.path().to_path_buf(),
-            job(&uri, "rebuilt", &["--rate=,2m"]),
-        );
-        std::thread::spawn(move || fio(&dir, "rebuilt", &args))
-    };
+    let run = fio_in_background(&d, dir.path(), "rebuilt", "--rate=,2m");
     let deadline = Instant::now() + Duration::from_secs(60);
-    while exported_writes(&d) < 512 {
-        assert!(!run.is_finished(), "fio ended before the mirror failed");
-        assert!(Instant::now() < deadline, "fio never wrote to cas1-1");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_writes(&d, &run, deadline, "the mirror failed");
     std::fs::write(&mirror_fails, b"").unwrap();
     while mirror_state(&d) != "mirror lost" {
         assert!(!run.is_finished(), "fio ended before the mirror was lost");
