@@ -308,6 +308,25 @@ pub fn fio(dir: &Path, name: &str, args: &[String]) -> serde_json::Value {
     v
 }
 
+/// One NBD FLUSH on `uri` (qemu-io's `flush`), sent after every write before it was
+/// acknowledged: it covers all of them. fio's `end_fsync` cannot be relied on for that with
+/// `--fsync=N` at an iodepth above 1: fio skips the final flush when the last request to
+/// *complete* was a flush (`last_was_sync`, set in its `io_completed`), and a periodic flush sent
+/// while the last writes were in flight can complete after them; NBD's flush covers only writes
+/// acknowledged before it was sent, so those last writes are covered by nothing.
+pub fn nbd_flush(uri: &str) {
+    let out = Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "flush", uri])
+        .output()
+        .expect("run qemu-io");
+    assert!(
+        out.status.success(),
+        "qemu-io flush of {uri} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// Total IOPS of a fio report (reads plus writes over all jobs).
 pub fn fio_iops(v: &serde_json::Value) -> f64 {
     v["jobs"]
