@@ -255,6 +255,93 @@ fn load_mirror_brings_every_flushed_write_back_after_the_primary_is_gone() {
     );
 }
 
+/// The failover to another host: the core is shared (an NBD export both hosts reach, as a
+/// SAN LUN or an RBD image would be) and the mirror is on the other host, reached over NBD. Host
+/// A runs the cache (its primary a local file) and dies with it (kill -9, its primary gone);
+/// host B, another daemon with a state of its own, brings the cache up from the mirror's export
+/// alone with `--load-mirror` and serves the core there: every write acknowledged before a
+/// flush on host A reads back right on host B, and after `-T` the core alone holds them.
+#[test]
+fn failover_to_another_host_brings_every_flushed_write_back_over_nbd() {
+    if !need(&["nbdkit", "fio", "qemu-io"]) {
+        return;
+    }
+    let dir = workdir();
+    let (host_a, host_b) = (dir.path().join("host-a"), dir.path().join("host-b"));
+    std::fs::create_dir_all(&host_a).unwrap();
+    std::fs::create_dir_all(&host_b).unwrap();
+    let primary = host_a.join("primary.img");
+    let mirror = host_b.join("mirror.img");
+    let core = dir.path().join("core.img");
+    sparse_file(&primary, 64 * MIB);
+    sparse_file(&mirror, 64 * MIB);
+    sparse_file(&core, 64 * MIB);
+    // Host B serves its mirror device, the storage network serves the core.
+    let export = |name: &str, file: &std::path::Path| {
+        let sock = dir.path().join(format!("{name}.sock"));
+        let server = nbdkit(&sock, &["file".into(), format!("file={}", file.display())]);
+        (server, format!("nbd+unix:///?socket={}", sock.display()))
+    };
+    let (_mirror_server, mirror_uri) = export("mirror", &mirror);
+    let (_core_server, core_uri) = export("core", &core);
+
+    let mut a = Daemon::start(&host_a);
+    a.ok(&[
+        "-S",
+        "-d",
+        &format!("file:{}", primary.display()),
+        "--mirror",
+        &mirror_uri,
+        "-c",
+        "wb",
+    ]);
+    a.ok(&["-A", "-i", "1", "-d", &core_uri]);
+    a.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "nop"]);
+    let uri = [
+        "--ioengine=nbd".to_string(),
+        format!("--uri={}", a.uri("cas1-1")),
+    ];
+    fio(dir.path(), "host-a", &job(&uri, "failover", &[]));
+    nbd_flush(&a.uri("cas1-1"));
+    let dirty = a.stats_json(1, None)["usage"]["dirty"]["count"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(dirty > 0, "the run left nothing dirty");
+    // Host A dies, and its cache device with it. (The fencing rule, docs/cli.md: host A must
+    // not write the core again; here it is dead.)
+    a.kill();
+    std::fs::remove_file(&primary).unwrap();
+
+    let b = Daemon::start(&host_b);
+    let out = b.ok(&["-S", "-d", &mirror_uri, "--load-mirror"]);
+    assert!(out.starts_with("cache 1 loaded"), "{out}");
+    let listed = b.ok(&["-L"]);
+    assert!(listed.contains("cas1-1"), "{listed}");
+    let loaded = b.stats_json(1, None)["usage"]["dirty"]["count"]
+        .as_u64()
+        .unwrap_or(0);
+    assert_eq!(loaded, dirty, "host B has every dirty line host A had");
+    let uri = [
+        "--ioengine=nbd".to_string(),
+        format!("--uri={}", b.uri("cas1-1")),
+    ];
+    fio(
+        dir.path(),
+        "host-b",
+        &job(&uri, "failover", &["--verify_only"]),
+    );
+    b.ok(&["-T", "-i", "1"]);
+    let file = [
+        "--ioengine=psync".to_string(),
+        format!("--filename={}", core.display()),
+    ];
+    fio(
+        dir.path(),
+        "core-alone",
+        &job(&file, "failover", &["--verify_only"]),
+    );
+}
+
 /// An nbdkit memory export behind the error filter: its URI and the file whose existence makes
 /// every request fail.
 fn failing_device(dir: &std::path::Path, name: &str) -> (common::Kill, String, std::path::PathBuf) {
