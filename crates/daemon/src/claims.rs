@@ -70,6 +70,9 @@ impl Volume for ClaimedVolume {
     fn flush(&self) -> VolumeResult<()> {
         self.inner.flush()
     }
+    fn direct_write(&self, len: usize, offset: u64) -> Option<hybridcache_volume::DirectWrite> {
+        self.inner.direct_write(len, offset)
+    }
     fn discard(&self, offset: u64, len: u64) -> VolumeResult<()> {
         self.inner.discard(offset, len)
     }

@@ -18,7 +18,9 @@
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
-use hybridcache_volume::{ErrorKind, Op, ReadPiece, Volume, VolumeError, VolumeRef};
+use hybridcache_volume::{
+    write_together, DirectWrite, ErrorKind, Op, ReadPiece, Volume, VolumeError, VolumeRef,
+};
 use parking_lot::{Mutex, RwLock};
 
 use crate::format::{decode_config, encode_config, ConfigSlot, MirrorRecord, CONFIG_SLOT_BYTES};
@@ -281,31 +283,28 @@ impl Mirror {
         let _copy = self.meta_copy.read();
         let mut done = false;
         let mut last = None;
-        if self.primary_usable() {
-            match self.primary.write_at(buf, offset) {
-                Ok(()) => done = true,
-                Err(e) => {
-                    self.lose(PRIMARY_LOST, "a write", &e);
-                    last = Some(e);
-                }
-            }
-        }
         // A mirror being rebuilt gets its superblock only when the copy is done: a load of it
         // before that finds none and refuses it.
         let superblock_slot = offset == 0 || offset == CONFIG_SLOT_BYTES;
-        if self.mirror_usable() && !(superblock_slot && self.rebuilding()) {
-            let converted;
-            let to_mirror = match self.as_mirror_superblock(buf, offset) {
-                Some(b) => {
-                    converted = b;
-                    &converted[..]
-                }
-                None => buf,
-            };
-            match self.mirror().write_at(to_mirror, offset) {
+        let to_mirror = (self.mirror_usable() && !(superblock_slot && self.rebuilding()))
+            .then(|| self.as_mirror_superblock(buf, offset));
+        let mirror = self.mirror();
+        let mut writes: Vec<(&dyn Volume, &[u8], u64)> = Vec::with_capacity(2);
+        let mut whose = Vec::with_capacity(2);
+        if self.primary_usable() {
+            writes.push((&*self.primary, buf, offset));
+            whose.push(PRIMARY_LOST);
+        }
+        if let Some(converted) = &to_mirror {
+            writes.push((&*mirror, converted.as_deref().unwrap_or(buf), offset));
+            whose.push(MIRROR_LOST);
+        }
+        // Both at once where the devices allow it (a commit's blocks cost one device's time).
+        for (r, which) in write_together(&writes).into_iter().zip(whose) {
+            match r {
                 Ok(()) => done = true,
                 Err(e) => {
-                    self.lose(MIRROR_LOST, "a write", &e);
+                    self.lose(which, "a write", &e);
                     last = Some(e);
                 }
             }
@@ -348,15 +347,29 @@ impl Mirror {
         if !self.primary_usable() {
             return Err(self.primary_gone(Op::Write, offset, buf.len()));
         }
-        self.primary
-            .write_at(buf, offset)
-            .inspect_err(|e| self.lose(PRIMARY_LOST, "a dirty-data write", e))?;
-        if self.mirror_usable() {
-            if let Err(e) = self.mirror().write_at(buf, offset) {
-                self.lose(MIRROR_LOST, "a dirty-data write", &e);
-            }
+        if !self.mirror_usable() {
+            return self
+                .primary
+                .write_at(buf, offset)
+                .inspect_err(|e| self.lose(PRIMARY_LOST, "a dirty-data write", e));
         }
-        Ok(())
+        // Both at once (one io_uring submission for two files or block devices): the write
+        // costs the slower device's time, not the sum. Should the primary fail, the mirror
+        // holds data no metadata names dirty (the caller sends it to the core): harmless.
+        let mirror = self.mirror();
+        let mut results =
+            write_together(&[(&*self.primary, buf, offset), (&*mirror, buf, offset)]).into_iter();
+        let (primary, mirrored) = (results.next(), results.next());
+        if let Some(Err(e)) = mirrored {
+            self.lose(MIRROR_LOST, "a dirty-data write", &e);
+        }
+        match primary {
+            Some(Err(e)) => {
+                self.lose(PRIMARY_LOST, "a dirty-data write", &e);
+                Err(e)
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Read dirty data: from the primary, or from the mirror once the primary fails.
@@ -643,5 +656,10 @@ impl Volume for Window {
     }
     fn read_batch(&self, pieces: &mut [ReadPiece<'_>]) -> hybridcache_volume::Result<()> {
         Volume::read_batch(&*self.inner, pieces)
+    }
+    fn direct_write(&self, len: usize, offset: u64) -> Option<DirectWrite> {
+        (offset.checked_add(len as u64)? <= self.size)
+            .then(|| self.inner.direct_write(len, offset))
+            .flatten()
     }
 }

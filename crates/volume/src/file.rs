@@ -614,6 +614,17 @@ impl Volume for FileVolume {
         Ok(())
     }
 
+    /// The O_DIRECT descriptor on io_uring, for a write in range whose offset and length suit
+    /// it; `write_together` copies a misaligned buffer itself.
+    fn direct_write(&self, len: usize, offset: u64) -> Option<crate::DirectWrite> {
+        check_range(self, Op::Write, offset, len as u64).ok()?;
+        let d = self.direct_for(offset, len)?;
+        (d.engine == IoEngine::Uring).then(|| crate::DirectWrite {
+            fd: d.file.as_raw_fd(),
+            mem_align: d.mem_align,
+        })
+    }
+
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
         let len = buf.len() as u64;
         check_range(self, Op::Write, offset, len)?;

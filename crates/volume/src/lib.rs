@@ -17,6 +17,7 @@ mod fault;
 mod file;
 mod null;
 mod ram;
+mod together;
 mod uri;
 mod uring;
 
@@ -36,6 +37,7 @@ pub use fault::{CrashVolume, FaultConfig, FaultyVolume, WriteFate};
 pub use file::{FileVolume, IoEngine, IoPath};
 pub use null::NullVolume;
 pub use ram::RamVolume;
+pub use together::{write_together, DirectWrite};
 pub use uri::{open_volume, FORMS as VOLUME_FORMS};
 pub use uring::{IoChoice, IO_ENV};
 
@@ -147,6 +149,15 @@ pub trait Volume: Send + Sync {
             self.read_at(p.buf, p.offset)?;
         }
         Ok(())
+    }
+    /// This volume's direct path for a write of `len` bytes at `offset`, for [`write_together`],
+    /// which submits writes to several volumes with one `io_uring_enter` and makes them itself,
+    /// without calling [`write_at`](Volume::write_at). None (the default): no such path, and
+    /// `write_together` calls `write_at`. A wrapper that only passes requests on forwards it;
+    /// one that must see every write itself (fault injection, a crash log) keeps the default.
+    fn direct_write(&self, len: usize, offset: u64) -> Option<DirectWrite> {
+        let _ = (len, offset);
+        None
     }
     /// Write several `(data, offset)` ranges. A device that can have them in flight together
     /// does so with one system call (a file volume on io_uring); the default writes one after

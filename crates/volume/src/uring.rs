@@ -199,13 +199,13 @@ pub(crate) fn read_batch(fd: RawFd, pieces: &mut [(&mut [u8], u64)]) -> io::Resu
     for group in pieces.chunks_mut(RING_ENTRIES as usize) {
         // Bytes each read transferred, or its error.
         let mut got: Vec<io::Result<usize>> = Vec::with_capacity(group.len());
-        let raw: Vec<(*mut u8, usize, u64)> = group
+        let raw: Vec<(RawFd, *mut u8, usize, u64)> = group
             .iter_mut()
-            .map(|(b, o)| (b.as_mut_ptr(), b.len(), *o))
+            .map(|(b, o)| (fd, b.as_mut_ptr(), b.len(), *o))
             .collect();
         // SAFETY: every buffer stays borrowed (and so valid) until `submit_group` returns, and
         // it returns only after reaping every completion it submitted.
-        unsafe { submit_group(fd, Dir::Read, &raw, &mut got) }?;
+        unsafe { submit_group(Dir::Read, &raw, &mut got) }?;
         for ((buf, offset), r) in group.iter_mut().zip(got) {
             let res = match r {
                 // A short read (end of a file, or a partial transfer): the rest one at a time.
@@ -232,13 +232,13 @@ pub(crate) fn write_batch(fd: RawFd, pieces: &[(&[u8], u64)]) -> io::Result<()> 
         let mut got: Vec<io::Result<usize>> = Vec::with_capacity(group.len());
         // The kernel only reads these buffers (IORING_OP_WRITE); the pointer is `*mut` only
         // because the submission helper serves reads too.
-        let raw: Vec<(*mut u8, usize, u64)> = group
+        let raw: Vec<(RawFd, *mut u8, usize, u64)> = group
             .iter()
-            .map(|(b, o)| (b.as_ptr() as *mut u8, b.len(), *o))
+            .map(|(b, o)| (fd, b.as_ptr() as *mut u8, b.len(), *o))
             .collect();
         // SAFETY: every buffer stays borrowed until `submit_group` returns, which is after it
         // reaped every completion it submitted.
-        unsafe { submit_group(fd, Dir::Write, &raw, &mut got) }?;
+        unsafe { submit_group(Dir::Write, &raw, &mut got) }?;
         for ((buf, offset), r) in group.iter().zip(got) {
             let res = match r {
                 // A short write: the rest one at a time.
@@ -257,15 +257,47 @@ pub(crate) fn write_batch(fd: RawFd, pieces: &[(&[u8], u64)]) -> io::Result<()> 
     }
 }
 
-/// Submits one read or write per piece of `group` (at most the ring's size) and reaps them
-/// all into `got`, in the group's order.
+/// Writes each `(fd, data, offset)` fully, all in flight together (one `io_uring_enter` for
+/// at most [`RING_ENTRIES`]): the same data to several devices takes the time of the slowest,
+/// not the sum. One result per piece, in order; every submitted write is reaped first.
+pub(crate) fn write_spread(pieces: &[(RawFd, &[u8], u64)]) -> Vec<io::Result<()>> {
+    let mut out = Vec::with_capacity(pieces.len());
+    for group in pieces.chunks(RING_ENTRIES as usize) {
+        let mut got: Vec<io::Result<usize>> = Vec::with_capacity(group.len());
+        let raw: Vec<(RawFd, *mut u8, usize, u64)> = group
+            .iter()
+            .map(|&(fd, b, o)| (fd, b.as_ptr() as *mut u8, b.len(), o))
+            .collect();
+        // SAFETY: every buffer stays borrowed until `submit_group` returns, which is after it
+        // reaped every completion it submitted.
+        if let Err(e) = unsafe { submit_group(Dir::Write, &raw, &mut got) } {
+            // Nothing of the group was submitted: each piece reports the error.
+            out.extend(
+                group
+                    .iter()
+                    .map(|_| Err(io::Error::new(e.kind(), e.to_string()))),
+            );
+            continue;
+        }
+        for (&(fd, buf, offset), r) in group.iter().zip(got) {
+            out.push(match r {
+                Ok(n) if n < buf.len() => write_all_at(fd, &buf[n..], offset + n as u64),
+                Ok(_) => Ok(()),
+                Err(e) => Err(e),
+            });
+        }
+    }
+    out
+}
+
+/// Submits one read or write per piece of `group` (at most the ring's size; each piece names
+/// its descriptor) and reaps them all into `got`, in the group's order.
 ///
 /// # Safety
 /// Each piece's buffer must stay valid (and, for reads, unaliased) until this returns.
 unsafe fn submit_group(
-    fd: RawFd,
     dir: Dir,
-    group: &[(*mut u8, usize, u64)],
+    group: &[(RawFd, *mut u8, usize, u64)],
     got: &mut Vec<io::Result<usize>>,
 ) -> io::Result<()> {
     RING.with(|cell| {
@@ -274,7 +306,7 @@ unsafe fn submit_group(
             *slot = Some(new_ring()?);
         }
         let ring = slot.as_mut().expect("the ring was just created");
-        for (i, &(ptr, len, offset)) in group.iter().enumerate() {
+        for (i, &(fd, ptr, len, offset)) in group.iter().enumerate() {
             // Pieces above 1 GiB are not batched by any caller; clamp rather than truncate
             // silently: the short-transfer path finishes the rest.
             let len = len.min(1 << 30) as u32;
