@@ -1,9 +1,11 @@
 //! What the mirror costs (issue 34): write-back without a mirror, with the mirror (dirty data
 //! and metadata on both devices, clean data on the primary only), and an md-style full RAID1 of
-//! the cache device (every write on both, the same code writing them one after the other), on
-//! a RAM cache and on an emulated SATA SSD cache, in front of a RAM core.
+//! the cache device (every write on both at once where the devices allow it, as md submits
+//! both), on a RAM cache, an emulated SATA SSD cache and files on this machine's disk
+//! (`--dir`, default /var/tmp: O_DIRECT on io_uring, where a dirty write goes to both devices
+//! in one submission), in front of a RAM core.
 //!
-//! `cargo bench -p hybridcache-engine --bench mirror [-- --seconds S --reps N]` prints MiB/s per
+//! `cargo bench -p hybridcache-engine --bench mirror [-- --seconds S --reps N --dir D]` prints MiB/s per
 //! cell (medians of N interleaved repetitions), each layout's ratio to no mirror, and the device
 //! operations per request that explain it. Not a timed test: numbers depend on the machine.
 
@@ -12,7 +14,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hybridcache_engine::{Cache, CacheConfig, CacheMode, LineSize, MirrorLostPolicy};
-use hybridcache_volume::{open_volume, ReadPiece, Volume, VolumeRef};
+use hybridcache_volume::{
+    open_volume, write_together, DirectWrite, FileVolume, ReadPiece, Volume, VolumeRef,
+};
 
 const CACHE: u64 = 512 << 20;
 const CORE: u64 = 2 << 30;
@@ -34,8 +38,8 @@ impl Volume for FullMirror {
         self.0.read_batch(pieces)
     }
     fn write_at(&self, buf: &[u8], offset: u64) -> hybridcache_volume::Result<()> {
-        self.0.write_at(buf, offset)?;
-        self.1.write_at(buf, offset)
+        let r = write_together(&[(&*self.0, buf, offset), (&*self.1, buf, offset)]);
+        r.into_iter().collect()
     }
     fn flush(&self) -> hybridcache_volume::Result<()> {
         self.0.flush()?;
@@ -88,6 +92,13 @@ impl Volume for Counted {
         self.1.flushes.fetch_add(1, Relaxed);
         self.0.flush()
     }
+    /// Counted here: `write_together` makes a direct write without calling `write_at`.
+    fn direct_write(&self, len: usize, offset: u64) -> Option<DirectWrite> {
+        let d = self.0.direct_write(len, offset)?;
+        self.1.writes.fetch_add(1, Relaxed);
+        self.1.write_bytes.fetch_add(len as u64, Relaxed);
+        Some(d)
+    }
     fn discard(&self, offset: u64, len: u64) -> hybridcache_volume::Result<()> {
         self.0.discard(offset, len)
     }
@@ -113,12 +124,26 @@ enum Load {
     Mix7030Miss,
 }
 
-fn device(kind: &str, counts: &Arc<Counts>) -> VolumeRef {
-    let spec = match kind {
-        "ram" => format!("ram:{CACHE}"),
-        _ => format!("ssd:size={CACHE}"),
+fn device(kind: &str, counts: &Arc<Counts>, dir: &std::path::Path) -> VolumeRef {
+    let volume: VolumeRef = match kind {
+        "ram" => open_volume(&format!("ram:{CACHE}")).expect("cache device"),
+        "file" => {
+            // A new file per cell, written once whole so that no cell pays the file system's
+            // first allocation of its blocks.
+            static NEXT: AtomicU64 = AtomicU64::new(0);
+            let path = dir.join(format!(
+                "hc-mirror-bench-{}-{}",
+                std::process::id(),
+                NEXT.fetch_add(1, Relaxed)
+            ));
+            std::fs::write(&path, vec![0u8; CACHE as usize]).expect("cache file");
+            let v = FileVolume::open(&path).expect("open the cache file");
+            // Unlinked now: the open descriptor keeps it until the cell ends.
+            let _ = std::fs::remove_file(&path);
+            Arc::new(v)
+        }
+        _ => open_volume(&format!("ssd:size={CACHE}")).expect("cache device"),
     };
-    let volume = open_volume(&spec).expect("cache device");
     if kind == "ram" {
         // Fault the memory in before the cell: a RAM device's first write to a page costs the
         // kernel's zeroing of it, which would land in whichever layout ran first after the
@@ -163,7 +188,7 @@ fn snapshot(c: &Counts) -> [u64; 5] {
     ]
 }
 
-fn run(kind: &str, layout: Layout, load: Load, seconds: f64) -> Cell {
+fn run(kind: &str, layout: Layout, load: Load, seconds: f64, dir: &std::path::Path) -> Cell {
     let (first, second) = (Arc::new(Counts::default()), Arc::new(Counts::default()));
     let config = CacheConfig {
         id: 1,
@@ -171,16 +196,19 @@ fn run(kind: &str, layout: Layout, load: Load, seconds: f64) -> Cell {
         mode: CacheMode::Wb,
     };
     let cache = match layout {
-        Layout::Single => Cache::create(device(kind, &first), config, true),
+        Layout::Single => Cache::create(device(kind, &first, dir), config, true),
         Layout::Mirror => Cache::create_mirrored(
-            device(kind, &first),
-            device(kind, &second),
+            device(kind, &first, dir),
+            device(kind, &second, dir),
             config,
             true,
             MirrorLostPolicy::Drain,
         ),
         Layout::Raid1 => Cache::create(
-            Arc::new(FullMirror(device(kind, &first), device(kind, &second))) as VolumeRef,
+            Arc::new(FullMirror(
+                device(kind, &first, dir),
+                device(kind, &second, dir),
+            )) as VolumeRef,
             config,
             true,
         ),
@@ -282,6 +310,7 @@ fn main() {
     let (mut seconds, mut reps) = (3.0, 3usize);
     // `--only TEXT`: the cells whose device or workload name contains TEXT (for a profile).
     let mut only = String::new();
+    let mut dir = std::path::PathBuf::from("/var/tmp");
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         if a == "--seconds" {
@@ -289,6 +318,9 @@ fn main() {
                 .next()
                 .and_then(|v| v.parse().ok())
                 .expect("--seconds takes a number");
+        }
+        if a == "--dir" {
+            dir = std::path::PathBuf::from(args.next().expect("--dir takes a directory"));
         }
         if a == "--only" {
             only = args.next().expect("--only takes a text");
@@ -309,7 +341,7 @@ fn main() {
     println!("| cache device | workload | no mirror MiB/s | mirror MiB/s (ratio) | full RAID1 MiB/s (ratio) |");
     println!("|---|---|---|---|---|");
     let mut ops = Vec::new();
-    for kind in ["ram", "ssd"] {
+    for kind in ["ram", "ssd", "file"] {
         for (name, load) in [
             ("random write 4 KiB", Load::RandWrite4k),
             ("sequential write 64 KiB", Load::SeqWrite64k),
@@ -324,9 +356,9 @@ fn main() {
             let (mut single, mut mirror, mut raid1) = (None, None, None);
             for _ in 0..reps {
                 let cells = (
-                    run(kind, Layout::Single, load, seconds),
-                    run(kind, Layout::Mirror, load, seconds),
-                    run(kind, Layout::Raid1, load, seconds),
+                    run(kind, Layout::Single, load, seconds, &dir),
+                    run(kind, Layout::Mirror, load, seconds, &dir),
+                    run(kind, Layout::Raid1, load, seconds, &dir),
                 );
                 s.push(cells.0.mib_s);
                 m.push(cells.1.mib_s);
