@@ -432,7 +432,8 @@ fn a_new_primary_attached_under_load_holds_every_write_when_the_mirror_is_gone_n
 
     let attached = d.ok(&["--attach-cache", "-i", "1", "-d", &new_spec]);
     assert!(
-        attached.contains("redundant again") && attached.contains(&format!("new primary {new_spec}")),
+        attached.contains("redundant again")
+            && attached.contains(&format!("new primary {new_spec}")),
         "{attached}"
     );
     assert!(
@@ -458,14 +459,18 @@ fn a_new_primary_attached_under_load_holds_every_write_when_the_mirror_is_gone_n
     );
     let log = d.log_text();
     assert!(
-        log.lines()
-            .any(|l| l.contains("INFO") && l.contains("new primary") && l.contains("redundant again")),
+        log.lines().any(|l| l.contains("INFO")
+            && l.contains("new primary")
+            && l.contains("redundant again")),
         "{log}"
     );
     let dirty = d.stats_json(1, None)["usage"]["dirty"]["count"]
         .as_u64()
         .unwrap_or(0);
-    assert!(dirty > 0, "nothing dirty on the new pair: the load below proves nothing");
+    assert!(
+        dirty > 0,
+        "nothing dirty on the new pair: the load below proves nothing"
+    );
 
     // The host dies and the mirror with it: the new primary alone has every write.
     let mut d = d;

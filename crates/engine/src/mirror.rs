@@ -606,8 +606,15 @@ impl Mirror {
             new
         };
         let mut primary = self.primary.write();
-        // Again under the lock: two attaches racing, only one replaces the primary.
-        self.refuse_a_new_primary()?;
+        // Again under the lock: two attaches racing, only one replaces the primary. (The
+        // refusal names the primary: it reads it, so not under this lock.)
+        if self.state.load(Ordering::SeqCst) != PRIMARY_LOST {
+            drop(primary);
+            self.refuse_a_new_primary()?;
+            return Err(crate::EngineError::Invalid(
+                "another new primary was attached meanwhile".into(),
+            ));
+        }
         self.rebuild_copied.store(0, Ordering::Relaxed);
         self.rebuild_total.store(0, Ordering::Relaxed);
         *self.renamed.write() = Some(Box::leak(new.name().to_string().into_boxed_str()));

@@ -465,6 +465,11 @@ impl Daemon {
         if self.stopping.load(std::sync::atomic::Ordering::SeqCst) {
             return Err("the daemon is shutting down".into());
         }
+        // A running mirrored cache is not disconnected: the device is a new primary (mirror.rs).
+        if let Some(w) = want.filter(|w| st.caches.get(w).is_some_and(|c| c.mirror.is_some())) {
+            drop(st);
+            return self.attach_primary(w, device, force);
+        }
         if st.disconnected.is_empty() {
             return Err("no cache is disconnected".into());
         }
