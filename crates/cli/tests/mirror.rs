@@ -408,9 +408,14 @@ fn a_new_primary_attached_under_load_holds_every_write_when_the_mirror_is_gone_n
     d.ok(&["-S", "-d", &primary, "--mirror", &mirror_spec, "-c", "wb"]);
     d.ok(&["-A", "-i", "1", "-d", core_path]);
     d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "nop"]);
-    // A cache whose primary works gets no new one.
+    // A cache whose primary works gets no new one, nor does a running cache without a mirror.
     let refused = d.fails(&["--attach-cache", "-i", "1", "-d", &new_spec]);
     assert!(refused.contains("redundant"), "{refused}");
+    let plain = dir.path().join("plain.img");
+    sparse_file(&plain, 16 * MIB);
+    d.ok(&["-S", "-d", plain.to_str().expect("UTF-8 path"), "-i", "2"]);
+    let refused = d.fails(&["--attach-cache", "-i", "2", "-d", &new_spec]);
+    assert!(refused.contains("has no mirror"), "{refused}");
 
     let run = fio_in_background(&d, dir.path(), "newprimary", "--rate=,2m");
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -429,6 +434,17 @@ fn a_new_primary_attached_under_load_holds_every_write_when_the_mirror_is_gone_n
     );
     let refused = d.fails(&["--attach-cache", "-i", "1", "-d", &mirror_spec]);
     assert!(refused.contains("mirror"), "{refused}");
+    let refused = d.fails(&[
+        "--attach-cache",
+        "-i",
+        "1",
+        "-d",
+        plain.to_str().expect("UTF-8 path"),
+    ]);
+    assert!(
+        refused.contains("in use as the cache device of cache 2"),
+        "{refused}"
+    );
 
     let attached = d.ok(&["--attach-cache", "-i", "1", "-d", &new_spec]);
     assert!(
