@@ -177,11 +177,23 @@ impl Cache {
                 device.size()
             )));
         }
+        let mirror = m.status().device;
+        if device.name() == mirror {
+            return Err(EngineError::Invalid(format!(
+                "{mirror} is the cache's mirror, which holds the dirty lines the new primary is filled from; it cannot be its primary too"
+            )));
+        }
         if !force {
             refuse_a_used_device(&*device, "the new primary")?;
         }
         m.begin_primary_rebuild(device, size)?;
         let copied = self.fill_new_primary(m).and_then(|copied| {
+            // A line dropped from memory before the pass (a pass-through write over its dirty
+            // sectors) may still be recorded dirty by the last commit, its data on the mirror
+            // only: this commit, to both devices, records it free before the metadata the new
+            // primary gets from the mirror can name it. Lines dropped after the pass were
+            // copied by it.
+            inner.commit()?;
             m.finish_primary_rebuild()?;
             Ok(copied)
         });

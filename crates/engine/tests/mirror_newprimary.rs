@@ -316,6 +316,9 @@ fn a_new_primary_is_refused_unless_the_primary_is_lost_and_onto_a_small_or_used_
             && text.contains(&format!("at least {}", 4 * MIB)),
         "{text}"
     );
+    // Its own mirror, not even with force.
+    let e = cache.attach_primary(mirror.clone(), true).unwrap_err();
+    assert!(e.to_string().contains("cannot be its primary too"), "{e}");
     // A device that holds a cache is overwritten only with force.
     let used: VolumeRef = Arc::new(RamVolume::new("used", 4 * MIB).unwrap());
     drop(Cache::create(used.clone(), config(4), false).unwrap());
@@ -428,6 +431,10 @@ fn cut_mid_copy(seed: u64) {
             budget: budget.clone(),
         })
     };
+    // A used disk: what the copy leaves out reads as junk, never as a plausible zero.
+    new_primary
+        .write_at(&vec![0xa5; cache_bytes as usize], 0)
+        .unwrap();
     let failing_primary = Arc::new(FaultyVolume::new(mortal(&primary)));
     let cache = Cache::create_mirrored(
         failing_primary.clone(),
@@ -464,6 +471,11 @@ fn cut_mid_copy(seed: u64) {
     model.flushed();
     for v in [&mirror, &new_primary, &core_dev] {
         v.flush().unwrap();
+    }
+    // Pass-through writes not flushed: they drop the dirty lines they overwrite from memory,
+    // while the committed metadata still names them dirty (their data is on the mirror only).
+    for _ in 0..10 {
+        write(&mut model, &mut rng);
     }
     // An attach here takes some 35 device operations: cuts fall all through it, and after.
     budget.store(rng.below(48) as i64, Ordering::SeqCst);

@@ -12,6 +12,8 @@
 
 use std::time::Instant;
 
+use hybridcache_engine::MirrorState;
+
 use super::caches::device_losses;
 use super::{engine_err, Daemon, Reply};
 use crate::protocol::{MirrorAttached, PrimaryAttached};
@@ -134,12 +136,18 @@ impl Daemon {
             );
             (c.cache.clone(), volume, old, mirror, accepted)
         };
-        let usage = cache.stats().usage;
-        tracing::info!(
-            "cache {id}: attaching {device} as its new primary: {} dirty lines ({}) to copy from its mirror {mirror}",
-            safety::count_text(usage.dirty_lines),
-            safety::size_text(usage.dirty_lines * cache.line_size().bytes() as u64)
-        );
+        // Said only when the copy is about to start; the engine refuses any other state.
+        if cache
+            .mirror_status()
+            .is_some_and(|m| m.state == MirrorState::PrimaryLost)
+        {
+            let usage = cache.stats().usage;
+            tracing::info!(
+                "cache {id}: attaching {device} as its new primary: {} dirty lines ({}) to copy from its mirror {mirror}",
+                safety::count_text(usage.dirty_lines),
+                safety::size_text(usage.dirty_lines * cache.line_size().bytes() as u64)
+            );
+        }
         let started = Instant::now();
         // The losses were decided above: the engine's own check of a used device is passed.
         let attached = cache.attach_primary(volume, true);
