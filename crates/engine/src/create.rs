@@ -126,6 +126,11 @@ impl Cache {
                 m.rebuild_progress(lines, dirty_lines.max(lines));
             }
         }
+        // A line dropped from memory before the pass (a discard, an invalidating write, a
+        // cleaned line reused) may still be recorded dirty by the last commit, its data on the
+        // primary only: this commit, to both devices, records it free before the metadata the
+        // new mirror gets can name it.
+        inner.commit()?;
         m.finish_rebuild()?;
         let generation = persist::random_u64().max(1);
         let path = m.status().device;
