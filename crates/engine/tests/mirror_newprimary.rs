@@ -529,3 +529,66 @@ fn a_power_cut_mid_copy_leaves_devices_that_load_with_every_flushed_write() {
         cut_mid_copy(0x3900_0000 + i);
     }
 }
+
+/// A new primary that fails during the copy ends the attach: the cache is `primary lost` again,
+/// still serves every write from its mirror and the core, and takes another new primary.
+#[test]
+fn a_new_primary_failing_mid_copy_leaves_the_cache_primary_lost_and_whole() {
+    let v = |name: &str| {
+        Arc::new(FaultyVolume::new(Arc::new(
+            RamVolume::new(name, 4 * MIB).unwrap(),
+        )))
+    };
+    let (primary, mirror, bad, good) = (v("primary"), v("mirror"), v("bad"), v("good"));
+    let cache = Cache::create_mirrored(
+        primary.clone(),
+        mirror.clone(),
+        config(4),
+        false,
+        MirrorLostPolicy::Drain,
+    )
+    .unwrap();
+    cache.stop_background_cleaner();
+    let id = cache
+        .add_core(Arc::new(RamVolume::new("core", MIB).unwrap()), None)
+        .unwrap();
+    let core = cache.core(id).unwrap();
+    let mut model = vec![0u8; MIB as usize];
+    for (i, chunk) in model.chunks_mut(4096).enumerate().take(64) {
+        chunk.fill(i as u8 + 1);
+        core.write(chunk, i as u64 * 4096).unwrap();
+    }
+    primary.set_config(fail_everything());
+    core.write(&[0xee; 4096], 0).unwrap();
+    model[..4096].fill(0xee);
+    assert!(cache.stats().usage.dirty_lines > 0);
+    // Its superblock slots are wiped; everything past them fails.
+    bad.set_config(FaultConfig {
+        fail_writes_in: Some(2 * MIB..u64::MAX),
+        ..FaultConfig::default()
+    });
+    let e = cache.attach_primary(bad.clone(), false).unwrap_err();
+    let status = cache.mirror_status().unwrap();
+    assert_eq!(status.state, MirrorState::PrimaryLost, "{e}");
+    assert!(
+        status
+            .reason
+            .as_deref()
+            .is_some_and(|r| r.contains("made the new primary")),
+        "{status:?}"
+    );
+    assert_eq!(cache.mode(), CacheMode::Pt);
+    let mut buf = vec![0u8; model.len()];
+    core.read(&mut buf, 0).unwrap();
+    assert!(
+        buf == model,
+        "the cache lost writes when its new primary failed"
+    );
+    core.write(&[0xdd; 4096], 4096).unwrap();
+    model[4096..8192].fill(0xdd);
+    cache.attach_primary(good.clone(), false).unwrap();
+    assert_eq!(cache.mirror_status().unwrap().state, MirrorState::Redundant);
+    mirror.set_config(fail_everything());
+    core.read(&mut buf, 0).unwrap();
+    assert!(buf == model, "the second new primary lost writes");
+}
