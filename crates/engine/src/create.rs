@@ -191,7 +191,7 @@ impl Cache {
         if !force {
             refuse_a_used_device(&*device, "the new primary")?;
         }
-        m.begin_primary_rebuild(device, size)?;
+        let old = m.begin_primary_rebuild(device, size)?;
         let copied = self.fill_new_primary(m).and_then(|copied| {
             // A line dropped from memory before the pass (a pass-through write over its dirty
             // sectors) may still be recorded dirty by the last commit, its data on the mirror
@@ -205,7 +205,7 @@ impl Cache {
         let copied = match copied {
             Ok(c) => c,
             Err(e) => {
-                m.abandon_primary_rebuild(&e);
+                m.abandon_primary_rebuild(&e, old);
                 return Err(e);
             }
         };

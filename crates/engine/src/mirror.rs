@@ -595,7 +595,12 @@ impl Mirror {
     /// cut from here on leaves it holding no cache); from the switch on, every metadata write
     /// but the superblocks, every flush and every dirty-data write goes to it too, and nothing
     /// is read from it.
-    pub(crate) fn begin_primary_rebuild(&self, new: VolumeRef, size: u64) -> crate::Result<()> {
+    /// Returns what `abandon_primary_rebuild` puts back if the filling fails.
+    pub(crate) fn begin_primary_rebuild(
+        &self,
+        new: VolumeRef,
+        size: u64,
+    ) -> crate::Result<ReplacedPrimary> {
         self.refuse_a_new_primary()?;
         let zeros = vec![0u8; (2 * CONFIG_SLOT_BYTES) as usize];
         new.write_at(&zeros, 0)?;
@@ -617,10 +622,13 @@ impl Mirror {
         }
         self.rebuild_copied.store(0, Ordering::Relaxed);
         self.rebuild_total.store(0, Ordering::Relaxed);
-        *self.renamed.write() = Some(Box::leak(new.name().to_string().into_boxed_str()));
-        *primary = new;
+        let name = std::mem::replace(
+            &mut *self.renamed.write(),
+            Some(Box::leak(new.name().to_string().into_boxed_str())),
+        );
+        let volume = std::mem::replace(&mut *primary, new);
         self.state.store(REBUILDING_PRIMARY, Ordering::SeqCst);
-        Ok(())
+        Ok(ReplacedPrimary { volume, name })
     }
 
     fn refuse_a_new_primary(&self) -> crate::Result<()> {
@@ -675,9 +683,16 @@ impl Mirror {
     }
 
     /// A new primary that failed to fill: `primary lost` again (if a failure of the device had
-    /// not said so already), `what` the reason.
-    pub(crate) fn abandon_primary_rebuild(&self, what: &crate::EngineError) {
+    /// not said so already), `what` the reason, and the lost primary the pair's again (its name
+    /// in messages, as in the daemon's record). Nothing uses a lost primary, so it can be put
+    /// back while requests run.
+    pub(crate) fn abandon_primary_rebuild(&self, what: &crate::EngineError, old: ReplacedPrimary) {
         self.primary_rebuild_failed("filling", what);
+        let mut primary = self.primary.write();
+        if self.state.load(Ordering::SeqCst) == PRIMARY_LOST {
+            *primary = old.volume;
+            *self.renamed.write() = old.name;
+        }
     }
 
     /// End the filling of a new primary: the metadata region below the superblocks (commit
@@ -833,6 +848,12 @@ impl Volume for Mirror {
     fn discard_zeroes(&self) -> bool {
         self.primary().discard_zeroes()
     }
+}
+
+/// The primary a new one replaced, kept until the filling is done.
+pub(crate) struct ReplacedPrimary {
+    volume: VolumeRef,
+    name: Option<&'static str>,
 }
 
 /// The first `size` bytes of a volume: a mirror larger than its primary, loaded alone, shows

@@ -578,6 +578,8 @@ fn a_new_primary_failing_mid_copy_leaves_the_cache_primary_lost_and_whole() {
         "{status:?}"
     );
     assert_eq!(cache.mode(), CacheMode::Pt);
+    // The lost primary is the cache's device again, as in the daemon's record.
+    assert_eq!(cache.volume_name(), "primary");
     let mut buf = vec![0u8; model.len()];
     core.read(&mut buf, 0).unwrap();
     assert!(
@@ -588,6 +590,7 @@ fn a_new_primary_failing_mid_copy_leaves_the_cache_primary_lost_and_whole() {
     model[4096..8192].fill(0xdd);
     cache.attach_primary(good.clone(), false).unwrap();
     assert_eq!(cache.mirror_status().unwrap().state, MirrorState::Redundant);
+    assert_eq!(cache.volume_name(), "good");
     mirror.set_config(fail_everything());
     core.read(&mut buf, 0).unwrap();
     assert!(buf == model, "the second new primary lost writes");
