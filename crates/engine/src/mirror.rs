@@ -622,10 +622,10 @@ impl Mirror {
         }
         self.rebuild_copied.store(0, Ordering::Relaxed);
         self.rebuild_total.store(0, Ordering::Relaxed);
-        let name = std::mem::replace(
-            &mut *self.renamed.write(),
-            Some(Box::leak(new.name().to_string().into_boxed_str())),
-        );
+        let name = self
+            .renamed
+            .write()
+            .replace(Box::leak(new.name().to_string().into_boxed_str()));
         let volume = std::mem::replace(&mut *primary, new);
         self.state.store(REBUILDING_PRIMARY, Ordering::SeqCst);
         Ok(ReplacedPrimary { volume, name })
