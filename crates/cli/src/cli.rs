@@ -461,10 +461,12 @@ pub enum Command {
 
     /// Attach a cache device to a detached (or disconnected) cache (casadm's --attach-cache):
     /// the cache starts on it with the settings, IO classes and cores it had, and serves its
-    /// kept exports again.
+    /// kept exports again. On a mirrored cache whose primary is lost, the device becomes its
+    /// new primary: the dirty lines are copied onto it from the mirror while clients are
+    /// served, and the cache is redundant again.
     #[command(long_flag = "attach-cache")]
     AttachCache {
-        /// The detached cache (1..16384).
+        /// The detached cache, or the mirrored cache whose primary is lost (1..16384).
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
         id: u16,
         /// The cache device to attach.

@@ -1315,6 +1315,26 @@ mod tests {
     use super::*;
     use crate::protocol::{CoreInfo, StatsData};
 
+    #[test]
+    fn a_rebuild_shows_which_device_it_fills_and_how_far_it_is() {
+        let mut m = crate::protocol::MirrorInfo {
+            device: "/dev/nvme1n1".into(),
+            state: "rebuilding primary".into(),
+            mirror_lost: "drain".into(),
+            reason: None,
+            rebuild: Some((1024, 4096)),
+        };
+        assert_eq!(
+            mirror_state(&m),
+            "Rebuilding primary (1,024/4,096 dirty lines)"
+        );
+        m.state = "rebuilding".into();
+        assert_eq!(mirror_state(&m), "Rebuilding (1,024/4,096 dirty lines)");
+        m.state = "redundant".into();
+        m.rebuild = None;
+        assert_eq!(mirror_state(&m), "Redundant");
+    }
+
     fn report() -> StatsReport {
         StatsReport {
             cache: CacheInfo {

@@ -427,8 +427,23 @@ fn run(cli: Cli) -> Result<()> {
             );
         }
         Command::AttachCache { device, .. } => {
-            let v: protocol::Connected = call(&control, &req)?;
-            println!("cache {} attached: {}", v.id, connected_on(&v, device));
+            let v: serde_json::Value = call(&control, &req)?;
+            // A mirrored cache whose primary was lost got a new one; a detached cache, a device.
+            if v.get("mirror").is_some() {
+                let v: protocol::PrimaryAttached = serde_json::from_value(v)?;
+                println!(
+                    "cache {} is redundant again: its new primary {} holds every dirty line ({} dirty lines, {}, copied from the mirror {} in {:.1} s)",
+                    v.cache,
+                    v.device,
+                    hybridcache_daemon::safety::count_text(v.dirty_lines),
+                    hybridcache_daemon::safety::size_text(v.dirty_bytes),
+                    v.mirror,
+                    v.seconds
+                );
+            } else {
+                let v: protocol::Connected = serde_json::from_value(v)?;
+                println!("cache {} attached: {}", v.id, connected_on(&v, device));
+            }
         }
         Command::AddCore { .. } => {
             let v: protocol::CoreAdded = call(&control, &req)?;

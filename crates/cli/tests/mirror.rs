@@ -469,3 +469,139 @@ fn a_mirror_rebuilt_under_load_keeps_every_write_when_the_primary_fails_next() {
         &job(&file, "rebuilt", &["--verify_only"]),
     );
 }
+
+/// The rebuild for the other device: the primary fails under fio, `--attach-cache`
+/// gives the cache a new primary (a file) while fio goes on writing, and the cache is redundant
+/// and write-back again. fio completes without an error; then the host dies (kill -9) and the
+/// mirror with it: the new primary alone, loaded with `--load`, serves every write fio made, and
+/// after `-T` the core file alone verifies.
+#[test]
+fn a_new_primary_attached_under_load_holds_every_write_when_the_mirror_is_gone_next() {
+    if !need(&["nbdkit", "fio"]) {
+        return;
+    }
+    let dir = workdir();
+    let (_primary_server, primary, primary_fails) = failing_device(dir.path(), "primary");
+    let mirror = dir.path().join("mirror.img");
+    let new_primary = dir.path().join("new-primary.img");
+    let small = dir.path().join("small.img");
+    let core = dir.path().join("core.img");
+    sparse_file(&mirror, 64 * MIB);
+    sparse_file(&new_primary, 64 * MIB);
+    sparse_file(&small, 16 * MIB);
+    sparse_file(&core, 64 * MIB);
+    let mirror_spec = format!("file:{}", mirror.display());
+    let new_spec = format!("file:{}", new_primary.display());
+    let small_spec = format!("file:{}", small.display());
+    let core_path = core.to_str().expect("UTF-8 path");
+    let d = Daemon::start(dir.path());
+    d.ok(&["-S", "-d", &primary, "--mirror", &mirror_spec, "-c", "wb"]);
+    d.ok(&["-A", "-i", "1", "-d", core_path]);
+    d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "nop"]);
+    // A cache whose primary works gets no new one, nor does a running cache without a mirror.
+    let refused = d.fails(&["--attach-cache", "-i", "1", "-d", &new_spec]);
+    assert!(refused.contains("redundant"), "{refused}");
+    let plain = dir.path().join("plain.img");
+    sparse_file(&plain, 16 * MIB);
+    d.ok(&["-S", "-d", plain.to_str().expect("UTF-8 path"), "-i", "2"]);
+    let refused = d.fails(&["--attach-cache", "-i", "2", "-d", &new_spec]);
+    assert!(refused.contains("has no mirror"), "{refused}");
+
+    let run = fio_in_background(&d, dir.path(), "newprimary", "--rate=,2m");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    wait_for_writes(&d, &run, deadline, "the primary failed");
+    std::fs::write(&primary_fails, b"").unwrap();
+    while mirror_state(&d) != "primary lost" {
+        assert!(!run.is_finished(), "fio ended before the primary was lost");
+        assert!(Instant::now() < deadline, "the primary was never lost");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Too small a device, and the cache's own mirror, are refused, saying why.
+    let refused = d.fails(&["--attach-cache", "-i", "1", "-d", &small_spec]);
+    assert!(
+        refused.contains(&(16 * MIB).to_string()) && refused.contains("at least"),
+        "{refused}"
+    );
+    let refused = d.fails(&["--attach-cache", "-i", "1", "-d", &mirror_spec]);
+    assert!(refused.contains("mirror"), "{refused}");
+    let refused = d.fails(&[
+        "--attach-cache",
+        "-i",
+        "1",
+        "-d",
+        plain.to_str().expect("UTF-8 path"),
+    ]);
+    assert!(
+        refused.contains("in use as the cache device of cache 2"),
+        "{refused}"
+    );
+
+    let attached = d.ok(&["--attach-cache", "-i", "1", "-d", &new_spec]);
+    assert!(
+        attached.contains("redundant again")
+            && attached.contains(&format!("new primary {new_spec}")),
+        "{attached}"
+    );
+    assert!(
+        !run.is_finished(),
+        "fio ended before the new primary was attached: not under load"
+    );
+    let listed: serde_json::Value =
+        serde_json::from_str(&d.ok(&["-L", "-o", "json"])).expect("-L JSON");
+    let cache = &listed["caches"][0];
+    assert_eq!(cache["mirror"]["state"], "redundant", "{listed}");
+    assert_eq!(cache["device"], new_spec.as_str(), "{listed}");
+    assert_eq!(cache["mode"], "wb", "write-back again: {listed}");
+    // fio goes on writing onto the new pair (write-back: dirty on both), to its end.
+    let written = exported_writes(&d);
+    while exported_writes(&d) < written + 256 && !run.is_finished() {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let report = run.join().expect("the fio thread");
+    assert_eq!(
+        report["jobs"][0]["write"]["io_bytes"].as_u64(),
+        Some(24 * MIB),
+        "fio wrote all of its run"
+    );
+    let log = d.log_text();
+    assert!(
+        log.lines().any(|l| l.contains("INFO")
+            && l.contains("new primary")
+            && l.contains("redundant again")),
+        "{log}"
+    );
+    let dirty = d.stats_json(1, None)["usage"]["dirty"]["count"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(
+        dirty > 0,
+        "nothing dirty on the new pair: the load below proves nothing"
+    );
+
+    // The host dies and the mirror with it: the new primary alone has every write.
+    let mut d = d;
+    d.kill();
+    std::fs::remove_file(&mirror).unwrap();
+    let d = Daemon::start(dir.path());
+    let out = d.ok(&["-S", "-d", &new_spec, "--load"]);
+    assert!(out.starts_with("cache 1 loaded"), "{out}");
+    let uri = [
+        "--ioengine=nbd".to_string(),
+        format!("--uri={}", d.uri("cas1-1")),
+    ];
+    fio(
+        dir.path(),
+        "after",
+        &job(&uri, "newprimary", &["--verify_only"]),
+    );
+    d.ok(&["-T", "-i", "1"]);
+    let file = [
+        "--ioengine=psync".to_string(),
+        format!("--filename={core_path}"),
+    ];
+    fio(
+        dir.path(),
+        "core-alone",
+        &job(&file, "newprimary", &["--verify_only"]),
+    );
+}

@@ -99,7 +99,9 @@ pub enum Request {
         detach: bool,
     },
     /// `--script --connect-cache`: bring a disconnected cache back on `device` under its kept
-    /// exports. Result: [`Connected`].
+    /// exports. Result: [`Connected`]. With `id` naming a running mirrored cache (its primary
+    /// lost), `device` becomes its new primary instead (`--attach-cache`). Result:
+    /// [`PrimaryAttached`].
     ConnectCache {
         device: String,
         /// Which disconnected cache a device without hybridcache metadata serves (needed only
@@ -407,14 +409,15 @@ impl FallbackInfo {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct MirrorInfo {
     pub device: String,
-    /// `redundant`, `primary lost`, `mirror lost` or `rebuilding`.
+    /// `redundant`, `primary lost`, `mirror lost`, `rebuilding` or `rebuilding primary`.
     pub state: String,
     /// `mirror_lost`: `drain` or `keep`.
     pub mirror_lost: String,
     /// Why the cache is no longer redundant: the failed operation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
-    /// While rebuilding (`--attach-mirror`): dirty lines copied, and how many there were.
+    /// While rebuilding (`--attach-mirror`, or `--attach-cache` of a new primary): dirty lines
+    /// copied, and how many there were.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rebuild: Option<(u64, u64)>,
 }
@@ -815,6 +818,21 @@ pub struct MirrorAttached {
     pub cache: u16,
     pub device: String,
     /// Dirty lines copied from the primary, and their dirty bytes.
+    pub dirty_lines: u64,
+    pub dirty_bytes: u64,
+    pub seconds: f64,
+}
+
+/// Result of [`Request::ConnectCache`] (`--attach-cache`) on a mirrored cache whose primary is
+/// lost: what was copied from the mirror onto the new primary.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PrimaryAttached {
+    pub cache: u16,
+    /// The new primary.
+    pub device: String,
+    /// The mirror the dirty lines were copied from.
+    pub mirror: String,
+    /// Dirty lines copied from the mirror, and their dirty bytes.
     pub dirty_lines: u64,
     pub dirty_bytes: u64,
     pub seconds: f64,

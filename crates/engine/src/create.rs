@@ -126,6 +126,11 @@ impl Cache {
                 m.rebuild_progress(lines, dirty_lines.max(lines));
             }
         }
+        // A line dropped from memory before the pass (a discard, an invalidating write, a
+        // cleaned line reused) may still be recorded dirty by the last commit, its data on the
+        // primary only: this commit, to both devices, records it free before the metadata the
+        // new mirror gets can name it.
+        inner.commit()?;
         m.finish_rebuild()?;
         let generation = persist::random_u64().max(1);
         let path = m.status().device;
@@ -140,6 +145,118 @@ impl Cache {
                 r.generation = generation;
             }
         })?;
+        Ok((lines, bytes))
+    }
+
+    /// Give a mirrored cache whose primary is lost a new primary, `device`, while I/O goes on
+    /// (`--attach-cache`; docs/format.md, "A new primary"): from the switch on every dirty
+    /// write and metadata write goes to it too (nothing is read from it); a pass copies each
+    /// dirty line from the mirror under its stripe and drops the clean sectors the metadata
+    /// maps (their data was on the old primary only); the metadata is copied; then a
+    /// superblock naming a new pairing makes it the primary, the cache is redundant and back in
+    /// its configured mode, and the old primary is stale. The device must hold the old
+    /// primary's size; one that holds a cache is refused unless `force`. Returns the dirty
+    /// lines and bytes copied by the pass.
+    pub fn attach_primary(&self, device: VolumeRef, force: bool) -> Result<(u64, u64)> {
+        let inner = &self.inner;
+        let Some(m) = inner.devices.mirror() else {
+            return Err(EngineError::Invalid(
+                "the cache has no mirror, so no lost primary to replace".into(),
+            ));
+        };
+        let p = inner
+            .persist
+            .as_ref()
+            .expect("a mirrored cache is persistent");
+        // The geometry was computed from the primary's size: a new one must hold all of it.
+        let size = p
+            .superblock()
+            .mirror
+            .as_ref()
+            .map_or(0, |r| r.size)
+            .max(inner.devices.volume().size());
+        if device.size() < size {
+            return Err(EngineError::Invalid(format!(
+                "{} holds {} bytes; the primary of this cache needs at least {size} (the size of the primary it replaces, whose geometry the cache has)",
+                device.name(),
+                device.size()
+            )));
+        }
+        let mirror = m.status().device;
+        if device.name() == mirror {
+            return Err(EngineError::Invalid(format!(
+                "{mirror} is the cache's mirror, which holds the dirty lines the new primary is filled from; it cannot be its primary too"
+            )));
+        }
+        if !force {
+            refuse_a_used_device(&*device, "the new primary")?;
+        }
+        let old = m.begin_primary_rebuild(device, size)?;
+        let copied = self.fill_new_primary(m).and_then(|copied| {
+            // A line dropped from memory before the pass (a pass-through write over its dirty
+            // sectors) may still be recorded dirty by the last commit, its data on the mirror
+            // only: this commit, to both devices, records it free before the metadata the new
+            // primary gets from the mirror can name it. Lines dropped after the pass were
+            // copied by it.
+            inner.commit()?;
+            m.finish_primary_rebuild()?;
+            Ok(copied)
+        });
+        let copied = match copied {
+            Ok(c) => c,
+            Err(e) => {
+                m.abandon_primary_rebuild(&e, old);
+                return Err(e);
+            }
+        };
+        let generation = persist::random_u64().max(1);
+        p.update_superblock(&**inner.devices.volume(), |sb| {
+            if let Some(r) = sb.mirror.as_mut() {
+                r.lost = false;
+                r.generation = generation;
+            }
+        })?;
+        Ok(copied)
+    }
+
+    /// The pass of `attach_primary`: every mapped line, under its stripe, gets its dirty
+    /// sectors copied from the mirror onto the new primary, and loses its clean ones.
+    fn fill_new_primary(&self, m: &crate::mirror::Mirror) -> Result<(u64, u64)> {
+        let inner = &self.inner;
+        // A write that began before the switch holds its stripes until its line's masks are
+        // updated: past this, the pass sees what it did, and every later write reaches the new
+        // primary itself.
+        inner.lines.locks().pass_every_stripe();
+        let table = inner.lines.table();
+        let dirty_lines = (0..inner.lines.count())
+            .filter(|&l| table.key(l).is_some() && table.dirty(l) != 0)
+            .count() as u64;
+        m.rebuild_progress(0, dirty_lines);
+        let (mut lines, mut bytes) = (0u64, 0u64);
+        for line in 0..inner.lines.count() {
+            let Some(key) = table.key(line) else { continue };
+            // Under the stripe a write or cleaning of the line has finished or not begun; a
+            // cleaning marks clean only sectors this copied (or a later write put on both).
+            let _stripe = inner.lines.locks().lock_sorted(vec![table.stripe(key)]);
+            if table.key(line) != Some(key) {
+                continue;
+            }
+            let (valid, dirty) = (table.valid(line), table.dirty(line));
+            for (first, count) in crate::bits::runs(dirty) {
+                let len = count as usize * crate::SECTOR as usize;
+                m.primary_rebuild_copy(inner.cache_off(line, first), len)?;
+                bytes += len as u64;
+            }
+            // A clean sector's data was on the old primary (or nowhere: cleaned while the
+            // primary was lost); the new one would serve garbage for it.
+            if valid != dirty {
+                inner.update_line(line, key, dirty, dirty, false);
+            }
+            if dirty != 0 {
+                lines += 1;
+                m.rebuild_progress(lines, dirty_lines.max(lines));
+            }
+        }
         Ok((lines, bytes))
     }
 
@@ -222,12 +339,17 @@ impl Cache {
 
 /// A mirror that holds a cache (or a cache's mirror) is overwritten only with `force`.
 fn refuse_a_used_mirror(mirror: &dyn hybridcache_volume::Volume) -> Result<()> {
-    let slots = persist::read_config(mirror)?;
+    refuse_a_used_device(mirror, "the mirror")
+}
+
+/// A device that holds a cache (or a cache's mirror) becomes `what` only with `force`.
+fn refuse_a_used_device(device: &dyn hybridcache_volume::Volume, what: &str) -> Result<()> {
+    let slots = persist::read_config(device)?;
     persist::refuse_newer(&slots)?;
     if let Some((_, sb, _)) = persist::newest(&slots) {
         return Err(EngineError::Invalid(format!(
-            "the mirror {} holds cache {} ({}){}; its metadata would be lost: --force overwrites it",
-            mirror.name(),
+            "{what} {} holds cache {} ({}){}; its metadata would be lost: --force overwrites it",
+            device.name(),
             sb.cache_id,
             sb.uuid,
             match sb.mirror.as_ref() {

@@ -14,6 +14,14 @@
 //! metadata naming it); the mirror's superblock has role `mirror` and never the clean-stop mark,
 //! so any load of it trusts dirty sectors only; a device once lost is never written again by
 //! this run (it is stale from the first write it missed).
+//!
+//! A new primary (`--attach-cache` on a cache whose primary is lost; `Cache::attach_primary`)
+//! keeps them so: while it is filled (`rebuilding primary`) the mirror stays the only trusted
+//! device. The new primary gets every metadata write but the superblocks, every flush and every
+//! dirty write, and is never read; the cache serves as with the primary lost. Its superblock is
+//! written only after the copy, with a new pairing generation on both, so a load of the old
+//! primary with the mirror is refused, and a cut before then leaves the mirror loadable alone
+//! with everything and the new device holding no cache.
 
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
@@ -69,6 +77,10 @@ pub enum MirrorState {
     /// trusted (no superblock on it until the copy is done), so the cache is as unprotected
     /// as with the mirror lost.
     Rebuilding,
+    /// A new primary is being filled (`--attach-cache`): it gets the metadata and dirty writes,
+    /// but nothing is read from it (no superblock on it until the copy is done), so the cache
+    /// serves as with the primary lost, from its mirror.
+    RebuildingPrimary,
 }
 
 impl MirrorState {
@@ -78,6 +90,7 @@ impl MirrorState {
             MirrorState::PrimaryLost => "primary lost",
             MirrorState::MirrorLost => "mirror lost",
             MirrorState::Rebuilding => "rebuilding",
+            MirrorState::RebuildingPrimary => "rebuilding primary",
         }
     }
 }
@@ -91,8 +104,8 @@ pub struct MirrorStatus {
     pub policy: MirrorLostPolicy,
     /// Why the cache left `redundant`: the failed operation and its error.
     pub reason: Option<String>,
-    /// While rebuilding: dirty lines copied onto the new mirror, and how many there were to
-    /// copy when the pass began.
+    /// While rebuilding (a new mirror or a new primary): dirty lines copied onto the new
+    /// device, and how many there were to copy when the pass began.
     pub rebuild: Option<(u64, u64)>,
 }
 
@@ -100,9 +113,18 @@ const REDUNDANT: u8 = 0;
 const PRIMARY_LOST: u8 = 1;
 const MIRROR_LOST: u8 = 2;
 const REBUILDING: u8 = 3;
+const REBUILDING_PRIMARY: u8 = 4;
 
 pub(crate) struct Mirror {
-    primary: VolumeRef,
+    /// Replaced by `begin_primary_rebuild`, only while the state is `primary lost`.
+    primary: RwLock<VolumeRef>,
+    /// The pair's name (`Volume::name`): the primary's when the pair was made, until a new
+    /// primary replaces it (`renamed`).
+    name: String,
+    /// The new primary's name. `name` lends a `&str` that may outlive a replacement, so each
+    /// name a replacement gives is kept for the rest of the process (a few bytes per
+    /// `--attach-cache`).
+    renamed: RwLock<Option<&'static str>>,
     /// Replaced by a rebuild (`attach`), only while the state is `mirror lost`.
     mirror: RwLock<VolumeRef>,
     /// Where cache line 0 starts: below it everything goes to both devices.
@@ -146,7 +168,7 @@ impl Mirror {
         MirrorRecord {
             role: MirrorRecord::PRIMARY.into(),
             path: self.mirror().name().to_string(),
-            size: self.primary.size(),
+            size: self.primary().size(),
             lost: false,
             generation: 0,
         }
@@ -159,7 +181,9 @@ impl Mirror {
         policy: MirrorLostPolicy,
     ) -> Mirror {
         Mirror {
-            primary,
+            name: primary.name().to_string(),
+            renamed: RwLock::new(None),
+            primary: RwLock::new(primary),
             mirror: RwLock::new(mirror),
             data_offset,
             policy,
@@ -175,11 +199,16 @@ impl Mirror {
         self.mirror.read().clone()
     }
 
+    fn primary(&self) -> VolumeRef {
+        self.primary.read().clone()
+    }
+
     pub(crate) fn state(&self) -> MirrorState {
         match self.state.load(Ordering::SeqCst) {
             PRIMARY_LOST => MirrorState::PrimaryLost,
             MIRROR_LOST => MirrorState::MirrorLost,
             REBUILDING => MirrorState::Rebuilding,
+            REBUILDING_PRIMARY => MirrorState::RebuildingPrimary,
             _ => MirrorState::Redundant,
         }
     }
@@ -191,7 +220,11 @@ impl Mirror {
             state,
             policy: self.policy,
             reason: self.reason.lock().clone(),
-            rebuild: (state == MirrorState::Rebuilding).then(|| {
+            rebuild: matches!(
+                state,
+                MirrorState::Rebuilding | MirrorState::RebuildingPrimary
+            )
+            .then(|| {
                 (
                     self.rebuild_copied.load(Ordering::Relaxed),
                     self.rebuild_total.load(Ordering::Relaxed),
@@ -206,7 +239,7 @@ impl Mirror {
     pub(crate) fn effective_mode(&self, mode: CacheMode) -> CacheMode {
         match self.state() {
             MirrorState::Redundant => mode,
-            MirrorState::PrimaryLost => CacheMode::Pt,
+            MirrorState::PrimaryLost | MirrorState::RebuildingPrimary => CacheMode::Pt,
             MirrorState::MirrorLost | MirrorState::Rebuilding => match self.policy {
                 MirrorLostPolicy::Drain if mode.makes_dirty() => CacheMode::Wt,
                 _ => mode,
@@ -219,7 +252,7 @@ impl Mirror {
     pub(crate) fn drains(&self) -> bool {
         match self.state() {
             MirrorState::Redundant => false,
-            MirrorState::PrimaryLost => true,
+            MirrorState::PrimaryLost | MirrorState::RebuildingPrimary => true,
             MirrorState::MirrorLost | MirrorState::Rebuilding => {
                 self.policy == MirrorLostPolicy::Drain
             }
@@ -235,7 +268,7 @@ impl Mirror {
             .is_ok()
         {
             let device = if which == PRIMARY_LOST {
-                self.primary.name().to_string()
+                self.primary().name().to_string()
             } else {
                 self.mirror().name().to_string()
             };
@@ -253,15 +286,45 @@ impl Mirror {
             ));
         }
         // A primary failing while rebuilding changes nothing: the new mirror is not trusted, so
-        // the primary's errors reach the callers (the rebuild fails on them too).
+        // the primary's errors reach the callers (the rebuild fails on them too). Likewise the
+        // mirror failing while a new primary is filled: the mirror's errors reach the callers
+        // and the copy, which then ends the rebuild.
+    }
+
+    /// End the filling of a new primary that failed: the cache is `primary lost` again, and
+    /// the device is not written again by this run.
+    fn primary_rebuild_failed(&self, what: &str, e: &dyn std::fmt::Display) {
+        if self
+            .state
+            .compare_exchange(
+                REBUILDING_PRIMARY,
+                PRIMARY_LOST,
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            )
+            .is_ok()
+        {
+            *self.reason.lock() = Some(format!(
+                "{what} of {} failed while it was made the new primary: {e}",
+                self.primary().name()
+            ));
+        }
     }
 
     fn rebuilding(&self) -> bool {
         self.state.load(Ordering::SeqCst) == REBUILDING
     }
 
+    fn rebuilding_primary(&self) -> bool {
+        self.state.load(Ordering::SeqCst) == REBUILDING_PRIMARY
+    }
+
+    /// Whether the primary is trusted: read, and written with clean data.
     fn primary_usable(&self) -> bool {
-        self.state.load(Ordering::SeqCst) != PRIMARY_LOST
+        !matches!(
+            self.state.load(Ordering::SeqCst),
+            PRIMARY_LOST | REBUILDING_PRIMARY
+        )
     }
 
     fn mirror_usable(&self) -> bool {
@@ -270,7 +333,7 @@ impl Mirror {
 
     fn primary_gone(&self, op: Op, offset: u64, len: usize) -> VolumeError {
         VolumeError::new(
-            self.primary.name(),
+            self.primary().name(),
             op,
             offset,
             len as u64,
@@ -283,17 +346,20 @@ impl Mirror {
         let _copy = self.meta_copy.read();
         let mut done = false;
         let mut last = None;
-        // A mirror being rebuilt gets its superblock only when the copy is done: a load of it
-        // before that finds none and refuses it.
+        // A mirror or primary being rebuilt gets its superblock only when the copy is done: a
+        // load of it before that finds none and refuses it.
         let superblock_slot = offset == 0 || offset == CONFIG_SLOT_BYTES;
         let to_mirror = (self.mirror_usable() && !(superblock_slot && self.rebuilding()))
             .then(|| self.as_mirror_superblock(buf, offset));
-        let mirror = self.mirror();
+        let (primary, mirror) = (self.primary(), self.mirror());
         let mut writes: Vec<(&dyn Volume, &[u8], u64)> = Vec::with_capacity(2);
         let mut whose = Vec::with_capacity(2);
         if self.primary_usable() {
-            writes.push((&*self.primary, buf, offset));
+            writes.push((&*primary, buf, offset));
             whose.push(PRIMARY_LOST);
+        } else if self.rebuilding_primary() && !superblock_slot {
+            writes.push((&*primary, buf, offset));
+            whose.push(REBUILDING_PRIMARY);
         }
         if let Some(converted) = &to_mirror {
             writes.push((&*mirror, converted.as_deref().unwrap_or(buf), offset));
@@ -302,6 +368,12 @@ impl Mirror {
         // Both at once where the devices allow it (a commit's blocks cost one device's time).
         for (r, which) in write_together(&writes).into_iter().zip(whose) {
             match r {
+                // A new primary is not trusted yet: its write counts for nothing, and its
+                // failure ends the rebuild, not the caller's write.
+                Ok(()) if which == REBUILDING_PRIMARY => {}
+                Err(e) if which == REBUILDING_PRIMARY => {
+                    self.primary_rebuild_failed("a metadata write", &e)
+                }
                 Ok(()) => done = true,
                 Err(e) => {
                     self.lose(which, "a write", &e);
@@ -344,21 +416,29 @@ impl Mirror {
     /// it. Fails when the primary cannot take it (the caller then sends it to the core); a
     /// failed mirror only loses the mirror.
     pub(crate) fn write_dirty(&self, buf: &[u8], offset: u64) -> hybridcache_volume::Result<()> {
+        if self.rebuilding_primary() {
+            // The mirror is the trusted copy; the new primary gets it too, or the rebuild ends.
+            self.mirror().write_at(buf, offset)?;
+            if let Err(e) = self.primary().write_at(buf, offset) {
+                self.primary_rebuild_failed("a dirty-data write", &e);
+            }
+            return Ok(());
+        }
         if !self.primary_usable() {
             return Err(self.primary_gone(Op::Write, offset, buf.len()));
         }
         if !self.mirror_usable() {
             return self
-                .primary
+                .primary()
                 .write_at(buf, offset)
                 .inspect_err(|e| self.lose(PRIMARY_LOST, "a dirty-data write", e));
         }
         // Both at once (one io_uring submission for two files or block devices): the write
         // costs the slower device's time, not the sum. Should the primary fail, the mirror
         // holds data no metadata names dirty (the caller sends it to the core): harmless.
-        let mirror = self.mirror();
+        let (primary, mirror) = (self.primary(), self.mirror());
         let mut results =
-            write_together(&[(&*self.primary, buf, offset), (&*mirror, buf, offset)]).into_iter();
+            write_together(&[(&*primary, buf, offset), (&*mirror, buf, offset)]).into_iter();
         let (primary, mirrored) = (results.next(), results.next());
         if let Some(Err(e)) = mirrored {
             self.lose(MIRROR_LOST, "a dirty-data write", &e);
@@ -375,7 +455,7 @@ impl Mirror {
     /// Read dirty data: from the primary, or from the mirror once the primary fails.
     pub(crate) fn read_dirty(&self, buf: &mut [u8], offset: u64) -> hybridcache_volume::Result<()> {
         if self.primary_usable() {
-            match self.primary.read_at(buf, offset) {
+            match self.primary().read_at(buf, offset) {
                 Ok(()) => return Ok(()),
                 Err(e) => {
                     self.lose(PRIMARY_LOST, "a read", &e);
@@ -397,7 +477,7 @@ impl Mirror {
         let mut at = 0;
         while at < self.data_offset {
             let n = (self.data_offset - at).min(CHUNK) as usize;
-            self.primary.read_at(&mut buf[..n], at)?;
+            self.primary().read_at(&mut buf[..n], at)?;
             if at == 0 || at == CONFIG_SLOT_BYTES {
                 if let Some(sb) = self.as_mirror_superblock(&buf[..n], at) {
                     buf[..sb.len()].copy_from_slice(&sb);
@@ -433,8 +513,15 @@ impl Mirror {
             }
             MirrorState::PrimaryLost => {
                 return Err(crate::EngineError::Invalid(format!(
-                    "the primary {} is lost, not the mirror: the cache runs from its mirror and needs a new primary (--attach-cache is not supported yet)",
-                    self.primary.name()
+                    "the primary {} is lost, not the mirror: the cache runs from its mirror and needs a new primary (--attach-cache -d DEVICE)",
+                    self.primary().name()
+                )))
+            }
+            MirrorState::RebuildingPrimary => {
+                return Err(crate::EngineError::Invalid(format!(
+                    "a new primary {} is being filled from the mirror {}; the mirror is not lost",
+                    self.primary().name(),
+                    self.mirror().name()
                 )))
             }
         }
@@ -457,7 +544,7 @@ impl Mirror {
     /// holds the line's stripe, so no write to them races the copy.
     pub(crate) fn rebuild_copy(&self, offset: u64, len: usize) -> crate::Result<()> {
         let mut buf = vec![0u8; len];
-        self.primary.read_at(&mut buf, offset)?;
+        self.primary().read_at(&mut buf, offset)?;
         if !self.rebuilding() {
             return Err(self.rebuild_aborted());
         }
@@ -490,8 +577,9 @@ impl Mirror {
         // naming them is.
         mirror.flush()?;
         let mut buf = vec![0u8; CHUNK as usize];
+        let primary = self.primary();
         let mut copy = |at: u64, n: usize| -> crate::Result<()> {
-            self.primary.read_at(&mut buf[..n], at)?;
+            primary.read_at(&mut buf[..n], at)?;
             mirror.write_at(&buf[..n], at)?;
             Ok(())
         };
@@ -517,19 +605,178 @@ impl Mirror {
         *self.reason.lock() = None;
         Ok(())
     }
+
+    /// Start filling `new` as the primary (`--attach-cache` on a cache whose primary is lost),
+    /// refused in any other state. `size` is the primary's size the geometry was computed
+    /// from: a larger device is used up to it. The device's superblock slots are wiped first (a
+    /// cut from here on leaves it holding no cache); from the switch on, every metadata write
+    /// but the superblocks, every flush and every dirty-data write goes to it too, and nothing
+    /// is read from it.
+    /// Returns what `abandon_primary_rebuild` puts back if the filling fails.
+    pub(crate) fn begin_primary_rebuild(
+        &self,
+        new: VolumeRef,
+        size: u64,
+    ) -> crate::Result<ReplacedPrimary> {
+        self.refuse_a_new_primary()?;
+        let zeros = vec![0u8; (2 * CONFIG_SLOT_BYTES) as usize];
+        new.write_at(&zeros, 0)?;
+        new.flush()?;
+        let new: VolumeRef = if new.size() > size {
+            Arc::new(Window::new(new, size))
+        } else {
+            new
+        };
+        let mut primary = self.primary.write();
+        // Again under the lock: two attaches racing, only one replaces the primary. (The
+        // refusal names the primary: it reads it, so not under this lock.)
+        if self.state.load(Ordering::SeqCst) != PRIMARY_LOST {
+            drop(primary);
+            self.refuse_a_new_primary()?;
+            return Err(crate::EngineError::Invalid(
+                "another new primary was attached meanwhile".into(),
+            ));
+        }
+        self.rebuild_copied.store(0, Ordering::Relaxed);
+        self.rebuild_total.store(0, Ordering::Relaxed);
+        let name = self
+            .renamed
+            .write()
+            .replace(Box::leak(new.name().to_string().into_boxed_str()));
+        let volume = std::mem::replace(&mut *primary, new);
+        self.state.store(REBUILDING_PRIMARY, Ordering::SeqCst);
+        Ok(ReplacedPrimary { volume, name })
+    }
+
+    fn refuse_a_new_primary(&self) -> crate::Result<()> {
+        let why = match self.state() {
+            MirrorState::PrimaryLost => return Ok(()),
+            MirrorState::Redundant => format!(
+                "the cache is redundant (its primary {} and its mirror {} both work); a new primary replaces only a lost one",
+                self.primary().name(),
+                self.mirror().name()
+            ),
+            MirrorState::MirrorLost => format!(
+                "the mirror {} is lost, not the primary {}: give the cache a new mirror with --attach-mirror",
+                self.mirror().name(),
+                self.primary().name()
+            ),
+            MirrorState::Rebuilding => format!(
+                "a rebuild onto the new mirror {} is under way, and the primary {} works",
+                self.mirror().name(),
+                self.primary().name()
+            ),
+            MirrorState::RebuildingPrimary => format!(
+                "a new primary {} is being filled already",
+                self.primary().name()
+            ),
+        };
+        Err(crate::EngineError::Invalid(why))
+    }
+
+    /// Copy dirty sectors read from the mirror onto the new primary. The caller holds the
+    /// line's stripe, so no write to them races the copy.
+    pub(crate) fn primary_rebuild_copy(&self, offset: u64, len: usize) -> crate::Result<()> {
+        let mut buf = vec![0u8; len];
+        self.mirror().read_at(&mut buf, offset)?;
+        if !self.rebuilding_primary() {
+            return Err(self.primary_rebuild_aborted());
+        }
+        self.primary()
+            .write_at(&buf, offset)
+            .inspect_err(|e| self.primary_rebuild_failed("a rebuild write", e))?;
+        Ok(())
+    }
+
+    fn primary_rebuild_aborted(&self) -> crate::EngineError {
+        crate::EngineError::Invalid(format!(
+            "filling the new primary {} stopped: {}",
+            self.primary().name(),
+            self.reason
+                .lock()
+                .clone()
+                .unwrap_or_else(|| "the primary was lost".into())
+        ))
+    }
+
+    /// A new primary that failed to fill: `primary lost` again (if a failure of the device had
+    /// not said so already), `what` the reason, and the lost primary the pair's again (its name
+    /// in messages, as in the daemon's record). Nothing uses a lost primary, so it can be put
+    /// back while requests run.
+    pub(crate) fn abandon_primary_rebuild(&self, what: &crate::EngineError, old: ReplacedPrimary) {
+        self.primary_rebuild_failed("filling", what);
+        let mut primary = self.primary.write();
+        if self.state.load(Ordering::SeqCst) == PRIMARY_LOST {
+            *primary = old.volume;
+            *self.renamed.write() = old.name;
+        }
+    }
+
+    /// End the filling of a new primary: the metadata region below the superblocks (commit
+    /// records, metadata blocks) copied from the mirror under the exclusive metadata lock,
+    /// flushed, then the state redundant (the primary read again, the configured mode back).
+    /// The new primary still has no superblock: the caller writes one (through the pair) that
+    /// names the new pairing, and only that makes it loadable.
+    pub(crate) fn finish_primary_rebuild(&self) -> crate::Result<()> {
+        const CHUNK: u64 = 1 << 20;
+        let _copy = self.meta_copy.write();
+        let (primary, mirror) = (self.primary(), self.mirror());
+        // Flush first: the dirty sectors copied by the pass are durable before any metadata
+        // naming them is.
+        primary
+            .flush()
+            .inspect_err(|e| self.primary_rebuild_failed("a rebuild flush", e))?;
+        let mut buf = vec![0u8; CHUNK as usize];
+        let mut copy = |at: u64, n: usize| -> crate::Result<()> {
+            mirror.read_at(&mut buf[..n], at)?;
+            primary
+                .write_at(&buf[..n], at)
+                .inspect_err(|e| self.primary_rebuild_failed("a rebuild write", e))?;
+            Ok(())
+        };
+        for slot in crate::format::COMMIT_SLOTS {
+            copy(slot, crate::format::BLOCK)?;
+        }
+        let mut at = crate::format::META_OFFSET;
+        while at < self.data_offset {
+            let n = (self.data_offset - at).min(CHUNK) as usize;
+            copy(at, n)?;
+            at += n as u64;
+        }
+        primary
+            .flush()
+            .inspect_err(|e| self.primary_rebuild_failed("a rebuild flush", e))?;
+        if self
+            .state
+            .compare_exchange(
+                REBUILDING_PRIMARY,
+                REDUNDANT,
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            )
+            .is_err()
+        {
+            return Err(self.primary_rebuild_aborted());
+        }
+        *self.reason.lock() = None;
+        Ok(())
+    }
 }
 
 impl Volume for Mirror {
     fn name(&self) -> &str {
-        self.primary.name()
+        match *self.renamed.read() {
+            Some(name) => name,
+            None => &self.name,
+        }
     }
 
     fn size(&self) -> u64 {
-        self.primary.size()
+        self.primary().size()
     }
 
     fn logical_block_size(&self) -> u32 {
-        self.primary.logical_block_size()
+        self.primary().logical_block_size()
     }
 
     /// Metadata from the primary, or the mirror once it fails. Data only from the primary: a
@@ -541,7 +788,7 @@ impl Volume for Mirror {
         if !self.primary_usable() {
             return Err(self.primary_gone(Op::Read, offset, buf.len()));
         }
-        self.primary
+        self.primary()
             .read_at(buf, offset)
             .inspect_err(|e| self.lose(PRIMARY_LOST, "a read", e))
     }
@@ -558,7 +805,7 @@ impl Volume for Mirror {
             return Err(self.primary_gone(Op::Read, offset, len));
         }
         // Called as the trait's: the rooms' own `read_batch` is another thing.
-        Volume::read_batch(&*self.primary, pieces)
+        Volume::read_batch(&*self.primary(), pieces)
             .inspect_err(|e| self.lose(PRIMARY_LOST, "a read", e))
     }
 
@@ -571,7 +818,7 @@ impl Volume for Mirror {
         if !self.primary_usable() {
             return Err(self.primary_gone(Op::Write, offset, buf.len()));
         }
-        self.primary
+        self.primary()
             .write_at(buf, offset)
             .inspect_err(|e| self.lose(PRIMARY_LOST, "a write", e))
     }
@@ -580,12 +827,16 @@ impl Volume for Mirror {
         let mut done = false;
         let mut last = None;
         if self.primary_usable() {
-            match self.primary.flush() {
+            match self.primary().flush() {
                 Ok(()) => done = true,
                 Err(e) => {
                     self.lose(PRIMARY_LOST, "a flush", &e);
                     last = Some(e);
                 }
+            }
+        } else if self.rebuilding_primary() {
+            if let Err(e) = self.primary().flush() {
+                self.primary_rebuild_failed("a flush", &e);
             }
         }
         if self.mirror_usable() {
@@ -608,12 +859,18 @@ impl Volume for Mirror {
         if !self.primary_usable() {
             return Err(self.primary_gone(Op::Discard, offset, len as usize));
         }
-        Volume::discard(&*self.primary, offset, len)
+        Volume::discard(&*self.primary(), offset, len)
     }
 
     fn discard_zeroes(&self) -> bool {
-        self.primary.discard_zeroes()
+        self.primary().discard_zeroes()
     }
+}
+
+/// The primary a new one replaced, kept until the filling is done.
+pub(crate) struct ReplacedPrimary {
+    volume: VolumeRef,
+    name: Option<&'static str>,
 }
 
 /// The first `size` bytes of a volume: a mirror larger than its primary, loaded alone, shows

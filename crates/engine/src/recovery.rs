@@ -825,8 +825,10 @@ fn check_pairing(volume: VolumeRef, sb: &Superblock, source: &LoadSource) -> Res
             }
             let pairing = msb.mirror.as_ref().map_or(0, |r| r.generation);
             if pairing != rec.generation {
+                // Which one was replaced cannot be told from here: a pairing is drawn at
+                // random, and either device may be the older.
                 return Err(EngineError::Invalid(format!(
-                    "{} is an earlier mirror of {what}, replaced by --attach-mirror since (pairing {pairing}, the cache's is {}): it missed writes and is stale",
+                    "{} and {name} were not paired last (pairing {pairing} on the mirror, {} on the cache device): the mirror was replaced since by --attach-mirror, or the cache device by --attach-cache; the replaced one missed writes and is stale",
                     mirror.name(),
                     rec.generation
                 )));

@@ -791,7 +791,7 @@ impl Daemon {
             let why = status.reason.unwrap_or_default();
             match status.state {
                 MirrorState::PrimaryLost => tracing::error!(
-                    "cache {id}: primary lost ({why}); its {dirty} dirty lines ({bytes} bytes) are on the mirror {} alone: served from it and drained to the cores; the cache serves as pass-through until it is loaded again",
+                    "cache {id}: primary lost ({why}); its {dirty} dirty lines ({bytes} bytes) are on the mirror {} alone: served from it and drained to the cores; the cache serves as pass-through until a new primary is attached (--attach-cache) or it is loaded again",
                     m.device
                 ),
                 MirrorState::MirrorLost => tracing::warn!(
@@ -805,6 +805,11 @@ impl Daemon {
                 MirrorState::Rebuilding => tracing::info!(
                     "cache {id}: rebuilding its mirror onto {}: {dirty} dirty lines ({bytes} bytes) to copy",
                     status.device
+                ),
+                MirrorState::RebuildingPrimary => tracing::info!(
+                    "cache {id}: filling its new primary {} from its mirror {}: {dirty} dirty lines ({bytes} bytes) to copy",
+                    c.device,
+                    m.device
                 ),
                 MirrorState::Redundant => {}
             }

@@ -465,6 +465,17 @@ impl Daemon {
         if self.stopping.load(std::sync::atomic::Ordering::SeqCst) {
             return Err("the daemon is shutting down".into());
         }
+        // A running mirrored cache is not disconnected: the device is a new primary (mirror.rs).
+        if let Some(c) = want.and_then(|w| st.caches.get(&w)) {
+            let id = c.cache.id();
+            if c.mirror.is_none() {
+                return Err(format!(
+                    "cache {id} is running (not detached or disconnected) and has no mirror: a cache device is attached to a detached cache, or as a new primary to a mirrored cache whose primary is lost"
+                ));
+            }
+            drop(st);
+            return self.attach_primary(id, device, force);
+        }
         if st.disconnected.is_empty() {
             return Err("no cache is disconnected".into());
         }
