@@ -156,6 +156,20 @@ impl Export for CoreExport {
         true
     }
 
+    fn write_batch(&self, reqs: &[(&[u8], u64)]) -> Vec<ExportResult<()>> {
+        self.core
+            .write_batch(reqs)
+            .into_iter()
+            .map(|r| r.map_err(|e| self.error(e)))
+            .collect()
+    }
+
+    /// Write-back hits in a batch are written to the cache device together (engine
+    /// write_batch.rs).
+    fn batches_writes(&self) -> bool {
+        true
+    }
+
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> ExportResult<()> {
         if fua {
             self.core.write_fua(buf, offset)

@@ -178,6 +178,24 @@ impl Target {
         })
     }
 
+    pub fn write_batch(&self, reqs: &[(&[u8], u64)]) -> Vec<Result<(), EngineError>> {
+        let n = reqs.len();
+        let out = self.with(|via| {
+            Ok(match via {
+                Via::Cache(c) => c.write_batch(reqs),
+                Via::Core(v) => reqs
+                    .iter()
+                    .map(|(buf, offset)| {
+                        self.check(*offset, buf.len() as u64)?;
+                        Ok(v.write_at(buf, *offset)?)
+                    })
+                    .collect(),
+            })
+        });
+        // As for read batches: only a route that is gone fails the batch as a whole.
+        out.unwrap_or_else(|_| (0..n).map(|_| Err(EngineError::Stopped)).collect())
+    }
+
     pub fn write_fua(&self, buf: &[u8], offset: u64) -> Result<(), EngineError> {
         self.with(|via| match via {
             Via::Cache(c) => c.write_fua(buf, offset),

@@ -284,6 +284,8 @@ impl Devices {
             core.counters()
                 .add(Counter::CacheWrittenBytes, bytes as u64);
         }
+        core.counters()
+            .add(Counter::WriteHitsBatched, writes.len() as u64);
         writes.iter().map(|_| Ok(())).collect()
     }
 
