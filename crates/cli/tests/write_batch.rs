@@ -1,23 +1,27 @@
 //! Batched write hits through NBD (issue 32; engine write_batch.rs, the NBD reader's write
-//! batches): fio write hits at iodepth 32 verified with crc32c, mixed with flushes, land
+//! batches, opt-in with `HYBRIDCACHE_NBD_WRITE_BATCH=1`): fio write hits at iodepth 32 verified with crc32c, mixed with flushes, land
 //! intact (FUA's place in a batch: crates/nbd/tests/write_batch.rs); `-P` shows that they were batched (`Write hits written to cache in
 //! batches`); and after a flush the core file alone holds the data.
 
 mod common;
 
-use common::{file_cache, fio, need, FileCache};
+use common::{fio, need, sparse_file, workdir, Daemon};
 
 #[test]
 fn write_hits_at_qd32_are_batched_and_verify() {
     if !need(&["fio"]) {
         return;
     }
-    let FileCache {
-        dir,
-        core,
-        daemon: d,
-        ..
-    } = file_cache(64 << 20, 128 << 20, &["-c", "wb"]);
+    let dir = workdir();
+    let cache = dir.path().join("cache.img");
+    let core = dir.path().join("core.img");
+    sparse_file(&cache, 64 << 20);
+    sparse_file(&core, 128 << 20);
+    // Write batching is opt-in (docs/performance.md §11).
+    let d = Daemon::start_with_env(dir.path(), &[], &[("HYBRIDCACHE_NBD_WRITE_BATCH", "1")]);
+    let spec = format!("file:{}", cache.display());
+    d.ok(&["-S", "-d", &spec, "-c", "wb"]);
+    d.ok(&["-A", "-i", "1", "-d", core.to_str().expect("UTF-8 path")]);
     let uri = d.uri("cas1-1");
     let base: Vec<String> = vec![
         "--ioengine=nbd".into(),
