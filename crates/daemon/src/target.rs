@@ -292,6 +292,28 @@ mod tests {
         ));
     }
 
+    #[test]
+    fn a_write_batch_follows_the_route() {
+        let (cache, core_vol, target) = cache_and_core();
+        let (a, b) = ([5u8; 4096], [6u8; 4096]);
+        let res = target.write_batch(&[(&a[..], 0), (&b[..], 0), (&a[..], 4 << 20)]);
+        assert!(res[0].is_ok() && res[1].is_ok(), "{res:?}");
+        assert!(matches!(res[2], Err(EngineError::OutOfRange { .. })));
+        let mut back = [0u8; 4096];
+        target.read(&mut back, 0).unwrap();
+        assert_eq!(back, b, "the later write of a batch wins");
+        cache.flush().unwrap();
+        target.switch(Route::PassThrough(core_vol.clone()));
+        let res = target.write_batch(&[(&a[..], 8192), (&b[..], 8192), (&a[..], 4 << 20)]);
+        assert!(res[0].is_ok() && res[1].is_ok(), "{res:?}");
+        assert!(matches!(res[2], Err(EngineError::OutOfRange { .. })));
+        core_vol.read_at(&mut back, 8192).unwrap();
+        assert_eq!(back, b);
+        target.switch(Route::Gone);
+        let res = target.write_batch(&[(&a[..], 0), (&b[..], 4096)]);
+        assert!(res.iter().all(|r| matches!(r, Err(EngineError::Stopped))));
+    }
+
     /// A core whose writes take a while: a request stays in flight long enough to switch
     /// under it. Counts the writes that have begun.
     struct Slow(VolumeRef, Arc<std::sync::atomic::AtomicUsize>);
