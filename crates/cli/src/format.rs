@@ -730,6 +730,15 @@ fn sections(r: &StatsReport) -> Vec<Section> {
             pct(s.offload_writes, writes + s.pass_through_writes),
             REQUESTS,
         ),
+        // A pipelining client's write hits sharing one cache-device submission: how much of
+        // the write-hit load the batched path carries (docs/performance.md §11).
+        row(
+            "write_hits_batched",
+            "Write hits written to cache in batches",
+            s.write_hits_batched,
+            pct(s.write_hits_batched, writes),
+            REQUESTS,
+        ),
         row(
             "prefetch_hits",
             "Prefetched lines hit",

@@ -105,6 +105,15 @@ impl ErrorLog {
     }
 }
 
+/// Whether the NBD reader hands buffered writes to the engine as batches
+/// (`HYBRIDCACHE_NBD_WRITE_BATCH=1` in the daemon's environment). Off by default: measured on
+/// this project's test machine, write hits at queue depth 32 ran slower batched on the reader
+/// than one by one on the connection's workers (docs/performance.md §11).
+fn write_batching() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("HYBRIDCACHE_NBD_WRITE_BATCH").is_ok_and(|v| v == "1"))
+}
+
 fn to_export_error(e: EngineError) -> ExportError {
     let kind = match &e {
         EngineError::Unaligned { .. }
@@ -154,6 +163,20 @@ impl Export for CoreExport {
     /// Cache hits in a batch are read from the cache device together (engine read_batch.rs).
     fn batches_reads(&self) -> bool {
         true
+    }
+
+    fn write_batch(&self, reqs: &[(&[u8], u64)]) -> Vec<ExportResult<()>> {
+        self.core
+            .write_batch(reqs)
+            .into_iter()
+            .map(|r| r.map_err(|e| self.error(e)))
+            .collect()
+    }
+
+    /// Write-back hits in a batch are written to the cache device together (engine
+    /// write_batch.rs), when `HYBRIDCACHE_NBD_WRITE_BATCH=1`.
+    fn batches_writes(&self) -> bool {
+        write_batching()
     }
 
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> ExportResult<()> {

@@ -634,6 +634,9 @@ pub struct StatsData {
     pub cleaner_cache_read_bytes: u64,
     #[serde(default)]
     pub cleaner_core_written_bytes: u64,
+    /// Write hits whose data reached the cache device in one submission with other requests'.
+    #[serde(default)]
+    pub write_hits_batched: u64,
     pub core_read_bytes: u64,
     pub core_written_bytes: u64,
     pub cache_read_bytes: u64,
@@ -673,6 +676,7 @@ impl From<hybridcache_engine::Stats> for StatsData {
             write_deferred: s.requests.write_deferred,
             prefetch_written_bytes: s.blocks.prefetch_written_bytes,
             cleaner_requests: s.requests.cleaner_requests,
+            write_hits_batched: s.requests.write_hits_batched,
             cleaner_cache_read_bytes: s.blocks.cleaner_cache_read_bytes,
             cleaner_core_written_bytes: s.blocks.cleaner_core_written_bytes,
             core_read_bytes: s.blocks.core_read_bytes,

@@ -178,6 +178,24 @@ impl Target {
         })
     }
 
+    pub fn write_batch(&self, reqs: &[(&[u8], u64)]) -> Vec<Result<(), EngineError>> {
+        let n = reqs.len();
+        let out = self.with(|via| {
+            Ok(match via {
+                Via::Cache(c) => c.write_batch(reqs),
+                Via::Core(v) => reqs
+                    .iter()
+                    .map(|(buf, offset)| {
+                        self.check(*offset, buf.len() as u64)?;
+                        Ok(v.write_at(buf, *offset)?)
+                    })
+                    .collect(),
+            })
+        });
+        // As for read batches: only a route that is gone fails the batch as a whole.
+        out.unwrap_or_else(|_| (0..n).map(|_| Err(EngineError::Stopped)).collect())
+    }
+
     pub fn write_fua(&self, buf: &[u8], offset: u64) -> Result<(), EngineError> {
         self.with(|via| match via {
             Via::Cache(c) => c.write_fua(buf, offset),
@@ -272,6 +290,28 @@ mod tests {
             target.read(&mut back, 4 << 20),
             Err(EngineError::OutOfRange { .. })
         ));
+    }
+
+    #[test]
+    fn a_write_batch_follows_the_route() {
+        let (cache, core_vol, target) = cache_and_core();
+        let (a, b) = ([5u8; 4096], [6u8; 4096]);
+        let res = target.write_batch(&[(&a[..], 0), (&b[..], 0), (&a[..], 4 << 20)]);
+        assert!(res[0].is_ok() && res[1].is_ok(), "{res:?}");
+        assert!(matches!(res[2], Err(EngineError::OutOfRange { .. })));
+        let mut back = [0u8; 4096];
+        target.read(&mut back, 0).unwrap();
+        assert_eq!(back, b, "the later write of a batch wins");
+        cache.flush().unwrap();
+        target.switch(Route::PassThrough(core_vol.clone()));
+        let res = target.write_batch(&[(&a[..], 8192), (&b[..], 8192), (&a[..], 4 << 20)]);
+        assert!(res[0].is_ok() && res[1].is_ok(), "{res:?}");
+        assert!(matches!(res[2], Err(EngineError::OutOfRange { .. })));
+        core_vol.read_at(&mut back, 8192).unwrap();
+        assert_eq!(back, b);
+        target.switch(Route::Gone);
+        let res = target.write_batch(&[(&a[..], 0), (&b[..], 4096)]);
+        assert!(res.iter().all(|r| matches!(r, Err(EngineError::Stopped))));
     }
 
     /// A core whose writes take a while: a request stays in flight long enough to switch

@@ -1003,6 +1003,17 @@ impl Core {
         Ok(())
     }
 
+    /// Serve several writes at once, one result per request in order: what a pipelining
+    /// client has queued. Each is the write [`write`](Self::write) would do; the write-back
+    /// hits among them are written to the cache device together (write_batch.rs). A FUA
+    /// write or a flush is not part of a batch: it ends one.
+    pub fn write_batch(&self, reqs: &[(&[u8], u64)]) -> Vec<Result<()>> {
+        if let [(buf, offset)] = reqs {
+            return vec![self.write(buf, *offset)];
+        }
+        self.cache.write_batch(&self.core, reqs)
+    }
+
     /// A write that is durable when it returns (NBD's FUA): the write, then a flush.
     pub fn write_fua(&self, buf: &[u8], offset: u64) -> Result<()> {
         self.write(buf, offset)?;

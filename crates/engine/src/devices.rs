@@ -232,6 +232,63 @@ impl Devices {
         Ok(())
     }
 
+    /// Whether write hits may share one cache-device submission: without a mirror, or with
+    /// both devices in service (a mirror lost or being rebuilt changes where dirty data goes,
+    /// and those writes keep the single path).
+    #[inline]
+    pub(crate) fn batches_dirty_writes(&self) -> bool {
+        match &self.mirror {
+            Some(m) => m.state() == crate::mirror::MirrorState::Redundant,
+            None => true,
+        }
+    }
+
+    /// Write several requests' dirty data (`writes`: each request's buffer and cache runs,
+    /// which must not overlap one another), one result per request. Without a mirror, one
+    /// [`Volume::write_batch`](hybridcache_volume::Volume::write_batch) for all of them (one
+    /// `io_uring_enter` on a file volume); a mirrored cache writes each run to both devices
+    /// through `Mirror::write_dirty`, as a single write does.
+    pub(crate) fn cache_write_dirty_batch(
+        &self,
+        core: &CoreState,
+        writes: &[(&[u8], &[Run])],
+    ) -> Vec<Result<()>> {
+        if self.mirror.is_some() || writes.len() < 2 {
+            return writes
+                .iter()
+                .map(|(buf, runs)| self.cache_write_dirty(core, buf, runs))
+                .collect();
+        }
+        let batched = {
+            // One cache I/O per request, as single writes count them for offload's view.
+            let _queued: Vec<_> = writes.iter().map(|_| self.offload.cache_io()).collect();
+            let pieces: Vec<(&[u8], u64)> = writes
+                .iter()
+                .flat_map(|(buf, runs)| {
+                    runs.iter()
+                        .map(move |r| (&buf[r.buf_off..r.buf_off + r.len], r.dev_off))
+                })
+                .collect();
+            self.volume.write_batch(&pieces).is_ok()
+        };
+        if !batched {
+            // Which one failed: each writes again alone, counting its own bytes or error
+            // (writing the same data twice does no harm).
+            return writes
+                .iter()
+                .map(|(buf, runs)| self.cache_write(core, buf, runs))
+                .collect();
+        }
+        for (_, runs) in writes {
+            let bytes: usize = runs.iter().map(|r| r.len).sum();
+            core.counters()
+                .add(Counter::CacheWrittenBytes, bytes as u64);
+        }
+        core.counters()
+            .add(Counter::WriteHitsBatched, writes.len() as u64);
+        writes.iter().map(|_| Ok(())).collect()
+    }
+
     /// Read dirty sectors: on a mirrored cache from the mirror when the primary fails.
     #[inline]
     pub(crate) fn cache_read_dirty(

@@ -53,6 +53,7 @@ mod room_wait;
 mod segment;
 mod stats;
 mod write;
+mod write_batch;
 
 pub use cache::{Cache, Core, CoreInfo, CoreStatus};
 pub use cleaning_state::{CleaningStats, CleaningTick, WRITE_SIZE_BUCKETS};

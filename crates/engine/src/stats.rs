@@ -54,6 +54,10 @@ pub struct RequestStats {
     /// Core writes of the cleaner (background cleaning, flushes, and a write-back write making
     /// room): internal requests, not in the totals above.
     pub cleaner_requests: u64,
+    /// Write hits whose data reached the cache device in one submission with other requests'
+    /// (a batch of a pipelining client: `Core::write_batch`); part of `write_hits` and the
+    /// partial misses whose lines were all mapped.
+    pub write_hits_batched: u64,
 }
 
 /// Bytes moved, by device.
@@ -197,8 +201,9 @@ pub(crate) enum Counter {
     CleanerRequests,
     CleanerCacheReadBytes,
     CleanerCoreWrittenBytes,
+    WriteHitsBatched,
 }
-const COUNTERS: usize = Counter::CleanerCoreWrittenBytes as usize + 1;
+const COUNTERS: usize = Counter::WriteHitsBatched as usize + 1;
 
 #[repr(align(128))]
 struct Slot([AtomicU64; COUNTERS]);
@@ -264,6 +269,7 @@ impl Counters {
                 offload_reads: self.get(OffloadReads),
                 offload_writes: self.get(OffloadWrites),
                 cleaner_requests: self.get(CleanerRequests),
+                write_hits_batched: self.get(WriteHitsBatched),
             },
             BlockStats {
                 core_read_bytes: self.get(CoreReadBytes),
@@ -322,6 +328,7 @@ impl RequestStats {
         self.offload_reads += o.offload_reads;
         self.offload_writes += o.offload_writes;
         self.cleaner_requests += o.cleaner_requests;
+        self.write_hits_batched += o.write_hits_batched;
     }
 }
 

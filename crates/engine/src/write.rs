@@ -84,28 +84,46 @@ impl CacheInner {
             return Ok(());
         }
         let _entered = core.enter()?;
+        let (mode, class, cut) = self.write_admit(core, buf.len() as u64, offset);
+        self.write_routed(core, buf, offset, mode, class, cut)
+    }
+
+    /// What a write is, decided once per request: the mode it is served in, its IO class, and
+    /// whether it is pass-through (seq cutoff, a class with allocation 0); its bytes counted.
+    #[inline]
+    pub(crate) fn write_admit(
+        &self,
+        core: &CoreState,
+        len: u64,
+        offset: u64,
+    ) -> (CacheMode, Option<ReqClass>, bool) {
         let mode = self.mode();
-        core.counters()
-            .add(Counter::ExportedWrittenBytes, buf.len() as u64);
-        let class = self
-            .lines
+        core.counters().add(Counter::ExportedWrittenBytes, len);
+        let class = self.lines.classes().classify(core.id(), offset, len, true);
+        self.lines
             .classes()
-            .classify(core.id(), offset, buf.len() as u64, true);
-        self.lines.classes().count(
-            core.classes(),
-            class,
-            Counter::ExportedWrittenBytes,
-            buf.len() as u64,
-        );
+            .count(core.classes(), class, Counter::ExportedWrittenBytes, len);
         // A write sequential cutoff turns away goes to the core; the cache drops its copy of
         // those sectors, dirty or not (the core now has newer data). wa inserts nothing anyway
         // and keeps its mapped copies up to date instead.
         // A class with allocation 0 is never cached: its writes are pass-through too.
         let cut = mode != CacheMode::Pt
             && (class.is_some_and(|c| c.cap == 0)
-                || self
-                    .admission()
-                    .cut_off(core, offset, buf.len() as u64, true));
+                || self.admission().cut_off(core, offset, len, true));
+        (mode, class, cut)
+    }
+
+    /// A write admitted by [`write_admit`](Self::write_admit), served by its mode.
+    #[inline]
+    pub(crate) fn write_routed(
+        &self,
+        core: &CoreState,
+        buf: &[u8],
+        offset: u64,
+        mode: CacheMode,
+        class: Option<ReqClass>,
+        cut: bool,
+    ) -> Result<()> {
         match mode {
             CacheMode::Wa => self.write_through(core, buf, offset, false, class),
             _ if cut => self.write_invalidate(core, buf, offset, CacheMode::Pt, class),
@@ -117,7 +135,13 @@ impl CacheInner {
 
     /// `waited`: the write waited for another request's stripes (a hit is then also deferred).
     #[inline]
-    fn count_write(&self, core: &CoreState, segs: &[Seg], class: Option<ReqClass>, waited: bool) {
+    pub(crate) fn count_write(
+        &self,
+        core: &CoreState,
+        segs: &[Seg],
+        class: Option<ReqClass>,
+        waited: bool,
+    ) {
         let total: u64 = segs.iter().map(|s| s.count as u64).sum();
         let valid: u64 = segs
             .iter()
@@ -156,7 +180,7 @@ impl CacheInner {
     /// waiting), apply (the cache write, then the line updates), and the core part (what got no
     /// line, or whose cache write failed).
     #[inline]
-    fn write_back(
+    pub(crate) fn write_back(
         &self,
         core: &CoreState,
         buf: &[u8],
@@ -382,6 +406,17 @@ impl CacheInner {
         targets: &[(usize, u32, bool)],
         class: Option<ReqClass>,
     ) -> Vec<Run> {
+        let cache_runs = self.write_back_runs(segs, targets);
+        let cache_ok = self
+            .devices
+            .cache_write_dirty(core, buf, &cache_runs)
+            .is_ok();
+        self.write_back_applied(segs, targets, class, cache_ok)
+    }
+
+    /// The cache runs of the segments with a home line (`targets`, as `homes` gives them).
+    #[inline]
+    pub(crate) fn write_back_runs(&self, segs: &[Seg], targets: &[(usize, u32, bool)]) -> Vec<Run> {
         let mut cache_runs = Vec::new();
         for &(i, line, _) in targets {
             let s = &segs[i];
@@ -392,10 +427,19 @@ impl CacheInner {
                 s.count as usize * SECTOR as usize,
             );
         }
-        let cache_ok = self
-            .devices
-            .cache_write_dirty(core, buf, &cache_runs)
-            .is_ok();
+        cache_runs
+    }
+
+    /// The line updates once the cache write of `targets` is done (`cache_ok`) or failed;
+    /// returns the runs a failure sends to the core.
+    #[inline]
+    pub(crate) fn write_back_applied(
+        &self,
+        segs: &[Seg],
+        targets: &[(usize, u32, bool)],
+        class: Option<ReqClass>,
+        cache_ok: bool,
+    ) -> Vec<Run> {
         let mut fallback = Vec::new();
         for &(i, line, new) in targets {
             let s = &segs[i];
@@ -426,7 +470,7 @@ impl CacheInner {
     /// The core part of a write-back write: what has no line, and what a failed cache write
     /// sends back.
     #[inline]
-    fn write_back_core_part(
+    pub(crate) fn write_back_core_part(
         &self,
         core: &CoreState,
         buf: &[u8],

@@ -265,6 +265,22 @@ pub trait Export: Send + Sync {
     /// Stores `buf` at `offset`; with `fua`, durable before returning.
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> ExportResult<()>;
 
+    /// Several writes at once (none of them FUA), one result per `(data, offset)` in order:
+    /// what a pipelining client has queued. They must land as if written one after another in
+    /// that order (two of them may cover the same sectors). The default writes one by one.
+    fn write_batch(&self, reqs: &[(&[u8], u64)]) -> Vec<ExportResult<()>> {
+        reqs.iter()
+            .map(|(buf, offset)| self.write(buf, *offset, false))
+            .collect()
+    }
+
+    /// Whether the server should hand buffered writes to [`write_batch`](Self::write_batch)
+    /// together: true for an export that serves a batch faster than its writes one by one. As
+    /// for reads, the server batches only while batches have been fast on average.
+    fn batches_writes(&self) -> bool {
+        false
+    }
+
     /// Makes every write that has returned so far durable.
     fn flush(&self) -> ExportResult<()> {
         Ok(())

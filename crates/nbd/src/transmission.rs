@@ -239,6 +239,8 @@ const IDLE_TICKS: u32 = 200;
 const SLOW_NS: u64 = 50_000;
 /// The most buffered reads the reader takes into one batch ([`Export::read_batch`]).
 const READ_BATCH: usize = 32;
+/// The most buffered writes the reader takes into one batch ([`Export::write_batch`]).
+const WRITE_BATCH: usize = 32;
 /// While batches are slow, one chance in this many batches anyway (a probe).
 const BATCH_PROBE: u64 = 64;
 
@@ -407,6 +409,9 @@ pub(crate) struct Conn<'a, R, W> {
     /// batches declined since, to probe again now and then (see `batchable`).
     batch_ns: AtomicU64,
     batch_declined: AtomicU64,
+    /// The same for write batches.
+    write_batch_ns: AtomicU64,
+    write_batch_declined: AtomicU64,
     /// Requests being executed now, inline or handed off.
     executing: AtomicUsize,
     export: &'a dyn Export,
@@ -459,6 +464,8 @@ pub(crate) fn run<R: Read + Send, W: Write + Send>(
         ewma_ns: Default::default(),
         batch_ns: AtomicU64::new(0),
         batch_declined: AtomicU64::new(0),
+        write_batch_ns: AtomicU64::new(0),
+        write_batch_declined: AtomicU64::new(0),
         executing: AtomicUsize::new(0),
         export: &*n.entry.export,
         mem,
@@ -565,10 +572,12 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
                     }
                 }
             }
-            let (next, more_buffered) = {
+            let (next, more_buffered, writes_follow) = {
                 let mut r = self.reader.lock();
                 let next = self.next_request(&mut r, &mut bufs);
-                (next, r.buffer().len() >= REQUEST_LEN)
+                let writes_follow = matches!(next, Ok(Next::Job(_, Job::Write { fua: false, .. })))
+                    && self.next_batchable_write(&r);
+                (next, r.buffer().len() >= REQUEST_LEN, writes_follow)
             };
             let (handle, job) = match next {
                 Ok(Next::Job(h, j)) => (h, j),
@@ -599,6 +608,23 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
             if let (Job::Read { offset, len }, true) = (job, more_buffered) {
                 if self.batchable(offset, len) && self.batch_allowed() {
                     match self.read_batch(s, handle, offset, len, bufs) {
+                        Ok(still_reader) => {
+                            holding = still_reader;
+                            bufs = Buffers::new(self.mem);
+                            continue;
+                        }
+                        Err(e) => {
+                            self.fail_with(&e);
+                            return;
+                        }
+                    }
+                }
+            }
+            if let (Job::Write { offset, len, .. }, true) = (job, writes_follow) {
+                if self.write_batchable(offset, len)
+                    && self.batch_allowed_by(&self.write_batch_ns, &self.write_batch_declined)
+                {
+                    match self.write_batch(s, handle, offset, len, bufs) {
                         Ok(still_reader) => {
                             holding = still_reader;
                             bufs = Buffers::new(self.mem);
@@ -668,8 +694,45 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
     /// workers instead; every BATCH_PROBE-th chance batches anyway, so a workload that turns to
     /// hits batches again.
     fn batch_allowed(&self) -> bool {
-        self.batch_ns.load(Ordering::Relaxed) <= SLOW_NS
-            || self.batch_declined.fetch_add(1, Ordering::Relaxed) % BATCH_PROBE == BATCH_PROBE - 1
+        self.batch_allowed_by(&self.batch_ns, &self.batch_declined)
+    }
+
+    /// `batch_allowed` for the batches whose average is `ns` and declines `declined`.
+    fn batch_allowed_by(&self, ns: &AtomicU64, declined: &AtomicU64) -> bool {
+        ns.load(Ordering::Relaxed) <= SLOW_NS
+            || declined.fetch_add(1, Ordering::Relaxed) % BATCH_PROBE == BATCH_PROBE - 1
+    }
+
+    /// Whether a write can join a batch: the export batches writes, the payload fits one
+    /// buffer, and the write is aligned (no read-modify-write of a partial block).
+    fn write_batchable(&self, offset: u64, len: u32) -> bool {
+        self.export.batches_writes()
+            && len as usize <= PIECE
+            && aligned(offset, u64::from(len), self.min())
+    }
+
+    /// The next buffered request, if it is a write that can join a batch with its whole
+    /// payload buffered behind its header (the batch never waits for the client), no FUA (a
+    /// FUA write or a flush ends a batch), and its payload fits the budget now.
+    fn next_batchable_write(&self, r: &BufReader<R>) -> bool {
+        let Some(hdr) = r.buffer().get(..REQUEST_LEN) else {
+            return false;
+        };
+        let hdr: &[u8; REQUEST_LEN] = hdr.try_into().expect("a slice of REQUEST_LEN bytes");
+        let Ok(req) = parse_request(hdr) else {
+            return false;
+        };
+        let budget = &self.mem.budget;
+        req.typ == CMD_WRITE
+            && req.flags == 0
+            && req.length > 0
+            && r.buffer().len() >= REQUEST_LEN + req.length as usize
+            && req
+                .offset
+                .checked_add(u64::from(req.length))
+                .is_some_and(|end| end <= self.p.size)
+            && self.write_batchable(req.offset, req.length)
+            && budget.used() + Pool::cost(req.length as usize) <= budget.limit()
     }
 
     /// The next buffered request, if it is a whole header of a read that can join a batch and
@@ -781,6 +844,115 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
             sent = self.send_all(&replies);
         }
         drop(replies);
+        let still_reader = self.finish_inline(token);
+        self.executing.fetch_sub(batch.len(), Ordering::Relaxed);
+        drop(batch);
+        sent?;
+        if stopped {
+            // Nothing more will be read, so no reader flushes the deferred replies later.
+            self.flush_pending()?;
+        }
+        Ok(still_reader)
+    }
+
+    /// Serves the write just read (in `first`) together with the writes buffered behind it, up
+    /// to WRITE_BATCH: all executed inline with one [`Export::write_batch`], which lands them
+    /// in request order; replies deferred, as an inline request's are. A FLUSH read after the
+    /// batch is executed after every write of it is acknowledged, so it covers them all.
+    /// Returns whether this worker still holds the reader role.
+    fn write_batch<'s>(
+        &'s self,
+        s: &'s std::thread::Scope<'s, '_>,
+        handle: u64,
+        offset: u64,
+        len: u32,
+        first: Buffers<'_>,
+    ) -> io::Result<bool> {
+        let mut batch = vec![(handle, offset, len, first)];
+        let mut stopped = false;
+        {
+            let mut r = self.reader.lock();
+            while batch.len() < WRITE_BATCH && self.next_batchable_write(&r) {
+                let mut b = Buffers::new(self.mem);
+                b.held_elsewhere = batch.iter().map(|(.., b)| b.charged).sum();
+                match self.next_request(&mut r, &mut b)? {
+                    Next::Job(
+                        h,
+                        Job::Write {
+                            offset,
+                            len,
+                            fua: false,
+                        },
+                    ) => batch.push((h, offset, len, b)),
+                    // Checked above; anything else would be a bug, never a reason to drop data.
+                    Next::Job(h, job) => {
+                        drop(r);
+                        self.executing.fetch_add(1, Ordering::Relaxed);
+                        let res = self.execute(h, job, &mut b, false);
+                        self.executing.fetch_sub(1, Ordering::Relaxed);
+                        res?;
+                        r = self.reader.lock();
+                    }
+                    Next::Rejected(h, rej) => self.send_error(h, rej.errno, rej.msg, true)?,
+                    Next::Stop | Next::Park => {
+                        self.close();
+                        stopped = true;
+                        break;
+                    }
+                }
+            }
+        }
+        self.executing.fetch_add(batch.len(), Ordering::Relaxed);
+        let token = self.go_inline(s, None);
+        let t0 = Instant::now();
+        let results = {
+            let reqs: Vec<(&[u8], u64)> = batch
+                .iter()
+                .map(|(_, offset, len, b)| {
+                    let data = match &b.payload {
+                        Payload::Pooled(p) => &p[..*len as usize],
+                        Payload::Large(p) => &p[..*len as usize],
+                        Payload::None => &[][..],
+                    };
+                    (data, *offset)
+                })
+                .collect();
+            let _shared = self.write_gate.read();
+            self.export.write_batch(&reqs)
+        };
+        let ns = (t0.elapsed().as_nanos() / batch.len() as u128).min(u128::from(u32::MAX)) as u64;
+        let old = self.write_batch_ns.load(Ordering::Relaxed);
+        self.write_batch_ns
+            .store(old - old / 8 + ns / 8, Ordering::Relaxed);
+        // The successes' replies go out as one piece; failures each with their message.
+        let mut oks = Vec::with_capacity(batch.len() * SIMPLE_REPLY_LEN);
+        let mut sent = if results.len() == batch.len() {
+            Ok(())
+        } else {
+            Err(io::Error::other("write batch without a result per request"))
+        };
+        for ((h, offset, len, _), res) in batch.iter().zip(results) {
+            self.observe_replied(
+                *h,
+                &Job::Write {
+                    offset: *offset,
+                    len: *len,
+                    fua: false,
+                },
+            );
+            match res {
+                Ok(()) => {
+                    let mut b = [0u8; SIMPLE_REPLY_LEN];
+                    encode_simple_reply(&mut b, 0, *h);
+                    oks.extend_from_slice(&b);
+                }
+                Err(e) if sent.is_ok() => sent = self.send_export_error(*h, &e, false, true),
+                Err(_) => {}
+            }
+        }
+        if sent.is_ok() && !oks.is_empty() {
+            sent = self.send(&oks, true);
+        }
         let still_reader = self.finish_inline(token);
         self.executing.fetch_sub(batch.len(), Ordering::Relaxed);
         drop(batch);

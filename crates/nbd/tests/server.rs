@@ -153,6 +153,101 @@ fn pipelined_reads_reach_a_batching_export_together() {
     assert!(largest > 1 && largest <= 32, "largest batch {largest}");
 }
 
+/// Pipelined writes reach a write-batching export together, in the order they were sent (the
+/// same sectors twice included: the later write wins); a FUA write is never part of a batch
+/// (it keeps its FUA); a flush comes after every batch of the writes sent before it.
+#[test]
+fn pipelined_writes_reach_a_batching_export_together_in_order() {
+    let mut m = MemExport::new(MIB);
+    m.write_batching = true;
+    let m = m.arc();
+    let t = start(&[("wbatch", m.clone() as Arc<dyn Export>)]);
+    let mut raw = Raw::connect(&t.sock);
+    raw.go("wbatch", &[]).unwrap();
+    // handle: (offset, FUA); 0 is the flush. Handles 3 and 7 rewrite handle 1's block.
+    let writes: Vec<(u64, u64, bool)> = vec![
+        (1, 0, false),
+        (2, 8192, false),
+        (3, 0, false),
+        (4, 4096, false),
+        (5, 16384, true),
+        (6, 20480, false),
+        (7, 0, false),
+        (8, 24576, false),
+    ];
+    let mut wire = Vec::new();
+    for &(h, off, fua) in &writes {
+        wire.extend_from_slice(&encode_request(&Request {
+            flags: if fua { CMD_FLAG_FUA } else { 0 },
+            typ: CMD_WRITE,
+            handle: h,
+            offset: off,
+            length: 4096,
+        }));
+        wire.extend_from_slice(&pattern(4096, h as u8));
+    }
+    wire.extend_from_slice(&encode_request(&Request {
+        flags: 0,
+        typ: CMD_FLUSH,
+        handle: 100,
+        offset: 0,
+        length: 0,
+    }));
+    for h in 9..=12u64 {
+        wire.extend_from_slice(&encode_request(&Request {
+            flags: 0,
+            typ: CMD_WRITE,
+            handle: h,
+            offset: 32768 + h * 4096,
+            length: 4096,
+        }));
+        wire.extend_from_slice(&pattern(4096, h as u8));
+    }
+    raw.s.write_all(&wire).unwrap();
+    for _ in 0..13 {
+        let (h, e, _) = raw.reply_for(|_| 0);
+        assert_eq!(e, 0, "request {h}");
+    }
+    let data = m.data.read().clone();
+    assert_eq!(&data[..4096], &pattern(4096, 7)[..], "the last write wins");
+    assert_eq!(&data[16384..20480], &pattern(4096, 5)[..]);
+    let log = m.log.lock().clone();
+    eprintln!("{log:?}");
+    assert!(
+        log.contains(&Logged::Write(16384, true)),
+        "the FUA write keeps its FUA, alone: {log:?}"
+    );
+    let batched: Vec<u64> = log
+        .iter()
+        .flat_map(|l| match l {
+            Logged::Batch(offs) => offs.clone(),
+            _ => Vec::new(),
+        })
+        .collect();
+    assert!(!batched.contains(&16384), "a FUA write in a batch: {log:?}");
+    assert!(
+        log.iter()
+            .any(|l| matches!(l, Logged::Batch(offs) if offs.len() > 1)),
+        "no batch: {log:?}"
+    );
+    let flush = log.iter().position(|l| *l == Logged::Flush).unwrap();
+    for (i, l) in log.iter().enumerate() {
+        if let Logged::Batch(offs) = l {
+            let before_flush = offs.iter().any(|&o| o < 32768);
+            let after_flush = offs.iter().any(|&o| o >= 32768);
+            assert!(
+                !(before_flush && after_flush),
+                "a batch across the flush: {log:?}"
+            );
+            assert_eq!(
+                before_flush,
+                i < flush,
+                "a batch on the wrong side of the flush: {log:?}"
+            );
+        }
+    }
+}
+
 #[test]
 fn replies_complete_out_of_order() {
     let mut m = MemExport::new(MIB);

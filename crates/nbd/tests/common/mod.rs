@@ -33,6 +33,18 @@ pub struct MemExport {
     /// Ask the server for read batches (`Export::batches_reads`), and the largest it sent.
     pub batching: bool,
     pub largest_batch: AtomicUsize,
+    /// Ask for write batches (`Export::batches_writes`), and log what reaches the export in
+    /// the order it does: `Batch(offsets)`, `Write(offset, fua)` for a single write, `Flush`.
+    pub write_batching: bool,
+    pub log: parking_lot::Mutex<Vec<Logged>>,
+}
+
+/// What reached a write-batching [`MemExport`], in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Logged {
+    Batch(Vec<u64>),
+    Write(u64, bool),
+    Flush,
 }
 
 impl MemExport {
@@ -54,6 +66,8 @@ impl MemExport {
             jitter_every: None,
             batching: false,
             largest_batch: AtomicUsize::new(0),
+            write_batching: false,
+            log: parking_lot::Mutex::new(Vec::new()),
         }
     }
 
@@ -107,7 +121,28 @@ impl Export for MemExport {
         self.batching
     }
 
-    fn write(&self, buf: &[u8], offset: u64, _fua: bool) -> ExportResult<()> {
+    fn write_batch(&self, reqs: &[(&[u8], u64)]) -> Vec<ExportResult<()>> {
+        // Logged before the writes: a concurrent flush must not seem to come between.
+        let mut log = self.log.lock();
+        log.push(Logged::Batch(reqs.iter().map(|r| r.1).collect()));
+        reqs.iter()
+            .map(|(buf, offset)| {
+                self.check(offset.to_owned(), buf.len() as u64)?;
+                let o = *offset as usize;
+                self.data.write()[o..o + buf.len()].copy_from_slice(buf);
+                Ok(())
+            })
+            .collect()
+    }
+
+    fn batches_writes(&self) -> bool {
+        self.write_batching
+    }
+
+    fn write(&self, buf: &[u8], offset: u64, fua: bool) -> ExportResult<()> {
+        if self.write_batching {
+            self.log.lock().push(Logged::Write(offset, fua));
+        }
         self.check(offset, buf.len() as u64)?;
         let o = offset as usize;
         self.data.write()[o..o + buf.len()].copy_from_slice(buf);
@@ -115,6 +150,9 @@ impl Export for MemExport {
     }
 
     fn flush(&self) -> ExportResult<()> {
+        if self.write_batching {
+            self.log.lock().push(Logged::Flush);
+        }
         self.flushes.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
