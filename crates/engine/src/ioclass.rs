@@ -39,7 +39,6 @@ pub const DEFAULT_CLASS_NAME: &str = "unclassified";
 /// Class 0's eviction priority when no file was loaded (`OCF_IO_CLASS_PRIO_LOWEST`).
 pub const DEFAULT_PRIORITY: u8 = 255;
 
-
 /// What the classifier looks at in a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct IoRequest {
@@ -248,7 +247,9 @@ impl IoClasses {
     /// class 0 among them (the invariants `classify` and `get` rely on).
     pub(crate) fn from_classes(classes: Vec<IoClass>) -> IoClasses {
         assert!(
-            classes.first().is_some_and(|c| c.id == 0 && c.rule.is_none())
+            classes
+                .first()
+                .is_some_and(|c| c.id == 0 && c.rule.is_none())
                 && classes.windows(2).all(|w| w[0].id < w[1].id),
             "an IO class table is sorted by id, without duplicates, and starts with class 0"
         );

@@ -59,9 +59,9 @@ mod stats;
 mod write;
 
 pub use cache::{Cache, CoreInfo, CoreStatus};
-pub use exported::Core;
 pub use cleaning_state::{CleaningStats, CleaningTick, WRITE_SIZE_BUCKETS};
 pub use core_flush::{core_flush_timeout, set_core_flush_timeout, DEFAULT_CORE_FLUSH_TIMEOUT};
+pub use exported::Core;
 pub use fallback::{FallbackPt, FallbackStatus, UnreadableDirty};
 pub use format::{holds_metadata, zero_metadata, CoreRecord, MirrorRecord, Superblock};
 pub use latency::{Histogram, LatencyKind, LatencyStats};

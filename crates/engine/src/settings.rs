@@ -17,7 +17,6 @@ use crate::policy::{CleaningConfig, LazyFlush, Prefetch, Promotion, SeqCutoff};
 use crate::{CoreId, Result};
 
 impl Cache {
-
     /// The cleaning policy and every policy's tunables.
     pub fn cleaning(&self) -> CleaningConfig {
         *self.inner.cleaning.read()
