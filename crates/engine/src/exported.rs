@@ -53,7 +53,7 @@ impl Core {
 
     pub fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         let start = latency::begin();
-        self.cache.read(&self.core, buf, offset)?;
+        self.cache.reader().read(&self.core, buf, offset)?;
         let kind = if latency::ended_on_core() {
             LatencyKind::ReadCore
         } else {
@@ -70,7 +70,7 @@ impl Core {
         if let [(buf, offset)] = reqs {
             return vec![self.read(buf, *offset)];
         }
-        self.cache.read_batch(&self.core, reqs)
+        self.cache.reader().read_batch(&self.core, reqs)
     }
 
     pub fn write(&self, buf: &[u8], offset: u64) -> Result<()> {

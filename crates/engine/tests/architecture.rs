@@ -55,18 +55,22 @@ const NOT_YET_PRIVATE: &[(&str, &str)] = &[
         "CacheInner",
         "the holder: its fields are the rooms themselves (devices, lines, cores, persist, \
          cleaner signal, policies' state), each with private fields of its own. What keeps \
-         them `pub(crate)`: the acting rooms above it (read, write, readahead, cleaner, \
-         cleaning, invalidate, commit's `commit`/`commit_ahead`, recovery's load) are still \
-         `impl CacheInner` blocks in their own files that reach a room through the holder's \
-         field (`self.devices`, `self.lines`, `self.cores`, ...), and the facade reads the \
-         policies' fields (cleaning, promotion, lazy flush) to set and show them. Commit and \
-         admission already run on structs of references it lends (`Commit`, `Admission`); the \
-         next step is the same for read and write (a request's struct of references)",
+         them `pub(crate)`: the acting rooms above it (write, cleaner, cleaning, invalidate, \
+         commit's `commit`/`commit_ahead`, recovery's load) are still `impl CacheInner` \
+         blocks in their own files that reach a room through the holder's field \
+         (`self.devices`, `self.lines`, `self.cores`, ...), the struct-of-references \
+         constructors (read's `reader`, readahead's `drain_prefetch`, `admission`, \
+         `committer`) live in the rooms that use them, and the facade (cache.rs, \
+         settings.rs) reads the policies' fields (cleaning, promotion, lazy flush) to set and \
+         show them. Read, read-ahead, commit and admission already run on structs of \
+         references it lends (`Reader`, `ReadAhead`, `Commit`, `Admission`); the next step \
+         is the same for write and the cleaner",
     ),
     (
         "Cache",
-        "the facade: unit tests of other modules reach the holder through `Cache::inner` \
-         (the field is the facade's only state besides its threads)",
+        "the facade: its run-time setters (settings.rs, split from cache.rs by size) and \
+         unit tests of other modules reach the holder through `Cache::inner` (the field is \
+         the facade's only state besides its threads)",
     ),
 ];
 
