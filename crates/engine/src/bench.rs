@@ -270,6 +270,24 @@ pub struct Sample {
     /// Bytes moved by the timed part.
     pub bytes: u64,
     pub seconds: f64,
+    /// CPU time of the whole process (every thread: the workers, and the cache's own) over the
+    /// timed part: unlike `seconds`, it does not grow while the machine is busy with others, so
+    /// it compares builds on a shared machine (issue 31; docs/performance.md §10).
+    pub cpu_seconds: f64,
+}
+
+/// CPU time the process has used so far, in seconds.
+fn process_cpu() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec to the pointer it is given, which is valid.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return 0.0;
+    }
+    ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
 }
 
 /// Median, min and max of one figure over the repetitions.
@@ -467,7 +485,7 @@ pub fn run_once_with(
         // The prefill's commit records the lines dirty; they stay dirty until the timed flush.
         let barrier = Barrier::new(threads + 1);
         let running = start_beside(&cache);
-        let elapsed = std::thread::scope(|s| -> Result<f64> {
+        let elapsed = std::thread::scope(|s| -> Result<(f64, f64)> {
             let workers: Vec<_> = handles
                 .iter()
                 .map(|h| {
@@ -480,16 +498,18 @@ pub fn run_once_with(
                 .collect();
             barrier.wait();
             let t = Instant::now();
+            let cpu = process_cpu();
             for w in workers {
                 w.join().expect("bench thread panicked")?;
             }
-            Ok(t.elapsed().as_secs_f64())
+            Ok((t.elapsed().as_secs_f64(), process_cpu() - cpu))
         })?;
         drop(running);
         return Ok(Sample {
             ops: 0,
             bytes: share * threads as u64,
-            seconds: elapsed,
+            seconds: elapsed.0,
+            cpu_seconds: elapsed.1,
         });
     }
 
@@ -552,7 +572,7 @@ pub fn run_once_with(
     let flush_every = opts.flush_every;
     let barrier = Barrier::new(threads + 1);
     let running = start_beside(&cache);
-    let elapsed = std::thread::scope(|s| -> Result<f64> {
+    let elapsed = std::thread::scope(|s| -> Result<(f64, f64)> {
         let workers: Vec<_> = plans
             .iter()
             .map(|(kind, offs)| {
@@ -577,10 +597,11 @@ pub fn run_once_with(
             .collect();
         barrier.wait();
         let t = Instant::now();
+        let cpu = process_cpu();
         for w in workers {
             w.join().expect("bench thread panicked")?;
         }
-        Ok(t.elapsed().as_secs_f64())
+        Ok((t.elapsed().as_secs_f64(), process_cpu() - cpu))
     })?;
     drop(running);
     let ops: u64 = plans.iter().map(|p| p.1.len() as u64).sum();
@@ -589,7 +610,8 @@ pub fn run_once_with(
     Ok(Sample {
         ops,
         bytes: ops * req,
-        seconds: elapsed,
+        seconds: elapsed.0,
+        cpu_seconds: elapsed.1,
     })
 }
 

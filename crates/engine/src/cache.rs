@@ -35,20 +35,20 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use hybridcache_volume::{Volume, VolumeError, VolumeRef};
+use hybridcache_volume::{Volume, VolumeRef};
 use parking_lot::Mutex;
 
 use crate::cleaning::CleanerThread;
 use crate::cleaning_state::{CleaningStats, CleaningTick};
 use crate::core_state::CoreState;
+use crate::exported::Core;
 use crate::format::{ConfigSlot, CoreRecord, Superblock};
 use crate::inner::CacheInner;
-use crate::ioclass::{ClassId, IoClasses};
-use crate::latency::{self, LatencyKind, LatencyStats};
+use crate::ioclass::ClassId;
+use crate::latency::LatencyStats;
 use crate::meta::{MAX_CORE_LINES, NONE};
-use crate::offload::Offload;
 use crate::persist::{self, new_uuid};
-use crate::policy::{CleaningConfig, LazyFlush, Prefetch, Promotion, SeqCutoff};
+use crate::policy::SeqCutoff;
 use crate::progress::FlushStatus;
 use crate::readahead::PrefetchThread;
 use crate::recovery::LoadSource;
@@ -68,13 +68,6 @@ pub struct Cache {
 struct Threads {
     cleaner: Mutex<Option<CleanerThread>>,
     prefetch: Mutex<Option<PrefetchThread>>,
-}
-
-/// One core's exported volume: the address space clients read and write.
-#[derive(Clone)]
-pub struct Core {
-    cache: Arc<CacheInner>,
-    core: Arc<CoreState>,
 }
 
 /// Whether a core's device is attached.
@@ -440,10 +433,7 @@ impl Cache {
         if self.inner.cores.is_inactive(id) {
             return Err(EngineError::CoreInactive(id));
         }
-        Ok(Core {
-            cache: self.inner.clone(),
-            core: self.inner.core_by_id(id)?,
-        })
+        Ok(Core::new(self.inner.clone(), self.inner.core_by_id(id)?))
     }
 
     pub fn cores(&self) -> Vec<CoreInfo> {
@@ -536,187 +526,6 @@ impl Cache {
         self.inner.flush_progress.interrupt()
     }
 
-    // ---- policies (policy.rs; docs/policies.md) ----------------------------------------------
-
-    /// The cleaning policy and every policy's tunables.
-    pub fn cleaning(&self) -> CleaningConfig {
-        *self.inner.cleaning.read()
-    }
-
-    /// Change the cleaning configuration at run time; recorded in the superblock. Invalid values
-    /// are refused and change nothing.
-    pub fn set_cleaning(&self, config: CleaningConfig) -> Result<()> {
-        config.validate()?;
-        let old = std::mem::replace(&mut *self.inner.cleaning.write(), config);
-        if let Err(e) = self.inner.save_policies() {
-            *self.inner.cleaning.write() = old;
-            return Err(e);
-        }
-        // The new policy's wake-up counts from now, not from the old policy's schedule.
-        self.inner.cleaner.lock().reset_schedule();
-        Ok(())
-    }
-
-    /// A core's sequential cutoff settings.
-    pub fn seq_cutoff(&self, core: CoreId) -> Result<SeqCutoff> {
-        if let Some(s) = self.inner.cores.inactive_seq_cutoff(core) {
-            return Ok(s);
-        }
-        Ok(self.inner.core_by_id(core)?.seq().params())
-    }
-
-    /// Set sequential cutoff for one core, or for every core when `core` is None.
-    pub fn set_seq_cutoff(&self, core: Option<CoreId>, params: SeqCutoff) -> Result<()> {
-        params.validate()?;
-        let targets: Vec<Arc<CoreState>> = match core {
-            Some(id) => {
-                // The guard must be gone before save_policies reads the map again.
-                let old = self.inner.cores.replace_inactive_seq_cutoff(id, params);
-                if let Some(old) = old {
-                    if let Err(e) = self.inner.save_policies() {
-                        self.inner.cores.replace_inactive_seq_cutoff(id, old);
-                        return Err(e);
-                    }
-                    return Ok(());
-                }
-                vec![self.inner.core_by_id(id)?]
-            }
-            None => {
-                self.inner.cores.set_inactive_seq_cutoffs(params);
-                self.inner.cores.all()
-            }
-        };
-        let old: Vec<SeqCutoff> = targets.iter().map(|c| c.seq().params()).collect();
-        for c in &targets {
-            c.seq().set_params(params);
-        }
-        if let Err(e) = self.inner.save_policies() {
-            for (c, o) in targets.iter().zip(old) {
-                c.seq().set_params(o);
-            }
-            return Err(e);
-        }
-        Ok(())
-    }
-
-    /// The promotion policy and nhit's tunables.
-    pub fn promotion(&self) -> Promotion {
-        self.inner.promotion.params()
-    }
-
-    /// Change promotion at run time; recorded in the superblock.
-    pub fn set_promotion(&self, params: Promotion) -> Result<()> {
-        params.validate()?;
-        let old = self.inner.promotion.params();
-        self.inner
-            .promotion
-            .set_params(params, self.inner.lines.count());
-        if let Err(e) = self.inner.save_policies() {
-            self.inner
-                .promotion
-                .set_params(old, self.inner.lines.count());
-            return Err(e);
-        }
-        Ok(())
-    }
-
-    /// Lazy flush (policy.rs `LazyFlush`).
-    pub fn lazy_flush(&self) -> LazyFlush {
-        LazyFlush {
-            enabled: self.inner.lazy_flush.load(Ordering::Relaxed),
-        }
-    }
-
-    /// Switch lazy flush at run time; recorded in the superblock.
-    pub fn set_lazy_flush(&self, params: LazyFlush) -> Result<()> {
-        let old = self
-            .inner
-            .lazy_flush
-            .swap(params.enabled, Ordering::Relaxed);
-        if let Err(e) = self.inner.save_policies() {
-            self.inner.lazy_flush.store(old, Ordering::Relaxed);
-            return Err(e);
-        }
-        Ok(())
-    }
-
-    /// Offload's settings (offload.rs).
-    pub fn offload(&self) -> Offload {
-        self.inner.devices.offload().params()
-    }
-
-    /// Change offload at run time; recorded in the superblock. Invalid values are refused and
-    /// change nothing.
-    pub fn set_offload(&self, params: Offload) -> Result<()> {
-        params.validate()?;
-        let old = self.inner.devices.offload().params();
-        self.inner.devices.offload().set_params(params);
-        if let Err(e) = self.inner.save_policies() {
-            self.inner.devices.offload().set_params(old);
-            return Err(e);
-        }
-        Ok(())
-    }
-
-    /// Fallback pass-through's settings (fallback.rs).
-    pub fn fallback_pt(&self) -> crate::FallbackPt {
-        self.inner.devices.fallback().params()
-    }
-
-    /// Change fallback pass-through; recorded in the superblock. A threshold above the errors
-    /// in the window (or 0) leaves the fallback, one at or below them enters it.
-    pub fn set_fallback_pt(&self, params: crate::FallbackPt) -> Result<()> {
-        params.validate()?;
-        let old = self.inner.devices.fallback().params();
-        self.inner.devices.fallback().set_params(params);
-        if let Err(e) = self.inner.save_policies() {
-            self.inner.devices.fallback().set_params(old);
-            return Err(e);
-        }
-        Ok(())
-    }
-
-    /// Whether the cache serves in fallback pass-through, its error count and the dirty data
-    /// found unreadable. A mirrored cache never falls back (its mirror states say more).
-    pub fn fallback_status(&self) -> crate::FallbackStatus {
-        let mut s = self.inner.devices.fallback().status();
-        s.active = self.inner.devices.fallback_active();
-        s
-    }
-
-    /// The cache-device error count with which the cache fell back to pass-through, once per
-    /// fallback, to log.
-    pub fn take_fallback_entered(&self) -> Option<u64> {
-        self.inner.devices.fallback().take_entered()
-    }
-
-    /// The dirty ranges found unreadable since the last call (each once), to log.
-    pub fn take_unreadable_dirty(&self) -> Vec<crate::UnreadableDirty> {
-        self.inner.devices.fallback().take_unreadable()
-    }
-
-    /// Read-ahead's settings (policy.rs `Prefetch`).
-    pub fn prefetch(&self) -> Prefetch {
-        self.inner.prefetch.params()
-    }
-
-    /// Change read-ahead at run time; recorded in the superblock. Invalid values are refused
-    /// and change nothing.
-    pub fn set_prefetch(&self, params: Prefetch) -> Result<()> {
-        params.validate()?;
-        let old = self.inner.prefetch.params();
-        self.inner
-            .prefetch
-            .set_params(params, self.inner.lines.count());
-        if let Err(e) = self.inner.save_policies() {
-            self.inner
-                .prefetch
-                .set_params(old, self.inner.lines.count());
-            return Err(e);
-        }
-        Ok(())
-    }
-
     /// Stop the prefetch worker thread (it is not restarted): queued read-ahead then waits for
     /// [`run_prefetch`](Cache::run_prefetch). For tests that need a deterministic order.
     pub fn stop_background_prefetch(&self) {
@@ -729,34 +538,6 @@ impl Cache {
     /// Run the queued read-ahead on the calling thread; returns how many prefetch jobs ran.
     pub fn run_prefetch(&self) -> usize {
         self.inner.drain_prefetch()
-    }
-
-    /// The IO classes in force (the default single class until a file is loaded).
-    pub fn io_classes(&self) -> Arc<IoClasses> {
-        self.inner.lines.classes().table()
-    }
-
-    /// Replace the IO classes; recorded in the superblock. Lines keep the class they were
-    /// inserted with. The caller parses the file, so a refused file never gets here.
-    pub fn load_io_classes(&self, classes: IoClasses) -> Result<()> {
-        let old = self
-            .inner
-            .lines
-            .classes()
-            .active()
-            .then(|| self.inner.lines.classes().table());
-        let gauges = &self.inner.lines.gauges();
-        self.inner
-            .lines
-            .classes()
-            .install(classes, self.inner.lines.table(), |id| {
-                gauges[id as usize].classes()
-            });
-        if let Err(e) = self.inner.save_policies() {
-            self.inner.lines.classes().restore(old);
-            return Err(e);
-        }
-        Ok(())
     }
 
     /// Statistics of one IO class: its lines (occupancy, dirty) and the requests classified
@@ -946,190 +727,11 @@ impl Cache {
     }
 }
 
-impl Core {
-    pub fn id(&self) -> CoreId {
-        self.core.id()
-    }
-
-    /// Size of the exported volume in bytes (the core's size).
-    pub fn size(&self) -> u64 {
-        self.core.size()
-    }
-
-    /// Whether the core is a disk (or an array of them). The front-ends serve the cached
-    /// volume as rotational when it is, as dm-cache and bcache do: misses and cut-off streams
-    /// go to the disk, and a client that knows it talks to one (Ceph's BlueStore defers small
-    /// writes only on rotational devices) sends what a cache keeps best (docs/ceph.md).
-    pub fn rotational(&self) -> bool {
-        self.core.volume().rotational()
-    }
-
-    /// The exported volume's name, as Open CAS names exported objects: `cas<cache>-<core>`.
-    pub fn export_name(&self) -> String {
-        format!("cas{}-{}", self.cache.id, self.core.id())
-    }
-
-    pub fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        let start = latency::begin();
-        self.cache.read(&self.core, buf, offset)?;
-        let kind = if latency::ended_on_core() {
-            LatencyKind::ReadCore
-        } else {
-            LatencyKind::ReadCache
-        };
-        self.core.latency().record(kind, start.elapsed());
-        Ok(())
-    }
-
-    /// Serve several reads at once, one result per request in order: what a pipelining client
-    /// has queued. Each is the read [`read`](Self::read) would do; the cache hits among them are
-    /// read from the cache device together (read_batch.rs).
-    pub fn read_batch(&self, reqs: &mut [(&mut [u8], u64)]) -> Vec<Result<()>> {
-        if let [(buf, offset)] = reqs {
-            return vec![self.read(buf, *offset)];
-        }
-        self.cache.read_batch(&self.core, reqs)
-    }
-
-    pub fn write(&self, buf: &[u8], offset: u64) -> Result<()> {
-        let start = latency::begin();
-        self.cache.write(&self.core, buf, offset)?;
-        let kind = if latency::ended_on_core() {
-            LatencyKind::WriteCore
-        } else {
-            LatencyKind::WriteCache
-        };
-        self.core.latency().record(kind, start.elapsed());
-        Ok(())
-    }
-
-    /// Serve several writes at once, one result per request in order: what a pipelining
-    /// client has queued. Each is the write [`write`](Self::write) would do; the write-back
-    /// hits among them are written to the cache device together (write_batch.rs). A FUA
-    /// write or a flush is not part of a batch: it ends one.
-    pub fn write_batch(&self, reqs: &[(&[u8], u64)]) -> Vec<Result<()>> {
-        if let [(buf, offset)] = reqs {
-            return vec![self.write(buf, *offset)];
-        }
-        self.cache.write_batch(&self.core, reqs)
-    }
-
-    /// A write that is durable when it returns (NBD's FUA): the write, then a flush.
-    pub fn write_fua(&self, buf: &[u8], offset: u64) -> Result<()> {
-        self.write(buf, offset)?;
-        self.flush()
-    }
-
-    /// Make every acknowledged write to this exported volume durable.
-    pub fn flush(&self) -> Result<()> {
-        self.cache.flush_request(&self.core)
-    }
-
-    /// Drop the range: cached sectors (dirty ones too) are invalidated and the core is told.
-    pub fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        self.cache.discard(&self.core, offset, len)
-    }
-
-    pub fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
-        self.cache.write_zeroes(&self.core, offset, len)
-    }
-
-    /// Whether discarded ranges read back as zeroes (they do when the core's discard zeroes).
-    pub fn discard_zeroes(&self) -> bool {
-        self.core.volume().discard_zeroes()
-    }
-}
-
-/// An exported volume is itself a volume, so it can be served, benchmarked or stacked like any.
-impl Volume for Core {
-    fn name(&self) -> &str {
-        self.core.volume().name()
-    }
-    fn size(&self) -> u64 {
-        self.core.size()
-    }
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> hybridcache_volume::Result<()> {
-        self.read(buf, offset).map_err(|e| {
-            to_volume_error(
-                self,
-                hybridcache_volume::Op::Read,
-                offset,
-                buf.len() as u64,
-                e,
-            )
-        })
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> hybridcache_volume::Result<()> {
-        self.write(buf, offset).map_err(|e| {
-            to_volume_error(
-                self,
-                hybridcache_volume::Op::Write,
-                offset,
-                buf.len() as u64,
-                e,
-            )
-        })
-    }
-    fn flush(&self) -> hybridcache_volume::Result<()> {
-        Core::flush(self).map_err(|e| to_volume_error(self, hybridcache_volume::Op::Flush, 0, 0, e))
-    }
-    fn discard(&self, offset: u64, len: u64) -> hybridcache_volume::Result<()> {
-        Core::discard(self, offset, len)
-            .map_err(|e| to_volume_error(self, hybridcache_volume::Op::Discard, offset, len, e))
-    }
-    fn discard_zeroes(&self) -> bool {
-        Core::discard_zeroes(self)
-    }
-    fn write_zeroes(&self, offset: u64, len: u64) -> hybridcache_volume::Result<()> {
-        Core::write_zeroes(self, offset, len)
-            .map_err(|e| to_volume_error(self, hybridcache_volume::Op::WriteZeroes, offset, len, e))
-    }
-}
-
-fn to_volume_error(
-    core: &Core,
-    op: hybridcache_volume::Op,
-    offset: u64,
-    len: u64,
-    e: EngineError,
-) -> VolumeError {
-    use hybridcache_volume::ErrorKind;
-    match e {
-        EngineError::Volume(v) => v,
-        EngineError::Unaligned { .. } => VolumeError::new(
-            &core.export_name(),
-            op,
-            offset,
-            len,
-            ErrorKind::Unaligned {
-                block: SECTOR as u32,
-            },
-        ),
-        EngineError::OutOfRange { size, .. } => VolumeError::new(
-            &core.export_name(),
-            op,
-            offset,
-            len,
-            ErrorKind::OutOfRange {
-                end: offset.saturating_add(len),
-                size,
-            },
-        ),
-        other => VolumeError::new(
-            &core.export_name(),
-            op,
-            offset,
-            len,
-            ErrorKind::Invalid(other.to_string()),
-        ),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::meta::Key;
-    use crate::policy::PrefetchPolicy;
+    use crate::policy::{Prefetch, PrefetchPolicy};
     use crate::write::ROOM_WAIT;
     use hybridcache_volume::RamVolume;
 

@@ -1,10 +1,11 @@
 //! The holder: a cache's subsystems side by side. `CacheInner` owns the line room (`Lines`, a
 //! struct with private fields), the devices room (`Devices`, likewise), the cores,
 //! persistence, the policies' state, and the signals between requests and background threads;
-//! the other rooms (admission.rs, read.rs, write.rs, cleaner.rs, cleaning.rs, commit.rs, readahead.rs, recovery.rs) are `impl
-//! CacheInner` blocks that work on it. This file knows only the lower rooms' types, never the
-//! rooms that use it; it hands the line room what a line change also touches (persistence,
-//! read-ahead's marks).
+//! the rooms that act work on it: read.rs, readahead.rs, commit.rs and admission.rs on structs
+//! of references it lends (`Reader`, `ReadAhead`, `Commit`, `Admission`), write.rs,
+//! cleaner.rs, cleaning.rs, invalidate.rs and recovery.rs still as `impl CacheInner` blocks.
+//! This file knows only the lower rooms' types, never the rooms that use it; it hands the line
+//! room what a line change also touches (persistence, read-ahead's marks).
 //!
 //! Invariants: `line_size`, `line_bytes` and the line count never change after `build` (nor
 //! do the devices' volume and data offset, devices.rs); `mode` changes only through `Cache::set_mode`; the cores' registry
@@ -66,15 +67,21 @@ pub(crate) struct CacheInner {
     pub(crate) flush_progress: FlushProgress,
 }
 
+/// The mode a cache set to `set` serves in: a mirrored cache that lost a device serves in a
+/// degraded one, a cache in fallback pass-through in pt.
+#[inline]
+pub(crate) fn serving_mode(set: CacheMode, devices: &Devices) -> CacheMode {
+    match devices.mirror() {
+        Some(m) => m.effective_mode(set),
+        None if devices.fallback_active() => CacheMode::Pt,
+        None => set,
+    }
+}
+
 impl CacheInner {
     #[inline]
     pub(crate) fn mode(&self) -> CacheMode {
-        let mode = self.set_mode();
-        match self.devices.mirror() {
-            Some(m) => m.effective_mode(mode),
-            None if self.devices.fallback_active() => CacheMode::Pt,
-            None => mode,
-        }
+        serving_mode(self.set_mode(), &self.devices)
     }
 
     /// The mode the cache was set to; a mirrored cache that lost a device, or one in fallback

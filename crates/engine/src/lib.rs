@@ -30,11 +30,13 @@ mod core_flush;
 mod core_state;
 mod create;
 mod devices;
+mod exported;
 pub mod fallback;
 mod format;
 mod inner;
 mod invalidate;
 pub mod ioclass;
+mod ioclass_file;
 pub mod latency;
 mod lines;
 mod lists;
@@ -49,15 +51,18 @@ mod progress;
 mod read;
 mod readahead;
 mod recovery;
+mod restore;
 mod room_wait;
 mod segment;
+mod settings;
 mod stats;
 mod write;
 mod write_batch;
 
-pub use cache::{Cache, Core, CoreInfo, CoreStatus};
+pub use cache::{Cache, CoreInfo, CoreStatus};
 pub use cleaning_state::{CleaningStats, CleaningTick, WRITE_SIZE_BUCKETS};
 pub use core_flush::{core_flush_timeout, set_core_flush_timeout, DEFAULT_CORE_FLUSH_TIMEOUT};
+pub use exported::Core;
 pub use fallback::{FallbackPt, FallbackStatus, UnreadableDirty};
 pub use format::{holds_metadata, zero_metadata, CoreRecord, MirrorRecord, Superblock};
 pub use latency::{Histogram, LatencyKind, LatencyStats};
@@ -69,7 +74,7 @@ pub use policy::{
     PrefetchPolicy, Promotion, PromotionPolicy, SeqCutoff, SeqCutoffPolicy,
 };
 pub use progress::FlushStatus;
-pub use recovery::set_load_threads;
+pub use restore::set_load_threads;
 pub use stats::{
     BackgroundErrors, BlockStats, DeviceFault, ErrorStats, RequestStats, Stats, Usage,
 };

@@ -562,6 +562,14 @@ impl Lines {
     /// `persistent`: whether limbo lines may exist; `known_core`: whether a core id is attached
     /// or recorded inactive.
     pub(crate) fn check_invariants(&self, persistent: bool, known_core: &dyn Fn(CoreId) -> bool) {
+        let free = self.check_lists(persistent);
+        self.check_chains(free, known_core);
+    }
+
+    /// Every line is in exactly one list of its own shard, and its state is the list's (free:
+    /// none; clean: mapped, valid, no dirty sector; dirty: its dirty sectors valid; limbo: only
+    /// on a persistent cache). Returns the free lines, checked against the free-line count.
+    fn check_lists(&self, persistent: bool) -> u64 {
         let mut seen = vec![None; self.count as usize];
         let mut free = 0u64;
         for shard in 0..self.lists.shard_count() {
@@ -618,6 +626,12 @@ impl Lines {
             self.free_lines.load(Ordering::Relaxed),
             "free line count"
         );
+        free
+    }
+
+    /// The hash chains hold every mapped line once, in its key's bucket, where lookup finds it;
+    /// the per-core gauges count them; no line belongs to a core that is gone.
+    fn check_chains(&self, free: u64, known_core: &dyn Fn(CoreId) -> bool) {
         let mut occupancy = vec![(0u64, 0u64); MAX_CORES as usize];
         let chained = self.table.chained();
         assert_eq!(

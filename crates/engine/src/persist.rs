@@ -757,7 +757,7 @@ mod duplicate_tests {
 
     use super::*;
     use crate::meta::Key;
-    use crate::recovery::set_load_threads;
+    use crate::restore::set_load_threads;
     use crate::{Cache, CacheConfig, CacheMode, LineSize};
 
     /// A newer copy of metadata block `block`, with sequence number `seq`.

@@ -1,5 +1,7 @@
 //! The read path: a single read (`read`: plan, device I/O, finish) and batched reads of one
-//! core (several requests of a pipelining client at once).
+//! core (several requests of a pipelining client at once). It runs on a `Reader`, the rooms it
+//! uses by reference, which the holder lends per request; it queues read-ahead, whose worker is
+//! readahead.rs.
 //!
 //! Batched reads: each request goes through the same steps as a single read (`read_plan` and
 //! `read_finish`, with the same statistics and policy side effects); what changes is that the
@@ -18,20 +20,60 @@
 //! sectors, never a dirty one) and to touch them in the LRU, under its stripes; a failed cache
 //! read falls back to the core only when none of its sectors is dirty.
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Instant;
 
 use hybridcache_volume::ReadPiece;
 
+use crate::admission::Admission;
 use crate::bits::{self};
 use crate::classes::ReqClass;
 use crate::core_state::{CoreState, Entered};
-use crate::inner::CacheInner;
+use crate::devices::Devices;
+use crate::inner::{serving_mode, CacheInner};
 use crate::latency::{self, LatencyKind};
+use crate::lines::Lines;
 use crate::locks::{Span, StripeGuard, WaitFor};
+use crate::meta::Key;
+use crate::persist::Persist;
+use crate::prefetch::{reserve, Job, PrefetchState, ReadStreams};
 use crate::segment::{push_run, span_of, Run, Seg};
 use crate::stats::{classify, Counter};
-use crate::{CacheMode, Result, MAX_REQUEST, SECTOR};
-/// A read planned up to its device I/O (see `CacheInner::read_plan`). Holds its stripes and its
+use crate::{CacheMode, CoreId, Result, MAX_REQUEST, SECTOR};
+
+/// What the read path works on, by reference, as the holder lends it (`CacheInner::reader`):
+/// the line room (lookup, stripes, line updates), the devices, persistence (a line a read
+/// inserts or fills is recorded for the next commit), read-ahead's state (its marks, its queue),
+/// admission, and the mode as set. Built per request for free (a few references); a read
+/// reaches nothing else of the cache.
+pub(crate) struct Reader<'a> {
+    lines: &'a Lines,
+    devices: &'a Devices,
+    persist: Option<&'a Persist>,
+    prefetch: &'a PrefetchState,
+    admission: Admission<'a>,
+    /// The mode set; a mirror or fallback may serve another (`serving_mode`).
+    mode: &'a AtomicU8,
+    line_bytes: u64,
+}
+
+impl CacheInner {
+    /// The read path's view of this cache.
+    #[inline]
+    pub(crate) fn reader(&self) -> Reader<'_> {
+        Reader {
+            lines: &self.lines,
+            devices: &self.devices,
+            persist: self.persist.as_ref(),
+            prefetch: &self.prefetch,
+            admission: self.admission(),
+            mode: &self.mode,
+            line_bytes: self.line_bytes,
+        }
+    }
+}
+
+/// A read planned up to its device I/O (see `Reader::read_plan`). Holds its stripes and its
 /// registration with the core.
 pub(crate) struct ReadPlan<'a> {
     pub(crate) _entered: Entered<'a>,
@@ -54,7 +96,21 @@ struct Found {
 /// A planned pure hit waiting for the batch's cache read: its request's index and plan.
 type Pending<'a> = Vec<(usize, ReadPlan<'a>)>;
 
-impl CacheInner {
+impl<'a> Reader<'a> {
+    /// The mode reads are served in now (read per request, as a switch may come between two).
+    #[inline]
+    fn mode(&self) -> CacheMode {
+        serving_mode(
+            CacheMode::ALL[self.mode.load(Ordering::Relaxed) as usize],
+            self.devices,
+        )
+    }
+
+    #[inline]
+    fn core_off(&self, key: Key, sector: u32) -> u64 {
+        key.line() * self.line_bytes + sector as u64 * SECTOR
+    }
+
     #[inline]
     pub(crate) fn read(&self, core: &CoreState, buf: &mut [u8], offset: u64) -> Result<()> {
         let Some(plan) = self.read_plan(core, buf.len(), offset, |stripes, span| {
@@ -76,14 +132,14 @@ impl CacheInner {
     /// which from the cache. None for an empty read. The plan holds the stripes until
     /// [`read_finish`](Self::read_finish).
     #[inline]
-    fn read_plan<'a>(
-        &'a self,
+    fn read_plan(
+        &self,
         core: &'a CoreState,
         len: usize,
         offset: u64,
         lock: impl FnOnce(Vec<u32>, Span) -> StripeGuard<'a>,
     ) -> Result<Option<ReadPlan<'a>>> {
-        self.check(core, offset, len as u64, Some(MAX_REQUEST))?;
+        crate::check_request(core.size(), offset, len as u64, Some(MAX_REQUEST))?;
         if len == 0 {
             return Ok(None);
         }
@@ -97,7 +153,7 @@ impl CacheInner {
             .classify(core.id(), offset, len as u64, false);
         let mut bypass = matches!(mode, CacheMode::Wo | CacheMode::Pt)
             || class.is_some_and(|c| c.cap == 0)
-            || self.admission().cut_off(core, offset, len as u64, false);
+            || self.admission.cut_off(core, offset, len as u64, false);
         let mut segs = self.lines.segments(core.id(), offset, len as u64);
         let locks = lock(
             self.lines.stripes_of(segs.iter().map(|s| s.key)),
@@ -105,7 +161,7 @@ impl CacheInner {
         );
         let waited = locks.waited();
         self.lines.lookup(&mut segs);
-        bypass = bypass || self.admission().promotion_declines(&segs);
+        bypass = bypass || self.admission.promotion_declines(&segs);
         // Offload may serve a hit from the core only when no line it touches has a dirty
         // sector: the core then holds the very data the cache does. The stripes stay locked
         // through the core read, so no write can dirty them meanwhile.
@@ -152,7 +208,12 @@ impl CacheInner {
             for (first, n) in bits::runs(from_cache) {
                 let len = n as usize * SECTOR as usize;
                 let buf_off = s.buf_off + (first - s.first) as usize * SECTOR as usize;
-                push_run(&mut cache_runs, self.cache_off(s.line, first), buf_off, len);
+                push_run(
+                    &mut cache_runs,
+                    self.devices.cache_off(s.line, first),
+                    buf_off,
+                    len,
+                );
             }
         }
         (core_runs, cache_runs, found)
@@ -252,7 +313,7 @@ impl CacheInner {
         if self.prefetch.enabled() {
             // Only queued here: the worker does the IO, this read does not wait for it.
             let len = buf.len() as u64;
-            self.readahead(
+            self.queue_readahead(
                 core.id(),
                 core.read_streams(),
                 core.size(),
@@ -287,7 +348,14 @@ impl CacheInner {
                         .cache_write_mask(core, buf, s, s.line, missing)
                         .is_ok()
                 {
-                    self.update_line(s.line, s.key, s.valid | missing, s.dirty, s.dirty == 0);
+                    self.lines.update_line(
+                        self.persist,
+                        s.line,
+                        s.key,
+                        s.valid | missing,
+                        s.dirty,
+                        s.dirty == 0,
+                    );
                 } else if s.dirty == 0 {
                     self.lines.touch_clean(s.line);
                 }
@@ -296,15 +364,46 @@ impl CacheInner {
             if !lines_left {
                 continue;
             }
-            let Some(line) = self.alloc_line(class) else {
+            let Some(line) = self.lines.alloc_line(self.persist, class) else {
                 lines_left = false;
                 continue;
             };
             if self.devices.cache_write_mask(core, buf, s, line, m).is_ok() {
-                self.insert_line(line, s.key, m, 0, class);
+                self.lines
+                    .insert_line(self.persist, self.prefetch, line, s.key, m, 0, class);
             } else {
                 self.lines.release_line(line);
             }
+        }
+    }
+
+    /// After a client read that the cache served (not bypassed): queue read-ahead if the read
+    /// continues a stream past the threshold (readahead.rs's worker runs the job). Caller holds
+    /// no stripe.
+    fn queue_readahead(
+        &self,
+        core: CoreId,
+        streams: &ReadStreams,
+        core_size: u64,
+        offset: u64,
+        len: u64,
+        class: Option<ReqClass>,
+    ) {
+        let p = self.prefetch.params();
+        let Some((from, n, stream)) = streams.plan(offset, len, core_size, &p) else {
+            return;
+        };
+        if self.lines.free_lines().load(Ordering::Relaxed) <= reserve(self.lines.count()) {
+            return;
+        }
+        let job = Job {
+            core,
+            offset: from,
+            len: n,
+            class,
+        };
+        if self.prefetch.push(job, p.max_in_flight as usize) {
+            streams.commit(stream, from + n);
         }
     }
 

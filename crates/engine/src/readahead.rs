@@ -1,63 +1,86 @@
-//! The read-ahead worker: what prefetch.rs queues, done through the cache.
+//! The read-ahead worker: what a read queues (read.rs, `queue_readahead`), done through the
+//! cache.
 //!
 //! prefetch.rs owns read-ahead's state (the policy, the per-core read streams, the job queue,
-//! the marks of prefetched lines); this room runs the jobs. A job takes the same stripe locks
+//! the marks of prefetched lines); this room runs the jobs, on a struct of references the holder
+//! lends (`ReadAhead`). A job takes the same stripe locks
 //! as a client read and fills only invalid sectors of free lines (never evicting, leaving
 //! `prefetch::reserve` free lines alone), so it can never overwrite newer data.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 
 use crate::bits::{self, Mask};
 use crate::classes::ReqClass;
-use crate::core_state::CoreState;
-use crate::inner::CacheInner;
+use crate::core_state::{CoreState, Cores};
+use crate::devices::Devices;
+use crate::inner::{serving_mode, CacheInner};
+use crate::lines::Lines;
 use crate::locks::WaitFor;
-use crate::prefetch::{reserve, Job, PrefetchQueue, ReadStreams};
+use crate::persist::Persist;
+use crate::prefetch::{reserve, Job, PrefetchQueue, PrefetchState};
 use crate::segment::{push_run, Run, Seg};
-use crate::stats::Counter;
-use crate::{CacheMode, CoreId, SECTOR};
+use crate::stats::{BackgroundErrorLog, Counter};
+use crate::{CacheMode, SECTOR};
+
+/// What the read-ahead worker works on, by reference, as the holder lends it
+/// (`CacheInner::drain_prefetch`): the cores (a job names its core by id), the line room, the
+/// devices, persistence (a filled line is recorded for the next commit), read-ahead's state and
+/// its error log, and the mode as set. A job reaches nothing else of the cache.
+struct ReadAhead<'a> {
+    cores: &'a Cores,
+    lines: &'a Lines,
+    devices: &'a Devices,
+    persist: Option<&'a Persist>,
+    prefetch: &'a PrefetchState,
+    errors: &'a BackgroundErrorLog,
+    /// The mode set; a mirror or fallback may serve another (`serving_mode`).
+    mode: &'a AtomicU8,
+    line_bytes: u64,
+}
 
 impl CacheInner {
-    /// After a client read that the cache served (not bypassed): queue read-ahead if the read
-    /// continues a stream past the threshold. Caller holds no stripe.
-    pub(crate) fn readahead(
-        &self,
-        core: CoreId,
-        streams: &ReadStreams,
-        core_size: u64,
-        offset: u64,
-        len: u64,
-        class: Option<ReqClass>,
-    ) {
-        let p = self.prefetch.params();
-        let Some((from, n, stream)) = streams.plan(offset, len, core_size, &p) else {
-            return;
-        };
-        if self.lines.free_lines().load(Ordering::Relaxed) <= reserve(self.lines.count()) {
-            return;
+    /// Run queued prefetch jobs on the calling thread until none is left; how many ran.
+    pub(crate) fn drain_prefetch(&self) -> usize {
+        ReadAhead {
+            cores: &self.cores,
+            lines: &self.lines,
+            devices: &self.devices,
+            persist: self.persist.as_ref(),
+            prefetch: &self.prefetch,
+            errors: &self.prefetch_errors,
+            mode: &self.mode,
+            line_bytes: self.line_bytes,
         }
-        let job = Job {
-            core,
-            offset: from,
-            len: n,
-            class,
-        };
-        if self.prefetch.push(job, p.max_in_flight as usize) {
-            streams.commit(stream, from + n);
+        .drain()
+    }
+}
+
+impl ReadAhead<'_> {
+    fn drain(&self) -> usize {
+        let mut ran = 0;
+        while let Some(job) = self.prefetch.pop() {
+            self.run_prefetch_job(job);
+            self.prefetch.done();
+            ran += 1;
         }
+        ran
     }
 
     /// Run one prefetch job: bring the invalid sectors of its range into the cache.
     fn run_prefetch_job(&self, job: Job) {
-        let Ok(core) = self.core_by_id(job.core) else {
+        let Some(core) = self.cores.get(job.core) else {
             return;
         };
         let Ok(_entered) = core.enter() else {
             return;
         };
-        if matches!(self.mode(), CacheMode::Pt | CacheMode::Wo) {
+        let set = CacheMode::ALL[self.mode.load(Ordering::Relaxed) as usize];
+        if matches!(
+            serving_mode(set, self.devices),
+            CacheMode::Pt | CacheMode::Wo
+        ) {
             return;
         }
         // Checked as a client request is: a job must never read past the core's end.
@@ -86,19 +109,46 @@ impl CacheInner {
             .core_read(&core, &mut buf, &core_runs)
             .and_then(|()| self.devices.cache_write(&core, &buf, &cache_runs));
         if let Err(e) = &result {
-            self.prefetch_errors.record(core.id(), e);
+            self.errors.record(core.id(), e);
         }
         let ok = result.is_ok();
         self.count_prefetch(&core, &job, ok, read, &cache_runs);
-        for &(i, line, new, missing) in &plan {
+        self.apply_prefetch(&segs, &plan, ok, job.class);
+    }
+
+    /// The line updates of a job whose I/O ended `ok`: new lines mapped and marked prefetched,
+    /// mapped ones given the filled sectors; after a failure the new lines go back, unchanged.
+    fn apply_prefetch(
+        &self,
+        segs: &[Seg],
+        plan: &[(usize, u32, bool, Mask)],
+        ok: bool,
+        class: Option<ReqClass>,
+    ) {
+        for &(i, line, new, missing) in plan {
             let s = &segs[i];
             match (ok, new) {
                 (true, true) => {
-                    self.insert_line(line, s.key, missing, 0, job.class);
+                    self.lines.insert_line(
+                        self.persist,
+                        self.prefetch,
+                        line,
+                        s.key,
+                        missing,
+                        0,
+                        class,
+                    );
                     self.prefetch.mark(line);
                 }
                 // Not touched: speculative data does not make a line recently used.
-                (true, false) => self.update_line(line, s.key, s.valid | missing, s.dirty, false),
+                (true, false) => self.lines.update_line(
+                    self.persist,
+                    line,
+                    s.key,
+                    s.valid | missing,
+                    s.dirty,
+                    false,
+                ),
                 // Nothing changed in the metadata: the sectors stay invalid.
                 (false, true) => self.lines.release_line(line),
                 (false, false) => {}
@@ -197,17 +247,6 @@ impl CacheInner {
                 written,
             );
         }
-    }
-
-    /// Run queued prefetch jobs on the calling thread until none is left; how many ran.
-    pub(crate) fn drain_prefetch(&self) -> usize {
-        let mut ran = 0;
-        while let Some(job) = self.prefetch.pop() {
-            self.run_prefetch_job(job);
-            self.prefetch.done();
-            ran += 1;
-        }
-        ran
     }
 }
 

@@ -55,24 +55,52 @@ const NOT_YET_PRIVATE: &[(&str, &str)] = &[
         "CacheInner",
         "the holder: its fields are the rooms themselves (devices, lines, cores, persist, \
          cleaner signal, policies' state), each with private fields of its own. What keeps \
-         them `pub(crate)`: the acting rooms above it (read, write, readahead, cleaner, \
-         cleaning, invalidate, commit's `commit`/`commit_ahead`, recovery's load) are still \
-         `impl CacheInner` blocks in their own files that reach a room through the holder's \
-         field (`self.devices`, `self.lines`, `self.cores`, ...), and the facade reads the \
-         policies' fields (cleaning, promotion, lazy flush) to set and show them. Commit and \
-         admission already run on structs of references it lends (`Commit`, `Admission`); the \
-         next step is the same for read and write (a request's struct of references)",
+         them `pub(crate)`: the acting rooms above it (write, cleaner, cleaning, invalidate, \
+         commit's `commit`/`commit_ahead`, recovery's load) are still `impl CacheInner` \
+         blocks in their own files that reach a room through the holder's field \
+         (`self.devices`, `self.lines`, `self.cores`, ...), the struct-of-references \
+         constructors (read's `reader`, readahead's `drain_prefetch`, `admission`, \
+         `committer`) live in the rooms that use them, and the facade (cache.rs, \
+         settings.rs) reads the policies' fields (cleaning, promotion, lazy flush) to set and \
+         show them. Read, read-ahead, commit and admission already run on structs of \
+         references it lends (`Reader`, `ReadAhead`, `Commit`, `Admission`); the next step \
+         is the same for write and the cleaner",
     ),
     (
         "Cache",
-        "the facade: unit tests of other modules reach the holder through `Cache::inner` \
-         (the field is the facade's only state besides its threads)",
+        "the facade: its run-time setters (settings.rs, split from cache.rs by size) and \
+         unit tests of other modules reach the holder through `Cache::inner` (the field is \
+         the facade's only state besides its threads)",
     ),
 ];
 
 /// A source file with comments, string and char literals blanked and `#[cfg(test)]` items
 /// removed, so only code that ships is looked at.
 fn clean(src: &str) -> String {
+    drop_test_items(&blank(src))
+}
+
+/// Non-blank lines of `src` outside `#[cfg(test)]` items, comments included: what an engineer
+/// reads of the code that ships.
+fn shipped_lines(src: &str) -> usize {
+    let blanked = blank(src);
+    // `blank` keeps every newline, so a line of `blanked` is the same line of `src`.
+    let mut in_test = vec![false; src.lines().count() + 1];
+    for item in test_items(&blanked) {
+        let first = blanked[..item.start].matches('\n').count();
+        let last = blanked[..item.end].matches('\n').count();
+        for l in in_test.iter_mut().take(last + 1).skip(first) {
+            *l = true;
+        }
+    }
+    src.lines()
+        .enumerate()
+        .filter(|(i, l)| !in_test[*i] && !l.trim().is_empty())
+        .count()
+}
+
+/// `src` with comments, string and char literals blanked, every newline kept.
+fn blank(src: &str) -> String {
     let b = src.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
@@ -166,16 +194,30 @@ fn clean(src: &str) -> String {
             i += 1;
         }
     }
-    let text = String::from_utf8(out).expect("sources are UTF-8");
-    drop_test_items(&text)
+    String::from_utf8(out).expect("sources are UTF-8")
 }
 
 /// Remove every item under `#[cfg(test)]` (its braces, or up to its `;`).
 fn drop_test_items(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
+    let mut from = 0;
+    for item in test_items(text) {
+        out.push_str(&text[from..item.start]);
+        // Keep the line count so messages can point at lines.
+        out.extend(text[item.clone()].chars().filter(|&c| c == '\n'));
+        from = item.end;
+    }
+    out.push_str(&text[from..]);
+    out
+}
+
+/// The byte ranges of the items under `#[cfg(test)]` in `text` (blanked: no brace of a comment
+/// or a literal can mislead the count).
+fn test_items(text: &str) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let mut base = 0;
     let mut rest = text;
     while let Some(at) = rest.find("#[cfg(test)]") {
-        out.push_str(&rest[..at]);
         let item = &rest[at..];
         let b = item.as_bytes();
         let mut i = "#[cfg(test)]".len();
@@ -198,15 +240,11 @@ fn drop_test_items(text: &str) -> String {
                 i += 1;
             }
         }
-        // Keep the line count so messages can point at lines.
-        out.extend(
-            item[..(i + 1).min(item.len())]
-                .chars()
-                .filter(|&c| c == '\n'),
-        );
-        rest = &item[(i + 1).min(item.len())..];
+        let end = (i + 1).min(item.len());
+        out.push(base + at..base + at + end);
+        base += at + end;
+        rest = &item[end..];
     }
-    out.push_str(rest);
     out
 }
 
@@ -586,7 +624,7 @@ struct Engine {
     by_call: BTreeMap<(String, String), String>,
     /// Struct -> (module, exposed fields).
     exposed: Vec<(String, String, Vec<String>)>,
-    /// Module -> lines of code that ships (test modules left out).
+    /// Module -> non-blank lines of code that ships, comments included (test items left out).
     lines: BTreeMap<String, usize>,
 }
 
@@ -596,11 +634,13 @@ fn engine() -> Engine {
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("src"));
     let mut code = BTreeMap::new();
+    let mut shipped = BTreeMap::new();
     for e in std::fs::read_dir(&dir).expect("engine src") {
         let p = e.expect("dir entry").path();
         if p.extension().is_some_and(|x| x == "rs") {
             let name = p.file_stem().unwrap().to_string_lossy().to_string();
             let src = std::fs::read_to_string(&p).expect("read source");
+            shipped.insert(name.clone(), shipped_lines(&src));
             code.insert(name, clean(&src));
         }
     }
@@ -721,10 +761,7 @@ fn engine() -> Engine {
         for (s, fields) in exposed_fields(c) {
             exposed.push((s, m.clone(), fields));
         }
-        lines.insert(
-            m.clone(),
-            c.lines().filter(|l| !l.trim().is_empty()).count(),
-        );
+        lines.insert(m.clone(), shipped[m]);
     }
     Engine {
         graph,
@@ -736,7 +773,7 @@ fn engine() -> Engine {
 
 fn print_graph(e: &Engine) {
     println!("engine module graph (a -> b: a depends on b; '~b(f)' marks an arrow made only by");
-    println!("calls to b's method f; [n] = non-blank lines that ship):");
+    println!("calls to b's method f; [n] = non-blank lines that ship, comments included):");
     for (m, deps) in &e.graph {
         let deps: Vec<String> = deps
             .iter()
@@ -810,7 +847,8 @@ fn no_room_exposes_its_fields() {
     );
 }
 
-/// Most non-blank lines of shipped code (test modules left out) in one engine file.
+/// Most non-blank lines of shipped code (comments included, test items left out) in one engine
+/// file: the issue's "no file over about 900 lines of non-test code".
 const MAX_FILE_LINES: usize = 900;
 
 #[test]
@@ -824,8 +862,8 @@ fn no_engine_file_is_too_long() {
         .collect();
     assert!(
         long.is_empty(),
-        "engine files over {MAX_FILE_LINES} non-blank lines of shipped code (split them by what \
-         their parts own): {}",
+        "engine files over {MAX_FILE_LINES} non-blank lines of shipped code, comments included \
+         (split them by what their parts own): {}",
         long.join(", ")
     );
 }
@@ -849,6 +887,13 @@ fn the_parser_sees_what_it_must() {
     assert_eq!(
         exposed_fields(&s),
         vec![("S".to_string(), vec!["x".to_string()])]
+    );
+    // Comments count, test items do not, whatever braces their literals hold.
+    assert_eq!(
+        shipped_lines(
+            "//! doc\nfn a() {}\n\n#[cfg(test)]\nmod t {\n    // x\n    const S: &str = \"}\";\n}\nfn b() {}\n"
+        ),
+        3
     );
     let i = inherent_impls("impl<'a> Holder<'a> {\n fn one(&self) {}\n fn two() { {} }\n}");
     assert_eq!(i[0].0, "Holder");
