@@ -12,7 +12,8 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 
 use hybridcache_engine::{
-    Cache, CacheConfig, CacheMode, Core, LazyFlush, LineSize, MirrorLostPolicy, MirrorState,
+    Cache, CacheConfig, CacheMode, CleaningPolicy, Core, LazyFlush, LineSize, MirrorLostPolicy,
+    MirrorState,
 };
 use hybridcache_volume::{CrashVolume, FaultConfig, FaultyVolume, RamVolume, Volume, VolumeRef};
 
@@ -558,6 +559,11 @@ fn on_files_both_devices_are_written_together_and_the_mirror_alone_has_every_wri
         MirrorLostPolicy::Drain,
     )
     .unwrap();
+    // No cleaning: what the last flush committed is what the mirror must bring back, line
+    // for line (a line cleaned after it would still be recorded dirty there, rightly).
+    let mut cleaning = cache.cleaning();
+    cleaning.policy = CleaningPolicy::Nop;
+    cache.set_cleaning(cleaning).unwrap();
     let id = cache.add_core(core_media.clone(), None).unwrap();
     // Each thread owns half of the core (no two writes race for a sector): its model is its own.
     let halves: Vec<Vec<u8>> = std::thread::scope(|s| {
