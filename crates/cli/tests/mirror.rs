@@ -35,6 +35,19 @@ fn job(uri_or_file: &[String], name: &str, extra: &[&str]) -> Vec<String> {
     a
 }
 
+/// fio's `verify_only` of job `name` through the daemon's cas1-1 (as fio run `label`), then `-T`
+/// (which flushes the dirty lines) and the same verify on the core file alone.
+fn verify_then_core_alone(d: &Daemon, dir: &std::path::Path, label: &str, name: &str, core: &str) {
+    let uri = [
+        "--ioengine=nbd".to_string(),
+        format!("--uri={}", d.uri("cas1-1")),
+    ];
+    fio(dir, label, &job(&uri, name, &["--verify_only"]));
+    d.ok(&["-T", "-i", "1"]);
+    let file = ["--ioengine=psync".to_string(), format!("--filename={core}")];
+    fio(dir, "core-alone", &job(&file, name, &["--verify_only"]));
+}
+
 fn exported_writes(d: &Daemon) -> u64 {
     d.stats_json(1, Some(1))["blocks"]["exported_writes"]["count"]
         .as_u64()
@@ -234,25 +247,7 @@ fn load_mirror_brings_every_flushed_write_back_after_the_primary_is_gone() {
         "{}",
         d.log_text()
     );
-    let uri = [
-        "--ioengine=nbd".to_string(),
-        format!("--uri={}", d.uri("cas1-1")),
-    ];
-    fio(
-        dir.path(),
-        "after",
-        &job(&uri, "failover", &["--verify_only"]),
-    );
-    d.ok(&["-T", "-i", "1"]);
-    let file = [
-        "--ioengine=psync".to_string(),
-        format!("--filename={core_path}"),
-    ];
-    fio(
-        dir.path(),
-        "core-alone",
-        &job(&file, "failover", &["--verify_only"]),
-    );
+    verify_then_core_alone(&d, dir.path(), "after", "failover", core_path);
 }
 
 /// The failover to another host: the core is shared (an NBD export both hosts reach, as a
@@ -321,24 +316,12 @@ fn failover_to_another_host_brings_every_flushed_write_back_over_nbd() {
         .as_u64()
         .unwrap_or(0);
     assert_eq!(loaded, dirty, "host B has every dirty line host A had");
-    let uri = [
-        "--ioengine=nbd".to_string(),
-        format!("--uri={}", b.uri("cas1-1")),
-    ];
-    fio(
+    verify_then_core_alone(
+        &b,
         dir.path(),
         "host-b",
-        &job(&uri, "failover", &["--verify_only"]),
-    );
-    b.ok(&["-T", "-i", "1"]);
-    let file = [
-        "--ioengine=psync".to_string(),
-        format!("--filename={}", core.display()),
-    ];
-    fio(
-        dir.path(),
-        "core-alone",
-        &job(&file, "failover", &["--verify_only"]),
+        "failover",
+        core.to_str().expect("UTF-8 path"),
     );
 }
 
@@ -585,23 +568,5 @@ fn a_new_primary_attached_under_load_holds_every_write_when_the_mirror_is_gone_n
     let d = Daemon::start(dir.path());
     let out = d.ok(&["-S", "-d", &new_spec, "--load"]);
     assert!(out.starts_with("cache 1 loaded"), "{out}");
-    let uri = [
-        "--ioengine=nbd".to_string(),
-        format!("--uri={}", d.uri("cas1-1")),
-    ];
-    fio(
-        dir.path(),
-        "after",
-        &job(&uri, "newprimary", &["--verify_only"]),
-    );
-    d.ok(&["-T", "-i", "1"]);
-    let file = [
-        "--ioengine=psync".to_string(),
-        format!("--filename={core_path}"),
-    ];
-    fio(
-        dir.path(),
-        "core-alone",
-        &job(&file, "newprimary", &["--verify_only"]),
-    );
+    verify_then_core_alone(&d, dir.path(), "after", "newprimary", core_path);
 }
