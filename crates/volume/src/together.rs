@@ -48,7 +48,11 @@ pub fn write_together(writes: &[(&dyn Volume, &[u8], u64)]) -> Vec<Result<()>> {
     let mut copies: Vec<(*const u8, Vec<u8>, usize)> = Vec::new();
     for (&(_, buf, _), d) in writes.iter().zip(&direct) {
         let misaligned = buf.as_ptr() as usize % d.mem_align.max(1) != 0;
-        if misaligned && !copies.iter().any(|c| c.0 == buf.as_ptr()) {
+        if misaligned
+            && !copies
+                .iter()
+                .any(|c| c.0 == buf.as_ptr() && c.1.len() >= buf.len() + BOUNCE_ALIGN)
+        {
             let mut room = vec![0u8; buf.len() + BOUNCE_ALIGN];
             let start = room.as_ptr().align_offset(BOUNCE_ALIGN);
             room[start..start + buf.len()].copy_from_slice(buf);
@@ -59,7 +63,10 @@ pub fn write_together(writes: &[(&dyn Volume, &[u8], u64)]) -> Vec<Result<()>> {
         .iter()
         .zip(&direct)
         .map(|(&(_, buf, offset), d)| {
-            let data = match copies.iter().find(|c| c.0 == buf.as_ptr()) {
+            let data = match copies
+                .iter()
+                .find(|c| c.0 == buf.as_ptr() && c.1.len() >= buf.len() + BOUNCE_ALIGN)
+            {
                 Some((_, room, start)) if buf.as_ptr() as usize % d.mem_align.max(1) != 0 => {
                     &room[*start..*start + buf.len()]
                 }
