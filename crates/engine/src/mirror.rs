@@ -570,28 +570,12 @@ impl Mirror {
     /// The mirror still has no superblock: the caller writes one (through the pair) that
     /// names the new pairing, and only that makes the mirror loadable.
     pub(crate) fn finish_rebuild(&self) -> crate::Result<()> {
-        const CHUNK: u64 = 1 << 20;
         let _copy = self.meta_copy.write();
         let mirror = self.mirror();
         // Flush first: the dirty sectors copied by the pass are durable before any metadata
         // naming them is.
         mirror.flush()?;
-        let mut buf = vec![0u8; CHUNK as usize];
-        let primary = self.primary();
-        let mut copy = |at: u64, n: usize| -> crate::Result<()> {
-            primary.read_at(&mut buf[..n], at)?;
-            mirror.write_at(&buf[..n], at)?;
-            Ok(())
-        };
-        for slot in crate::format::COMMIT_SLOTS {
-            copy(slot, crate::format::BLOCK)?;
-        }
-        let mut at = crate::format::META_OFFSET;
-        while at < self.data_offset {
-            let n = (self.data_offset - at).min(CHUNK) as usize;
-            copy(at, n)?;
-            at += n as u64;
-        }
+        copy_commits_and_blocks(&*self.primary(), &*mirror, self.data_offset, |_| {})?;
         mirror
             .flush()
             .inspect_err(|e| self.lose(MIRROR_LOST, "a rebuild flush", e))?;
@@ -718,7 +702,6 @@ impl Mirror {
     /// The new primary still has no superblock: the caller writes one (through the pair) that
     /// names the new pairing, and only that makes it loadable.
     pub(crate) fn finish_primary_rebuild(&self) -> crate::Result<()> {
-        const CHUNK: u64 = 1 << 20;
         let _copy = self.meta_copy.write();
         let (primary, mirror) = (self.primary(), self.mirror());
         // Flush first: the dirty sectors copied by the pass are durable before any metadata
@@ -726,23 +709,9 @@ impl Mirror {
         primary
             .flush()
             .inspect_err(|e| self.primary_rebuild_failed("a rebuild flush", e))?;
-        let mut buf = vec![0u8; CHUNK as usize];
-        let mut copy = |at: u64, n: usize| -> crate::Result<()> {
-            mirror.read_at(&mut buf[..n], at)?;
-            primary
-                .write_at(&buf[..n], at)
-                .inspect_err(|e| self.primary_rebuild_failed("a rebuild write", e))?;
-            Ok(())
-        };
-        for slot in crate::format::COMMIT_SLOTS {
-            copy(slot, crate::format::BLOCK)?;
-        }
-        let mut at = crate::format::META_OFFSET;
-        while at < self.data_offset {
-            let n = (self.data_offset - at).min(CHUNK) as usize;
-            copy(at, n)?;
-            at += n as u64;
-        }
+        copy_commits_and_blocks(&*mirror, &*primary, self.data_offset, |e| {
+            self.primary_rebuild_failed("a rebuild write", e)
+        })?;
         primary
             .flush()
             .inspect_err(|e| self.primary_rebuild_failed("a rebuild flush", e))?;
@@ -761,6 +730,34 @@ impl Mirror {
         *self.reason.lock() = None;
         Ok(())
     }
+}
+
+/// Copy the metadata region below the superblocks (both commit records, then the metadata
+/// blocks up to `data_offset`) from `from` to `to`, a MiB at a time: the end of either
+/// rebuild. `write_failed` is told of a write of `to` that fails (the error is returned too).
+fn copy_commits_and_blocks(
+    from: &dyn Volume,
+    to: &dyn Volume,
+    data_offset: u64,
+    write_failed: impl Fn(&VolumeError),
+) -> crate::Result<()> {
+    const CHUNK: u64 = 1 << 20;
+    let mut buf = vec![0u8; CHUNK as usize];
+    let mut copy = |at: u64, n: usize| -> crate::Result<()> {
+        from.read_at(&mut buf[..n], at)?;
+        to.write_at(&buf[..n], at).inspect_err(&write_failed)?;
+        Ok(())
+    };
+    for slot in crate::format::COMMIT_SLOTS {
+        copy(slot, crate::format::BLOCK)?;
+    }
+    let mut at = crate::format::META_OFFSET;
+    while at < data_offset {
+        let n = (data_offset - at).min(CHUNK) as usize;
+        copy(at, n)?;
+        at += n as u64;
+    }
+    Ok(())
 }
 
 impl Volume for Mirror {
