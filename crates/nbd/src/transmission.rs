@@ -221,6 +221,14 @@ struct OutQueue {
     failed: bool,
 }
 
+/// Feed `ns` (capped at u32::MAX) into the moving average `avg` (weight 1/8 for the new
+/// sample): the request timings that decide what runs inline and whether batches pay.
+fn record_ns(avg: &AtomicU64, ns: u128) {
+    let ns = ns.min(u128::from(u32::MAX)) as u64;
+    let old = avg.load(Ordering::Relaxed);
+    avg.store(old - old / 8 + ns / 8, Ordering::Relaxed);
+}
+
 /// Above this, deferred replies are written even if more requests are
 /// buffered, and further replies wait for the writer: it bounds the queue's
 /// memory (twice this plus one reply, with the batch being written) and
@@ -758,6 +766,49 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
                 <= budget.limit()
     }
 
+    /// A batch begun by `first` (handle, offset, length, buffers), with the requests buffered
+    /// behind it, up to `max`, while `batchable` says the next one is of the batch's kind:
+    /// those `member` accepts join it (it gives their offset and length); anything else read
+    /// meanwhile is executed here, inline, never dropped; rejected requests are answered.
+    /// Returns the batch and whether the connection stopped.
+    #[allow(clippy::type_complexity)]
+    fn gather_batch<'b>(
+        &'b self,
+        first: (u64, u64, u32, Buffers<'b>),
+        max: usize,
+        batchable: impl Fn(&BufReader<R>) -> bool,
+        member: impl Fn(&Job) -> Option<(u64, u32)>,
+    ) -> io::Result<(Vec<(u64, u64, u32, Buffers<'b>)>, bool)> {
+        let mut batch = vec![first];
+        let mut r = self.reader.lock();
+        while batch.len() < max && batchable(&r) {
+            let mut b = Buffers::new(self.mem);
+            b.held_elsewhere = batch.iter().map(|(.., b)| b.charged).sum();
+            match self.next_request(&mut r, &mut b)? {
+                Next::Job(h, job) => match member(&job) {
+                    Some((offset, len)) => batch.push((h, offset, len, b)),
+                    // Checked by `batchable`; anything else would be a bug, never a reason to
+                    // drop data.
+                    None => {
+                        drop(r);
+                        self.executing.fetch_add(1, Ordering::Relaxed);
+                        let res = self.execute(h, job, &mut b, false);
+                        self.executing.fetch_sub(1, Ordering::Relaxed);
+                        res?;
+                        r = self.reader.lock();
+                    }
+                },
+                Next::Rejected(h, rej) => self.send_error(h, rej.errno, rej.msg, true)?,
+                // Parking is only considered when nothing is buffered.
+                Next::Stop | Next::Park => {
+                    self.close();
+                    return Ok((batch, true));
+                }
+            }
+        }
+        Ok((batch, false))
+    }
+
     /// Serves the read just read (in `first`) together with the reads buffered behind it, up to
     /// READ_BATCH: all executed inline with one [`Export::read_batch`], replies deferred (they
     /// leave in one write when the reader would block). Returns whether this worker still holds
@@ -770,34 +821,15 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
         len: u32,
         first: Buffers<'_>,
     ) -> io::Result<bool> {
-        let mut batch = vec![(handle, offset, len, first)];
-        let mut stopped = false;
-        {
-            let mut r = self.reader.lock();
-            while batch.len() < READ_BATCH && self.next_batchable(&r) {
-                let mut b = Buffers::new(self.mem);
-                b.held_elsewhere = batch.iter().map(|(.., b)| b.charged).sum();
-                match self.next_request(&mut r, &mut b)? {
-                    Next::Job(h, Job::Read { offset, len }) => batch.push((h, offset, len, b)),
-                    // Checked above; anything else would be a bug, never a reason to drop data.
-                    Next::Job(h, job) => {
-                        drop(r);
-                        self.executing.fetch_add(1, Ordering::Relaxed);
-                        let res = self.execute(h, job, &mut b, false);
-                        self.executing.fetch_sub(1, Ordering::Relaxed);
-                        res?;
-                        r = self.reader.lock();
-                    }
-                    Next::Rejected(h, rej) => self.send_error(h, rej.errno, rej.msg, true)?,
-                    // Parking is only considered when nothing is buffered.
-                    Next::Stop | Next::Park => {
-                        self.close();
-                        stopped = true;
-                        break;
-                    }
-                }
-            }
-        }
+        let (mut batch, stopped) = self.gather_batch(
+            (handle, offset, len, first),
+            READ_BATCH,
+            |r| self.next_batchable(r),
+            |job| match *job {
+                Job::Read { offset, len } => Some((offset, len)),
+                _ => None,
+            },
+        )?;
         let prefix = self.reply_prefix();
         self.executing.fetch_add(batch.len(), Ordering::Relaxed);
         let token = self.go_inline(s, None);
@@ -813,10 +845,10 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
             self.export.read_batch(&mut reqs)
         };
         // Each read's share of the batch's time feeds the batches' average.
-        let ns = (t0.elapsed().as_nanos() / batch.len() as u128).min(u128::from(u32::MAX)) as u64;
-        let old = self.batch_ns.load(Ordering::Relaxed);
-        self.batch_ns
-            .store(old - old / 8 + ns / 8, Ordering::Relaxed);
+        record_ns(
+            &self.batch_ns,
+            t0.elapsed().as_nanos() / batch.len() as u128,
+        );
         // The successful replies leave from their own buffers, header and data together, in
         // one vectored write (after any replies queued before them); failures are queued.
         let mut sent = Ok(());
@@ -868,40 +900,19 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
         len: u32,
         first: Buffers<'_>,
     ) -> io::Result<bool> {
-        let mut batch = vec![(handle, offset, len, first)];
-        let mut stopped = false;
-        {
-            let mut r = self.reader.lock();
-            while batch.len() < WRITE_BATCH && self.next_batchable_write(&r) {
-                let mut b = Buffers::new(self.mem);
-                b.held_elsewhere = batch.iter().map(|(.., b)| b.charged).sum();
-                match self.next_request(&mut r, &mut b)? {
-                    Next::Job(
-                        h,
-                        Job::Write {
-                            offset,
-                            len,
-                            fua: false,
-                        },
-                    ) => batch.push((h, offset, len, b)),
-                    // Checked above; anything else would be a bug, never a reason to drop data.
-                    Next::Job(h, job) => {
-                        drop(r);
-                        self.executing.fetch_add(1, Ordering::Relaxed);
-                        let res = self.execute(h, job, &mut b, false);
-                        self.executing.fetch_sub(1, Ordering::Relaxed);
-                        res?;
-                        r = self.reader.lock();
-                    }
-                    Next::Rejected(h, rej) => self.send_error(h, rej.errno, rej.msg, true)?,
-                    Next::Stop | Next::Park => {
-                        self.close();
-                        stopped = true;
-                        break;
-                    }
-                }
-            }
-        }
+        let (batch, stopped) = self.gather_batch(
+            (handle, offset, len, first),
+            WRITE_BATCH,
+            |r| self.next_batchable_write(r),
+            |job| match *job {
+                Job::Write {
+                    offset,
+                    len,
+                    fua: false,
+                } => Some((offset, len)),
+                _ => None,
+            },
+        )?;
         self.executing.fetch_add(batch.len(), Ordering::Relaxed);
         let token = self.go_inline(s, None);
         let t0 = Instant::now();
@@ -920,10 +931,11 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
             let _shared = self.write_gate.read();
             self.export.write_batch(&reqs)
         };
-        let ns = (t0.elapsed().as_nanos() / batch.len() as u128).min(u128::from(u32::MAX)) as u64;
-        let old = self.write_batch_ns.load(Ordering::Relaxed);
-        self.write_batch_ns
-            .store(old - old / 8 + ns / 8, Ordering::Relaxed);
+        // Each write's share of the batch's time feeds the write batches' average.
+        record_ns(
+            &self.write_batch_ns,
+            t0.elapsed().as_nanos() / batch.len() as u128,
+        );
         // The successes' replies go out as one piece; failures each with their message.
         let mut oks = Vec::with_capacity(batch.len() * SIMPLE_REPLY_LEN);
         let mut sent = if results.len() == batch.len() {
@@ -967,10 +979,7 @@ impl<'a, R: Read + Send, W: Write + Send> Conn<'a, R, W> {
     fn timed(&self, kind: usize, f: impl FnOnce() -> io::Result<()>) -> io::Result<()> {
         let t0 = Instant::now();
         let res = f();
-        let ns = t0.elapsed().as_nanos().min(u128::from(u32::MAX)) as u64;
-        let avg = &self.ewma_ns[kind];
-        let old = avg.load(Ordering::Relaxed);
-        avg.store(old - old / 8 + ns / 8, Ordering::Relaxed);
+        record_ns(&self.ewma_ns[kind], t0.elapsed().as_nanos());
         res
     }
 
