@@ -42,16 +42,7 @@ fn check_all(core: &Core, model: &Model, seed: u64, when: &str) {
     let mut buf = vec![0u8; size as usize];
     core.read(&mut buf, 0)
         .unwrap_or_else(|e| panic!("seed {seed}: read after {when}: {e}"));
-    for (i, s) in buf.chunks(SECTOR).enumerate() {
-        let got = decode(s, i as u64);
-        match got {
-            Some(stamp) if model.allowed(i, stamp) => {}
-            _ => panic!(
-                "seed {seed}: after {when}, sector {i} holds {got:?}; allowed: durable {} or written since {:?}",
-                model.durable[i], model.since[i]
-            ),
-        }
-    }
+    model.check(&buf, &format!("seed {seed}: after {when}"));
 }
 
 /// One crash point. Returns the number of operations run before the crash.

@@ -494,16 +494,7 @@ fn crash_round(seed: u64, alone: bool) {
     let core = cache.core(id).unwrap();
     let mut buf = vec![0u8; core_bytes as usize];
     core.read(&mut buf, 0).unwrap();
-    for (i, s) in buf.chunks(SECTOR).enumerate() {
-        let got = decode(s, i as u64);
-        match got {
-            Some(stamp) if model.allowed(i, stamp) => {}
-            _ => panic!(
-                "seed {seed} (mirror alone: {alone}): sector {i} holds {got:?}; allowed: durable {} or written since {:?}",
-                model.durable[i], model.since[i]
-            ),
-        }
-    }
+    model.check(&buf, &format!("seed {seed} (mirror alone: {alone})"));
 }
 
 #[test]

@@ -492,16 +492,10 @@ fn cut_mid_copy(seed: u64) {
         let core = cache.core(id).unwrap();
         let mut buf = vec![0u8; core_bytes as usize];
         core.read(&mut buf, 0).unwrap();
-        for (i, s) in buf.chunks(SECTOR).enumerate() {
-            let got = decode(s, i as u64);
-            match got {
-                Some(stamp) if model.allowed(i, stamp) => {}
-                _ => panic!(
-                    "seed {seed} ({what}; attach finished: {attached}): sector {i} holds {got:?}; allowed: durable {} or written since {:?}",
-                    model.durable[i], model.since[i]
-                ),
-            }
-        }
+        model.check(
+            &buf,
+            &format!("seed {seed} ({what}; attach finished: {attached})"),
+        );
     };
     let core_media = core_dev.clone();
     let mut open = |_: &_| Some(core_media.clone() as VolumeRef);

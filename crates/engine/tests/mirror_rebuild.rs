@@ -249,16 +249,10 @@ fn cut_mid_rebuild(seed: u64) {
         let core = cache.core(id).unwrap();
         let mut buf = vec![0u8; core_bytes as usize];
         core.read(&mut buf, 0).unwrap();
-        for (i, s) in buf.chunks(SECTOR).enumerate() {
-            let got = decode(s, i as u64);
-            match got {
-                Some(stamp) if model.allowed(i, stamp) => {}
-                _ => panic!(
-                    "seed {seed} ({what}; rebuild finished: {attached}): sector {i} holds {got:?}; allowed: durable {} or written since {:?}",
-                    model.durable[i], model.since[i]
-                ),
-            }
-        }
+        model.check(
+            &buf,
+            &format!("seed {seed} ({what}; rebuild finished: {attached})"),
+        );
     };
     let core_media = core_dev.clone();
     let mut open = |_: &_| Some(core_media.clone() as VolumeRef);
@@ -369,14 +363,5 @@ fn dropped_before_the_pass(seed: u64) {
     let core = cache.core(id).unwrap();
     let mut buf = vec![0u8; core_bytes as usize];
     core.read(&mut buf, 0).unwrap();
-    for (i, s) in buf.chunks(SECTOR).enumerate() {
-        let got = decode(s, i as u64);
-        match got {
-            Some(stamp) if model.allowed(i, stamp) => {}
-            _ => panic!(
-                "seed {seed}: sector {i} holds {got:?}; allowed: durable {} or written since {:?}",
-                model.durable[i], model.since[i]
-            ),
-        }
-    }
+    model.check(&buf, &format!("seed {seed}"));
 }

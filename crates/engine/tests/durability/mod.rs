@@ -70,6 +70,20 @@ impl Model {
     pub fn allowed(&self, sector: usize, stamp: u32) -> bool {
         self.durable[sector] == stamp || self.since[sector].contains(&stamp)
     }
+    /// Panic, naming `context`, at the first sector of `buf` (the whole core, read back) that
+    /// holds neither its durable content nor anything written to it since.
+    pub fn check(&self, buf: &[u8], context: &str) {
+        for (i, s) in buf.chunks(SECTOR).enumerate() {
+            let got = decode(s, i as u64);
+            match got {
+                Some(stamp) if self.allowed(i, stamp) => {}
+                _ => panic!(
+                    "{context}: sector {i} holds {got:?}; allowed: durable {} or written since {:?}",
+                    self.durable[i], self.since[i]
+                ),
+            }
+        }
+    }
 }
 
 use std::sync::atomic::{AtomicI64, Ordering};
