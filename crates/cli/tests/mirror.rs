@@ -12,7 +12,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{fio, nbd_flush, nbdkit, need, sparse_file, workdir, Daemon};
+use common::{fio, nbd_flush, nbdkit, nbdkit_tcp, need, sparse_file, workdir, Daemon};
 
 const MIB: u64 = 1 << 20;
 
@@ -271,14 +271,16 @@ fn failover_to_another_host_brings_every_flushed_write_back_over_nbd() {
     sparse_file(&primary, 64 * MIB);
     sparse_file(&mirror, 64 * MIB);
     sparse_file(&core, 64 * MIB);
-    // Host B serves its mirror device, the storage network serves the core.
-    let export = |name: &str, file: &std::path::Path| {
-        let sock = dir.path().join(format!("{name}.sock"));
-        let server = nbdkit(&sock, &["file".into(), format!("file={}", file.display())]);
-        (server, format!("nbd+unix:///?socket={}", sock.display()))
-    };
-    let (_mirror_server, mirror_uri) = export("mirror", &mirror);
-    let (_core_server, core_uri) = export("core", &core);
+    // Host B serves its mirror device over TCP, as another host would; the storage network
+    // serves the core.
+    let (_mirror_server, mirror_uri) =
+        nbdkit_tcp(&["file".into(), format!("file={}", mirror.display())]);
+    let core_sock = dir.path().join("core.sock");
+    let _core_server = nbdkit(
+        &core_sock,
+        &["file".into(), format!("file={}", core.display())],
+    );
+    let core_uri = format!("nbd+unix:///?socket={}", core_sock.display());
 
     let mut a = Daemon::start(&host_a);
     a.ok(&[

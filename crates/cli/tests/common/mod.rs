@@ -55,6 +55,38 @@ pub fn nbdkit(sock: &Path, args: &[String]) -> Kill {
     child
 }
 
+/// nbdkit serving `args` on a TCP port of 127.0.0.1 (a device on another host, as far as the
+/// client can tell): the server and its URI without an export name, `nbd://127.0.0.1:PORT`.
+pub fn nbdkit_tcp(args: &[String]) -> (Kill, String) {
+    // A port the kernel just handed out and nothing listens on; nbdkit may lose it to another
+    // test in between, so a start that does not answer is tried again on a new port.
+    for _ in 0..5 {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port");
+        let mut child = Kill(
+            Command::new("nbdkit")
+                .args(["-f", "-i", "127.0.0.1", "-p"])
+                .arg(port.to_string())
+                .args(args)
+                .spawn()
+                .expect("nbdkit"),
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = child.0.try_wait() {
+                break;
+            }
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return (child, format!("nbd://127.0.0.1:{port}"));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    panic!("nbdkit did not start on a TCP port");
+}
+
 /// Make a sparse file of `size` bytes.
 pub fn sparse_file(path: &Path, size: u64) {
     let f = std::fs::File::create(path).expect("create file");
