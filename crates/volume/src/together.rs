@@ -3,10 +3,11 @@
 //! the slowest device instead of the sum of both.
 //!
 //! A volume takes part through [`Volume::direct_write`]: a file or block device on io_uring
-//! names its O_DIRECT descriptor and alignment, and [`write_together`] submits every write
-//! with one `io_uring_enter` on the calling thread's ring, then waits for all of them. A write
-//! to any other volume (RAM, remote NBD, emulated, fault-injecting) goes through `write_at`,
-//! one after another, as before.
+//! names its O_DIRECT descriptor and alignment, and [`write_together`] submits every such
+//! write with one `io_uring_enter` on the calling thread's ring, then waits for all of them. A
+//! write to any other volume (RAM, remote NBD, emulated, fault-injecting) goes through
+//! `write_at` on the calling thread while the submitted ones are in flight: a mirror on another
+//! host (an NBD export) is written during the local device's write, not after it.
 
 use std::os::fd::RawFd;
 
@@ -23,30 +24,32 @@ pub struct DirectWrite {
 /// Bounce buffers are page-aligned: that satisfies every device's DMA alignment in practice.
 const BOUNCE_ALIGN: usize = 4096;
 
-/// Write `(volume, data, offset)` for each entry, together where every volume has a direct
-/// path for its write (see the module doc), one after another through `write_at` otherwise.
-/// One result per entry, in order, each a volume's own: a direct write that fails is made
-/// again through that volume's `write_at`, which gives it its own error (or the buffered path
-/// where direct I/O refuses); writing the same data twice does no harm.
+/// Write `(volume, data, offset)` for each entry, at once: the writes of volumes with a direct
+/// path for theirs are submitted together, and the others are made through `write_at`, one
+/// after another, while those are in flight (see the module doc). One result per entry, in
+/// order, each a volume's own: a direct write that fails is made again through that volume's
+/// `write_at`, which gives it its own error (or the buffered path where direct I/O refuses);
+/// writing the same data twice does no harm.
 pub fn write_together(writes: &[(&dyn Volume, &[u8], u64)]) -> Vec<Result<()>> {
-    let direct: Option<Vec<DirectWrite>> = if writes.len() > 1 {
+    let direct: Vec<Option<DirectWrite>> = if writes.len() > 1 {
         writes
             .iter()
             .map(|&(v, buf, offset)| v.direct_write(buf.len(), offset))
             .collect()
     } else {
-        None
+        vec![None; writes.len()]
     };
-    let Some(direct) = direct else {
+    if direct.iter().all(Option::is_none) {
         return writes
             .iter()
             .map(|&(v, buf, offset)| v.write_at(buf, offset))
             .collect();
-    };
+    }
     // Copies of misaligned buffers, made once per distinct buffer (a mirror writes the same
     // data to both devices).
     let mut copies: Vec<(*const u8, Vec<u8>, usize)> = Vec::new();
     for (&(_, buf, _), d) in writes.iter().zip(&direct) {
+        let Some(d) = d else { continue };
         let misaligned = buf.as_ptr() as usize % d.mem_align.max(1) != 0;
         if misaligned
             && !copies
@@ -62,7 +65,8 @@ pub fn write_together(writes: &[(&dyn Volume, &[u8], u64)]) -> Vec<Result<()>> {
     let pieces: Vec<(RawFd, &[u8], u64)> = writes
         .iter()
         .zip(&direct)
-        .map(|(&(_, buf, offset), d)| {
+        .filter_map(|(&(_, buf, offset), d)| {
+            let d = d.as_ref()?;
             let data = match copies
                 .iter()
                 .find(|c| c.0 == buf.as_ptr() && c.1.len() >= buf.len() + BOUNCE_ALIGN)
@@ -72,15 +76,31 @@ pub fn write_together(writes: &[(&dyn Volume, &[u8], u64)]) -> Vec<Result<()>> {
                 }
                 _ => buf,
             };
-            (d.fd, data, offset)
+            Some((d.fd, data, offset))
         })
         .collect();
-    crate::uring::write_spread(&pieces)
-        .into_iter()
-        .zip(writes)
-        .map(|(r, &(v, buf, offset))| match r {
-            Ok(()) => Ok(()),
-            Err(_) => v.write_at(buf, offset),
+    // The volumes without a direct path, written while the direct writes are in flight.
+    let mut others: Vec<Option<Result<()>>> = writes.iter().map(|_| None).collect();
+    let mut meanwhile = || {
+        for ((&(v, buf, offset), d), out) in writes.iter().zip(&direct).zip(others.iter_mut()) {
+            if d.is_none() {
+                *out = Some(v.write_at(buf, offset));
+            }
+        }
+    };
+    let mut spread = crate::uring::write_spread(&pieces, &mut meanwhile).into_iter();
+    writes
+        .iter()
+        .zip(&direct)
+        .zip(others)
+        .map(|((&(v, buf, offset), d), other)| match (d, other) {
+            (None, Some(r)) => r,
+            // `write_spread` runs `meanwhile` whatever fails; were it not to, write here.
+            (None, None) => v.write_at(buf, offset),
+            (Some(_), _) => match spread.next() {
+                Some(Ok(())) => Ok(()),
+                _ => v.write_at(buf, offset),
+            },
         })
         .collect()
 }
@@ -157,5 +177,74 @@ mod tests {
         assert!(r[0].is_ok(), "{:?}", r[0]);
         assert!(r[1].is_err(), "the fault volume's own write failed");
         assert_eq!(read(&*a, 4096, 4096), data);
+    }
+
+    /// A volume without a direct path (as a remote NBD export) whose write completes only once
+    /// `file` holds the same data at the same offset: it stands for a device written while the
+    /// local one's write is in flight, and fails (after 10 s) when that write waits for it.
+    struct AfterFile {
+        file: std::fs::File,
+    }
+
+    impl Volume for AfterFile {
+        fn name(&self) -> &str {
+            "after-file"
+        }
+        fn size(&self) -> u64 {
+            8 << 20
+        }
+        fn read_at(&self, _buf: &mut [u8], _offset: u64) -> Result<()> {
+            Ok(())
+        }
+        fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+            use std::os::unix::fs::FileExt;
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            let mut seen = vec![0u8; buf.len()];
+            loop {
+                let len = buf.len() as u64;
+                let fail = |kind| {
+                    crate::VolumeError::new("after-file", crate::Op::Write, offset, len, kind)
+                };
+                self.file
+                    .read_exact_at(&mut seen, offset)
+                    .map_err(|e| fail(crate::ErrorKind::Io(e)))?;
+                if seen == buf {
+                    return Ok(());
+                }
+                if std::time::Instant::now() > deadline {
+                    return Err(fail(crate::ErrorKind::Invalid(
+                        "the file's write was not in flight".into(),
+                    )));
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+        fn flush(&self) -> Result<()> {
+            Ok(())
+        }
+        fn discard(&self, _offset: u64, _len: u64) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_volume_without_a_direct_path_is_written_while_the_direct_writes_are_in_flight() {
+        if crate::uring::available().is_err() {
+            return;
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let a = file(dir.path(), "a");
+        let remote = AfterFile {
+            file: std::fs::File::open(dir.path().join("a")).expect("open a"),
+        };
+        // Listed first: written one after another in the order given, it would wait for a
+        // write that had not begun.
+        for (i, fill) in [(0u64, 3u8), (1, 4), (2, 5)] {
+            let data = vec![fill; 8192];
+            let at = i * 65536;
+            let r = write_together(&[(&remote, &data, at), (&*a, &data, at)]);
+            assert!(r.iter().all(|r| r.is_ok()), "{r:?}");
+            assert_eq!(read(&*a, at, data.len()), data);
+        }
     }
 }

@@ -97,7 +97,13 @@ thread_local! {
     /// This thread's ring; None until the first request, or after a ring broke (the next
     /// request makes a new one).
     static RING: RefCell<Option<IoUring>> = const { RefCell::new(None) };
+    /// The ring of [`write_spread`]: its writes stay in flight while the thread makes other
+    /// writes meanwhile, which may go through `RING` (a volume without a direct path that
+    /// wraps a file), so the two never share a ring.
+    static SPREAD_RING: RefCell<Option<IoUring>> = const { RefCell::new(None) };
 }
+
+type RingKey = std::thread::LocalKey<RefCell<Option<IoUring>>>;
 
 #[derive(Clone, Copy)]
 enum Dir {
@@ -205,7 +211,7 @@ pub(crate) fn read_batch(fd: RawFd, pieces: &mut [(&mut [u8], u64)]) -> io::Resu
             .collect();
         // SAFETY: every buffer stays borrowed (and so valid) until `submit_group` returns, and
         // it returns only after reaping every completion it submitted.
-        unsafe { submit_group(Dir::Read, &raw, &mut got) }?;
+        unsafe { submit_group(&RING, Dir::Read, &raw, &mut got, &mut None) }?;
         for ((buf, offset), r) in group.iter_mut().zip(got) {
             let res = match r {
                 // A short read (end of a file, or a partial transfer): the rest one at a time.
@@ -238,7 +244,7 @@ pub(crate) fn write_batch(fd: RawFd, pieces: &[(&[u8], u64)]) -> io::Result<()> 
             .collect();
         // SAFETY: every buffer stays borrowed until `submit_group` returns, which is after it
         // reaped every completion it submitted.
-        unsafe { submit_group(Dir::Write, &raw, &mut got) }?;
+        unsafe { submit_group(&RING, Dir::Write, &raw, &mut got, &mut None) }?;
         for ((buf, offset), r) in group.iter().zip(got) {
             let res = match r {
                 // A short write: the rest one at a time.
@@ -259,8 +265,15 @@ pub(crate) fn write_batch(fd: RawFd, pieces: &[(&[u8], u64)]) -> io::Result<()> 
 
 /// Writes each `(fd, data, offset)` fully, all in flight together (one `io_uring_enter` for
 /// at most [`RING_ENTRIES`]): the same data to several devices takes the time of the slowest,
-/// not the sum. One result per piece, in order; every submitted write is reaped first.
-pub(crate) fn write_spread(pieces: &[(RawFd, &[u8], u64)]) -> Vec<io::Result<()>> {
+/// not the sum. `meanwhile` runs once, on this thread, while the first [`RING_ENTRIES`] writes
+/// are in flight (a write to a device with no direct path, such as a remote NBD export, then
+/// overlaps them instead of following them); it runs whatever fails. One result per piece, in
+/// order; every submitted write is reaped first.
+pub(crate) fn write_spread(
+    pieces: &[(RawFd, &[u8], u64)],
+    meanwhile: &mut dyn FnMut(),
+) -> Vec<io::Result<()>> {
+    let mut meanwhile = Some(meanwhile);
     let mut out = Vec::with_capacity(pieces.len());
     for group in pieces.chunks(RING_ENTRIES as usize) {
         let mut got: Vec<io::Result<usize>> = Vec::with_capacity(group.len());
@@ -270,7 +283,9 @@ pub(crate) fn write_spread(pieces: &[(RawFd, &[u8], u64)]) -> Vec<io::Result<()>
             .collect();
         // SAFETY: every buffer stays borrowed until `submit_group` returns, which is after it
         // reaped every completion it submitted.
-        if let Err(e) = unsafe { submit_group(Dir::Write, &raw, &mut got) } {
+        if let Err(e) =
+            unsafe { submit_group(&SPREAD_RING, Dir::Write, &raw, &mut got, &mut meanwhile) }
+        {
             // Nothing of the group was submitted: each piece reports the error.
             out.extend(
                 group
@@ -287,21 +302,31 @@ pub(crate) fn write_spread(pieces: &[(RawFd, &[u8], u64)]) -> Vec<io::Result<()>
             });
         }
     }
+    if let Some(m) = meanwhile {
+        m();
+    }
     out
 }
 
 /// Submits one read or write per piece of `group` (at most the ring's size; each piece names
-/// its descriptor) and reaps them all into `got`, in the group's order.
+/// its descriptor) on this thread's ring `key`, runs `meanwhile` (taken, if any) once they are
+/// submitted, and reaps them all into `got`, in the group's order.
 ///
 /// # Safety
 /// Each piece's buffer must stay valid (and, for reads, unaliased) until this returns.
 unsafe fn submit_group(
+    key: &'static RingKey,
     dir: Dir,
     group: &[(RawFd, *mut u8, usize, u64)],
     got: &mut Vec<io::Result<usize>>,
+    meanwhile: &mut Option<&mut dyn FnMut()>,
 ) -> io::Result<()> {
-    RING.with(|cell| {
-        let mut slot = cell.borrow_mut();
+    key.with(|cell| {
+        // Only `meanwhile` could come back here (a volume that spreads its own writes): its
+        // caller then writes without this ring.
+        let Ok(mut slot) = cell.try_borrow_mut() else {
+            return Err(io::Error::other("this thread's io_uring ring is in use"));
+        };
         if slot.is_none() {
             *slot = Some(new_ring()?);
         }
@@ -329,6 +354,12 @@ unsafe fn submit_group(
         }
         got.clear();
         got.extend(group.iter().map(|_| Ok(0)));
+        if let Some(m) = meanwhile.take() {
+            // The device starts on them now; an error here comes back from the submission
+            // below, which tries again.
+            let _ = ring.submit();
+            m();
+        }
         let mut reaped = 0;
         while reaped < group.len() {
             match ring.submit_and_wait(group.len() - reaped) {
