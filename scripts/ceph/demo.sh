@@ -44,6 +44,25 @@ cpu_mark() {
     echo "$t"
 }
 
+# The same CPU time by part: "OSDS HYBRIDCACHE NBDFUSE" (jiffies), so a report can say whose
+# CPU a request costs (the cache's own, BlueStore's, or the FUSE device path this machine needs
+# in place of a kernel NBD or ublk client).
+cpu_parts() {
+    local part pids p t
+    for part in "$CEPH_DIR/run/osd.*.pid" "$CEPH_DIR/hc/daemon.pid $CEPH_DIR/hc/serve.*.pid" \
+        "$CEPH_DIR/hc/nbdfuse.*.pid"; do
+        t=0
+        # shellcheck disable=SC2086 # the globs are meant to expand here
+        pids=$(cat $part 2>/dev/null || true)
+        for p in $pids; do
+            [ -r "/proc/$p/stat" ] || continue
+            t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat")))
+        done
+        printf '%s ' "$t"
+    done
+    echo
+}
+
 # The whole machine's busy and total CPU time (jiffies, every CPU) from /proc/stat: the OSDs and
 # hybridcache are not all that runs here (the fio client with librbd, nbdfuse, the loop devices,
 # the mon), so the report says how busy the machine was, not only what the OSDs used.
@@ -119,7 +138,7 @@ run_config() {
     rbd_fio warm img --rw=randread --bs=4k --iodepth=16 --numjobs="$JOBS" --size="$HIT_REGION" \
         --offset_increment="$HIT_REGION" --group_reporting
     osd_metadata "$config"
-    local spec name rw bs size t0 t1 m0 m1 n0 n1
+    local spec name rw bs size t0 t1 m0 m1 n0 n1 po0 ph0 pf0 po1 ph1 pf1
     for spec in "randread-4k randread 4k $HIT_REGION" "randwrite-4k randwrite 4k $REGION" \
         "randrw70-4k randrw 4k $REGION" "seqwrite-512k write 512k $REGION" \
         "seqread-512k read 512k $REGION"; do
@@ -127,6 +146,7 @@ run_config() {
         reset_stats "$config"
         perf_dump "$config" "$name" before
         t0=$(cpu_mark)
+        read -r po0 ph0 pf0 <<<"$(cpu_parts)"
         read -r m0 n0 <<<"$(machine_mark)"
         times >"$CEPH_DIR/times.before"
         local extra=()
@@ -135,9 +155,11 @@ run_config() {
             "${extra[@]}"
         times >"$CEPH_DIR/times.after"
         t1=$(cpu_mark)
+        read -r po1 ph1 pf1 <<<"$(cpu_parts)"
         read -r m1 n1 <<<"$(machine_mark)"
         perf_dump "$config" "$name" after
         echo $(((t1 - t0))) >"$OUT/$config-$name.cpu"
+        echo "$((po1 - po0)) $((ph1 - ph0)) $((pf1 - pf0))" >"$OUT/$config-$name.cpu-parts"
         echo "$((m1 - m0)) $((n1 - n0))" >"$OUT/$config-$name.machine"
         awk -v a="$(client_seconds "$CEPH_DIR/times.after")" \
             -v b="$(client_seconds "$CEPH_DIR/times.before")" 'BEGIN { printf "%.3f\n", a - b }' \

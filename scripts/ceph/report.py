@@ -193,6 +193,19 @@ def client_seconds(out, config, name):
         return None
 
 
+def cpu_parts_us(out, config, name, ios):
+    """CPU µs per IO of the OSDs, hybridcache and nbdfuse apart, if the run recorded them."""
+    try:
+        with open(os.path.join(out, f"{config}-{name}.cpu-parts")) as f:
+            parts = [int(v) for v in f.read().split()]
+        tck = read_int(out, "clk_tck")
+    except (OSError, ValueError):
+        return None
+    if len(parts) != 3 or not ios:
+        return None
+    return [p / tck / ios * 1e6 for p in parts]
+
+
 def pct(v):
     return "-" if v is None else f"{v:.1f}"
 
@@ -263,6 +276,28 @@ def main():
             stats.append(f"| {r['label']} | {i} | {pct(c['dirty_pct'])} | "
                          f"{pct(c['read_hit_pct'])} | {pct(c['cut_off_pct'])} | "
                          f"{pct(c.get('seq_write_pct'))} |")
+    parts = ["", "CPU per IO by part (µs of CPU time per client IO: the OSDs; hybridcache, the "
+             "cache daemon or, on the baseline, the bare-core server; nbdfuse, the device path "
+             "this machine needs in place of a kernel NBD or ublk client; the fio client with "
+             "librbd):", "",
+             "| workload | side | OSDs | hybridcache | nbdfuse | client |",
+             "|---|---|---|---|---|---|"]
+    any_parts = False
+    for r in results:
+        for side, config in (("baseline", "bare"), ("cached", "cached")):
+            ios = r[side]["ios"]
+            p = cpu_parts_us(out, config, r["workload"], ios)
+            if p is None:
+                continue
+            any_parts = True
+            c = client_seconds(out, config, r["workload"])
+            client = c / ios * 1e6 if c is not None and ios else None
+            r.setdefault("cpu_parts_us_per_io", {})[side] = {
+                "osds": p[0], "hybridcache": p[1], "nbdfuse": p[2], "client": client}
+            parts.append(f"| {r['label']} | {side} | {p[0]:.0f} | {p[1]:.0f} | {p[2]:.0f} | "
+                         f"{'-' if client is None else f'{client:.0f}'} |")
+    if any_parts:
+        stats += parts
     stats += osd_table(out, results)
     try:
         with open(os.path.join(out, "preconditioned")) as f:
