@@ -729,7 +729,12 @@ fn a_mirror_given_to_a_running_cache_is_loaded_with_it_after_a_restart() {
     let loaded = d.stats_json(1, None)["usage"]["dirty"]["count"]
         .as_u64()
         .unwrap_or(0);
-    assert_eq!(loaded, dirty, "the pair has every dirty line\n{}", d.log_text());
+    assert_eq!(
+        loaded,
+        dirty,
+        "the pair has every dirty line\n{}",
+        d.log_text()
+    );
     // The mirror alone holds them too: the primary's host dies, the mirror comes up alone.
     d.kill();
     std::fs::remove_file(&primary).unwrap();
