@@ -463,6 +463,9 @@ fn a_power_cut_at_every_step_of_a_first_mirror_keeps_the_cache_and_never_trusts_
             refused += u32::from(!o.mirror_loaded);
             finished += u32::from(o.attached);
         }
+        eprintln!(
+            "seed {seed}: {all} cut points, {refused} refused the new device, {finished} finished"
+        );
         assert!(
             refused > 0 && finished > 0,
             "seed {seed}: {all} cut points, {refused} refused the new device, {finished} finished"
