@@ -334,12 +334,13 @@ pub enum Command {
         force: bool,
     },
 
-    /// Rebuild a mirrored cache's lost mirror onto a new device while clients are served: the
-    /// dirty lines and the metadata are copied onto it, and the cache is redundant again when
-    /// this returns (`-L` shows the progress meanwhile).
+    /// Give a cache a mirror while clients are served: a new one for a mirrored cache whose
+    /// mirror is lost, or a first one for a cache started without (write-back's dirty lines
+    /// then have a second copy). The dirty lines and the metadata are copied onto it, and the
+    /// cache is redundant when this returns (`-L` shows the progress meanwhile).
     #[command(long_flag = "attach-mirror")]
     AttachMirror {
-        /// The cache whose mirror is lost.
+        /// The cache whose mirror is lost, or that has none.
         #[arg(short = 'i', long = "cache-id", value_parser = cache_id)]
         id: u16,
         /// The new mirror: at least the size of the cache device's metadata and lines.

@@ -340,7 +340,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::AttachMirror { id, device, .. } => {
             let v: protocol::MirrorAttached = call(&control, &req)?;
             println!(
-                "cache {id} is redundant again: its mirror {device} holds every dirty line ({} dirty lines, {}, copied in {:.1} s)",
+                "cache {id} is redundant{}: its mirror {device} holds every dirty line ({} dirty lines, {}, copied in {:.1} s)",
+                if v.first { "" } else { " again" },
                 hybridcache_daemon::safety::count_text(v.dirty_lines),
                 hybridcache_daemon::safety::size_text(v.dirty_bytes),
                 v.seconds

@@ -572,3 +572,178 @@ fn a_new_primary_attached_under_load_holds_every_write_when_the_mirror_is_gone_n
     assert!(out.starts_with("cache 1 loaded"), "{out}");
     verify_then_core_alone(&d, dir.path(), "after", "newprimary", core_path);
 }
+
+/// The issue's rebuild for a cache that never had a mirror: a write-back cache started without
+/// one takes fio's verifying writes, `--attach-mirror` gives it a mirror (a file) while fio goes
+/// on writing, and then the primary fails. fio completes without an error; every write it made,
+/// before the mirror came, while it was filled and after, reads back right through the export
+/// (the dirty data from the mirror alone), and after `-T` from the core file alone.
+#[test]
+fn a_mirror_given_to_a_running_cache_under_load_keeps_every_write_when_the_primary_fails() {
+    if !need(&["nbdkit", "fio"]) {
+        return;
+    }
+    let dir = workdir();
+    let (_primary_server, primary, primary_fails) = failing_device(dir.path(), "primary");
+    let mirror = dir.path().join("mirror.img");
+    let small = dir.path().join("small.img");
+    let core = dir.path().join("core.img");
+    sparse_file(&mirror, 64 * MIB);
+    sparse_file(&small, 16 * MIB);
+    sparse_file(&core, 64 * MIB);
+    let mirror_spec = format!("file:{}", mirror.display());
+    let small_spec = format!("file:{}", small.display());
+    let core_path = core.to_str().expect("UTF-8 path");
+    let d = Daemon::start(dir.path());
+    d.ok(&["-S", "-d", &primary, "-c", "wb"]);
+    d.ok(&["-A", "-i", "1", "-d", core_path]);
+    d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "nop"]);
+    assert!(mirror_state(&d).is_null(), "a mirror before any was given");
+    // A device smaller than the cache device's lines, and the cache's own device, are refused.
+    let refused = d.fails(&["--attach-mirror", "-i", "1", "-d", &small_spec]);
+    assert!(
+        refused.contains(&(16 * MIB).to_string()) && refused.contains("at least"),
+        "{refused}"
+    );
+    let refused = d.fails(&["--attach-mirror", "-i", "1", "-d", &primary]);
+    assert!(refused.contains("own device"), "{refused}");
+
+    let run = fio_in_background(&d, dir.path(), "attached", "--rate=,2m");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    wait_for_writes(&d, &run, deadline, "the mirror was attached");
+    let attached = d.ok(&["--attach-mirror", "-i", "1", "-d", &mirror_spec]);
+    assert!(
+        attached.starts_with(&format!(
+            "cache 1 is redundant: its mirror {mirror_spec} holds every dirty line ("
+        )),
+        "{attached}"
+    );
+    assert!(
+        !run.is_finished(),
+        "fio ended before the mirror was attached: not under load"
+    );
+    assert_eq!(mirror_state(&d), "redundant");
+    let table = d.ok(&["-L"]);
+    assert!(table.contains(&mirror_spec), "{table}");
+    let stats = d.ok(&["-P", "-i", "1"]);
+    assert!(
+        stats.contains("Mirror State") && stats.contains("Redundant"),
+        "{stats}"
+    );
+    let log = d.log_text();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("INFO") && l.contains("giving it the mirror")),
+        "{log}"
+    );
+    assert!(
+        log.lines()
+            .any(|l| l.contains("INFO") && l.contains("is redundant")),
+        "{log}"
+    );
+    // fio goes on writing onto the pair, then the primary fails.
+    let written = exported_writes(&d);
+    while exported_writes(&d) < written + 256 && !run.is_finished() {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::fs::write(&primary_fails, b"").unwrap();
+    let report = run.join().expect("the fio thread");
+    assert_eq!(
+        report["jobs"][0]["write"]["io_bytes"].as_u64(),
+        Some(24 * MIB),
+        "fio wrote all of its run"
+    );
+    assert_eq!(mirror_state(&d), "primary lost");
+    verify_then_core_alone(&d, dir.path(), "after", "attached", core_path);
+}
+
+/// A mirror given to a running cache is the cache's as if it had been started with it: the
+/// daemon's recorded state names it, so a restart of the daemon loads the pair, and so does
+/// `-S --load -d PRIMARY --mirror SECOND`; every flushed write reads back right from the pair.
+#[test]
+fn a_mirror_given_to_a_running_cache_is_loaded_with_it_after_a_restart() {
+    if !need(&["fio", "qemu-io"]) {
+        return;
+    }
+    let dir = workdir();
+    let primary = dir.path().join("primary.img");
+    let mirror = dir.path().join("mirror.img");
+    let core = dir.path().join("core.img");
+    sparse_file(&primary, 64 * MIB);
+    sparse_file(&mirror, 64 * MIB);
+    sparse_file(&core, 64 * MIB);
+    let primary_spec = format!("file:{}", primary.display());
+    let mirror_spec = format!("file:{}", mirror.display());
+    let core_path = core.to_str().expect("UTF-8 path");
+    // With a configuration file the daemon keeps its run-time setup (docs/cli.md, "State
+    // directory"); this one declares no cache: the cache is made at run time.
+    let config = dir.path().join("hybridcache.toml");
+    std::fs::write(&config, "# caches are started at run time\n").unwrap();
+    let config = config.to_str().expect("UTF-8 path");
+    let mut d = Daemon::start_with(dir.path(), &["--config", config]);
+    d.ok(&["-S", "-d", &primary_spec, "-c", "wb"]);
+    d.ok(&["-A", "-i", "1", "-d", core_path]);
+    d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "nop"]);
+    let uri = [
+        "--ioengine=nbd".to_string(),
+        format!("--uri={}", d.uri("cas1-1")),
+    ];
+    fio(dir.path(), "before", &job(&uri, "restarted", &[]));
+    d.ok(&["--attach-mirror", "-i", "1", "-d", &mirror_spec]);
+    nbd_flush(&d.uri("cas1-1"));
+    let dirty = d.stats_json(1, None)["usage"]["dirty"]["count"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(dirty > 0, "the run left nothing dirty");
+    // The daemon's own state: its next start loads the cache with the mirror it was given.
+    // (`stop` is SIGTERM, which flushes every cache first.)
+    assert!(d.stop());
+    let mut d = Daemon::start_with(dir.path(), &["--config", config]);
+    let listed: serde_json::Value =
+        serde_json::from_str(&d.ok(&["-L", "-o", "json"])).expect("-L JSON");
+    let m = &listed["caches"][0]["mirror"];
+    assert_eq!(m["state"], "redundant", "{listed}\n{}", d.log_text());
+    assert_eq!(m["device"], mirror_spec.as_str(), "{listed}");
+    // The daemon's stop flushed the cache: the same writes again, so that the pair holds
+    // dirty lines for what follows.
+    let uri = [
+        "--ioengine=nbd".to_string(),
+        format!("--uri={}", d.uri("cas1-1")),
+    ];
+    fio(dir.path(), "again", &job(&uri, "restarted", &[]));
+    nbd_flush(&d.uri("cas1-1"));
+    let dirty = d.stats_json(1, None)["usage"]["dirty"]["count"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(dirty > 0, "the second run left nothing dirty");
+    // Stopped without flushing (the dirty lines stay), then loaded by hand with the pair.
+    d.ok(&["-T", "-i", "1", "-n"]);
+    let out = d.ok(&[
+        "-S",
+        "--load",
+        "-d",
+        &primary_spec,
+        "--mirror",
+        &mirror_spec,
+    ]);
+    assert!(out.starts_with("cache 1 loaded"), "{out}");
+    assert_eq!(mirror_state(&d), "redundant");
+    let loaded = d.stats_json(1, None)["usage"]["dirty"]["count"]
+        .as_u64()
+        .unwrap_or(0);
+    assert_eq!(
+        loaded,
+        dirty,
+        "the pair has every dirty line\n{}",
+        d.log_text()
+    );
+    // The mirror alone holds them too: the primary's host dies, the mirror comes up alone.
+    d.kill();
+    std::fs::remove_file(&primary).unwrap();
+    let other_host = dir.path().join("other-host");
+    std::fs::create_dir_all(&other_host).unwrap();
+    let d = Daemon::start(&other_host);
+    let out = d.ok(&["-S", "-d", &mirror_spec, "--load-mirror"]);
+    assert!(out.starts_with("cache 1 loaded"), "{out}");
+    verify_then_core_alone(&d, dir.path(), "after", "restarted", core_path);
+}

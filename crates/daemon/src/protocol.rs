@@ -214,7 +214,8 @@ pub enum Request {
         device: String,
     },
     /// `--attach-mirror -i ID -d DEV [--force]`: rebuild a mirrored cache's lost mirror onto
-    /// DEV while clients are served. Result: [`MirrorAttached`].
+    /// DEV, or give a cache without a mirror its first, while clients are served. Result:
+    /// [`MirrorAttached`].
     AttachMirror {
         cache: u16,
         device: String,
@@ -825,6 +826,9 @@ pub struct MirrorAttached {
     pub dirty_lines: u64,
     pub dirty_bytes: u64,
     pub seconds: f64,
+    /// The cache had no mirror before (not a lost one replaced).
+    #[serde(default)]
+    pub first: bool,
 }
 
 /// Result of [`Request::ConnectCache`] (`--attach-cache`) on a mirrored cache whose primary is

@@ -70,19 +70,87 @@ impl Cache {
         self.inner.devices.mirror().map(|m| m.status())
     }
 
-    /// Rebuild a lost mirror onto `device` while I/O goes on (`--attach-mirror`;
-    /// docs/format.md, "The mirror"): from the switch on every dirty write and metadata write
-    /// goes to it too; a pass copies the dirty lines that existed before, each under its
+    /// Give the cache a mirror on `device` while I/O goes on (`--attach-mirror`;
+    /// docs/format.md, "Rebuilding onto a new mirror"): a mirrored cache whose mirror is lost
+    /// gets a new one, and a cache without a mirror its first (with `policy` for when it is
+    /// lost; a mirrored cache keeps its own). From the switch on every dirty write and metadata
+    /// write goes to it too; a pass copies the dirty lines that existed before, each under its
     /// stripe; the metadata is copied; then a superblock naming a new pairing makes it the
-    /// mirror, and the old one is stale. A device that holds a cache is refused unless
-    /// `force`. Returns the dirty lines and bytes copied by the pass.
-    pub fn attach_mirror(&self, device: VolumeRef, force: bool) -> Result<(u64, u64)> {
+    /// mirror (a lost one is stale from then on). Until that superblock a cut leaves the cache
+    /// as it was (without a mirror, or with its mirror lost) and the device holding no cache.
+    /// A device that holds a cache is refused unless `force`. Returns the dirty lines and bytes
+    /// copied by the pass.
+    pub fn attach_mirror_with(
+        &self,
+        device: VolumeRef,
+        force: bool,
+        policy: MirrorLostPolicy,
+    ) -> Result<(u64, u64)> {
         let inner = &self.inner;
-        let Some(m) = inner.devices.mirror() else {
+        let Some(p) = inner.persist.as_ref() else {
             return Err(EngineError::Invalid(
-                "the cache has no mirror: giving a cache a mirror while it runs is not supported yet (stop it and start it with --mirror)".into(),
+                "the cache keeps its metadata in RAM: a volatile cache has nothing a mirror could keep".into(),
             ));
         };
+        self.refuse_a_small_mirror(&*device)?;
+        if device.name() == inner.devices.volume().name() {
+            return Err(EngineError::Invalid(format!(
+                "{} is the cache's own device; it cannot be its mirror",
+                device.name()
+            )));
+        }
+        let first = inner.devices.mirror().is_none();
+        if first && inner.devices.fallback_active() {
+            return Err(EngineError::Invalid(format!(
+                "the cache device {} failed too often and the cache serves pass-through (fallback): its dirty lines cannot be copied from it reliably; flush or stop the cache instead",
+                inner.devices.volume().name()
+            )));
+        }
+        if !force {
+            refuse_a_used_mirror(&*device)?;
+        }
+        let m = inner.devices.pair_with(device.clone(), policy);
+        m.begin_rebuild(device)?;
+        let copied = self.fill_new_mirror(m).and_then(|copied| {
+            // A line dropped from memory before the pass (a discard, an invalidating write, a
+            // cleaned line reused) may still be recorded dirty by the last commit, its data on
+            // the primary only: this commit, to both devices, records it free before the
+            // metadata the new mirror gets can name it. It also waits for a commit that wrote
+            // to the primary alone before the switch (it holds the commit turn).
+            inner.commit()?;
+            m.finish_rebuild()?;
+            Ok(copied)
+        });
+        let copied = match copied {
+            Ok(c) => c,
+            Err(e) => {
+                m.abandon_rebuild(&e);
+                return Err(e);
+            }
+        };
+        let generation = persist::random_u64().max(1);
+        let path = m.status().device;
+        let record = m.record();
+        // The last step, the only one that makes the pairing: the primary's superblock gets
+        // the `mirror` object (a first mirror) or its new generation, the mirror's role mirror.
+        p.update_superblock(&**inner.devices.volume(), |sb| {
+            let r = sb.mirror.get_or_insert(record);
+            r.path = path;
+            r.lost = false;
+            r.generation = generation;
+        })?;
+        Ok(copied)
+    }
+
+    /// [`attach_mirror_with`](Self::attach_mirror_with), a first mirror with the default
+    /// `mirror_lost` policy (drain).
+    pub fn attach_mirror(&self, device: VolumeRef, force: bool) -> Result<(u64, u64)> {
+        self.attach_mirror_with(device, force, MirrorLostPolicy::default())
+    }
+
+    /// A mirror holds the cache device's data region line for line: `device` must reach its end.
+    fn refuse_a_small_mirror(&self, device: &dyn hybridcache_volume::Volume) -> Result<()> {
+        let inner = &self.inner;
         let data_end = inner.devices.data_offset() + inner.lines.count() as u64 * inner.line_bytes;
         if device.size() < data_end {
             return Err(EngineError::Invalid(format!(
@@ -91,18 +159,22 @@ impl Cache {
                 device.size()
             )));
         }
-        if !force {
-            refuse_a_used_mirror(&*device)?;
-        }
-        m.begin_rebuild(device)?;
-        // A write that saw the mirror lost (and skipped it) holds its stripes until its line's
-        // dirty mask is updated: past this, those lines show dirty to the pass below, and
-        // every later write goes to the new mirror itself.
+        Ok(())
+    }
+
+    /// The pass of `attach_mirror`: every line dirty after the pass over the stripes gets its
+    /// dirty sectors copied from the primary onto the new mirror, under its stripe.
+    fn fill_new_mirror(&self, m: &crate::mirror::Mirror) -> Result<(u64, u64)> {
+        let inner = &self.inner;
+        // A write that saw no mirror, or the mirror lost (and skipped it), holds its stripes
+        // until its line's dirty mask is updated: past this, those lines show dirty to the
+        // pass below, and every later write goes to the new mirror itself.
         inner.lines.locks().pass_every_stripe();
         let table = inner.lines.table();
         let dirty_lines = (0..inner.lines.count())
             .filter(|&l| table.key(l).is_some() && table.dirty(l) != 0)
             .count() as u64;
+        m.rebuild_progress(0, dirty_lines);
         let (mut lines, mut bytes) = (0u64, 0u64);
         for line in 0..inner.lines.count() {
             let Some(key) = table.key(line) else { continue };
@@ -126,25 +198,6 @@ impl Cache {
                 m.rebuild_progress(lines, dirty_lines.max(lines));
             }
         }
-        // A line dropped from memory before the pass (a discard, an invalidating write, a
-        // cleaned line reused) may still be recorded dirty by the last commit, its data on the
-        // primary only: this commit, to both devices, records it free before the metadata the
-        // new mirror gets can name it.
-        inner.commit()?;
-        m.finish_rebuild()?;
-        let generation = persist::random_u64().max(1);
-        let path = m.status().device;
-        let p = inner
-            .persist
-            .as_ref()
-            .expect("a mirrored cache is persistent");
-        p.update_superblock(&**inner.devices.volume(), |sb| {
-            if let Some(r) = sb.mirror.as_mut() {
-                r.path = path;
-                r.lost = false;
-                r.generation = generation;
-            }
-        })?;
         Ok((lines, bytes))
     }
 

@@ -10,28 +10,113 @@
 //! Invariants: a core write sets the core's `unflushed` before it returns, so any commit that
 //! sees the line it cleaned as clean also flushes the core; a failed core write marks the core
 //! failing (commits then record its lines dirty). Callers hold the stripes of what they write.
-//! The volume, `data_offset` and `line_bytes` never change after `new`, except that a mirrored
-//! cache's load puts the pair in place of the primary before any I/O (`set_mirror`).
+//! `data_offset` and `line_bytes` never change after `new`.
+//!
+//! The cache volume switches once, one way, from the primary to a pair (mirror.rs): a mirrored
+//! cache's load or creation makes the switch before any I/O (`set_mirror`), and a running cache
+//! without a mirror makes it when it is given one (`pair_with`, `--attach-mirror`;
+//! docs/format.md, "A mirror for a cache that has none"). The switch is a `OnceLock` in
+//! `CacheVolume`: every I/O reads it with one acquire load of a word that is written once, so
+//! it stays in every core's cache and costs what a plain load costs (no lock, no reference
+//! count); on x86 an acquire load is an ordinary `mov`. A lock or an `ArcSwap` per I/O would
+//! cost an atomic read-modify-write on a shared line instead. Invariants of the switch:
+//! - it never goes back: a pair whose first mirror failed to fill stays in place in the state
+//!   `unpaired`, in which it passes everything to the primary alone and `mirror()` is None, so
+//!   the cache serves exactly as it did without one;
+//! - the metadata paths (`volume()`: superblocks, commits, a load) get `CacheVolume` itself,
+//!   which looks at the switch on each call: a commit that took the volume before the switch
+//!   and writes after it writes through the pair. A metadata write that went to the primary
+//!   alone before the switch holds the commit turn (or the superblock's lock), so the commit the
+//!   attach runs after its pass waits for it;
+//! - a data write that looked before the switch (or while the pair was `unpaired`) and wrote
+//!   the primary alone holds its line's stripe until the line's dirty mask shows it, so the
+//!   attach's pass over every stripe (mirror.rs, step 3) sees it and copies the line.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
-use hybridcache_volume::{ReadPiece, VolumeRef};
+use hybridcache_volume::{DirectWrite, ReadPiece, Volume, VolumeRef};
 
 use crate::bits::{self, Mask};
 use crate::core_state::{CoreGauges, CoreState};
 use crate::fallback::FallbackState;
 use crate::latency::{self};
 use crate::meta::Key;
-use crate::mirror::Mirror;
+use crate::mirror::{Mirror, MirrorLostPolicy};
 use crate::offload::OffloadState;
 use crate::segment::{push_run, Run, Seg};
 use crate::stats::Counter;
 use crate::{CoreId, Result, MAX_CORES, SECTOR};
 
-pub(crate) struct Devices {
+/// The cache volume: the primary until the cache gets a mirror, the pair from then on.
+struct CacheVolume {
+    primary: VolumeRef,
+    pair: OnceLock<Paired>,
+}
+
+/// The pair and the same object as a `Volume`, so that `current` lends a `&VolumeRef`.
+struct Paired {
+    mirror: Arc<Mirror>,
     volume: VolumeRef,
-    /// A mirrored cache's pair of devices; `volume` is the same object then.
-    mirror: Option<Arc<Mirror>>,
+}
+
+impl CacheVolume {
+    #[inline]
+    fn current(&self) -> &VolumeRef {
+        match self.pair.get() {
+            Some(p) => &p.volume,
+            None => &self.primary,
+        }
+    }
+}
+
+/// What the metadata paths write through: each call goes to the volume of the moment.
+impl Volume for CacheVolume {
+    fn name(&self) -> &str {
+        self.current().name()
+    }
+    fn size(&self) -> u64 {
+        self.current().size()
+    }
+    fn logical_block_size(&self) -> u32 {
+        self.current().logical_block_size()
+    }
+    fn rotational(&self) -> bool {
+        self.current().rotational()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> hybridcache_volume::Result<()> {
+        self.current().read_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> hybridcache_volume::Result<()> {
+        self.current().write_at(buf, offset)
+    }
+    fn flush(&self) -> hybridcache_volume::Result<()> {
+        self.current().flush()
+    }
+    fn discard(&self, offset: u64, len: u64) -> hybridcache_volume::Result<()> {
+        self.current().discard(offset, len)
+    }
+    fn discard_zeroes(&self) -> bool {
+        self.current().discard_zeroes()
+    }
+    fn write_zeroes(&self, offset: u64, len: u64) -> hybridcache_volume::Result<()> {
+        self.current().write_zeroes(offset, len)
+    }
+    fn read_batch(&self, pieces: &mut [ReadPiece<'_>]) -> hybridcache_volume::Result<()> {
+        self.current().read_batch(pieces)
+    }
+    fn direct_write(&self, len: usize, offset: u64) -> Option<DirectWrite> {
+        self.current().direct_write(len, offset)
+    }
+    fn write_batch(&self, pieces: &[(&[u8], u64)]) -> hybridcache_volume::Result<()> {
+        self.current().write_batch(pieces)
+    }
+}
+
+pub(crate) struct Devices {
+    /// The data paths' view of the cache volume (`current()`, one load per I/O).
+    cache: Arc<CacheVolume>,
+    /// The same object as a `Volume`, lent to the metadata paths (`volume()`).
+    meta: VolumeRef,
     /// Where line 0 starts on the cache volume.
     data_offset: u64,
     line_bytes: u64,
@@ -50,9 +135,13 @@ impl Devices {
         line_bytes: u64,
         gauges: Arc<[CoreGauges]>,
     ) -> Devices {
+        let cache = Arc::new(CacheVolume {
+            primary: volume,
+            pair: OnceLock::new(),
+        });
         Devices {
-            volume,
-            mirror: None,
+            meta: cache.clone(),
+            cache,
             data_offset,
             line_bytes,
             offload: OffloadState::new(MAX_CORES as usize),
@@ -70,13 +159,13 @@ impl Devices {
     /// on a mirrored cache, whose lost device its own states handle.
     #[inline]
     pub(crate) fn fallback_active(&self) -> bool {
-        self.mirror.is_none() && self.fallback.active()
+        self.mirror().is_none() && self.fallback.active()
     }
 
     #[cold]
     fn cache_error(&self, core: &CoreState, counter: Counter) {
         core.counters().add(counter, 1);
-        if self.mirror.is_none() {
+        if self.mirror().is_none() {
             self.fallback.error();
         }
     }
@@ -89,13 +178,18 @@ impl Devices {
         core: CoreId,
         pieces: impl Iterator<Item = (u64, u64, usize)>,
     ) {
-        if self.mirror.is_some() {
+        if self.mirror().is_some() {
             return;
         }
         let mut scratch = Vec::new();
         for (core_off, cache_off, len) in pieces {
             scratch.resize(len, 0);
-            if self.volume.read_at(&mut scratch, cache_off).is_err() {
+            if self
+                .cache
+                .current()
+                .read_at(&mut scratch, cache_off)
+                .is_err()
+            {
                 self.fallback
                     .unreadable(core, core_off, len as u64, self.line_bytes);
             }
@@ -104,19 +198,55 @@ impl Devices {
 
     /// Serve the cache through the pair `m` (a new or loaded mirrored cache), before any I/O.
     pub(crate) fn set_mirror(&mut self, m: Arc<Mirror>) {
-        self.volume = m.clone();
-        self.mirror = Some(m);
+        let paired = Paired {
+            volume: m.clone(),
+            mirror: m,
+        };
+        if self.cache.pair.set(paired).is_err() {
+            unreachable!("a cache is paired once, before any I/O");
+        }
     }
 
-    /// The cache volume, for metadata I/O (superblock, commits, recovery).
+    /// The pair of a running cache that had no mirror (`--attach-mirror`): made here over the
+    /// primary with `mirror` as its mirror, in the state `unpaired` (it passes everything to
+    /// the primary alone until `Mirror::begin_rebuild` starts filling the mirror), or the pair
+    /// it has already (a mirrored cache's, or one a first attach left). The switch never goes
+    /// back (module doc).
+    pub(crate) fn pair_with(&self, mirror: VolumeRef, policy: MirrorLostPolicy) -> &Arc<Mirror> {
+        &self
+            .cache
+            .pair
+            .get_or_init(|| {
+                let m = Arc::new(Mirror::unpaired(
+                    self.cache.primary.clone(),
+                    mirror,
+                    self.data_offset,
+                    policy,
+                ));
+                Paired {
+                    volume: m.clone(),
+                    mirror: m,
+                }
+            })
+            .mirror
+    }
+
+    /// The cache volume, for metadata I/O (superblock, commits, recovery): it follows the
+    /// switch to a pair at each call (module doc).
     #[inline]
     pub(crate) fn volume(&self) -> &VolumeRef {
-        &self.volume
+        &self.meta
     }
 
+    /// A mirrored cache's pair; None without a mirror, and while a pair is `unpaired` (a
+    /// first mirror that failed to fill: the cache serves as without one).
     #[inline]
     pub(crate) fn mirror(&self) -> Option<&Arc<Mirror>> {
-        self.mirror.as_ref()
+        self.cache
+            .pair
+            .get()
+            .map(|p| &p.mirror)
+            .filter(|m| m.paired())
     }
 
     #[inline]
@@ -144,7 +274,7 @@ impl Devices {
     /// count (per request, once it knows the batch succeeded); a failed batch counts nothing.
     pub(crate) fn cache_read_batch(&self, pieces: &mut [ReadPiece<'_>], requests: usize) -> bool {
         let _queued: Vec<_> = (0..requests).map(|_| self.offload.cache_io()).collect();
-        self.volume.read_batch(pieces).is_ok()
+        self.cache.current().read_batch(pieces).is_ok()
     }
 
     #[inline]
@@ -189,8 +319,9 @@ impl Devices {
     #[inline]
     pub(crate) fn cache_read(&self, core: &CoreState, buf: &mut [u8], runs: &[Run]) -> Result<()> {
         let _queued = self.offload.cache_io();
+        let volume = self.cache.current();
         for r in runs {
-            self.volume
+            volume
                 .read_at(&mut buf[r.buf_off..r.buf_off + r.len], r.dev_off)
                 .inspect_err(|_| self.cache_error(core, Counter::CacheReadErrors))?;
             core.counters().add(Counter::CacheReadBytes, r.len as u64);
@@ -201,8 +332,9 @@ impl Devices {
     #[inline]
     pub(crate) fn cache_write(&self, core: &CoreState, buf: &[u8], runs: &[Run]) -> Result<()> {
         let _queued = self.offload.cache_io();
+        let volume = self.cache.current();
         for r in runs {
-            self.volume
+            volume
                 .write_at(&buf[r.buf_off..r.buf_off + r.len], r.dev_off)
                 .inspect_err(|_| self.cache_error(core, Counter::CacheWriteErrors))?;
             core.counters()
@@ -219,7 +351,7 @@ impl Devices {
         buf: &[u8],
         runs: &[Run],
     ) -> Result<()> {
-        let Some(m) = &self.mirror else {
+        let Some(m) = self.mirror() else {
             return self.cache_write(core, buf, runs);
         };
         let _queued = self.offload.cache_io();
@@ -237,7 +369,7 @@ impl Devices {
     /// and those writes keep the single path).
     #[inline]
     pub(crate) fn batches_dirty_writes(&self) -> bool {
-        match &self.mirror {
+        match self.mirror() {
             Some(m) => m.state() == crate::mirror::MirrorState::Redundant,
             None => true,
         }
@@ -253,7 +385,7 @@ impl Devices {
         core: &CoreState,
         writes: &[(&[u8], &[Run])],
     ) -> Vec<Result<()>> {
-        if self.mirror.is_some() || writes.len() < 2 {
+        if self.mirror().is_some() || writes.len() < 2 {
             return writes
                 .iter()
                 .map(|(buf, runs)| self.cache_write_dirty(core, buf, runs))
@@ -269,7 +401,7 @@ impl Devices {
                         .map(move |r| (&buf[r.buf_off..r.buf_off + r.len], r.dev_off))
                 })
                 .collect();
-            self.volume.write_batch(&pieces).is_ok()
+            self.cache.current().write_batch(&pieces).is_ok()
         };
         if !batched {
             // Which one failed: each writes again alone, counting its own bytes or error
@@ -297,7 +429,7 @@ impl Devices {
         buf: &mut [u8],
         runs: &[Run],
     ) -> Result<()> {
-        let Some(m) = &self.mirror else {
+        let Some(m) = self.mirror() else {
             return self.cache_read(core, buf, runs);
         };
         let _queued = self.offload.cache_io();
@@ -323,6 +455,7 @@ impl Devices {
         // Without a mirror, each dirty run is tried alone on the cache device again, and the
         // core offset of each kept, to name the data lost if it fails.
         let mut dirty_at = Vec::new();
+        let mirror = self.mirror();
         for s in segs {
             let m = s.mask();
             let dirty = if s.mapped() { m & s.dirty } else { 0 };
@@ -334,7 +467,7 @@ impl Devices {
             for (first, n) in bits::runs(dirty) {
                 let buf_off = s.buf_off + (first - s.first) as usize * SECTOR as usize;
                 let len = n as usize * SECTOR as usize;
-                if self.mirror.is_none() {
+                if mirror.is_none() {
                     dirty_at.push(self.core_off(s.key, first));
                     dirty_runs.push(Run {
                         dev_off: self.cache_off(s.line, first),
@@ -347,7 +480,7 @@ impl Devices {
             }
         }
         self.core_read(core, buf, &core_runs)?;
-        if self.mirror.is_some() {
+        if mirror.is_some() {
             return self.cache_read_dirty(core, buf, &dirty_runs);
         }
         let mut lost = false;

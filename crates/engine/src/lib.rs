@@ -44,6 +44,7 @@ mod locks;
 mod meta;
 mod mirror;
 pub mod offload;
+mod pair_io;
 mod persist;
 pub mod policy;
 mod prefetch;

@@ -22,16 +22,26 @@
 //! written only after the copy, with a new pairing generation on both, so a load of the old
 //! primary with the mirror is refused, and a cut before then leaves the mirror loadable alone
 //! with everything and the new device holding no cache.
+//!
+//! A first mirror (`--attach-mirror` on a running cache that has none; `Cache::attach_mirror`)
+//! is the rebuild onto a new mirror with a pair that did not exist before: the cache volume
+//! switches to a pair in the state `unpaired` (devices.rs), in which it is the primary alone
+//! (no write, flush or read reaches the mirror, and the cache shows no mirror), and the rebuild
+//! starts from there (`attaching`: as `rebuilding`, but the cache stays in its mode, since
+//! before the attach it was no better protected). The primary's superblock has no `mirror`
+//! object until the last step writes the pairing, so a cut before it leaves the cache the
+//! mirrorless one it was. A first mirror that fails to fill puts the pair back to `unpaired`.
 
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use hybridcache_volume::{
-    write_together, DirectWrite, ErrorKind, Op, ReadPiece, Volume, VolumeError, VolumeRef,
+    write_together, ErrorKind, Op, ReadPiece, Volume, VolumeError, VolumeRef,
 };
 use parking_lot::{Mutex, RwLock};
 
 use crate::format::{decode_config, encode_config, ConfigSlot, MirrorRecord, CONFIG_SLOT_BYTES};
+use crate::pair_io::{copy_commits_and_blocks, Window};
 use crate::CacheMode;
 
 /// What a mirrored cache does once its mirror is lost.
@@ -114,6 +124,10 @@ const PRIMARY_LOST: u8 = 1;
 const MIRROR_LOST: u8 = 2;
 const REBUILDING: u8 = 3;
 const REBUILDING_PRIMARY: u8 = 4;
+/// A first mirror being filled: shown as `rebuilding`, served in the cache's own mode.
+const ATTACHING: u8 = 5;
+/// No mirror: a running cache's pair before its first mirror is filled, or after that failed.
+const UNPAIRED: u8 = 6;
 
 pub(crate) struct Mirror {
     /// Replaced by `begin_primary_rebuild`, only while the state is `primary lost`.
@@ -125,7 +139,8 @@ pub(crate) struct Mirror {
     /// name a replacement gives is kept for the rest of the process (a few bytes per
     /// `--attach-cache`).
     renamed: RwLock<Option<&'static str>>,
-    /// Replaced by a rebuild (`attach`), only while the state is `mirror lost`.
+    /// Replaced by a rebuild (`begin_rebuild`), only while the state is `mirror lost` or
+    /// `unpaired`.
     mirror: RwLock<VolumeRef>,
     /// Where cache line 0 starts: below it everything goes to both devices.
     data_offset: u64,
@@ -180,6 +195,27 @@ impl Mirror {
         data_offset: u64,
         policy: MirrorLostPolicy,
     ) -> Mirror {
+        Mirror::in_state(primary, mirror, data_offset, policy, REDUNDANT)
+    }
+
+    /// The pair of a running cache that has no mirror yet: the primary alone until
+    /// `begin_rebuild` fills `mirror` (nothing is written to it before).
+    pub(crate) fn unpaired(
+        primary: VolumeRef,
+        mirror: VolumeRef,
+        data_offset: u64,
+        policy: MirrorLostPolicy,
+    ) -> Mirror {
+        Mirror::in_state(primary, mirror, data_offset, policy, UNPAIRED)
+    }
+
+    fn in_state(
+        primary: VolumeRef,
+        mirror: VolumeRef,
+        data_offset: u64,
+        policy: MirrorLostPolicy,
+        state: u8,
+    ) -> Mirror {
         Mirror {
             name: primary.name().to_string(),
             renamed: RwLock::new(None),
@@ -187,7 +223,7 @@ impl Mirror {
             mirror: RwLock::new(mirror),
             data_offset,
             policy,
-            state: AtomicU8::new(REDUNDANT),
+            state: AtomicU8::new(state),
             reason: Mutex::new(None),
             meta_copy: RwLock::new(()),
             rebuild_copied: AtomicU64::new(0),
@@ -203,11 +239,19 @@ impl Mirror {
         self.primary.read().clone()
     }
 
+    /// Whether the cache has a mirror (filled or being filled): not `unpaired`.
+    #[inline]
+    pub(crate) fn paired(&self) -> bool {
+        self.state.load(Ordering::SeqCst) != UNPAIRED
+    }
+
+    /// The state as shown: a first mirror being filled is `rebuilding`; `unpaired` is never
+    /// shown (the cache has no mirror then) and reads as `mirror lost`.
     pub(crate) fn state(&self) -> MirrorState {
         match self.state.load(Ordering::SeqCst) {
             PRIMARY_LOST => MirrorState::PrimaryLost,
-            MIRROR_LOST => MirrorState::MirrorLost,
-            REBUILDING => MirrorState::Rebuilding,
+            MIRROR_LOST | UNPAIRED => MirrorState::MirrorLost,
+            REBUILDING | ATTACHING => MirrorState::Rebuilding,
             REBUILDING_PRIMARY => MirrorState::RebuildingPrimary,
             _ => MirrorState::Redundant,
         }
@@ -237,6 +281,9 @@ impl Mirror {
     /// primary (dirty data still comes from the mirror), write-through without the mirror when
     /// the policy drains.
     pub(crate) fn effective_mode(&self, mode: CacheMode) -> CacheMode {
+        if self.first_mirror_pending() {
+            return mode;
+        }
         match self.state() {
             MirrorState::Redundant => mode,
             MirrorState::PrimaryLost | MirrorState::RebuildingPrimary => CacheMode::Pt,
@@ -250,6 +297,9 @@ impl Mirror {
     /// Whether cleaning should drain every dirty line: they are on one device only, or on a
     /// device the cache no longer serves from.
     pub(crate) fn drains(&self) -> bool {
+        if self.first_mirror_pending() {
+            return false;
+        }
         match self.state() {
             MirrorState::Redundant => false,
             MirrorState::PrimaryLost | MirrorState::RebuildingPrimary => true,
@@ -257,6 +307,12 @@ impl Mirror {
                 self.policy == MirrorLostPolicy::Drain
             }
         }
+    }
+
+    /// A first mirror is being filled, or none is: the cache was unprotected before the attach
+    /// and serves as it did (no drain, its own mode) until the mirror holds everything.
+    fn first_mirror_pending(&self) -> bool {
+        matches!(self.state.load(Ordering::SeqCst), ATTACHING | UNPAIRED)
     }
 
     fn lose(&self, which: u8, what: &str, e: &VolumeError) {
@@ -283,6 +339,17 @@ impl Mirror {
             let device = self.mirror().name().to_string();
             *self.reason.lock() = Some(format!(
                 "{what} of {device} failed while rebuilding onto it: {e}"
+            ));
+        } else if which == MIRROR_LOST
+            && self
+                .state
+                .compare_exchange(ATTACHING, UNPAIRED, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+        {
+            // A first mirror that failed: the cache is the mirrorless one it was.
+            let device = self.mirror().name().to_string();
+            *self.reason.lock() = Some(format!(
+                "{what} of {device} failed while it was made the cache's mirror: {e}"
             ));
         }
         // A primary failing while rebuilding changes nothing: the new mirror is not trusted, so
@@ -311,8 +378,9 @@ impl Mirror {
         }
     }
 
+    /// A new mirror is being filled (a lost one's replacement, or a first one).
     fn rebuilding(&self) -> bool {
-        self.state.load(Ordering::SeqCst) == REBUILDING
+        matches!(self.state.load(Ordering::SeqCst), REBUILDING | ATTACHING)
     }
 
     fn rebuilding_primary(&self) -> bool {
@@ -328,7 +396,7 @@ impl Mirror {
     }
 
     fn mirror_usable(&self) -> bool {
-        self.state.load(Ordering::SeqCst) != MIRROR_LOST
+        !matches!(self.state.load(Ordering::SeqCst), MIRROR_LOST | UNPAIRED)
     }
 
     fn primary_gone(&self, op: Op, offset: u64, len: usize) -> VolumeError {
@@ -492,47 +560,85 @@ impl Mirror {
         self.mirror().flush()
     }
 
-    /// Start a rebuild onto `new` (`--attach-mirror`), refused unless the mirror is lost. The
-    /// device's superblock slots are wiped first (a cut from here on leaves it holding no
-    /// cache); from the switch on, every metadata write and every dirty-data write goes to it
-    /// too, so what the copy pass reads later is all it can miss.
+    /// Start a rebuild onto `new` (`--attach-mirror`), refused unless the mirror is lost or the
+    /// cache has none (`unpaired`: a first mirror). The device's superblock slots are wiped
+    /// first (a cut from here on leaves it holding no cache); from the switch on, every
+    /// metadata write and every dirty-data write goes to it too, so what the copy pass reads
+    /// later is all it can miss.
     pub(crate) fn begin_rebuild(&self, new: VolumeRef) -> crate::Result<()> {
-        match self.state() {
-            MirrorState::MirrorLost => {}
-            MirrorState::Redundant => {
-                return Err(crate::EngineError::Invalid(format!(
-                    "the cache is redundant already (its mirror {} holds every dirty line); nothing to rebuild",
-                    self.mirror().name()
-                )))
-            }
-            MirrorState::Rebuilding => {
-                return Err(crate::EngineError::Invalid(format!(
-                    "a rebuild onto {} is under way",
-                    self.mirror().name()
-                )))
-            }
-            MirrorState::PrimaryLost => {
-                return Err(crate::EngineError::Invalid(format!(
-                    "the primary {} is lost, not the mirror: the cache runs from its mirror and needs a new primary (--attach-cache -d DEVICE)",
-                    self.primary().name()
-                )))
-            }
-            MirrorState::RebuildingPrimary => {
-                return Err(crate::EngineError::Invalid(format!(
-                    "a new primary {} is being filled from the mirror {}; the mirror is not lost",
-                    self.primary().name(),
-                    self.mirror().name()
-                )))
-            }
-        }
+        let (from, to) = match self.state.load(Ordering::SeqCst) {
+            UNPAIRED => (UNPAIRED, ATTACHING),
+            MIRROR_LOST => (MIRROR_LOST, REBUILDING),
+            _ => return Err(self.refuse_a_rebuild()),
+        };
         let zeros = vec![0u8; (2 * CONFIG_SLOT_BYTES) as usize];
         new.write_at(&zeros, 0)?;
         new.flush()?;
+        let mut mirror = self.mirror.write();
+        // Again under the lock: of two attaches racing, one fills its device. (The refusal
+        // names the mirror: it reads it, so not under this lock.)
+        if self.state.load(Ordering::SeqCst) != from {
+            drop(mirror);
+            return Err(self.refuse_a_rebuild());
+        }
         self.rebuild_copied.store(0, Ordering::Relaxed);
         self.rebuild_total.store(0, Ordering::Relaxed);
-        *self.mirror.write() = new;
-        self.state.store(REBUILDING, Ordering::SeqCst);
+        *mirror = new;
+        self.state.store(to, Ordering::SeqCst);
         Ok(())
+    }
+
+    /// Why a rebuild cannot start in the present state (any but `mirror lost` and `unpaired`).
+    fn refuse_a_rebuild(&self) -> crate::EngineError {
+        match self.state() {
+            MirrorState::MirrorLost => {
+                crate::EngineError::Invalid("another rebuild began meanwhile".into())
+            }
+            MirrorState::Redundant => {
+                crate::EngineError::Invalid(format!(
+                    "the cache is redundant already (its mirror {} holds every dirty line); nothing to rebuild",
+                    self.mirror().name()
+                ))
+            }
+            MirrorState::Rebuilding => {
+                crate::EngineError::Invalid(format!(
+                    "a rebuild onto {} is under way",
+                    self.mirror().name()
+                ))
+            }
+            MirrorState::PrimaryLost => {
+                crate::EngineError::Invalid(format!(
+                    "the primary {} is lost, not the mirror: the cache runs from its mirror and needs a new primary (--attach-cache -d DEVICE)",
+                    self.primary().name()
+                ))
+            }
+            MirrorState::RebuildingPrimary => {
+                crate::EngineError::Invalid(format!(
+                    "a new primary {} is being filled from the mirror {}; the mirror is not lost",
+                    self.primary().name(),
+                    self.mirror().name()
+                ))
+            }
+        }
+    }
+
+    /// A rebuild that stopped on an error of something other than the new device (a read of
+    /// the primary, a commit): the new device is not written again, and the cache is
+    /// `mirror lost` again, or `unpaired` (without a mirror) for a first one. Nothing reads the
+    /// new device, and its superblock was never written, so this is safe while requests run.
+    pub(crate) fn abandon_rebuild(&self, why: &crate::EngineError) {
+        for (from, to) in [(REBUILDING, MIRROR_LOST), (ATTACHING, UNPAIRED)] {
+            if self
+                .state
+                .compare_exchange(from, to, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+            {
+                *self.reason.lock() = Some(format!(
+                    "the rebuild onto {} stopped: {why}",
+                    self.mirror().name()
+                ));
+            }
+        }
     }
 
     pub(crate) fn rebuild_progress(&self, copied: u64, total: u64) {
@@ -579,11 +685,12 @@ impl Mirror {
         mirror
             .flush()
             .inspect_err(|e| self.lose(MIRROR_LOST, "a rebuild flush", e))?;
-        if self
-            .state
-            .compare_exchange(REBUILDING, REDUNDANT, Ordering::SeqCst, Ordering::SeqCst)
-            .is_err()
-        {
+        let done = [REBUILDING, ATTACHING].into_iter().any(|from| {
+            self.state
+                .compare_exchange(from, REDUNDANT, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+        });
+        if !done {
             return Err(self.rebuild_aborted());
         }
         *self.reason.lock() = None;
@@ -732,34 +839,6 @@ impl Mirror {
     }
 }
 
-/// Copy the metadata region below the superblocks (both commit records, then the metadata
-/// blocks up to `data_offset`) from `from` to `to`, a MiB at a time: the end of either
-/// rebuild. `write_failed` is told of a write of `to` that fails (the error is returned too).
-fn copy_commits_and_blocks(
-    from: &dyn Volume,
-    to: &dyn Volume,
-    data_offset: u64,
-    write_failed: impl Fn(&VolumeError),
-) -> crate::Result<()> {
-    const CHUNK: u64 = 1 << 20;
-    let mut buf = vec![0u8; CHUNK as usize];
-    let mut copy = |at: u64, n: usize| -> crate::Result<()> {
-        from.read_at(&mut buf[..n], at)?;
-        to.write_at(&buf[..n], at).inspect_err(&write_failed)?;
-        Ok(())
-    };
-    for slot in crate::format::COMMIT_SLOTS {
-        copy(slot, crate::format::BLOCK)?;
-    }
-    let mut at = crate::format::META_OFFSET;
-    while at < data_offset {
-        let n = (data_offset - at).min(CHUNK) as usize;
-        copy(at, n)?;
-        at += n as u64;
-    }
-    Ok(())
-}
-
 impl Volume for Mirror {
     fn name(&self) -> &str {
         match *self.renamed.read() {
@@ -868,52 +947,4 @@ impl Volume for Mirror {
 pub(crate) struct ReplacedPrimary {
     volume: VolumeRef,
     name: Option<&'static str>,
-}
-
-/// The first `size` bytes of a volume: a mirror larger than its primary, loaded alone, shows
-/// the geometry the primary's size gave.
-pub(crate) struct Window {
-    inner: VolumeRef,
-    size: u64,
-}
-
-impl Window {
-    pub(crate) fn new(inner: VolumeRef, size: u64) -> Window {
-        Window { inner, size }
-    }
-}
-
-impl Volume for Window {
-    fn name(&self) -> &str {
-        self.inner.name()
-    }
-    fn size(&self) -> u64 {
-        self.size
-    }
-    fn logical_block_size(&self) -> u32 {
-        self.inner.logical_block_size()
-    }
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> hybridcache_volume::Result<()> {
-        self.inner.read_at(buf, offset)
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> hybridcache_volume::Result<()> {
-        self.inner.write_at(buf, offset)
-    }
-    fn flush(&self) -> hybridcache_volume::Result<()> {
-        self.inner.flush()
-    }
-    fn discard(&self, offset: u64, len: u64) -> hybridcache_volume::Result<()> {
-        Volume::discard(&*self.inner, offset, len)
-    }
-    fn discard_zeroes(&self) -> bool {
-        self.inner.discard_zeroes()
-    }
-    fn read_batch(&self, pieces: &mut [ReadPiece<'_>]) -> hybridcache_volume::Result<()> {
-        Volume::read_batch(&*self.inner, pieces)
-    }
-    fn direct_write(&self, len: usize, offset: u64) -> Option<DirectWrite> {
-        (offset.checked_add(len as u64)? <= self.size)
-            .then(|| self.inner.direct_write(len, offset))
-            .flatten()
-    }
 }

@@ -19,7 +19,8 @@ use hybridcache_volume::{Volume, VolumeRef};
 use crate::format::{ConfigSlot, CoreRecord, Geometry, MirrorRecord, Superblock};
 use crate::inner::CacheInner;
 use crate::ioclass::IoClasses;
-use crate::mirror::{Mirror, MirrorLostPolicy, Window};
+use crate::mirror::{Mirror, MirrorLostPolicy};
+use crate::pair_io::Window;
 use crate::persist::{self, Persist};
 use crate::policy::PolicyRecord;
 use crate::restore::restore;
@@ -130,12 +131,12 @@ fn check_pairing(volume: VolumeRef, sb: &Superblock, source: &LoadSource) -> Res
         (LoadSource::Mirrored(mirror, _), _) => {
             let Some(rec) = sb.mirror.as_ref().filter(|r| r.role == MirrorRecord::PRIMARY) else {
                 return Err(EngineError::Invalid(format!(
-                    "{what} on {name} has no mirror: load it without --mirror (giving an existing cache a mirror is not supported yet)"
+                    "{what} on {name} has no mirror: load it without --mirror, then give it one with --attach-mirror"
                 )));
             };
             if rec.lost {
                 return Err(EngineError::Invalid(format!(
-                    "the mirror of {what} missed writes (it failed, or the cache ran without it) and is stale: load the cache without --mirror (rebuilding a mirror is not supported yet)"
+                    "the mirror of {what} missed writes (it failed, or the cache ran without it) and is stale: load the cache without --mirror, then give it a new one with --attach-mirror"
                 )));
             }
             let (_, msb, _) = newest_superblock(&**mirror).map_err(|e| {

@@ -1,38 +1,37 @@
-//! `--attach-mirror`: a new mirror for a mirrored cache whose mirror is lost (docs/cli.md,
-//! "Mirrored caches"; the engine's rebuild is `Cache::attach_mirror`, docs/format.md).
+//! `--attach-mirror`: a new mirror for a mirrored cache whose mirror is lost, or a first one for
+//! a running cache that has none (docs/cli.md, "Mirrored caches"; the engine's rebuild is
+//! `Cache::attach_mirror`, docs/format.md).
 //!
 //! The device is claimed and checked as `-S --mirror` checks it (a file system, another cache's
 //! metadata: each a loss that needs `--force`) and recorded as the cache's mirror before the copy
 //! starts, so no other command can take it meanwhile. The copy runs without the state lock:
 //! clients are served, and `-L`/`-P` show its progress. A rebuild that fails puts the old record
-//! back (the cache is then `mirror lost` again, as it was).
+//! back (the cache is then `mirror lost` again, as it was, or without a mirror: its record
+//! has none again). A first mirror is recorded like one given at `-S --mirror` (with the
+//! default `mirror_lost`, drain), and the daemon's saved state names it once it is filled, so
+//! that the next start loads the pair; the operator's configuration file is never rewritten.
 //!
 //! `--attach-cache` on a mirrored cache whose primary is lost does the same for a new primary
 //! (`Cache::attach_primary`): the device is recorded as the cache's device.
 
 use std::time::Instant;
 
-use hybridcache_engine::MirrorState;
+use hybridcache_engine::{MirrorLostPolicy, MirrorState};
 
 use super::caches::device_losses;
-use super::{engine_err, Daemon, Reply};
+use super::{engine_err, Daemon, MirrorEntry, Reply};
 use crate::protocol::{MirrorAttached, PrimaryAttached};
 use crate::safety::{self, Consent, Consents};
 
 impl Daemon {
     pub(super) fn attach_mirror(&self, id: u16, device: &str, force: bool) -> Reply {
         let what = format!("attaching {device} as the mirror of cache {id}");
-        let (cache, volume, old, accepted) = {
+        let (cache, volume, old, accepted, primary) = {
             let mut st = self.state.lock();
             if self.stopping.load(std::sync::atomic::Ordering::SeqCst) {
                 return Err("the daemon is shutting down".into());
             }
             let c = st.cache(id)?;
-            if c.mirror.is_none() {
-                return Err(format!(
-                    "cache {id} has no mirror: a mirror is given when the cache starts (-S ... --mirror DEV); adding one to a running cache is not supported yet"
-                ));
-            }
             if c.device == device {
                 return Err(format!(
                     "{device} is cache {id}'s own device; it cannot be its mirror"
@@ -45,15 +44,34 @@ impl Daemon {
             let Some(c) = st.caches.get_mut(&id) else {
                 return Err(format!("cache {id} does not exist"));
             };
-            let Some(m) = c.mirror.as_mut() else {
-                return Err(format!("cache {id} has no mirror"));
+            // Recorded before the copy, so that no other command takes the device meanwhile.
+            let old = match c.mirror.as_mut() {
+                Some(m) => Some((
+                    std::mem::replace(&mut m.device, device.to_string()),
+                    std::mem::replace(&mut m.key, key),
+                )),
+                None => {
+                    c.mirror = Some(MirrorEntry {
+                        device: device.to_string(),
+                        key,
+                        policy: MirrorLostPolicy::default(),
+                        // Its start is logged below, with what there is to copy.
+                        logged: MirrorState::Rebuilding,
+                    });
+                    None
+                }
             };
-            let old = (
-                std::mem::replace(&mut m.device, device.to_string()),
-                std::mem::replace(&mut m.key, key),
-            );
-            (c.cache.clone(), volume, old, accepted)
+            (c.cache.clone(), volume, old, accepted, c.device.clone())
         };
+        let first = old.is_none();
+        if first {
+            let usage = cache.stats().usage;
+            tracing::info!(
+                "cache {id}: giving it the mirror {device} (it had none): {} dirty lines ({}) to copy from {primary}",
+                safety::count_text(usage.dirty_lines),
+                safety::size_text(usage.dirty_lines * cache.line_size().bytes() as u64)
+            );
+        }
         let started = Instant::now();
         // The losses were decided above: the engine's own check of a used device is passed.
         let rebuilt = cache.attach_mirror(volume, true);
@@ -62,17 +80,26 @@ impl Daemon {
             Ok((lines, bytes)) => {
                 let seconds = started.elapsed().as_secs_f64();
                 self.save_locked(&st);
-                tracing::info!(
-                    "cache {id}: mirror rebuilt on {device}: {} dirty lines ({}) copied in {seconds:.1} s; the cache is redundant again",
-                    safety::count_text(lines),
-                    safety::size_text(bytes)
-                );
+                if first {
+                    tracing::info!(
+                        "cache {id}: mirror {device} attached: {} dirty lines ({}) copied from {primary} in {seconds:.1} s; the cache is redundant",
+                        safety::count_text(lines),
+                        safety::size_text(bytes)
+                    );
+                } else {
+                    tracing::info!(
+                        "cache {id}: mirror rebuilt on {device}: {} dirty lines ({}) copied in {seconds:.1} s; the cache is redundant again",
+                        safety::count_text(lines),
+                        safety::size_text(bytes)
+                    );
+                }
                 let mut v = serde_json::to_value(MirrorAttached {
                     cache: id,
                     device: device.to_string(),
                     dirty_lines: lines,
                     dirty_bytes: bytes,
                     seconds,
+                    first,
                 })
                 .map_err(|e| e.to_string())?;
                 v["losses"] = safety::record(&what, &accepted);
@@ -81,13 +108,15 @@ impl Daemon {
             Err(e) => {
                 // The cache may have been stopped meanwhile; only a record still naming this
                 // device is put back.
-                if let Some(m) = st
+                if let Some(c) = st
                     .caches
                     .get_mut(&id)
-                    .and_then(|c| c.mirror.as_mut())
-                    .filter(|m| m.device == device)
+                    .filter(|c| c.mirror.as_ref().is_some_and(|m| m.device == device))
                 {
-                    (m.device, m.key) = old;
+                    match (old, c.mirror.as_mut()) {
+                        (Some(old), Some(m)) => (m.device, m.key) = old,
+                        _ => c.mirror = None,
+                    }
                 }
                 Err(format!(
                     "cache {id}: {device} was not attached as its mirror: {}",
