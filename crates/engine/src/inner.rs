@@ -203,26 +203,6 @@ impl CacheInner {
     }
 }
 
-impl CacheInner {
-    /// Record in the primary's superblock that the mirror missed writes, once: a later load
-    /// must not take the stale mirror for a copy.
-    pub(crate) fn note_mirror_lost(&self) -> Result<()> {
-        let (Some(m), Some(p)) = (self.devices.mirror(), &self.persist) else {
-            return Ok(());
-        };
-        if m.state() != crate::MirrorState::MirrorLost
-            || !p.superblock().mirror.as_ref().is_some_and(|r| !r.lost)
-        {
-            return Ok(());
-        }
-        p.update_superblock(&**self.devices.volume(), |sb| {
-            if let Some(r) = sb.mirror.as_mut() {
-                r.lost = true;
-            }
-        })
-    }
-}
-
 /// The line room's changes that also touch persistence (which lines a commit must write, which
 /// may not be reused yet) and read-ahead's marks: the holder hands both over.
 impl CacheInner {

@@ -506,7 +506,9 @@ impl CacheInner {
         // A client waits for this room: not paced. A core whose lines fail to clean has the
         // error counted on it and is marked failing; the room then has to come from the other
         // cores' lines, or this write goes around the cache, never failing for that core.
-        let _ = self.clean_lines(picked, FLUSH_BUFFERS as usize, false);
+        let _ = self
+            .cleaner_room()
+            .clean_lines(picked, FLUSH_BUFFERS as usize, false);
         if self.persist.is_some() {
             // Cleaned lines (and lines in limbo) become reusable once the device records them.
             self.commit()?;
@@ -663,6 +665,6 @@ impl CacheInner {
         let _entered = core.enter()?;
         self.commit()?;
         // A commit passes a failing core by: this core's own flush must still say so.
-        self.retry_failing_core(core)
+        self.committer().retry_failing_core(core)
     }
 }
