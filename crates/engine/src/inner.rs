@@ -19,7 +19,6 @@ use hybridcache_volume::VolumeRef;
 use parking_lot::{Mutex, RwLock};
 
 use crate::bits::Mask;
-use crate::classes::ReqClass;
 use crate::cleaning_state::{CleanerState, CleaningCounters, Pacer};
 use crate::core_state::{CoreState, Cores};
 use crate::devices::Devices;
@@ -38,7 +37,7 @@ use crate::CleaningConfig;
 use crate::LazyFlush;
 use crate::LineSize;
 use crate::Promotion;
-use crate::{CacheMode, CoreId, EngineError, Result, SECTOR};
+use crate::{CacheMode, CoreId, EngineError, Result};
 
 pub(crate) struct CacheInner {
     pub(crate) id: u16,
@@ -79,13 +78,8 @@ pub(crate) fn serving_mode(set: CacheMode, devices: &Devices) -> CacheMode {
 }
 
 impl CacheInner {
-    #[inline]
-    pub(crate) fn mode(&self) -> CacheMode {
-        serving_mode(self.set_mode(), &self.devices)
-    }
-
     /// The mode the cache was set to; a mirrored cache that lost a device, or one in fallback
-    /// pass-through, serves in another (`mode`).
+    /// pass-through, serves in another (`serving_mode`).
     #[inline]
     pub(crate) fn set_mode(&self) -> CacheMode {
         CacheMode::ALL[self.mode.load(Ordering::Relaxed) as usize]
@@ -96,33 +90,9 @@ impl CacheInner {
         self.devices.cache_off(line, sector)
     }
 
-    #[inline]
-    pub(crate) fn core_off(&self, key: Key, sector: u32) -> u64 {
-        key.line() * self.line_bytes + sector as u64 * SECTOR
-    }
-
-    #[inline]
-    pub(crate) fn check(
-        &self,
-        core: &CoreState,
-        offset: u64,
-        len: u64,
-        max: Option<u64>,
-    ) -> Result<()> {
-        crate::check_request(core.size(), offset, len, max)
-    }
-
     pub(crate) fn core_by_id(&self, id: CoreId) -> Result<Arc<CoreState>> {
         self.cores.get(id).ok_or(EngineError::NoSuchCore(id))
     }
-
-    // ---- reads ----------------------------------------------------------------------------
-
-    // ---- writes ---------------------------------------------------------------------------
-
-    // ---- device IO with accounting --------------------------------------------------------
-
-    // ---- statistics ----------------------------------------------------------------------
 
     pub(crate) fn core_stats(&self, core: &CoreState) -> Stats {
         let (requests, blocks, errors) = core.counters().snapshot();
@@ -210,31 +180,6 @@ impl CacheInner {
     pub(crate) fn update_line(&self, line: u32, key: Key, valid: Mask, dirty: Mask, touch: bool) {
         self.lines
             .update_line(self.persist.as_ref(), line, key, valid, dirty, touch)
-    }
-
-    #[inline]
-    pub(crate) fn insert_line(
-        &self,
-        line: u32,
-        key: Key,
-        valid: Mask,
-        dirty: Mask,
-        class: Option<ReqClass>,
-    ) {
-        self.lines.insert_line(
-            self.persist.as_ref(),
-            &self.prefetch,
-            line,
-            key,
-            valid,
-            dirty,
-            class,
-        )
-    }
-
-    #[inline]
-    pub(crate) fn alloc_line(&self, class: Option<ReqClass>) -> Option<u32> {
-        self.lines.alloc_line(self.persist.as_ref(), class)
     }
 
     pub(crate) fn drop_core_lines(&self, id: CoreId) {
