@@ -1,6 +1,8 @@
 //! The commit protocol (persist.rs's module doc has the contract and its two rules): the
 //! snapshot of changed metadata blocks, the device flushes, the block writes and the commit
-//! record; commits ahead of need while writes wait for room; failing cores.
+//! record; commits ahead of need while writes wait for room; failing cores; the superblock's
+//! note that a mirror missed writes. All of it on a `Commit`, a struct of references built by
+//! whoever holds them (the holder's `committer()`, a `Cleaner`, a `Writer` through its cleaner).
 //!
 //! Invariants:
 //! - one commit at a time (`Persist`'s state mutex); a line's metadata is snapshotted under its

@@ -1,9 +1,9 @@
 //! The holder: a cache's subsystems side by side. `CacheInner` owns the line room (`Lines`, a
 //! struct with private fields), the devices room (`Devices`, likewise), the cores,
 //! persistence, the policies' state, and the signals between requests and background threads;
-//! the rooms that act work on it: read.rs, readahead.rs, commit.rs and admission.rs on structs
-//! of references it lends (`Reader`, `ReadAhead`, `Commit`, `Admission`), write.rs,
-//! cleaner.rs, cleaning.rs, invalidate.rs and recovery.rs still as `impl CacheInner` blocks.
+//! the rooms that act work on it through structs of references it lends (`Reader`,
+//! `ReadAhead`, `Writer`, `Cleaner`, `Commit`, `Admission`; each lender in its room's file),
+//! invalidate.rs (purge) and recovery.rs (the load, which builds it) still on the holder itself.
 //! This file knows only the lower rooms' types, never the rooms that use it; it hands the line
 //! room what a line change also touches (persistence, read-ahead's marks).
 //!

@@ -1,6 +1,7 @@
 //! The write path, by mode (cache.rs's module doc tells the whole story): write-back as
 //! phases (plan, decide, place, apply, core part), write-through and write-around,
-//! write-invalidate and pass-through, discards and zeroes, and a client's flush.
+//! write-invalidate and pass-through, discards and zeroes, and a client's flush. All of it on a
+//! `Writer`, a struct of references the holder lends per request (`CacheInner::writer()`).
 //!
 //! Invariants: a write changes nothing before its cache write has succeeded (a line turns
 //! dirty only once its data is on the cache device); a write that gives up its locks to wait

@@ -1,5 +1,6 @@
 //! Batched writes of one core (several requests of a pipelining client at once): the write-side
-//! twin of read.rs's `read_batch`.
+//! twin of read.rs's `read_batch`, on the single path's `Writer` (write.rs), whose rooms it reads
+//! through `lines()` and `devices()`.
 //!
 //! Each request is admitted and planned as a single write is (checks, `enter`, mode, IO class,
 //! seq cutoff; in write-back its stripes, lookup). A request whose every line is already mapped
