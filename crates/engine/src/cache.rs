@@ -654,7 +654,7 @@ impl Cache {
     /// Run the cleaner once as if the time were `now_ms` (milliseconds from any fixed origin,
     /// never decreasing): the injected clock of the cleaning tests.
     pub fn cleaner_tick(&self, now_ms: u64) -> CleaningTick {
-        self.inner.cleaner_tick(now_ms)
+        self.inner.cleaner_room().cleaner_tick(now_ms)
     }
 
     pub fn stats(&self) -> Stats {

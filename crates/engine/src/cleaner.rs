@@ -20,19 +20,25 @@ use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
 use crate::bits;
+use crate::cleaning_state::{CleanerState, CleaningCounters, Pacer};
+use crate::commit::Commit;
 use crate::core_flush;
-use crate::core_state::CoreState;
+use crate::core_state::{CoreState, Cores};
+use crate::devices::Devices;
 use crate::inner::CacheInner;
+use crate::lines::Lines;
 use crate::locks::{InFlight, Span, SpanKind, WaitFor};
 use crate::meta::Key;
+use crate::persist::Persist;
 use crate::policy::FLUSH_BUFFERS;
 use crate::progress::FlushProgress;
+use crate::room_wait::CleanerSignal;
 use crate::segment::{push_run, Run};
 use crate::stats::Counter;
-use crate::{CoreId, EngineError, Result, SECTOR};
+use crate::{CleaningConfig, CoreId, EngineError, Result, SECTOR};
 
 /// Dirty data cleaned under one set of locks by a flush; bounds how long client requests to
 /// those lines wait.
@@ -49,7 +55,116 @@ struct Piece {
     len: usize,
 }
 
+/// What cleaning works on, each by reference, lent by the holder (`cleaner_room()`) to the
+/// cleaner thread's tick, to a flush of a core's dirty data, and to a write that makes room
+/// (write.rs's `Writer` holds one): the line room (what is dirty, its locks, marking lines
+/// clean), the devices (cache reads, core writes), the cores, persistence (cleaned lines wait
+/// for a commit), cleaning's configuration, schedule, counters and pacing, the room signal and
+/// a flush's progress.
+///
+/// Invariants: a line is marked clean only under its stripe, after the core write of every one
+/// of its dirty runs succeeded, and only if it still holds the key it was read with (a debug
+/// assertion in `mark_cleaned`: the unit's cleaning span keeps writes, discards and other
+/// cleaning of it out meanwhile); on a persistent cache a cleaned line becomes reusable only
+/// through a commit (`committer()`), never here.
+pub(crate) struct Cleaner<'a> {
+    lines: &'a Lines,
+    devices: &'a Devices,
+    cores: &'a Cores,
+    persist: Option<&'a Persist>,
+    cleaning: &'a RwLock<CleaningConfig>,
+    /// The background policies' schedule (cleaning.rs), under its own mutex.
+    cleaner: &'a Mutex<CleanerState>,
+    cleaning_counters: &'a CleaningCounters,
+    pacer: &'a Pacer,
+    cleaner_signal: &'a CleanerSignal,
+    flush_progress: &'a FlushProgress,
+    line_bytes: u64,
+}
+
 impl CacheInner {
+    #[inline]
+    pub(crate) fn cleaner_room(&self) -> Cleaner<'_> {
+        Cleaner {
+            lines: &self.lines,
+            devices: &self.devices,
+            cores: &self.cores,
+            persist: self.persist.as_ref(),
+            cleaning: &self.cleaning,
+            cleaner: &self.cleaner,
+            cleaning_counters: &self.cleaning_counters,
+            pacer: &self.pacer,
+            cleaner_signal: &self.cleaner_signal,
+            flush_progress: &self.flush_progress,
+            line_bytes: self.line_bytes,
+        }
+    }
+
+    /// [`Cleaner::clean_lines`] on the holder's rooms (unit tests drive it directly).
+    #[cfg(test)]
+    pub(crate) fn clean_lines(&self, lines: Vec<u32>, depth: usize, paced: bool) -> Result<usize> {
+        self.cleaner_room().clean_lines(lines, depth, paced)
+    }
+}
+
+impl<'a> Cleaner<'a> {
+    /// The commit protocol on the rooms cleaning holds.
+    #[inline]
+    pub(crate) fn committer(&self) -> Commit<'a> {
+        Commit::new(
+            self.devices,
+            self.persist,
+            self.lines,
+            self.cores,
+            self.cleaner_signal,
+        )
+    }
+
+    #[inline]
+    pub(crate) fn lines(&self) -> &'a Lines {
+        self.lines
+    }
+
+    #[inline]
+    pub(crate) fn cores(&self) -> &'a Cores {
+        self.cores
+    }
+
+    #[inline]
+    pub(crate) fn persist(&self) -> Option<&'a Persist> {
+        self.persist
+    }
+
+    #[inline]
+    pub(crate) fn cleaning(&self) -> &'a RwLock<CleaningConfig> {
+        self.cleaning
+    }
+
+    #[inline]
+    pub(crate) fn schedule(&self) -> &'a Mutex<CleanerState> {
+        self.cleaner
+    }
+
+    #[inline]
+    pub(crate) fn signal(&self) -> &'a CleanerSignal {
+        self.cleaner_signal
+    }
+
+    #[inline]
+    pub(crate) fn devices(&self) -> &'a Devices {
+        self.devices
+    }
+
+    #[inline]
+    pub(crate) fn counters(&self) -> &'a CleaningCounters {
+        self.cleaning_counters
+    }
+
+    #[inline]
+    pub(crate) fn line_bytes(&self) -> u64 {
+        self.line_bytes
+    }
+
     /// Clean the given lines (those still dirty when locked), `depth` core writes at most in
     /// flight, `paced` by the cleaning bandwidth cap and committing ahead of need between units
     /// (`commit_ahead`; both for background cleaning only). Caller holds
@@ -62,7 +177,7 @@ impl CacheInner {
         self.clean_lines_for(lines, depth, paced, None)
     }
 
-    /// As [`clean_lines`](CacheInner::clean_lines), for a flush: each core write that completes
+    /// As [`clean_lines`](Cleaner::clean_lines), for a flush: each core write that completes
     /// counts its lines in `flush`'s progress, and once the flush is interrupted no further
     /// write starts (the writes in flight complete and their lines are recorded clean).
     fn clean_lines_for(
@@ -209,7 +324,7 @@ impl CacheInner {
                 }
                 if paced {
                     // Background cleaning, between units (no stripe held).
-                    self.commit_ahead();
+                    self.committer().commit_ahead(self.cleaning_counters);
                 }
             }
         };
@@ -412,7 +527,9 @@ impl CacheInner {
                 "a line changed under cleaning"
             );
             if !failed[i] {
-                self.update_line(line, key, self.lines.table().valid(line), 0, false);
+                let valid = self.lines.table().valid(line);
+                self.lines
+                    .update_line(self.persist, line, key, valid, 0, false);
                 cleaned += 1;
             }
         }
@@ -437,11 +554,11 @@ impl CacheInner {
                 chunk.iter().map(|&(_, l)| l).collect(),
                 FLUSH_BUFFERS as usize,
                 false,
-                Some(&self.flush_progress),
+                Some(self.flush_progress),
             )?;
             if self.flush_progress.interrupted() {
                 // What was cleaned so far is recorded clean by the commit; the rest stays dirty.
-                self.commit()?;
+                self.committer().commit()?;
                 return Err(self.flush_progress.interrupted_error());
             }
             // Lines of the batch something else cleaned first are done too.
@@ -450,8 +567,9 @@ impl CacheInner {
         }
         // The flush is done when the core has the data durably and, for a persistent cache, the
         // device records the lines clean.
-        self.commit()?;
-        self.retry_failing_core(core)
+        let commit = self.committer();
+        commit.commit()?;
+        commit.retry_failing_core(core)
     }
 }
 
@@ -496,7 +614,7 @@ fn start_dirty_flushes(
         let spawned = std::thread::Builder::new()
             .name(format!("core{}-flush-dirty", core.id()))
             .spawn(move || {
-                let r = job_inner.flush_core_dirty(&job_core);
+                let r = job_inner.cleaner_room().flush_core_dirty(&job_core);
                 job_core.watch().dirty_flush_ends();
                 let _ = tx.send((job_core.id(), r));
             });
@@ -504,7 +622,7 @@ fn start_dirty_flushes(
             Ok(_) => running.push(core),
             Err(_) => {
                 // No thread to spare: flush here, unbounded, rather than not at all.
-                let r = inner.flush_core_dirty(&core);
+                let r = inner.cleaner_room().flush_core_dirty(&core);
                 core.watch().dirty_flush_ends();
                 results.push((core.id(), r));
             }

@@ -1,6 +1,7 @@
 //! Background cleaning: the policies that decide which dirty lines to clean, and when.
 //!
-//! One cleaner thread per cache calls [`CacheInner::cleaner_tick`] about ten times a second (at
+//! One cleaner thread per cache calls [`Cleaner::cleaner_tick`] (on the rooms the holder lends,
+//! `cleaner_room()`) about ten times a second (at
 //! once again while a policy has more work). Everything time-dependent goes through the tick's
 //! `now` argument, in milliseconds, so tests drive the same code with an injected clock
 //! ([`crate::Cache::cleaner_tick`] after [`crate::Cache::stop_background_cleaner`]).
@@ -25,6 +26,7 @@ use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::cleaner::Cleaner;
 use crate::cleaning_state::CleanerState;
 use crate::core_state::ACP_CHUNK_BYTES;
 use crate::inner::CacheInner;
@@ -72,8 +74,9 @@ impl CleanerThread {
                 let (tick, wait) = match weak.upgrade() {
                     Some(cache) => {
                         let now = epoch.elapsed().as_millis() as u64;
-                        let tick = cache.cleaner_tick(now);
-                        (tick, cache.cleaner_wait(now, &tick))
+                        let cleaner = cache.cleaner_room();
+                        let tick = cleaner.cleaner_tick(now);
+                        (tick, cleaner.cleaner_wait(now, &tick))
                     }
                     None => return,
                 };
@@ -97,15 +100,15 @@ impl CleanerThread {
         if let Some(cache) = self.cache.upgrade() {
             let mut st = cache.cleaner.lock();
             st.forget_clock();
-            cache.clear_fences();
+            cache.cleaner_room().clear_fences();
         }
     }
 }
 
-impl CacheInner {
+impl Cleaner<'_> {
     /// Any request since the last look changes this.
     fn io_marker(&self) -> u64 {
-        self.cores
+        self.cores()
             .active()
             .values()
             .map(|c| {
@@ -117,8 +120,8 @@ impl CacheInner {
 
     /// Drop alru's age marks from every shard.
     fn clear_fences(&self) {
-        for i in 0..self.lines.lists().shard_count() {
-            self.lines.lists().lock(i).clear_fences();
+        for i in 0..self.lines().lists().shard_count() {
+            self.lines().lists().lock(i).clear_fences();
         }
     }
 
@@ -137,20 +140,20 @@ impl CacheInner {
         if tick.cleaned == 0 {
             return TICK;
         }
-        let next = self.cleaner.lock().next_run_ms();
+        let next = self.schedule().lock().next_run_ms();
         Duration::from_millis(next.saturating_sub(now)).min(TICK)
     }
 
     /// Record whether the policy has cleaning due (see `CleaningStats::waiting`). A look that
     /// only waits for the policy's wake-up time keeps the last run's verdict.
     fn set_waiting(&self, waiting: bool) {
-        self.cleaning_counters.set_waiting(waiting);
+        self.counters().set_waiting(waiting);
     }
 
     /// One look by the cleaner at time `now` (ms since any fixed origin, never decreasing).
     pub(crate) fn cleaner_tick(&self, now: u64) -> CleaningTick {
-        let cfg = *self.cleaning.read();
-        let mut st = self.cleaner.lock();
+        let cfg = *self.cleaning().read();
+        let mut st = self.schedule().lock();
         if st.tick_at(now) {
             // Time went back: a new clock.
             self.restart_clock(&mut st, now);
@@ -177,10 +180,10 @@ impl CacheInner {
         // A mirrored cache that lost a device drains its dirty lines as room requests do: they
         // are on one device only (or on a mirror it no longer serves from but in need).
         let drain = self
-            .devices
+            .devices()
             .mirror()
-            .is_some_and(|m| m.drains() && self.usage(None).dirty_lines > 0);
-        if self.cleaner_signal.take_room_request() || drain {
+            .is_some_and(|m| m.drains() && self.lines().usage(None).dirty_lines > 0);
+        if self.signal().take_room_request() || drain {
             // Lazy flush sent writes to the core for want of a line: make room now, under any
             // policy (nop means no periodic cleaning, not no room). The oldest dirty lines go,
             // as an inline make-room would have taken them, `ROOM_BATCH` (an eighth of a small
@@ -192,24 +195,24 @@ impl CacheInner {
                 CleaningPolicy::Acp => cfg.acp.flush_max_buffers as usize,
             }
             .max(ROOM_DEPTH);
-            let batch = ROOM_BATCH.min(self.lines.count() as usize / 8).max(depth);
+            let batch = ROOM_BATCH.min(self.lines().count() as usize / 8).max(depth);
             // Under way from here: writes that find no line wait for this batch while it is
             // picked (`room_coming`).
-            let under_way = self.cleaner_signal.batch();
-            let picked = self.whole_windows(self.lines.oldest_dirty(batch), batch);
+            let under_way = self.signal().batch();
+            let picked = self.whole_windows(self.lines().oldest_dirty(batch), batch);
             let cleaned = self.clean_and_commit(picked, depth).unwrap_or(0);
             drop(under_way);
             tick.ran = true;
             tick.cleaned += cleaned;
         }
         // Writes that found no room since the look above: go again at once.
-        tick.more |= self.cleaner_signal.room_wanted();
+        tick.more |= self.signal().room_wanted();
         tick.more |= drain && tick.cleaned > 0;
         tick
     }
 
     fn alru_tick(&self, st: &mut CleanerState, now: u64) -> Result<CleaningTick> {
-        let p = self.cleaning.read().alru;
+        let p = self.cleaning().read().alru;
         let staleness = p.staleness_time_s as u64 * 1000;
         // Nothing is old enough before `staleness` has passed on this clock (a mark at 0 says
         // "written at or before 0", which is not staleness ago at time 0).
@@ -217,9 +220,9 @@ impl CacheInner {
         // Marks spaced by a sixteenth of the staleness time: ages are known to within that.
         let spacing = (staleness / 16).max(TICK.as_millis() as u64);
         if st.fence_due(now, spacing) {
-            for i in 0..self.lines.lists().shard_count() {
-                let mut s = self.lines.lists().lock(i);
-                self.lines
+            for i in 0..self.lines().lists().shard_count() {
+                let mut s = self.lines().lists().lock(i);
+                self.lines()
                     .lists()
                     .place_fence(&mut s, now, stale.unwrap_or(0), FENCES);
             }
@@ -227,14 +230,14 @@ impl CacheInner {
         }
         // The dirty-ratio trigger is looked at on every tick: crossing the threshold starts
         // cleaning at once, whatever wake-up or activity said at the last run.
-        let usage = self.usage(None);
+        let usage = self.lines().usage(None);
         let was_active = st.ratio_active();
         if p.dirty_ratio_threshold >= 100 {
             st.set_ratio_active(false);
         } else {
-            let threshold = self.lines.count() as u64 * p.dirty_ratio_threshold as u64 / 100;
+            let threshold = self.lines().count() as u64 * p.dirty_ratio_threshold as u64 / 100;
             let inertia = (p.dirty_ratio_inertia_mib as u64) << 20;
-            let inertia_lines = inertia.div_ceil(self.line_bytes);
+            let inertia_lines = inertia.div_ceil(self.line_bytes());
             if usage.dirty_lines > 0 && usage.dirty_lines >= threshold {
                 st.set_ratio_active(true);
             } else if usage.dirty_lines + inertia_lines < threshold || usage.dirty_lines == 0 {
@@ -286,7 +289,7 @@ impl CacheInner {
         budget: usize,
         stale: Option<u64>,
     ) -> (Vec<u32>, bool) {
-        let n = self.lines.lists().shard_count();
+        let n = self.lines().lists().shard_count();
         let mut picked = Vec::new();
         // Several passes, each taking an even share from every shard, so the oldest of all shards
         // go first rather than all of one shard.
@@ -299,9 +302,9 @@ impl CacheInner {
             progress = false;
             for i in 0..n {
                 let shard = (first + i) % n;
-                let s = self.lines.lists().lock(shard);
+                let s = self.lines().lists().lock(shard);
                 let end = match stale {
-                    Some(t) => match self.lines.lists().stale_end(&s, t) {
+                    Some(t) => match self.lines().lists().stale_end(&s, t) {
                         Some(l) => Some(l),
                         None => continue,
                     },
@@ -316,7 +319,7 @@ impl CacheInner {
                     }
                     if skip > 0 {
                         skip -= 1;
-                    } else if !self.lines.of_failing_core(line) {
+                    } else if !self.lines().of_failing_core(line) {
                         picked.push(line);
                         got += 1;
                     } else {
@@ -327,7 +330,7 @@ impl CacheInner {
                     if Some(line) == end {
                         break;
                     }
-                    cur = self.lines.lists().next(line);
+                    cur = self.lines().lists().next(line);
                 }
                 taken[shard] += got;
                 progress |= got > 0;
@@ -340,12 +343,12 @@ impl CacheInner {
         if now < st.next_run_ms() {
             return Ok(CleaningTick::default());
         }
-        let p = self.cleaning.read().acp;
+        let p = self.cleaning().read().acp;
         st.run_next_at(now + p.wake_up_ms as u64);
         let budget = p.flush_max_buffers as usize;
         let Some((core, chunk, dirty)) = self.dirtiest_chunk() else {
             // Dirty lines but no chunk to clean: they are all of failing cores.
-            self.set_waiting(self.usage(None).dirty_lines == 0);
+            self.set_waiting(self.lines().usage(None).dirty_lines == 0);
             return Ok(CleaningTick {
                 ran: true,
                 cleaned: 0,
@@ -366,16 +369,16 @@ impl CacheInner {
     /// The chunk with the highest dirty share (of 11 buckets: 0%, 10%, ... 100%), as
     /// (core, chunk index, dirty lines). Ties go to the lowest core and address.
     fn dirtiest_chunk(&self) -> Option<(u16, u64, u64)> {
-        let per_chunk = (ACP_CHUNK_BYTES / self.line_bytes).max(1);
+        let per_chunk = (ACP_CHUNK_BYTES / self.line_bytes()).max(1);
         let mut best: Option<(u64, u64, u16, u64)> = None; // (bucket, dirty, core, chunk)
-        let cores: Vec<u16> = self.cores.active().keys().copied().collect();
+        let cores: Vec<u16> = self.cores().active().keys().copied().collect();
         // A failing core's chunks cannot be cleaned; trying them on every run would starve the
         // other cores.
         let cores = cores
             .into_iter()
-            .filter(|&id| !self.lines.gauges()[id as usize].failing());
+            .filter(|&id| !self.lines().gauges()[id as usize].failing());
         for id in cores {
-            let chunks = self.lines.gauges()[id as usize].chunks();
+            let chunks = self.lines().gauges()[id as usize].chunks();
             for (i, c) in chunks.iter().enumerate() {
                 let dirty = c.load(Ordering::Relaxed) as u64;
                 if dirty == 0 {
@@ -400,12 +403,12 @@ impl CacheInner {
     /// on average). A line alone in its window goes alone. At most `batch` lines: a small cache
     /// must keep dirty lines (the cap in `tick`).
     fn whole_windows(&self, picked: Vec<u32>, batch: usize) -> Vec<u32> {
-        let merge = self.cleaning.read().io.merge_max_kib as u64 * 1024;
+        let merge = self.cleaning().read().io.merge_max_kib as u64 * 1024;
         // As `merged_writes` aligns: to merge-max rounded down to a power of two.
         let align = 1u64 << (63 - merge.max(1).leading_zeros());
-        let per_window = (align / self.line_bytes).max(1);
+        let per_window = (align / self.line_bytes()).max(1);
         let window = |line: u32| {
-            self.lines
+            self.lines()
                 .table()
                 .key(line)
                 .map(|k| (k.core(), k.line() / per_window))
@@ -444,12 +447,15 @@ impl CacheInner {
                 // I/O (a read miss, a write-through), and waiting for hundreds of those (lazy
                 // flush held them too, until it wrote under a span) kept a whole batch from
                 // starting while writes went to the core.
-                let Some(_stripe) = self.lines.locks().try_lock(self.lines.table().stripe(key))
+                let Some(_stripe) = self
+                    .lines()
+                    .locks()
+                    .try_lock(self.lines().table().stripe(key))
                 else {
                     continue;
                 };
-                if let Some(l) = self.lines.table().lookup(key) {
-                    if self.lines.table().dirty(l) != 0 && !self.lines.of_failing_core(l) {
+                if let Some(l) = self.lines().table().lookup(key) {
+                    if self.lines().table().dirty(l) != 0 && !self.lines().of_failing_core(l) {
                         out.push(l);
                     }
                 }
@@ -460,7 +466,7 @@ impl CacheInner {
 
     /// Up to `want` dirty lines of one chunk, found by looking its core lines up in order.
     fn chunk_dirty_lines(&self, core: u16, chunk: u64, want: usize) -> Vec<u32> {
-        let per_chunk = (ACP_CHUNK_BYTES / self.line_bytes).max(1);
+        let per_chunk = (ACP_CHUNK_BYTES / self.line_bytes()).max(1);
         let mut out = Vec::with_capacity(want);
         for core_line in chunk * per_chunk..(chunk + 1) * per_chunk {
             if out.len() >= want {
@@ -468,11 +474,11 @@ impl CacheInner {
             }
             let key = Key::new(core, core_line);
             let _stripe = self
-                .lines
+                .lines()
                 .locks()
-                .lock_sorted(vec![self.lines.table().stripe(key)]);
-            if let Some(line) = self.lines.table().lookup(key) {
-                if self.lines.table().dirty(line) != 0 {
+                .lock_sorted(vec![self.lines().table().stripe(key)]);
+            if let Some(line) = self.lines().table().lookup(key) {
+                if self.lines().table().dirty(line) != 0 {
                     out.push(line);
                 }
             }
@@ -484,15 +490,23 @@ impl CacheInner {
         if lines.is_empty() {
             return Ok(0);
         }
-        let under_way = self.cleaner_signal.batch();
+        let under_way = self.signal().batch();
         let cleaned = self.clean_lines(lines, depth, true);
         drop(under_way);
         // Lines of other cores may have been cleaned even when one core failed.
-        if !matches!(cleaned, Ok(0)) && self.persist.is_some() {
+        if !matches!(cleaned, Ok(0)) && self.persist().is_some() {
             // Cleaned lines are reusable only once the device records them clean.
-            self.commit()?;
+            self.committer().commit()?;
         }
         Ok(cleaned? as u64)
+    }
+}
+
+/// The policies' choices on the holder's rooms, for this file's unit tests.
+#[cfg(test)]
+impl CacheInner {
+    fn whole_windows(&self, picked: Vec<u32>, batch: usize) -> Vec<u32> {
+        self.cleaner_room().whole_windows(picked, batch)
     }
 }
 

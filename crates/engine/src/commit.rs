@@ -1,6 +1,8 @@
 //! The commit protocol (persist.rs's module doc has the contract and its two rules): the
 //! snapshot of changed metadata blocks, the device flushes, the block writes and the commit
-//! record; commits ahead of need while writes wait for room; failing cores.
+//! record; commits ahead of need while writes wait for room; failing cores; the superblock's
+//! note that a mirror missed writes. All of it on a `Commit`, a struct of references built by
+//! whoever holds them (the holder's `committer()`, a `Cleaner`, a `Writer` through its cleaner).
 //!
 //! Invariants:
 //! - one commit at a time (`Persist`'s state mutex); a line's metadata is snapshotted under its
@@ -18,8 +20,10 @@ use std::time::Instant;
 
 use hybridcache_volume::Volume;
 
+use crate::cleaning_state::CleaningCounters;
 use crate::core_flush;
 use crate::core_state::{CoreState, Cores};
+use crate::devices::Devices;
 use crate::format::Entry;
 use crate::inner::CacheInner;
 use crate::lines::Lines;
@@ -47,12 +51,14 @@ enum Attempt {
     Retry,
 }
 
-/// What a commit works on, each by reference, taken from the holder for one commit: the cache
-/// volume, persistence (its bits and sequence, through a [`crate::persist::CommitTurn`]), the line room (the
-/// lines' states for the snapshot, limbo), the cores to flush and the signal that wakes writes
-/// waiting for room.
-struct Commit<'a> {
+/// What a commit works on, each by reference, lent for one commit by whoever holds them (the
+/// holder's `committer()`, the cleaner's and the writer's): the devices (the cache volume, and a
+/// mirror whose loss the superblock must record), persistence (its bits and sequence, through a
+/// [`crate::persist::CommitTurn`]), the line room (the lines' states for the snapshot, limbo),
+/// the cores to flush and the signal that wakes writes waiting for room.
+pub(crate) struct Commit<'a> {
     volume: &'a dyn Volume,
+    devices: &'a Devices,
     persist: Option<&'a Persist>,
     lines: &'a Lines,
     cores: &'a Cores,
@@ -60,13 +66,44 @@ struct Commit<'a> {
 }
 
 impl CacheInner {
-    fn committer(&self) -> Commit<'_> {
+    pub(crate) fn committer(&self) -> Commit<'_> {
+        Commit::new(
+            &self.devices,
+            self.persist.as_ref(),
+            &self.lines,
+            &self.cores,
+            &self.cleaner_signal,
+        )
+    }
+
+    /// [`Commit::commit`] on the holder's rooms, for the facade and the load.
+    pub(crate) fn commit(&self) -> Result<()> {
+        self.committer().commit()
+    }
+
+    /// [`Commit::commit_ahead`] on the holder's rooms (unit tests drive it directly).
+    #[cfg(test)]
+    pub(crate) fn commit_ahead(&self) {
+        self.committer().commit_ahead(&self.cleaning_counters)
+    }
+}
+
+impl<'a> Commit<'a> {
+    #[inline]
+    pub(crate) fn new(
+        devices: &'a Devices,
+        persist: Option<&'a Persist>,
+        lines: &'a Lines,
+        cores: &'a Cores,
+        signal: &'a CleanerSignal,
+    ) -> Commit<'a> {
         Commit {
-            volume: &**self.devices.volume(),
-            persist: self.persist.as_ref(),
-            lines: &self.lines,
-            cores: &self.cores,
-            signal: &self.cleaner_signal,
+            volume: &**devices.volume(),
+            devices,
+            persist,
+            lines,
+            cores,
+            signal,
         }
     }
 
@@ -75,14 +112,39 @@ impl CacheInner {
     /// fails has the error counted on it and its lines recorded dirty, so that it cannot keep
     /// the other cores' writes from becoming durable.
     pub(crate) fn commit(&self) -> Result<()> {
-        self.committer().run()?;
+        self.run()?;
         self.note_mirror_lost()
     }
 
     /// After a commit: if `core` is failing, its acknowledged writes are not known durable, and
     /// a flush on it must fail, unless its device flushes now.
     pub(crate) fn retry_failing_core(&self, core: &CoreState) -> Result<()> {
-        self.committer().retry_failing_core(core)
+        if !self.lines.gauges()[core.id() as usize].failing() {
+            return Ok(());
+        }
+        core_flush::flush_device(core.id(), core.watch(), core.volume())
+            .inspect_err(|_| core.counters().add(Counter::CoreWriteErrors, 1))?;
+        // Everything written to it before this flush is durable now.
+        self.core_recovered(core.id());
+        Ok(())
+    }
+
+    /// Record in the primary's superblock that the mirror missed writes, once: a later load
+    /// must not take the stale mirror for a copy.
+    pub(crate) fn note_mirror_lost(&self) -> Result<()> {
+        let (Some(m), Some(p)) = (self.devices.mirror(), self.persist) else {
+            return Ok(());
+        };
+        if m.state() != crate::MirrorState::MirrorLost
+            || !p.superblock().mirror.as_ref().is_some_and(|r| !r.lost)
+        {
+            return Ok(());
+        }
+        p.update_superblock(self.volume, |sb| {
+            if let Some(r) = sb.mirror.as_mut() {
+                r.lost = true;
+            }
+        })
     }
 
     /// Called by background cleaning's workers between units (no stripe held): on a persistent
@@ -91,12 +153,13 @@ impl CacheInner {
     /// durably dirty until a commit records them clean; without this they would wait for the
     /// end of the batch (seconds in front of a disk array, alru-very-aggressive's 8192 lines)
     /// while every write that finds no line goes to the core (issue 20). The commit flushes the
-    /// cores: that price is paid here, by cleaning, never by a client request.
-    pub(crate) fn commit_ahead(&self) {
+    /// cores: that price is paid here, by cleaning, never by a client request. A commit made
+    /// is counted in `counters`.
+    pub(crate) fn commit_ahead(&self, counters: &CleaningCounters) {
         if self.persist.is_none() {
             return;
         }
-        let sig = &self.cleaner_signal;
+        let sig = self.signal;
         let waiting = sig.uncommitted();
         if waiting == 0 {
             return;
@@ -121,7 +184,7 @@ impl CacheInner {
         // A failure (the cache volume's) is counted by the device; the batch's own commit at its
         // end tries again and reports it.
         if self.commit().is_ok() {
-            self.cleaning_counters.ahead_commit();
+            counters.ahead_commit();
         }
         sig.end_ahead_commit();
     }
@@ -219,17 +282,6 @@ impl Commit<'_> {
                 }
             }
         }
-    }
-
-    fn retry_failing_core(&self, core: &CoreState) -> Result<()> {
-        if !self.lines.gauges()[core.id() as usize].failing() {
-            return Ok(());
-        }
-        core_flush::flush_device(core.id(), core.watch(), core.volume())
-            .inspect_err(|_| core.counters().add(Counter::CoreWriteErrors, 1))?;
-        // Everything written to it before this flush is durable now.
-        self.core_recovered(core.id());
-        Ok(())
     }
 
     /// A line's state as it goes on disk: only consistent combinations.

@@ -75,7 +75,7 @@ impl Core {
 
     pub fn write(&self, buf: &[u8], offset: u64) -> Result<()> {
         let start = latency::begin();
-        self.cache.write(&self.core, buf, offset)?;
+        self.cache.writer().write(&self.core, buf, offset)?;
         let kind = if latency::ended_on_core() {
             LatencyKind::WriteCore
         } else {
@@ -93,7 +93,7 @@ impl Core {
         if let [(buf, offset)] = reqs {
             return vec![self.write(buf, *offset)];
         }
-        self.cache.write_batch(&self.core, reqs)
+        self.cache.writer().write_batch(&self.core, reqs)
     }
 
     /// A write that is durable when it returns (NBD's FUA): the write, then a flush.
@@ -104,16 +104,16 @@ impl Core {
 
     /// Make every acknowledged write to this exported volume durable.
     pub fn flush(&self) -> Result<()> {
-        self.cache.flush_request(&self.core)
+        self.cache.writer().flush_request(&self.core)
     }
 
     /// Drop the range: cached sectors (dirty ones too) are invalidated and the core is told.
     pub fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        self.cache.discard(&self.core, offset, len)
+        self.cache.writer().discard(&self.core, offset, len)
     }
 
     pub fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
-        self.cache.write_zeroes(&self.core, offset, len)
+        self.cache.writer().write_zeroes(&self.core, offset, len)
     }
 
     /// Whether discarded ranges read back as zeroes (they do when the core's discard zeroes).

@@ -1,9 +1,9 @@
 //! The holder: a cache's subsystems side by side. `CacheInner` owns the line room (`Lines`, a
 //! struct with private fields), the devices room (`Devices`, likewise), the cores,
 //! persistence, the policies' state, and the signals between requests and background threads;
-//! the rooms that act work on it: read.rs, readahead.rs, commit.rs and admission.rs on structs
-//! of references it lends (`Reader`, `ReadAhead`, `Commit`, `Admission`), write.rs,
-//! cleaner.rs, cleaning.rs, invalidate.rs and recovery.rs still as `impl CacheInner` blocks.
+//! the rooms that act work on it through structs of references it lends (`Reader`,
+//! `ReadAhead`, `Writer`, `Cleaner`, `Commit`, `Admission`; each lender in its room's file),
+//! invalidate.rs (purge) and recovery.rs (the load, which builds it) still on the holder itself.
 //! This file knows only the lower rooms' types, never the rooms that use it; it hands the line
 //! room what a line change also touches (persistence, read-ahead's marks).
 //!
@@ -19,7 +19,6 @@ use hybridcache_volume::VolumeRef;
 use parking_lot::{Mutex, RwLock};
 
 use crate::bits::Mask;
-use crate::classes::ReqClass;
 use crate::cleaning_state::{CleanerState, CleaningCounters, Pacer};
 use crate::core_state::{CoreState, Cores};
 use crate::devices::Devices;
@@ -38,7 +37,7 @@ use crate::CleaningConfig;
 use crate::LazyFlush;
 use crate::LineSize;
 use crate::Promotion;
-use crate::{CacheMode, CoreId, EngineError, Result, SECTOR};
+use crate::{CacheMode, CoreId, EngineError, Result};
 
 pub(crate) struct CacheInner {
     pub(crate) id: u16,
@@ -79,13 +78,8 @@ pub(crate) fn serving_mode(set: CacheMode, devices: &Devices) -> CacheMode {
 }
 
 impl CacheInner {
-    #[inline]
-    pub(crate) fn mode(&self) -> CacheMode {
-        serving_mode(self.set_mode(), &self.devices)
-    }
-
     /// The mode the cache was set to; a mirrored cache that lost a device, or one in fallback
-    /// pass-through, serves in another (`mode`).
+    /// pass-through, serves in another (`serving_mode`).
     #[inline]
     pub(crate) fn set_mode(&self) -> CacheMode {
         CacheMode::ALL[self.mode.load(Ordering::Relaxed) as usize]
@@ -96,33 +90,9 @@ impl CacheInner {
         self.devices.cache_off(line, sector)
     }
 
-    #[inline]
-    pub(crate) fn core_off(&self, key: Key, sector: u32) -> u64 {
-        key.line() * self.line_bytes + sector as u64 * SECTOR
-    }
-
-    #[inline]
-    pub(crate) fn check(
-        &self,
-        core: &CoreState,
-        offset: u64,
-        len: u64,
-        max: Option<u64>,
-    ) -> Result<()> {
-        crate::check_request(core.size(), offset, len, max)
-    }
-
     pub(crate) fn core_by_id(&self, id: CoreId) -> Result<Arc<CoreState>> {
         self.cores.get(id).ok_or(EngineError::NoSuchCore(id))
     }
-
-    // ---- reads ----------------------------------------------------------------------------
-
-    // ---- writes ---------------------------------------------------------------------------
-
-    // ---- device IO with accounting --------------------------------------------------------
-
-    // ---- statistics ----------------------------------------------------------------------
 
     pub(crate) fn core_stats(&self, core: &CoreState) -> Stats {
         let (requests, blocks, errors) = core.counters().snapshot();
@@ -203,26 +173,6 @@ impl CacheInner {
     }
 }
 
-impl CacheInner {
-    /// Record in the primary's superblock that the mirror missed writes, once: a later load
-    /// must not take the stale mirror for a copy.
-    pub(crate) fn note_mirror_lost(&self) -> Result<()> {
-        let (Some(m), Some(p)) = (self.devices.mirror(), &self.persist) else {
-            return Ok(());
-        };
-        if m.state() != crate::MirrorState::MirrorLost
-            || !p.superblock().mirror.as_ref().is_some_and(|r| !r.lost)
-        {
-            return Ok(());
-        }
-        p.update_superblock(&**self.devices.volume(), |sb| {
-            if let Some(r) = sb.mirror.as_mut() {
-                r.lost = true;
-            }
-        })
-    }
-}
-
 /// The line room's changes that also touch persistence (which lines a commit must write, which
 /// may not be reused yet) and read-ahead's marks: the holder hands both over.
 impl CacheInner {
@@ -230,31 +180,6 @@ impl CacheInner {
     pub(crate) fn update_line(&self, line: u32, key: Key, valid: Mask, dirty: Mask, touch: bool) {
         self.lines
             .update_line(self.persist.as_ref(), line, key, valid, dirty, touch)
-    }
-
-    #[inline]
-    pub(crate) fn insert_line(
-        &self,
-        line: u32,
-        key: Key,
-        valid: Mask,
-        dirty: Mask,
-        class: Option<ReqClass>,
-    ) {
-        self.lines.insert_line(
-            self.persist.as_ref(),
-            &self.prefetch,
-            line,
-            key,
-            valid,
-            dirty,
-            class,
-        )
-    }
-
-    #[inline]
-    pub(crate) fn alloc_line(&self, class: Option<ReqClass>) -> Option<u32> {
-        self.lines.alloc_line(self.persist.as_ref(), class)
     }
 
     pub(crate) fn drop_core_lines(&self, id: CoreId) {

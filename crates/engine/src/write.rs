@@ -1,22 +1,31 @@
 //! The write path, by mode (cache.rs's module doc tells the whole story): write-back as
 //! phases (plan, decide, place, apply, core part), write-through and write-around,
-//! write-invalidate and pass-through, discards and zeroes, and a client's flush.
+//! write-invalidate and pass-through, discards and zeroes, and a client's flush. All of it on a
+//! `Writer`, a struct of references the holder lends per request (`CacheInner::writer()`).
 //!
 //! Invariants: a write changes nothing before its cache write has succeeded (a line turns
 //! dirty only once its data is on the cache device); a write that gives up its locks to wait
 //! for room or make room has changed nothing yet and keeps only the free lines it took; the
 //! core part runs without the stripes only when no cached copy of its sectors exists.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::OnceLock;
 
+use crate::admission::Admission;
+use crate::bits::Mask;
 use crate::classes::ReqClass;
+use crate::cleaner::Cleaner;
 use crate::core_state::CoreState;
-use crate::inner::CacheInner;
+use crate::devices::Devices;
+use crate::inner::{serving_mode, CacheInner};
 use crate::latency::{self};
+use crate::lines::Lines;
 use crate::locks::{SpanKind, StripeGuard, WaitFor};
+use crate::meta::Key;
+use crate::persist::Persist;
 use crate::policy::FLUSH_BUFFERS;
-use crate::room_wait::RoomWaiter;
+use crate::prefetch::PrefetchState;
+use crate::room_wait::{CleanerSignal, RoomWaiter};
 use crate::segment::{push_run, span_of, Run, Seg};
 use crate::stats::{classify, Counter};
 use crate::{CacheMode, Result, MAX_REQUEST, SECTOR};
@@ -76,7 +85,115 @@ struct Placed<'a> {
     short: bool,
 }
 
+/// What the write path works on, each by reference, lent per request by the holder
+/// (`writer()`): the line room (segments, locks, lookup, line updates, allocation), the devices
+/// (cache and core writes), persistence and read-ahead's marks (which a line change also
+/// touches), admission, the mode set, lazy flush, the room signal (waiting for the room
+/// cleaning makes) and a [`Cleaner`] to make room with, committing through its
+/// [`crate::commit::Commit`]. Built for a few stores per request; the holder is not named past
+/// `writer()`.
+pub(crate) struct Writer<'a> {
+    lines: &'a Lines,
+    devices: &'a Devices,
+    persist: Option<&'a Persist>,
+    prefetch: &'a PrefetchState,
+    admission: Admission<'a>,
+    /// The mode set; a mirror or fallback may serve another (`serving_mode`).
+    mode: &'a AtomicU8,
+    /// Lazy flush is on (policy.rs `LazyFlush`).
+    lazy_flush: &'a AtomicBool,
+    cleaner_signal: &'a CleanerSignal,
+    /// Makes room when a write finds no line (`make_room`), and commits.
+    cleaner: Cleaner<'a>,
+    line_bytes: u64,
+}
+
 impl CacheInner {
+    /// The write path's view of this cache.
+    #[inline]
+    pub(crate) fn writer(&self) -> Writer<'_> {
+        Writer {
+            lines: &self.lines,
+            devices: &self.devices,
+            persist: self.persist.as_ref(),
+            prefetch: &self.prefetch,
+            admission: self.admission(),
+            mode: &self.mode,
+            lazy_flush: &self.lazy_flush,
+            cleaner_signal: &self.cleaner_signal,
+            cleaner: self.cleaner_room(),
+            line_bytes: self.line_bytes,
+        }
+    }
+}
+
+/// The rooms' calls the write path makes, on the references it holds.
+impl<'a> Writer<'a> {
+    /// The line room, for write_batch.rs (the batched write hits).
+    #[inline]
+    pub(crate) fn lines(&self) -> &'a Lines {
+        self.lines
+    }
+
+    /// The devices room, for write_batch.rs.
+    #[inline]
+    pub(crate) fn devices(&self) -> &'a Devices {
+        self.devices
+    }
+
+    #[inline]
+    fn mode(&self) -> CacheMode {
+        serving_mode(
+            CacheMode::ALL[self.mode.load(Ordering::Relaxed) as usize],
+            self.devices,
+        )
+    }
+
+    #[inline]
+    fn admission(&self) -> &Admission<'a> {
+        &self.admission
+    }
+
+    #[inline]
+    pub(crate) fn check(
+        &self,
+        core: &CoreState,
+        offset: u64,
+        len: u64,
+        max: Option<u64>,
+    ) -> Result<()> {
+        crate::check_request(core.size(), offset, len, max)
+    }
+
+    #[inline]
+    fn core_off(&self, key: Key, sector: u32) -> u64 {
+        key.line() * self.line_bytes + sector as u64 * SECTOR
+    }
+
+    #[inline]
+    fn cache_off(&self, line: u32, sector: u32) -> u64 {
+        self.devices.cache_off(line, sector)
+    }
+
+    #[inline]
+    fn update_line(&self, line: u32, key: Key, valid: Mask, dirty: Mask, touch: bool) {
+        self.lines
+            .update_line(self.persist, line, key, valid, dirty, touch)
+    }
+
+    #[inline]
+    fn insert_line(&self, line: u32, key: Key, valid: Mask, dirty: Mask, class: Option<ReqClass>) {
+        self.lines
+            .insert_line(self.persist, self.prefetch, line, key, valid, dirty, class)
+    }
+
+    #[inline]
+    fn alloc_line(&self, class: Option<ReqClass>) -> Option<u32> {
+        self.lines.alloc_line(self.persist, class)
+    }
+}
+
+impl<'w> Writer<'w> {
     #[inline]
     pub(crate) fn write(&self, core: &CoreState, buf: &[u8], offset: u64) -> Result<()> {
         self.check(core, offset, buf.len() as u64, Some(MAX_REQUEST))?;
@@ -237,7 +354,7 @@ impl CacheInner {
         class: Option<ReqClass>,
     ) -> Result<Placed<'a>> {
         let lazy = self.lazy_flush.load(Ordering::Relaxed);
-        let sig = &*self.cleaner_signal;
+        let sig = self.cleaner_signal;
         let mut p = Placing::default();
         let mut decision = None;
         loop {
@@ -506,10 +623,12 @@ impl CacheInner {
         // A client waits for this room: not paced. A core whose lines fail to clean has the
         // error counted on it and is marked failing; the room then has to come from the other
         // cores' lines, or this write goes around the cache, never failing for that core.
-        let _ = self.clean_lines(picked, FLUSH_BUFFERS as usize, false);
+        let _ = self
+            .cleaner
+            .clean_lines(picked, FLUSH_BUFFERS as usize, false);
         if self.persist.is_some() {
             // Cleaned lines (and lines in limbo) become reusable once the device records them.
-            self.commit()?;
+            self.cleaner.committer().commit()?;
         }
         Ok(())
     }
@@ -661,8 +780,9 @@ impl CacheInner {
 
     pub(crate) fn flush_request(&self, core: &CoreState) -> Result<()> {
         let _entered = core.enter()?;
-        self.commit()?;
+        let commit = self.cleaner.committer();
+        commit.commit()?;
         // A commit passes a failing core by: this core's own flush must still say so.
-        self.retry_failing_core(core)
+        commit.retry_failing_core(core)
     }
 }

@@ -1,5 +1,6 @@
 //! Batched writes of one core (several requests of a pipelining client at once): the write-side
-//! twin of read.rs's `read_batch`.
+//! twin of read.rs's `read_batch`, on the single path's `Writer` (write.rs), whose rooms it reads
+//! through `lines()` and `devices()`.
 //!
 //! Each request is admitted and planned as a single write is (checks, `enter`, mode, IO class,
 //! seq cutoff; in write-back its stripes, lookup). A request whose every line is already mapped
@@ -23,10 +24,10 @@ use std::time::Instant;
 
 use crate::classes::ReqClass;
 use crate::core_state::{CoreState, Entered};
-use crate::inner::CacheInner;
 use crate::latency::{self, LatencyKind};
 use crate::locks::{Span, StripeGuard, WaitFor};
 use crate::segment::{span_of, Run, Seg};
+use crate::write::Writer;
 use crate::{CacheMode, Result, MAX_REQUEST};
 
 /// A planned pure write hit, holding its stripes until the batch's cache write is done.
@@ -54,7 +55,7 @@ enum Planned<'a> {
     Single(Entered<'a>, CacheMode, Option<ReqClass>, bool),
 }
 
-impl CacheInner {
+impl Writer<'_> {
     /// Serve `reqs` (data, offset) as writes to `core`; one result per request, in order.
     pub(crate) fn write_batch(&self, core: &CoreState, reqs: &[(&[u8], u64)]) -> Vec<Result<()>> {
         let started = Instant::now();
@@ -65,14 +66,14 @@ impl CacheInner {
             let own_start = latency::begin();
             let planned = self.plan_write(core, buf, offset, |stripes, span| {
                 match self
-                    .lines
+                    .lines()
                     .locks()
                     .try_lock_clear(&stripes, span, WaitFor::All)
                 {
                     Some(guard) => guard,
                     None => {
                         self.finish_write_hits(core, reqs, &mut hits, &mut results, started);
-                        self.lines.locks().lock_clear(stripes, span, WaitFor::All)
+                        self.lines().locks().lock_clear(stripes, span, WaitFor::All)
                     }
                 }
             });
@@ -128,16 +129,16 @@ impl CacheInner {
         let (mode, class, cut) = self.write_admit(core, len, offset);
         if cut
             || !matches!(mode, CacheMode::Wb | CacheMode::Wo)
-            || !self.devices.batches_dirty_writes()
+            || !self.devices().batches_dirty_writes()
         {
             return Planned::Single(entered, mode, class, cut);
         }
-        let mut segs = self.lines.segments(core.id(), offset, len);
+        let mut segs = self.lines().segments(core.id(), offset, len);
         let locks = lock(
-            self.lines.stripes_of(segs.iter().map(|s| s.key)),
+            self.lines().stripes_of(segs.iter().map(|s| s.key)),
             span_of(&segs),
         );
-        self.lines.lookup(&mut segs);
+        self.lines().lookup(&mut segs);
         if !segs.iter().all(|s| s.mapped()) {
             // Nothing has changed and nothing was decided: the single path locks again, and
             // decides promotion and offload once.
@@ -180,7 +181,7 @@ impl CacheInner {
                 .iter()
                 .map(|h| (reqs[h.index].0, &h.runs[..]))
                 .collect();
-            self.devices.cache_write_dirty_batch(core, &writes)
+            self.devices().cache_write_dirty_batch(core, &writes)
         };
         for (hit, cached) in hits.drain(..).zip(written) {
             let Hit {

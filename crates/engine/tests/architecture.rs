@@ -54,17 +54,19 @@ const NOT_YET_PRIVATE: &[(&str, &str)] = &[
     (
         "CacheInner",
         "the holder: its fields are the rooms themselves (devices, lines, cores, persist, \
-         cleaner signal, policies' state), each with private fields of its own. What keeps \
-         them `pub(crate)`: the acting rooms above it (write, cleaner, cleaning, invalidate, \
-         commit's `commit`/`commit_ahead`, recovery's load) are still `impl CacheInner` \
-         blocks in their own files that reach a room through the holder's field \
-         (`self.devices`, `self.lines`, `self.cores`, ...), the struct-of-references \
-         constructors (read's `reader`, readahead's `drain_prefetch`, `admission`, \
-         `committer`) live in the rooms that use them, and the facade (cache.rs, \
-         settings.rs) reads the policies' fields (cleaning, promotion, lazy flush) to set and \
-         show them. Read, read-ahead, commit and admission already run on structs of \
-         references it lends (`Reader`, `ReadAhead`, `Commit`, `Admission`); the next step \
-         is the same for write and the cleaner",
+         cleaner signal, policies' state), each with private fields of its own. Read, \
+         read-ahead, write (and its batched hits), the cleaner and the cleaning policies, \
+         commit and admission run on structs of references it lends (`Reader`, `ReadAhead`, \
+         `Writer`, `Cleaner`, `Commit`, `Admission`). What keeps the fields `pub(crate)`: \
+         those lenders (`reader`, `writer`, `cleaner_room`, `drain_prefetch`, `admission`, \
+         `committer`) live in the rooms that use them, above the holder; purge \
+         (invalidate.rs) is still an `impl CacheInner` block, since its per-core flush \
+         threads hold the `Arc<CacheInner>`; recovery's load builds the holder and fills its \
+         rooms; the facade (cache.rs, settings.rs) reads the policies' fields to set and show \
+         them; and unit tests of other modules read the rooms through it. The next step is the \
+         lenders moved into inner.rs (the holder then above the acting rooms, as the facade \
+         is), the per-core flush threads and the cleaner thread moved above the holder, and \
+         methods of the holder for the load and the facade",
     ),
     (
         "Cache",
