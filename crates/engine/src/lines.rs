@@ -190,11 +190,8 @@ impl Lines {
     /// core write in flight that `wait` names overlaps them (locks.rs).
     #[inline]
     pub(crate) fn lock_segs(&self, segs: &[Seg], wait: WaitFor) -> StripeGuard<'_> {
-        self.locks.lock_clear(
-            self.stripes_of(segs.iter().map(|s| s.key)),
-            span_of(segs),
-            wait,
-        )
+        self.locks
+            .lock_clear(self.stripes_small(segs), span_of(segs), wait)
     }
 
     /// The stripes of `keys`, sorted and without duplicates: the order every locker takes them.
@@ -208,8 +205,15 @@ impl Lines {
 
     /// [`stripes_of`](Self::stripes_of) the segments of a request, without a heap allocation
     /// for up to 16 stripes (a 64 KiB request on 4 KiB lines).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn stripes_small(&self, segs: &[Seg]) -> Stripes {
+        if let [s] = segs {
+            return smallvec::smallvec![self.table.stripe(s.key)];
+        }
+        self.stripes_sorted(segs)
+    }
+
+    fn stripes_sorted(&self, segs: &[Seg]) -> Stripes {
         let mut stripes = Stripes::new();
         for s in segs {
             stripes.push(self.table.stripe(s.key));
