@@ -32,8 +32,13 @@ use std::time::Duration;
 
 use parking_lot::lock_api::RawMutex as _;
 use parking_lot::{Condvar, Mutex, RawMutex};
+use smallvec::SmallVec;
 
 use crate::meta::Key;
+
+/// The stripes a request holds: inline up to 16 (a 64 KiB request on 4 KiB lines), so that
+/// locking a request's stripes allocates nothing.
+pub(crate) type Stripes = SmallVec<[u32; 16]>;
 
 /// What a core write in flight without its stripes is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -120,20 +125,38 @@ impl StripedLocks {
     /// The guard tells whether some stripe was held by another request (the statistics call
     /// such a hit "deferred"); trying first costs nothing more than `lock`'s own fast path.
     /// Callers hold no stripe.
-    pub(crate) fn lock_sorted(&self, stripes: Vec<u32>) -> StripeGuard<'_> {
+    pub(crate) fn lock_sorted(&self, stripes: impl Into<Stripes>) -> StripeGuard<'_> {
+        let held = stripes.into();
+        let waited = self.lock_each(&held);
+        StripeGuard {
+            locks: self,
+            held,
+            waited,
+        }
+    }
+
+    /// Lock each of `stripes` (sorted ascending, no duplicates), waiting for those held; whether
+    /// some was. The caller unlocks them (a guard, or `unlock_each`).
+    #[inline]
+    fn lock_each(&self, stripes: &[u32]) -> bool {
         debug_assert!(stripes.windows(2).all(|w| w[0] < w[1]));
         let mut waited = false;
-        for &s in &stripes {
+        for &s in stripes {
             let l = &self.locks[s as usize];
             if !l.try_lock() {
                 waited = true;
                 l.lock();
             }
         }
-        StripeGuard {
-            locks: self,
-            held: stripes,
-            waited,
+        waited
+    }
+
+    /// Unlock `stripes`, each locked by this thread through `lock_each`, in reverse order.
+    #[inline]
+    fn unlock_each(&self, stripes: &[u32]) {
+        for &s in stripes.iter().rev() {
+            // SAFETY: the caller locked exactly these stripes and unlocks each once.
+            unsafe { self.locks[s as usize].unlock() };
         }
     }
 
@@ -141,19 +164,23 @@ impl StripedLocks {
     /// span in flight that `wait` names overlaps `span`. Callers hold no stripe.
     pub(crate) fn lock_clear(
         &self,
-        stripes: Vec<u32>,
+        stripes: impl Into<Stripes>,
         span: Span,
         wait: WaitFor,
     ) -> StripeGuard<'_> {
+        let held = stripes.into();
         let mut waited = false;
         loop {
-            let mut guard = self.lock_sorted(stripes.clone());
+            waited |= self.lock_each(&held);
             if !self.blocked(span, wait) {
-                guard.waited |= waited;
-                return guard;
+                return StripeGuard {
+                    locks: self,
+                    held,
+                    waited,
+                };
             }
             // Unlocked while waiting: cleaning needs its stripes back to end its span.
-            drop(guard);
+            self.unlock_each(&held);
             waited = true;
             let mut spans = self.in_flight.lock();
             while spans
@@ -188,7 +215,7 @@ impl StripedLocks {
         }
         let guard = StripeGuard {
             locks: self,
-            held: stripes.to_vec(),
+            held: Stripes::from_slice(stripes),
             waited: false,
         };
         (!self.blocked(span, wait)).then_some(guard)
@@ -199,7 +226,7 @@ impl StripedLocks {
         if self.locks[stripe as usize].try_lock() {
             Some(StripeGuard {
                 locks: self,
-                held: vec![stripe],
+                held: smallvec::smallvec![stripe],
                 waited: false,
             })
         } else {
@@ -234,7 +261,7 @@ impl StripedLocks {
 /// Holds a set of stripes; unlocks them when dropped.
 pub(crate) struct StripeGuard<'a> {
     locks: &'a StripedLocks,
-    held: Vec<u32>,
+    held: Stripes,
     waited: bool,
 }
 
@@ -264,10 +291,8 @@ impl<'a> StripeGuard<'a> {
 
 impl Drop for StripeGuard<'_> {
     fn drop(&mut self) {
-        for &s in self.held.iter().rev() {
-            // SAFETY: this guard locked exactly these stripes and unlocks each once.
-            unsafe { self.locks.locks[s as usize].unlock() };
-        }
+        // This guard locked exactly these stripes (`lock_each` or `try_lock`), once.
+        self.locks.unlock_each(&self.held);
     }
 }
 

@@ -33,11 +33,11 @@ use crate::devices::Devices;
 use crate::inner::{serving_mode, CacheInner};
 use crate::latency::{self, LatencyKind};
 use crate::lines::Lines;
-use crate::locks::{Span, StripeGuard, WaitFor};
+use crate::locks::{Span, StripeGuard, Stripes, WaitFor};
 use crate::meta::Key;
 use crate::persist::Persist;
 use crate::prefetch::{reserve, Job, PrefetchState, ReadStreams};
-use crate::segment::{push_run, span_of, Run, Seg};
+use crate::segment::{push_run, span_of, Run, Runs, Seg, Segs};
 use crate::stats::{classify, Counter};
 use crate::{CacheMode, CoreId, Result, MAX_REQUEST, SECTOR};
 
@@ -78,9 +78,9 @@ impl CacheInner {
 pub(crate) struct ReadPlan<'a> {
     pub(crate) _entered: Entered<'a>,
     pub(crate) locks: StripeGuard<'a>,
-    pub(crate) segs: Vec<Seg>,
-    pub(crate) core_runs: Vec<Run>,
-    pub(crate) cache_runs: Vec<Run>,
+    pub(crate) segs: Segs,
+    pub(crate) core_runs: Runs,
+    pub(crate) cache_runs: Runs,
     pub(crate) bypass: bool,
     pub(crate) class: Option<ReqClass>,
 }
@@ -137,7 +137,7 @@ impl<'a> Reader<'a> {
         core: &'a CoreState,
         len: usize,
         offset: u64,
-        lock: impl FnOnce(Vec<u32>, Span) -> StripeGuard<'a>,
+        lock: impl FnOnce(Stripes, Span) -> StripeGuard<'a>,
     ) -> Result<Option<ReadPlan<'a>>> {
         crate::check_request(core.size(), offset, len as u64, Some(MAX_REQUEST))?;
         if len == 0 {
@@ -154,11 +154,8 @@ impl<'a> Reader<'a> {
         let mut bypass = matches!(mode, CacheMode::Wo | CacheMode::Pt)
             || class.is_some_and(|c| c.cap == 0)
             || self.admission.cut_off(core, offset, len as u64, false);
-        let mut segs = self.lines.segments(core.id(), offset, len as u64);
-        let locks = lock(
-            self.lines.stripes_of(segs.iter().map(|s| s.key)),
-            span_of(&segs),
-        );
+        let mut segs = self.lines.segments_small(core.id(), offset, len as u64);
+        let locks = lock(self.lines.stripes_small(&segs), span_of(&segs));
         let waited = locks.waited();
         self.lines.lookup(&mut segs);
         bypass = bypass || self.admission.promotion_declines(&segs);
@@ -189,9 +186,9 @@ impl<'a> Reader<'a> {
     /// ones when `bypass`), as device runs; what it found cached, and how many lines read-ahead
     /// brought in are hit for the first time.
     #[inline]
-    fn read_runs(&self, segs: &[Seg], bypass: bool) -> (Vec<Run>, Vec<Run>, Found) {
-        let mut core_runs = Vec::new();
-        let mut cache_runs = Vec::new();
+    fn read_runs(&self, segs: &[Seg], bypass: bool) -> (Runs, Runs, Found) {
+        let mut core_runs = Runs::new();
+        let mut cache_runs = Runs::new();
         let mut found = Found::default();
         for s in segs {
             let m = s.mask();
@@ -200,6 +197,17 @@ impl<'a> Reader<'a> {
                 found.prefetch_hits += 1;
             }
             found.cached_sectors += (m & s.valid).count_ones() as u64;
+            // The usual cases, a segment wholly from the cache (a hit) or wholly from the core
+            // (a miss), are one run each: no walk over the mask's runs.
+            if from_cache == m || from_cache == 0 {
+                let (runs, dev_off) = if from_cache == m {
+                    (&mut cache_runs, self.devices.cache_off(s.line, s.first))
+                } else {
+                    (&mut core_runs, self.core_off(s.key, s.first))
+                };
+                push_run(runs, dev_off, s.buf_off, s.count as usize * SECTOR as usize);
+                continue;
+            }
             for (first, n) in bits::runs(m & !from_cache) {
                 let len = n as usize * SECTOR as usize;
                 let buf_off = s.buf_off + (first - s.first) as usize * SECTOR as usize;
@@ -247,35 +255,27 @@ impl<'a> Reader<'a> {
             )
         };
         c.add(outcome, 1);
-        self.lines
-            .classes()
-            .count(core.classes(), class, outcome, 1);
         if waited && matches!(outcome, Counter::ReadHits) {
             c.add(Counter::ReadDeferred, 1);
-            self.lines
-                .classes()
-                .count(core.classes(), class, Counter::ReadDeferred, 1);
         }
         if offloaded {
             c.add(Counter::OffloadReads, 1);
-            self.lines
-                .classes()
-                .count(core.classes(), class, Counter::OffloadReads, 1);
         }
         c.add(Counter::ExportedReadBytes, len as u64);
         c.add(Counter::PrefetchHits, found.prefetch_hits);
-        self.lines.classes().count(
-            core.classes(),
-            class,
-            Counter::PrefetchHits,
-            found.prefetch_hits,
-        );
-        self.lines.classes().count(
-            core.classes(),
-            class,
-            Counter::ExportedReadBytes,
-            len as u64,
-        );
+        // A request has a class only while IO classes are loaded.
+        if class.is_some() {
+            let (classes, of_core) = (self.lines.classes(), core.classes());
+            classes.count(of_core, class, outcome, 1);
+            if waited && matches!(outcome, Counter::ReadHits) {
+                classes.count(of_core, class, Counter::ReadDeferred, 1);
+            }
+            if offloaded {
+                classes.count(of_core, class, Counter::OffloadReads, 1);
+            }
+            classes.count(of_core, class, Counter::PrefetchHits, found.prefetch_hits);
+            classes.count(of_core, class, Counter::ExportedReadBytes, len as u64);
+        }
     }
 
     /// The rest of a read once its core runs are in `buf` and its cache runs were read with

@@ -5,9 +5,20 @@
 //! segment's `line`, `valid` and `dirty` are a lookup's result and hold only while the caller
 //! keeps the segment's stripe locked.
 
+use smallvec::SmallVec;
+
 use crate::bits::{self, Mask};
 use crate::locks::Span;
 use crate::meta::{Key, NONE};
+
+/// A request's segments where the read path keeps them: on the stack up to 2 lines (a request
+/// within a line, or across one line boundary), on the heap beyond. Allocating and freeing a `Vec` for
+/// them was about a fifth of a 4 KiB read hit's instructions (docs/performance.md §12).
+pub(crate) type Segs = SmallVec<[Seg; 2]>;
+
+/// A request's device runs where the read path keeps them: a hit of lines that follow each other
+/// on the cache device is one run whatever its length.
+pub(crate) type Runs = SmallVec<[Run; 2]>;
 
 /// The part of a request that falls in one core line.
 #[derive(Debug, Clone, Copy)]
@@ -42,18 +53,22 @@ pub(crate) struct Run {
 }
 
 /// Append a run, merging it into the previous one when both the device and buffer ranges continue.
-pub(crate) fn push_run(runs: &mut Vec<Run>, dev_off: u64, buf_off: usize, len: usize) {
+#[inline]
+pub(crate) fn push_run<V>(runs: &mut V, dev_off: u64, buf_off: usize, len: usize)
+where
+    V: std::ops::DerefMut<Target = [Run]> + Extend<Run>,
+{
     if let Some(last) = runs.last_mut() {
         if last.dev_off + last.len as u64 == dev_off && last.buf_off + last.len == buf_off {
             last.len += len;
             return;
         }
     }
-    runs.push(Run {
+    runs.extend(std::iter::once(Run {
         dev_off,
         buf_off,
         len,
-    });
+    }));
 }
 
 /// The core lines `segs` cover: a request's segments are consecutive lines of one core.
