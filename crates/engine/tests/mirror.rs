@@ -551,10 +551,13 @@ fn on_files_both_devices_are_written_together_and_the_mirror_alone_has_every_wri
     )
     .unwrap();
     // No cleaning: what the last flush committed is what the mirror must bring back, line
-    // for line (a line cleaned after it would still be recorded dirty there, rightly).
+    // for line (a line cleaned after it would still be recorded dirty there, rightly). Lazy
+    // flush off too: its room batches are cleaned by the cleaner thread, which may still be
+    // cleaning (and committing) a batch a write asked for after the writes have returned.
     let mut cleaning = cache.cleaning();
     cleaning.policy = CleaningPolicy::Nop;
     cache.set_cleaning(cleaning).unwrap();
+    cache.set_lazy_flush(LazyFlush { enabled: false }).unwrap();
     let id = cache.add_core(core_media.clone(), None).unwrap();
     // Each thread owns half of the core (no two writes race for a sector): its model is its own.
     let halves: Vec<Vec<u8>> = std::thread::scope(|s| {
