@@ -107,6 +107,13 @@ pub struct MirrorStatus {
     /// While rebuilding (a new mirror or a new primary): dirty lines copied onto the new
     /// device, and how many there were to copy when the pass began.
     pub rebuild: Option<(u64, u64)>,
+    /// The cache lines the mirror covers (every line, or a smaller mirror's first ones):
+    /// every dirty line is among them.
+    pub lines: u64,
+    /// Of those, the dirty ones.
+    pub dirty_lines: u64,
+    /// What the mirror must hold: the metadata and the lines it covers.
+    pub bytes: u64,
 }
 
 const REDUNDANT: u8 = 0;
@@ -137,30 +144,58 @@ pub(crate) struct Mirror {
     meta_copy: RwLock<()>,
     rebuild_copied: AtomicU64,
     rebuild_total: AtomicU64,
+    /// A smaller mirror: it holds the first this many cache lines only, and every dirty line
+    /// is among them (lines.rs). None: every line.
+    lines: Option<u32>,
+}
+
+/// The fewest cache lines a smaller mirror may hold: one round of making room cleans 64
+/// lines (write.rs's `make_room`), and fewer would leave writes waiting on every round.
+pub const MIN_MIRRORED_LINES: u32 = 64;
+
+/// How many of a cache's `lines` a mirror of `size` bytes holds line for line, after the
+/// metadata (`data_offset` bytes).
+pub(crate) fn mirrored_lines(size: u64, data_offset: u64, line_bytes: u64, lines: u32) -> u32 {
+    (size.saturating_sub(data_offset) / line_bytes).min(lines as u64) as u32
 }
 
 impl Mirror {
-    /// The cache volume of a new cache whose data region ends at `data_end`: the primary
-    /// itself, or with a mirror (which must hold that region, line for line) the pair.
+    /// The cache volume of a new cache of `lines` cache lines of `line_bytes` from
+    /// `data_offset`: the primary itself, or with a mirror the pair. The mirror holds the
+    /// metadata and, line for line, the first lines it has room for (docs/format.md, "A smaller
+    /// mirror"): every line, or at least [`MIN_MIRRORED_LINES`]. Returns the volume, the pair,
+    /// and how many lines the mirror covers (`lines` without a mirror).
     pub(crate) fn wrap(
         primary: VolumeRef,
         mirror: Option<(VolumeRef, MirrorLostPolicy)>,
         data_offset: u64,
-        data_end: u64,
-    ) -> crate::Result<(VolumeRef, Option<Arc<Mirror>>)> {
+        line_bytes: u64,
+        lines: u32,
+    ) -> crate::Result<(VolumeRef, Option<Arc<Mirror>>, u32)> {
         let Some((mirror, policy)) = mirror else {
-            return Ok((primary, None));
+            return Ok((primary, None, lines));
         };
-        if mirror.size() < data_end {
+        let covered = mirrored_lines(mirror.size(), data_offset, line_bytes, lines);
+        if covered < lines.min(MIN_MIRRORED_LINES) {
+            let need = data_offset + lines.min(MIN_MIRRORED_LINES) as u64 * line_bytes;
             return Err(crate::EngineError::Invalid(format!(
-                "the mirror {} holds {} bytes; a mirror of {} (line for line) needs at least {data_end} (a smaller mirror is not supported yet)",
+                "the mirror {} holds {} bytes; a mirror of {} needs at least {need}: its metadata ({data_offset} bytes) and {} cache lines of {} KiB (the cache has {lines} lines, {} bytes with the metadata; a mirror that holds them all costs nothing in room)",
                 mirror.name(),
                 mirror.size(),
-                primary.name()
+                primary.name(),
+                lines.min(MIN_MIRRORED_LINES),
+                line_bytes / 1024,
+                data_offset + lines as u64 * line_bytes,
             )));
         }
-        let pair = Arc::new(Mirror::new(primary, mirror, data_offset, policy));
-        Ok((pair.clone(), Some(pair)))
+        let pair = Arc::new(Mirror::new(primary, mirror, data_offset, policy).covering(covered, lines));
+        Ok((pair.clone(), Some(pair), covered))
+    }
+
+    /// The pair covers only the first `covered` of the cache's `lines` (a smaller mirror).
+    pub(crate) fn covering(mut self, covered: u32, lines: u32) -> Mirror {
+        self.lines = (covered < lines).then_some(covered);
+        self
     }
 
     /// What the primary's superblock records of the pair.
@@ -171,6 +206,7 @@ impl Mirror {
             size: self.primary().size(),
             lost: false,
             generation: 0,
+            lines: self.lines,
         }
     }
 
@@ -192,6 +228,7 @@ impl Mirror {
             meta_copy: RwLock::new(()),
             rebuild_copied: AtomicU64::new(0),
             rebuild_total: AtomicU64::new(0),
+            lines: None,
         }
     }
 
@@ -230,6 +267,9 @@ impl Mirror {
                     self.rebuild_total.load(Ordering::Relaxed),
                 )
             }),
+            lines: 0,
+            dirty_lines: 0,
+            bytes: 0,
         }
     }
 
@@ -404,6 +444,7 @@ impl Mirror {
                     path: String::new(),
                     size: primary.as_ref().map_or(0, |p| p.size),
                     lost: false,
+                    lines: primary.as_ref().and_then(|p| p.lines),
                     generation: primary.map_or(0, |p| p.generation),
                 });
                 Some(encode_config(&sb, seq))
@@ -871,7 +912,9 @@ pub(crate) struct ReplacedPrimary {
 }
 
 /// The first `size` bytes of a volume: a mirror larger than its primary, loaded alone, shows
-/// the geometry the primary's size gave.
+/// the geometry the primary's size gave. A smaller mirror loaded alone shows it too, though it
+/// ends sooner: nothing beyond its end is used (lines.rs takes no line there), and an I/O that
+/// reached there would fail rather than grow a file.
 pub(crate) struct Window {
     inner: VolumeRef,
     size: u64,
@@ -880,6 +923,22 @@ pub(crate) struct Window {
 impl Window {
     pub(crate) fn new(inner: VolumeRef, size: u64) -> Window {
         Window { inner, size }
+    }
+
+    fn within(&self, op: Op, offset: u64, len: u64) -> hybridcache_volume::Result<()> {
+        let end = self.inner.size();
+        if offset.checked_add(len).is_some_and(|e| e <= end) {
+            return Ok(());
+        }
+        Err(VolumeError::new(
+            self.inner.name(),
+            op,
+            offset,
+            len,
+            ErrorKind::Invalid(format!(
+                "beyond the end of this smaller mirror ({end} bytes)"
+            )),
+        ))
     }
 }
 
@@ -894,25 +953,31 @@ impl Volume for Window {
         self.inner.logical_block_size()
     }
     fn read_at(&self, buf: &mut [u8], offset: u64) -> hybridcache_volume::Result<()> {
+        self.within(Op::Read, offset, buf.len() as u64)?;
         self.inner.read_at(buf, offset)
     }
     fn write_at(&self, buf: &[u8], offset: u64) -> hybridcache_volume::Result<()> {
+        self.within(Op::Write, offset, buf.len() as u64)?;
         self.inner.write_at(buf, offset)
     }
     fn flush(&self) -> hybridcache_volume::Result<()> {
         self.inner.flush()
     }
     fn discard(&self, offset: u64, len: u64) -> hybridcache_volume::Result<()> {
+        self.within(Op::Discard, offset, len)?;
         Volume::discard(&*self.inner, offset, len)
     }
     fn discard_zeroes(&self) -> bool {
         self.inner.discard_zeroes()
     }
     fn read_batch(&self, pieces: &mut [ReadPiece<'_>]) -> hybridcache_volume::Result<()> {
+        for p in pieces.iter() {
+            self.within(Op::Read, p.offset, p.buf.len() as u64)?;
+        }
         Volume::read_batch(&*self.inner, pieces)
     }
     fn direct_write(&self, len: usize, offset: u64) -> Option<DirectWrite> {
-        (offset.checked_add(len as u64)? <= self.size)
+        (offset.checked_add(len as u64)? <= self.size.min(self.inner.size()))
             .then(|| self.inner.direct_write(len, offset))
             .flatten()
     }
