@@ -899,11 +899,7 @@ fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
         if let Some(m) = &c.mirror {
             v.push(("mirror_device", "Mirror Device", m.device.clone()));
             v.push(("mirror_state", "Mirror State", mirror_state(m)));
-            v.push((
-                "mirror_size_bytes",
-                "Mirror Size [B]",
-                m.bytes.to_string(),
-            ));
+            v.push(("mirror_size_bytes", "Mirror Size [B]", m.bytes.to_string()));
             v.push(("mirror_dirty", "Mirror Dirty", mirror_fill(m)));
             v.push(("mirror_lost", "On Mirror Lost", m.mirror_lost.clone()));
             if let Some(why) = &m.reason {

@@ -56,6 +56,7 @@ mod room_wait;
 mod segment;
 mod settings;
 mod stats;
+mod window;
 mod write;
 mod write_batch;
 

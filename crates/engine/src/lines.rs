@@ -542,7 +542,11 @@ impl Lines {
         let hint = self.lists.free_cursor(slot);
         let start = if shards.contains(&hint) { hint } else { home } - base;
         for i in 0..=n {
-            let shard = if i == 0 { home } else { base + (start + i - 1) % n };
+            let shard = if i == 0 {
+                home
+            } else {
+                base + (start + i - 1) % n
+            };
             let mut s = self.lists.lock(shard);
             if let Some(line) = self.lists.pop_front(&mut s, ListKind::Free) {
                 self.free_lines.fetch_sub(1, Ordering::Relaxed);

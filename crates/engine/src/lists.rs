@@ -118,7 +118,12 @@ impl Lists {
     pub(crate) fn new(lines: u32, region: u32) -> Lists {
         let zone = region.min(lines);
         let region_shards = shards_for(zone);
-        let shards = region_shards + if zone < lines { shards_for(lines - zone) } else { 0 };
+        let shards = region_shards
+            + if zone < lines {
+                shards_for(lines - zone)
+            } else {
+                0
+            };
         let n = lines as usize;
         let empty = Head {
             first: NONE,

@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use hybridcache_volume::{
-    write_together, DirectWrite, ErrorKind, Op, ReadPiece, Volume, VolumeError, VolumeRef,
+    write_together, ErrorKind, Op, ReadPiece, Volume, VolumeError, VolumeRef,
 };
 use parking_lot::{Mutex, RwLock};
 
@@ -188,7 +188,8 @@ impl Mirror {
                 data_offset + lines as u64 * line_bytes,
             )));
         }
-        let pair = Arc::new(Mirror::new(primary, mirror, data_offset, policy).covering(covered, lines));
+        let pair =
+            Arc::new(Mirror::new(primary, mirror, data_offset, policy).covering(covered, lines));
         Ok((pair.clone(), Some(pair), covered))
     }
 
@@ -648,7 +649,7 @@ impl Mirror {
         new.write_at(&zeros, 0)?;
         new.flush()?;
         let new: VolumeRef = if new.size() > size {
-            Arc::new(Window::new(new, size))
+            Arc::new(crate::window::Window::new(new, size))
         } else {
             new
         };
@@ -909,76 +910,4 @@ impl Volume for Mirror {
 pub(crate) struct ReplacedPrimary {
     volume: VolumeRef,
     name: Option<&'static str>,
-}
-
-/// The first `size` bytes of a volume: a mirror larger than its primary, loaded alone, shows
-/// the geometry the primary's size gave. A smaller mirror loaded alone shows it too, though it
-/// ends sooner: nothing beyond its end is used (lines.rs takes no line there), and an I/O that
-/// reached there would fail rather than grow a file.
-pub(crate) struct Window {
-    inner: VolumeRef,
-    size: u64,
-}
-
-impl Window {
-    pub(crate) fn new(inner: VolumeRef, size: u64) -> Window {
-        Window { inner, size }
-    }
-
-    fn within(&self, op: Op, offset: u64, len: u64) -> hybridcache_volume::Result<()> {
-        let end = self.inner.size();
-        if offset.checked_add(len).is_some_and(|e| e <= end) {
-            return Ok(());
-        }
-        Err(VolumeError::new(
-            self.inner.name(),
-            op,
-            offset,
-            len,
-            ErrorKind::Invalid(format!(
-                "beyond the end of this smaller mirror ({end} bytes)"
-            )),
-        ))
-    }
-}
-
-impl Volume for Window {
-    fn name(&self) -> &str {
-        self.inner.name()
-    }
-    fn size(&self) -> u64 {
-        self.size
-    }
-    fn logical_block_size(&self) -> u32 {
-        self.inner.logical_block_size()
-    }
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> hybridcache_volume::Result<()> {
-        self.within(Op::Read, offset, buf.len() as u64)?;
-        self.inner.read_at(buf, offset)
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> hybridcache_volume::Result<()> {
-        self.within(Op::Write, offset, buf.len() as u64)?;
-        self.inner.write_at(buf, offset)
-    }
-    fn flush(&self) -> hybridcache_volume::Result<()> {
-        self.inner.flush()
-    }
-    fn discard(&self, offset: u64, len: u64) -> hybridcache_volume::Result<()> {
-        self.within(Op::Discard, offset, len)?;
-        Volume::discard(&*self.inner, offset, len)
-    }
-    fn discard_zeroes(&self) -> bool {
-        self.inner.discard_zeroes()
-    }
-    fn read_batch(&self, pieces: &mut [ReadPiece<'_>]) -> hybridcache_volume::Result<()> {
-        for p in pieces.iter() {
-            self.within(Op::Read, p.offset, p.buf.len() as u64)?;
-        }
-        Volume::read_batch(&*self.inner, pieces)
-    }
-    fn direct_write(&self, len: usize, offset: u64) -> Option<DirectWrite> {
-        (offset.checked_add(len as u64)? <= self.size.min(self.inner.size()))
-            .then(|| self.inner.direct_write(len, offset))
-            .flatten()
-    }
 }

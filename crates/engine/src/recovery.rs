@@ -19,10 +19,11 @@ use hybridcache_volume::{Volume, VolumeRef};
 use crate::format::{ConfigSlot, CoreRecord, Geometry, MirrorRecord, Superblock};
 use crate::inner::CacheInner;
 use crate::ioclass::IoClasses;
-use crate::mirror::{Mirror, MirrorLostPolicy, Window};
+use crate::mirror::{Mirror, MirrorLostPolicy};
 use crate::persist::{self, Persist};
 use crate::policy::PolicyRecord;
 use crate::restore::restore;
+use crate::window::Window;
 use crate::{CacheConfig, CacheMode, CoreId, EngineError, LineSize, Result, MAX_CORE_ID, SECTOR};
 
 /// A cache loaded from `cache_volume` (`Cache::load`): the checks (superblock, geometry, core

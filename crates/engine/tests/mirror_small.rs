@@ -151,7 +151,9 @@ fn two_threads_then_the_primary_fails(line_kib: u32, fraction: u64, nop_lazy: bo
         let workers: Vec<_> = (0..2u64)
             .map(|t| {
                 let core = cache.core(id).unwrap();
-                s.spawn(move || worker(&core, t * half, half, seed + t, 400, 1 + 100_000 * t as u32))
+                s.spawn(move || {
+                    worker(&core, t * half, half, seed + t, 400, 1 + 100_000 * t as u32)
+                })
             })
             .collect();
         workers.into_iter().map(|w| w.join().unwrap()).collect()
@@ -241,14 +243,8 @@ fn a_region_full_of_dirty_lines_makes_writes_wait_for_cleaning_and_they_complete
     let primary = Arc::new(RamVolume::new("primary", primary_bytes).unwrap());
     let mirror = Arc::new(RamVolume::new("mirror", mirror_bytes).unwrap());
     let core_media = Arc::new(RamVolume::new("core", 8 * MIB).unwrap());
-    let cache = Cache::create_mirrored(
-        primary,
-        mirror,
-        config(4),
-        false,
-        MirrorLostPolicy::Drain,
-    )
-    .unwrap();
+    let cache =
+        Cache::create_mirrored(primary, mirror, config(4), false, MirrorLostPolicy::Drain).unwrap();
     cache.stop_background_cleaner();
     cache.set_lazy_flush(LazyFlush { enabled: false }).unwrap();
     let covered = cache.mirror_status().unwrap().lines;
@@ -475,7 +471,10 @@ fn a_dirty_line_beyond_the_mirrored_lines_is_refused_on_load_and_nothing_changes
         err.contains("is dirty") && err.contains("beyond the 64 cache lines the mirror covers"),
         "{err}"
     );
-    assert!(image(&primary) == before, "a refused load changed the device");
+    assert!(
+        image(&primary) == before,
+        "a refused load changed the device"
+    );
 }
 
 /// `--attach-mirror` of a cache with a smaller mirror: a device holding the lines it covers
@@ -517,14 +516,14 @@ fn a_rebuild_needs_a_device_as_large_as_the_mirrored_lines_only() {
         MirrorState::MirrorLost
     );
     let too_small = Arc::new(RamVolume::new("too small", mirror_bytes - 4096).unwrap());
-    let err = cache.attach_mirror(too_small, false).unwrap_err().to_string();
+    let err = cache
+        .attach_mirror(too_small, false)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("cache lines its mirror covers"), "{err}");
     let new_mirror = Arc::new(RamVolume::new("new mirror", mirror_bytes).unwrap());
     cache.attach_mirror(new_mirror.clone(), false).unwrap();
-    assert_eq!(
-        cache.mirror_status().unwrap().state,
-        MirrorState::Redundant
-    );
+    assert_eq!(cache.mirror_status().unwrap().state, MirrorState::Redundant);
     // The primary dies: the new small mirror alone brings every write back.
     drop(core);
     drop(cache);

@@ -327,7 +327,13 @@ impl Daemon {
         });
         let mirrored = mirror
             .as_ref()
-            .map(|m| format!(", mirrored on {}{}", m.device, covers.as_deref().unwrap_or("")))
+            .map(|m| {
+                format!(
+                    ", mirrored on {}{}",
+                    m.device,
+                    covers.as_deref().unwrap_or("")
+                )
+            })
             .unwrap_or_default();
         st.caches.insert(
             id,
