@@ -179,7 +179,7 @@ impl Mirror {
         if covered < lines.min(MIN_MIRRORED_LINES) {
             let need = data_offset + lines.min(MIN_MIRRORED_LINES) as u64 * line_bytes;
             return Err(crate::EngineError::Invalid(format!(
-                "the mirror {} holds {} bytes; a mirror of {} needs at least {need}: its metadata ({data_offset} bytes) and {} cache lines of {} KiB (the cache has {lines} lines, {} bytes with the metadata; a mirror that holds them all costs nothing in room)",
+                "the mirror {} holds {} bytes; a mirror of {} needs at least {need}: its metadata ({data_offset} bytes) and {} cache lines of {} KiB (a mirror of {} bytes covers all {lines} lines of the cache)",
                 mirror.name(),
                 mirror.size(),
                 primary.name(),

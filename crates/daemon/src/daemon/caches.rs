@@ -312,8 +312,8 @@ impl Daemon {
             (s.lines < cache.line_count()).then(|| {
                 format!(
                     "; it covers {} of the cache's {} lines ({} bytes with the metadata): dirty data is kept to them, and writes wait for cleaning when they are all dirty",
-                    s.lines,
-                    cache.line_count(),
+                    crate::safety::count_text(s.lines),
+                    crate::safety::count_text(cache.line_count()),
                     s.bytes
                 )
             })
