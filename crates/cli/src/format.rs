@@ -89,7 +89,7 @@ pub fn list_with_pool(caches: &[CacheInfo], core_pool: &[String], format: Output
                 branch.into(),
                 "-".into(),
                 m.device.clone(),
-                mirror_state(m),
+                format!("{} ({})", mirror_state(m), mirror_fill(m)),
                 "-".into(),
                 "-".into(),
                 "-".into(),
@@ -184,6 +184,16 @@ pub fn mirror_state(m: &crate::protocol::MirrorInfo) -> String {
         ),
         None => mirror_status(&m.state),
     }
+}
+
+/// How full a mirror's lines are: `12/3,932 lines dirty` (every dirty line is among the
+/// lines the mirror covers; a smaller mirror covers fewer than the cache has).
+pub fn mirror_fill(m: &crate::protocol::MirrorInfo) -> String {
+    format!(
+        "{}/{} lines dirty",
+        hybridcache_daemon::safety::count_text(m.dirty_lines),
+        hybridcache_daemon::safety::count_text(m.lines)
+    )
 }
 
 /// Where udev keeps the persistent names of disks.
@@ -889,6 +899,8 @@ fn info(r: &StatsReport) -> Vec<(&'static str, &'static str, String)> {
         if let Some(m) = &c.mirror {
             v.push(("mirror_device", "Mirror Device", m.device.clone()));
             v.push(("mirror_state", "Mirror State", mirror_state(m)));
+            v.push(("mirror_size_bytes", "Mirror Size [B]", m.bytes.to_string()));
+            v.push(("mirror_dirty", "Mirror Dirty", mirror_fill(m)));
             v.push(("mirror_lost", "On Mirror Lost", m.mirror_lost.clone()));
             if let Some(why) = &m.reason {
                 v.push(("mirror_failure", "Mirror Failure", why.clone()));
@@ -1332,6 +1344,9 @@ mod tests {
             mirror_lost: "drain".into(),
             reason: None,
             rebuild: Some((1024, 4096)),
+            lines: 4096,
+            dirty_lines: 12,
+            bytes: 1 << 30,
         };
         assert_eq!(
             mirror_state(&m),

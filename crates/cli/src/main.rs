@@ -306,6 +306,9 @@ fn run(cli: Cli) -> Result<()> {
                 }
             } else {
                 println!("cache {} started", v.id);
+                if let Some(m) = &v.mirror {
+                    println!("{m}");
+                }
             }
         }
         Command::Script { add_core: true, .. } => match &req {

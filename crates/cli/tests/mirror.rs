@@ -747,3 +747,66 @@ fn a_mirror_given_to_a_running_cache_is_loaded_with_it_after_a_restart() {
     assert!(out.starts_with("cache 1 loaded"), "{out}");
     verify_then_core_alone(&d, dir.path(), "after", "restarted", core_path);
 }
+
+/// Issue 34's "the mirror may be smaller than the cache": a mirror a quarter of the primary's
+/// size covers the first cache lines only, and every dirty line is kept among them (writes
+/// wait for cleaning when they are all dirty). fio writes more than that region holds, with
+/// flushes; the primary fails in the middle of the run; fio completes, every write reads back
+/// right through the export (the dirty data from the small mirror), and after `-T` from the
+/// core file alone.
+#[test]
+fn a_mirror_a_quarter_of_the_cache_keeps_every_write_when_the_primary_fails_mid_run() {
+    if !need(&["nbdkit", "fio"]) {
+        return;
+    }
+    let dir = workdir();
+    let (_nbdkit, primary, inject) = failing_device(dir.path(), "primary");
+    let mirror = dir.path().join("mirror.img");
+    let core = dir.path().join("core.img");
+    sparse_file(&mirror, 16 * MIB);
+    sparse_file(&core, 64 * MIB);
+    let mirror_spec = format!("file:{}", mirror.display());
+    let core_path = core.to_str().expect("UTF-8 path");
+    let d = Daemon::start(dir.path());
+    let out = d.ok(&["-S", "-d", &primary, "--mirror", &mirror_spec, "-c", "wb"]);
+    assert!(
+        out.contains("it covers") && out.contains("writes wait for cleaning"),
+        "-S names the mirror and what it covers: {out}"
+    );
+    d.ok(&["-A", "-i", "1", "-d", core_path]);
+    let listed: serde_json::Value =
+        serde_json::from_str(&d.ok(&["-L", "-o", "json"])).expect("-L JSON");
+    let m = &listed["caches"][0]["mirror"];
+    assert_eq!(m["state"], "redundant", "{listed}");
+    let covered = m["lines"].as_u64().unwrap_or(0);
+    let lines = listed["caches"][0]["lines"].as_u64().unwrap_or(0);
+    assert!(
+        covered > 0 && covered * 3 < lines && m["bytes"].as_u64() <= Some(16 * MIB),
+        "the mirror covers its size's worth of the cache's lines: {listed}"
+    );
+    // Cleaning runs only when writes want room: fio's 24 MiB do not fit the mirror's region,
+    // so writes wait for it.
+    d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "nop"]);
+    let run = fio_in_background(&d, dir.path(), "small", "--rate=,3m");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    wait_for_writes(&d, &run, deadline, "the primary failed");
+    let listed: serde_json::Value =
+        serde_json::from_str(&d.ok(&["-L", "-o", "json"])).expect("-L JSON");
+    let dirty = listed["caches"][0]["mirror"]["dirty_lines"].as_u64();
+    assert!(
+        dirty.is_some_and(|n| n > 0 && n <= covered),
+        "every dirty line is among those the mirror covers: {listed}"
+    );
+    std::fs::write(&inject, b"").unwrap();
+    let report = run.join().expect("the fio thread");
+    assert_eq!(
+        report["jobs"][0]["write"]["io_bytes"].as_u64(),
+        Some(24 * MIB),
+        "fio wrote all of its run"
+    );
+    assert_eq!(mirror_state(&d), "primary lost");
+    let stats = d.ok(&["-P", "-i", "1"]);
+    assert!(stats.contains("Mirror Dirty"), "{stats}");
+
+    verify_then_core_alone(&d, dir.path(), "after", "small", core_path);
+}

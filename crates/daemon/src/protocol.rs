@@ -304,6 +304,9 @@ pub struct Started {
     /// opened, or it is not the device the core was added as), by core id.
     #[serde(default)]
     pub why_inactive: std::collections::BTreeMap<u16, String>,
+    /// A new mirrored cache: what its mirror covers, as the operator reads it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mirror: Option<String>,
 }
 
 /// Result of `add-core`.
@@ -421,6 +424,15 @@ pub struct MirrorInfo {
     /// copied, and how many there were.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rebuild: Option<(u64, u64)>,
+    /// The cache lines the mirror covers (all of them, or the first ones of a smaller
+    /// mirror: every dirty line is kept among them), and how many of them are dirty.
+    #[serde(default)]
+    pub lines: u64,
+    #[serde(default)]
+    pub dirty_lines: u64,
+    /// The bytes the mirror must hold: the metadata and the lines it covers.
+    #[serde(default)]
+    pub bytes: u64,
 }
 
 /// How far a running flush has got.

@@ -67,7 +67,16 @@ impl Cache {
     /// A mirrored cache's mirror: its device, state, policy and why it left `redundant`.
     /// None for a cache without one.
     pub fn mirror_status(&self) -> Option<MirrorStatus> {
-        self.inner.devices.mirror().map(|m| m.status())
+        let inner = &self.inner;
+        inner.devices.mirror().map(|m| {
+            let covered = inner.lines.mirrored_lines() as u64;
+            MirrorStatus {
+                lines: covered,
+                dirty_lines: inner.lines.usage(None).dirty_lines,
+                bytes: inner.devices.data_offset() + covered * inner.line_bytes,
+                ..m.status()
+            }
+        })
     }
 
     /// Give the cache a mirror on `device` while I/O goes on (`--attach-mirror`;
@@ -148,15 +157,22 @@ impl Cache {
         self.attach_mirror_with(device, force, MirrorLostPolicy::default())
     }
 
-    /// A mirror holds the cache device's data region line for line: `device` must reach its end.
+    /// A mirror holds the cache device's data region line for line, up to the lines a smaller
+    /// mirror covers (part of the cache's layout): `device` must reach their end.
     fn refuse_a_small_mirror(&self, device: &dyn hybridcache_volume::Volume) -> Result<()> {
         let inner = &self.inner;
-        let data_end = inner.devices.data_offset() + inner.lines.count() as u64 * inner.line_bytes;
+        let covered = inner.lines.mirrored_lines();
+        let data_end = inner.devices.data_offset() + covered as u64 * inner.line_bytes;
         if device.size() < data_end {
             return Err(EngineError::Invalid(format!(
-                "{} holds {} bytes; the mirror of this cache (line for line) needs at least {data_end}",
+                "{} holds {} bytes; the mirror of this cache (line for line) needs at least {data_end}{}",
                 device.name(),
-                device.size()
+                device.size(),
+                if covered < inner.lines.count() {
+                    format!(" (its metadata and the {covered} cache lines its mirror covers)")
+                } else {
+                    String::new()
+                }
             )));
         }
         Ok(())
@@ -369,9 +385,13 @@ impl Cache {
             params: Default::default(),
             mirror: None,
         };
-        let data_end = geometry.data_offset + geometry.lines as u64 * line_bytes;
-        let (cache_volume, pair) =
-            Mirror::wrap(cache_volume, mirror, geometry.data_offset, data_end)?;
+        let (cache_volume, pair, mirrored) = Mirror::wrap(
+            cache_volume,
+            mirror,
+            geometry.data_offset,
+            line_bytes,
+            geometry.lines,
+        )?;
         sb.mirror = pair.as_ref().map(|m| m.record());
         let mask_bytes = config.line_size.sectors() as usize / 8;
         let persist = persist::format_volume(&*cache_volume, geometry, &sb, mask_bytes)?;
@@ -382,6 +402,7 @@ impl Cache {
             geometry.data_offset,
             Some(persist),
         );
+        inner.lines.set_region(mirrored, true);
         if let Some(m) = pair {
             inner.devices.set_mirror(m);
         }

@@ -95,6 +95,10 @@ pub struct MirrorRecord {
     /// pairing made at creation.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub generation: u64,
+    /// A smaller mirror: how many cache lines it holds (the first ones, line for line), and
+    /// keeps every dirty line among (docs/format.md, "A smaller mirror"). Absent: every line.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lines: Option<u32>,
 }
 
 fn is_zero(n: &u64) -> bool {

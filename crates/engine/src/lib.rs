@@ -57,6 +57,7 @@ mod room_wait;
 mod segment;
 mod settings;
 mod stats;
+mod window;
 mod write;
 mod write_batch;
 

@@ -14,7 +14,14 @@
 //! - `free_lines` equals the length of the free lists; each core's gauges count its mapped
 //!   and dirty lines; only this room changes them;
 //! - a line with a dirty sector is never evicted (always checked: evicting it loses data), and
-//!   a durably dirty line is never reused before a commit records it clean.
+//!   a durably dirty line is never reused before a commit records it clean;
+//! - with a mirror smaller than the cache (docs/format.md, "A smaller mirror"), no line at or
+//!   beyond the mirrored region (`Lists::zone`) has a dirty sector: write-back takes lines for
+//!   dirty data from the region only (`alloc_dirty_line`), a write-back write moves a clean hit
+//!   beyond it into the region (`leave_unmirrored`), and turning a line beyond it dirty is
+//!   refused always (`update_line`, `insert_line`: its data would be on the primary only).
+//!   Fills take lines beyond the region first, so that the region stays for dirty data; on a
+//!   cache brought up from a small mirror alone, whose device ends at the region, never.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -28,7 +35,7 @@ use crate::core_state::CoreGauges;
 use crate::core_state::{CoreState, ACP_CHUNK_BYTES};
 use crate::ioclass::{ClassId, IoClasses};
 use crate::lists::ListKind;
-use crate::lists::{Lists, RUN};
+use crate::lists::Lists;
 use crate::locks::StripedLocks;
 use crate::locks::{Span, StripeGuard, Stripes, WaitFor};
 use crate::meta::LineTable;
@@ -60,23 +67,64 @@ pub(crate) struct Lines {
     gauges: Arc<[CoreGauges]>,
     free_lines: AtomicU64,
     classes: ClassState,
+    /// Whether the cache device holds the lines beyond the mirrored region (not when it is a
+    /// smaller mirror brought up alone).
+    outside_usable: bool,
 }
 
 impl Lines {
     pub(crate) fn new(count: u32, line_size: LineSize) -> Lines {
         // Enough stripes that unrelated requests rarely meet, few enough to stay small.
         let stripes = (count as usize).next_power_of_two().clamp(64, 1 << 16);
-        let shards = (count.div_ceil(RUN) as usize).clamp(1, 64);
         Lines {
             line_bytes: line_size.bytes() as u64,
             count,
             table: LineTable::new(count, line_size.sectors(), stripes),
-            lists: Lists::new(count, shards),
+            lists: Lists::new(count, count),
             locks: StripedLocks::new(stripes),
             gauges: (0..MAX_CORES).map(|_| CoreGauges::default()).collect(),
             free_lines: AtomicU64::new(count as u64),
             classes: ClassState::new(count),
+            outside_usable: true,
         }
+    }
+
+    /// Keep dirty data to the first `region` lines, those a smaller mirror covers; without
+    /// `outside_usable` (the device is such a mirror, brought up alone) no line beyond them is
+    /// ever taken. Only before the cache is used (creation, a load before its restore): the
+    /// lists start over, every line free.
+    pub(crate) fn set_region(&mut self, region: u32, outside_usable: bool) {
+        debug_assert!(
+            self.free_lines.load(Ordering::Relaxed) == self.count as u64,
+            "the region is set on an unused cache"
+        );
+        self.lists = Lists::new(self.count, region);
+        self.outside_usable = outside_usable || region >= self.count;
+        self.free_lines
+            .store(self.usable_free_lines(), Ordering::Relaxed);
+    }
+
+    /// The shards whose lines the cache device holds.
+    fn usable_shards(&self) -> std::ops::Range<usize> {
+        if self.outside_usable {
+            0..self.lists.shard_count()
+        } else {
+            self.lists.region_shards()
+        }
+    }
+
+    /// The free lines the cache may take: the lines beyond a small mirror brought up alone
+    /// stay on their free lists, never taken and not counted.
+    fn usable_free_lines(&self) -> u64 {
+        self.usable_shards()
+            .map(|i| self.lists.lock(i).len(ListKind::Free))
+            .sum()
+    }
+
+    /// The lines the mirror covers: every line without a smaller mirror.
+    #[inline]
+    pub(crate) fn mirrored_lines(&self) -> u32 {
+        self.lists.zone()
     }
 
     /// How many cache lines the cache has.
@@ -99,7 +147,8 @@ impl Lines {
     /// `kind_of(table, line)` names. Returns the free lines.
     pub(crate) fn rebuild_lists(&mut self, kind_of: impl Fn(&LineTable, u32) -> ListKind) -> u64 {
         let table = &self.table;
-        self.lists.rebuild(|line| kind_of(table, line))
+        self.lists.rebuild(|line| kind_of(table, line));
+        self.usable_free_lines()
     }
 
     #[inline]
@@ -293,6 +342,7 @@ impl Lines {
         touch: bool,
     ) {
         debug_assert!(dirty & !valid == 0);
+        self.assert_mirrored(line, dirty);
         let old_dirty = self.table.dirty(line);
         let old_valid = self.table.valid(line);
         let from = Self::list_of(old_dirty);
@@ -354,6 +404,17 @@ impl Lines {
         }
     }
 
+    /// Always checked: a dirty sector beyond a smaller mirror's region would be on the primary
+    /// only, and lost with it.
+    #[inline]
+    fn assert_mirrored(&self, line: u32, dirty: Mask) {
+        assert!(
+            dirty == 0 || line < self.lists.zone(),
+            "line {line} beyond the mirrored region ({} lines) would turn dirty",
+            self.lists.zone()
+        );
+    }
+
     /// Map an owned free line. Caller holds `key`'s stripe.
     #[allow(clippy::too_many_arguments)]
     #[inline]
@@ -367,6 +428,7 @@ impl Lines {
         dirty: Mask,
         class: Option<ReqClass>,
     ) {
+        self.assert_mirrored(line, dirty);
         self.table.map(line, key, valid, dirty);
         prefetch.clear_mark(line);
         self.classes.mapped(
@@ -401,50 +463,124 @@ impl Lines {
         self.free_lines.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Take a line: a free one, or else evict the least recently used clean line whose stripe is
-    /// free right now. Never waits for a stripe, so it is safe while holding others.
+    /// Take a line for clean data (a read fill, a write-through copy): a free one, or else evict
+    /// the least recently used clean line whose stripe is free right now; beyond a smaller
+    /// mirror's region first, so that the region stays for dirty data. Never waits for a
+    /// stripe, so it is safe while holding others.
     #[inline]
     pub(crate) fn alloc_line(
         &self,
         persist: Option<&Persist>,
         class: Option<ReqClass>,
     ) -> Option<u32> {
-        let n = self.lists.shard_count();
-        let home = home_shard(n);
+        let outside = self.lists.outside_shards();
+        if self.outside_usable && !outside.is_empty() {
+            if let Some(line) = self.alloc_in(persist, class, outside) {
+                return Some(line);
+            }
+        }
+        self.alloc_in(persist, class, self.lists.region_shards())
+    }
+
+    /// Take a line for dirty data (write-back): as `alloc_line`, but only within the mirrored
+    /// region (every line without a smaller mirror). None when the region holds only dirty
+    /// lines (or lines not reusable yet): the write waits for room as in a full cache.
+    #[inline]
+    pub(crate) fn alloc_dirty_line(
+        &self,
+        persist: Option<&Persist>,
+        class: Option<ReqClass>,
+    ) -> Option<u32> {
+        let line = self.alloc_in(persist, class, self.lists.region_shards())?;
+        debug_assert!(line < self.lists.zone(), "a dirty line from the region");
+        Some(line)
+    }
+
+    /// A write-back write is about to make `segs` dirty: a clean line beyond the mirrored region
+    /// among them is dropped (its sectors are clean, the core has them) and its segment left
+    /// unmapped, so that placement gives it a line in the region as to a miss. Moving costs a
+    /// cache write the write did anyway; writing it through instead would put the core's
+    /// latency on the write. Caller holds the segments' stripes.
+    #[inline]
+    pub(crate) fn leave_unmirrored(&self, persist: Option<&Persist>, segs: &mut [Seg]) {
+        let zone = self.lists.zone();
+        if zone >= self.count {
+            return;
+        }
+        for s in segs.iter_mut().filter(|s| s.mapped() && s.line >= zone) {
+            assert_eq!(
+                s.dirty, 0,
+                "line {} beyond the mirrored region ({zone} lines) is dirty",
+                s.line
+            );
+            self.update_line(persist, s.line, s.key, 0, 0, false);
+            s.line = NONE;
+            s.valid = 0;
+            s.dirty = 0;
+        }
+    }
+
+    /// A free line, never an evicted one; beyond the mirrored region first.
+    #[inline]
+    pub(crate) fn take_free_line(&self) -> Option<u32> {
+        let outside = self.lists.outside_shards();
+        if self.outside_usable && !outside.is_empty() {
+            if let Some(line) = self.alloc_free(outside) {
+                return Some(line);
+            }
+        }
+        self.alloc_free(self.lists.region_shards())
+    }
+
+    /// A free line of the `shards`, or else an evicted clean one.
+    #[inline]
+    fn alloc_in(
+        &self,
+        persist: Option<&Persist>,
+        class: Option<ReqClass>,
+        shards: std::ops::Range<usize>,
+    ) -> Option<u32> {
+        let (base, n) = (shards.start, shards.len());
+        let home = base + home_shard(n);
         if let Some(c) = class {
             // A class at its allocation replaces one of its own lines rather than grow.
             let table = self.classes.table();
             let own = self.classes.full(c);
             if !own && self.free_lines.load(Ordering::Relaxed) > 0 {
-                if let Some(line) = self.alloc_free(home, n) {
+                if let Some(line) = self.alloc_free(shards.clone()) {
                     return Some(line);
                 }
             }
-            return (0..n)
-                .find_map(|i| self.evict_from(persist, (home + i) % n, Some((&table, c.id, own))));
+            return (0..n).find_map(|i| {
+                self.evict_from(
+                    persist,
+                    base + (home - base + i) % n,
+                    Some((&table, c.id, own)),
+                )
+            });
         }
         if self.free_lines.load(Ordering::Relaxed) > 0 {
-            if let Some(line) = self.alloc_free(home, n) {
+            if let Some(line) = self.alloc_free(shards) {
                 return Some(line);
             }
         }
-        (0..n).find_map(|i| self.evict_from(persist, (home + i) % n, None))
-    }
-
-    /// A free line, never an evicted one.
-    #[inline]
-    pub(crate) fn take_free_line(&self) -> Option<u32> {
-        let n = self.lists.shard_count();
-        self.alloc_free(home_shard(n), n)
+        (0..n).find_map(|i| self.evict_from(persist, base + (home - base + i) % n, None))
     }
 
     #[inline]
-    fn alloc_free(&self, home: usize, n: usize) -> Option<u32> {
+    fn alloc_free(&self, shards: std::ops::Range<usize>) -> Option<u32> {
+        let (base, n) = (shards.start, shards.len());
+        let home = base + home_shard(n);
         // Home first (one thread's lines stay neighbours), then every shard from the hint.
         let slot = thread_slot();
-        let start = self.lists.free_cursor(slot);
+        let hint = self.lists.free_cursor(slot);
+        let start = if shards.contains(&hint) { hint } else { home } - base;
         for i in 0..=n {
-            let shard = if i == 0 { home } else { (start + i - 1) % n };
+            let shard = if i == 0 {
+                home
+            } else {
+                base + (start + i - 1) % n
+            };
             let mut s = self.lists.lock(shard);
             if let Some(line) = self.lists.pop_front(&mut s, ListKind::Free) {
                 self.free_lines.fetch_sub(1, Ordering::Relaxed);
@@ -605,7 +741,7 @@ impl Lines {
     /// on a persistent cache). Returns the free lines, checked against the free-line count.
     fn check_lists(&self, persistent: bool) -> u64 {
         let mut seen = vec![None; self.count as usize];
-        let mut free = 0u64;
+        let (mut free, mut usable) = (0u64, 0u64);
         for shard in 0..self.lists.shard_count() {
             let s = self.lists.lock(shard);
             for kind in [
@@ -633,18 +769,26 @@ impl Lines {
                     match kind {
                         ListKind::Free => {
                             free += 1;
+                            usable += self.usable_shards().contains(&shard) as u64;
                             assert!(
                                 key.is_none() && valid == 0 && dirty == 0,
                                 "free line {line} has state"
                             );
                         }
                         ListKind::Clean => assert!(
-                            key.is_some() && valid != 0 && dirty == 0,
+                            key.is_some()
+                                && valid != 0
+                                && dirty == 0
+                                && self.usable_shards().contains(&shard),
                             "clean line {line}: key {key:?} valid {valid:#x} dirty {dirty:#x}"
                         ),
                         ListKind::Dirty => assert!(
-                            key.is_some() && dirty != 0 && dirty & !valid == 0,
-                            "dirty line {line}: valid {valid:#x} dirty {dirty:#x}"
+                            key.is_some()
+                                && dirty != 0
+                                && dirty & !valid == 0
+                                && line < self.lists.zone(),
+                            "dirty line {line}: valid {valid:#x} dirty {dirty:#x} (mirrored region: {} lines)",
+                            self.lists.zone()
                         ),
                         ListKind::Limbo => assert!(
                             key.is_none() && valid == 0 && persistent,
@@ -656,7 +800,7 @@ impl Lines {
         }
         assert!(seen.iter().all(|s| s.is_some()), "a line is in no list");
         assert_eq!(
-            free,
+            usable,
             self.free_lines.load(Ordering::Relaxed),
             "free line count"
         );

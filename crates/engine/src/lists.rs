@@ -5,6 +5,11 @@
 //! shard gets neighbouring cache lines (large sequential writes then merge on the cache device).
 //! A shard is a short mutex-protected critical section (link updates only, never IO), so the hit
 //! path touches one shard lock and no global one. Lock order: a line's stripe, then its shard.
+//!
+//! A cache whose mirror is smaller than it (docs/format.md, "A smaller mirror") has two zones:
+//! the mirrored region (lines below `zone`) and the rest, each with shards of its own, so that
+//! allocation for dirty data looks in the region's shards only and fills in the others first.
+//! Without a region every shard is the region's, as before.
 
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::Relaxed};
 
@@ -72,6 +77,10 @@ pub(crate) struct Lists {
     /// more CPU than one on the same work, fighting over that shard's lock and list head.
     /// Only hints: a scan from one still visits every shard.
     free_cursors: Box<[Cursor]>,
+    /// The first line outside the mirrored region (the line count when there is none).
+    zone: u32,
+    /// The shards of the mirrored region: `0..region_shards`; the rest are the other lines'.
+    region_shards: usize,
 }
 
 /// Keeps each slot's cursor on its own cache line.
@@ -88,9 +97,33 @@ pub(crate) fn home_of(slot: usize, n: usize) -> usize {
 
 pub(crate) const RUN: u32 = 64;
 
+/// The shard of `line` given the zone boundary and each zone's shard count.
+#[inline]
+fn shard_in(line: u32, zone: u32, region_shards: usize, shards: usize) -> usize {
+    if line < zone {
+        (line / RUN) as usize % region_shards
+    } else {
+        region_shards + ((line - zone) / RUN) as usize % (shards - region_shards)
+    }
+}
+
+/// Shards for `lines` lines: enough that each holds a few runs, at most 64.
+fn shards_for(lines: u32) -> usize {
+    (lines.div_ceil(RUN) as usize).clamp(1, 64)
+}
+
 impl Lists {
-    /// All `lines` start in the free lists.
-    pub(crate) fn new(lines: u32, shards: usize) -> Lists {
+    /// All `lines` start in the free lists. The first `region` lines are the mirrored region
+    /// (`region >= lines`: no region, every line is in it).
+    pub(crate) fn new(lines: u32, region: u32) -> Lists {
+        let zone = region.min(lines);
+        let region_shards = shards_for(zone);
+        let shards = region_shards
+            + if zone < lines {
+                shards_for(lines - zone)
+            } else {
+                0
+            };
         let n = lines as usize;
         let empty = Head {
             first: NONE,
@@ -111,6 +144,8 @@ impl Lists {
             free_cursors: (0..SLOTS)
                 .map(|slot| Cursor(AtomicUsize::new(home_of(slot, shards))))
                 .collect(),
+            zone,
+            region_shards,
         };
         lists.rebuild(|_| ListKind::Free);
         lists
@@ -125,8 +160,14 @@ impl Lists {
             len: 0,
         };
         let Lists {
-            prev, next, shards, ..
+            prev,
+            next,
+            shards,
+            zone,
+            region_shards,
+            ..
         } = self;
+        let (zone, region_shards) = (*zone, *region_shards);
         for s in shards.iter_mut() {
             s.0.get_mut().heads = [empty; 4];
             s.0.get_mut().fences.clear();
@@ -135,7 +176,7 @@ impl Lists {
         for line in 0..prev.len() as u32 {
             let kind = kind_of(line);
             free += (kind == ListKind::Free) as u64;
-            let shard = (line / RUN) as usize % shards.len();
+            let shard = shard_in(line, zone, region_shards, shards.len());
             let h = &mut shards[shard].0.get_mut().heads[kind as usize];
             prev[line as usize].store(h.last, Relaxed);
             next[line as usize].store(NONE, Relaxed);
@@ -159,7 +200,22 @@ impl Lists {
     }
 
     pub(crate) fn shard_of(&self, line: u32) -> usize {
-        (line / RUN) as usize % self.shards.len()
+        shard_in(line, self.zone, self.region_shards, self.shards.len())
+    }
+
+    /// The first line outside the mirrored region (the line count when there is none).
+    pub(crate) fn zone(&self) -> u32 {
+        self.zone
+    }
+
+    /// The shards of the mirrored region (all of them when there is no region).
+    pub(crate) fn region_shards(&self) -> std::ops::Range<usize> {
+        0..self.region_shards
+    }
+
+    /// The shards of the lines outside the mirrored region (none when there is no region).
+    pub(crate) fn outside_shards(&self) -> std::ops::Range<usize> {
+        self.region_shards..self.shards.len()
     }
 
     /// Where thread slot `slot` looks for free lines after its home shard.

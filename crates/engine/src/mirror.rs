@@ -41,7 +41,8 @@ use hybridcache_volume::{
 use parking_lot::{Mutex, RwLock};
 
 use crate::format::{decode_config, encode_config, ConfigSlot, MirrorRecord, CONFIG_SLOT_BYTES};
-use crate::pair_io::{copy_commits_and_blocks, Window};
+use crate::pair_io::copy_commits_and_blocks;
+use crate::window::Window;
 use crate::CacheMode;
 
 /// What a mirrored cache does once its mirror is lost.
@@ -117,6 +118,13 @@ pub struct MirrorStatus {
     /// While rebuilding (a new mirror or a new primary): dirty lines copied onto the new
     /// device, and how many there were to copy when the pass began.
     pub rebuild: Option<(u64, u64)>,
+    /// The cache lines the mirror covers (every line, or a smaller mirror's first ones):
+    /// every dirty line is among them.
+    pub lines: u64,
+    /// Of those, the dirty ones.
+    pub dirty_lines: u64,
+    /// What the mirror must hold: the metadata and the lines it covers.
+    pub bytes: u64,
 }
 
 const REDUNDANT: u8 = 0;
@@ -152,30 +160,59 @@ pub(crate) struct Mirror {
     meta_copy: RwLock<()>,
     rebuild_copied: AtomicU64,
     rebuild_total: AtomicU64,
+    /// A smaller mirror: it holds the first this many cache lines only, and every dirty line
+    /// is among them (lines.rs). None: every line.
+    lines: Option<u32>,
+}
+
+/// The fewest cache lines a smaller mirror may hold: one round of making room cleans 64
+/// lines (write.rs's `make_room`), and fewer would leave writes waiting on every round.
+pub const MIN_MIRRORED_LINES: u32 = 64;
+
+/// How many of a cache's `lines` a mirror of `size` bytes holds line for line, after the
+/// metadata (`data_offset` bytes).
+pub(crate) fn mirrored_lines(size: u64, data_offset: u64, line_bytes: u64, lines: u32) -> u32 {
+    (size.saturating_sub(data_offset) / line_bytes).min(lines as u64) as u32
 }
 
 impl Mirror {
-    /// The cache volume of a new cache whose data region ends at `data_end`: the primary
-    /// itself, or with a mirror (which must hold that region, line for line) the pair.
+    /// The cache volume of a new cache of `lines` cache lines of `line_bytes` from
+    /// `data_offset`: the primary itself, or with a mirror the pair. The mirror holds the
+    /// metadata and, line for line, the first lines it has room for (docs/format.md, "A smaller
+    /// mirror"): every line, or at least [`MIN_MIRRORED_LINES`]. Returns the volume, the pair,
+    /// and how many lines the mirror covers (`lines` without a mirror).
     pub(crate) fn wrap(
         primary: VolumeRef,
         mirror: Option<(VolumeRef, MirrorLostPolicy)>,
         data_offset: u64,
-        data_end: u64,
-    ) -> crate::Result<(VolumeRef, Option<Arc<Mirror>>)> {
+        line_bytes: u64,
+        lines: u32,
+    ) -> crate::Result<(VolumeRef, Option<Arc<Mirror>>, u32)> {
         let Some((mirror, policy)) = mirror else {
-            return Ok((primary, None));
+            return Ok((primary, None, lines));
         };
-        if mirror.size() < data_end {
+        let covered = mirrored_lines(mirror.size(), data_offset, line_bytes, lines);
+        if covered < lines.min(MIN_MIRRORED_LINES) {
+            let need = data_offset + lines.min(MIN_MIRRORED_LINES) as u64 * line_bytes;
             return Err(crate::EngineError::Invalid(format!(
-                "the mirror {} holds {} bytes; a mirror of {} (line for line) needs at least {data_end} (a smaller mirror is not supported yet)",
+                "the mirror {} holds {} bytes; a mirror of {} needs at least {need}: its metadata ({data_offset} bytes) and {} cache lines of {} KiB (a mirror of {} bytes covers all {lines} lines of the cache)",
                 mirror.name(),
                 mirror.size(),
-                primary.name()
+                primary.name(),
+                lines.min(MIN_MIRRORED_LINES),
+                line_bytes / 1024,
+                data_offset + lines as u64 * line_bytes,
             )));
         }
-        let pair = Arc::new(Mirror::new(primary, mirror, data_offset, policy));
-        Ok((pair.clone(), Some(pair)))
+        let pair =
+            Arc::new(Mirror::new(primary, mirror, data_offset, policy).covering(covered, lines));
+        Ok((pair.clone(), Some(pair), covered))
+    }
+
+    /// The pair covers only the first `covered` of the cache's `lines` (a smaller mirror).
+    pub(crate) fn covering(mut self, covered: u32, lines: u32) -> Mirror {
+        self.lines = (covered < lines).then_some(covered);
+        self
     }
 
     /// What the primary's superblock records of the pair.
@@ -186,6 +223,7 @@ impl Mirror {
             size: self.primary().size(),
             lost: false,
             generation: 0,
+            lines: self.lines,
         }
     }
 
@@ -228,6 +266,7 @@ impl Mirror {
             meta_copy: RwLock::new(()),
             rebuild_copied: AtomicU64::new(0),
             rebuild_total: AtomicU64::new(0),
+            lines: None,
         }
     }
 
@@ -274,6 +313,9 @@ impl Mirror {
                     self.rebuild_total.load(Ordering::Relaxed),
                 )
             }),
+            lines: 0,
+            dirty_lines: 0,
+            bytes: 0,
         }
     }
 
@@ -472,6 +514,7 @@ impl Mirror {
                     path: String::new(),
                     size: primary.as_ref().map_or(0, |p| p.size),
                     lost: false,
+                    lines: primary.as_ref().and_then(|p| p.lines),
                     generation: primary.map_or(0, |p| p.generation),
                 });
                 Some(encode_config(&sb, seq))
@@ -714,7 +757,7 @@ impl Mirror {
         new.write_at(&zeros, 0)?;
         new.flush()?;
         let new: VolumeRef = if new.size() > size {
-            Arc::new(Window::new(new, size))
+            Arc::new(crate::window::Window::new(new, size))
         } else {
             new
         };

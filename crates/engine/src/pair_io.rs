@@ -1,10 +1,9 @@
 //! Device-to-device pieces of a mirrored cache that need none of its state (mirror.rs holds
-//! the pair): a volume cut to a size (`Window`: a mirror or a new primary larger than the
-//! geometry's device), and the copy of the metadata region from one device onto another
+//! the pair): the copy of the metadata region from one device onto another
 //! (`copy_commits_and_blocks`, the end of every rebuild: a new mirror, a first mirror, a new
-//! primary).
+//! primary). A volume cut to a size is window.rs's `Window`.
 
-use hybridcache_volume::{DirectWrite, ReadPiece, Volume, VolumeError, VolumeRef};
+use hybridcache_volume::{Volume, VolumeError};
 
 /// Copy the metadata region below the superblocks (both commit records, then the metadata
 /// blocks up to `data_offset`) from `from` to `to`, a MiB at a time: the end of either
@@ -32,52 +31,4 @@ pub(crate) fn copy_commits_and_blocks(
         at += n as u64;
     }
     Ok(())
-}
-
-/// The first `size` bytes of a volume: a mirror larger than its primary, loaded alone, shows
-/// the geometry the primary's size gave.
-pub(crate) struct Window {
-    inner: VolumeRef,
-    size: u64,
-}
-
-impl Window {
-    pub(crate) fn new(inner: VolumeRef, size: u64) -> Window {
-        Window { inner, size }
-    }
-}
-
-impl Volume for Window {
-    fn name(&self) -> &str {
-        self.inner.name()
-    }
-    fn size(&self) -> u64 {
-        self.size
-    }
-    fn logical_block_size(&self) -> u32 {
-        self.inner.logical_block_size()
-    }
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> hybridcache_volume::Result<()> {
-        self.inner.read_at(buf, offset)
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> hybridcache_volume::Result<()> {
-        self.inner.write_at(buf, offset)
-    }
-    fn flush(&self) -> hybridcache_volume::Result<()> {
-        self.inner.flush()
-    }
-    fn discard(&self, offset: u64, len: u64) -> hybridcache_volume::Result<()> {
-        Volume::discard(&*self.inner, offset, len)
-    }
-    fn discard_zeroes(&self) -> bool {
-        self.inner.discard_zeroes()
-    }
-    fn read_batch(&self, pieces: &mut [ReadPiece<'_>]) -> hybridcache_volume::Result<()> {
-        Volume::read_batch(&*self.inner, pieces)
-    }
-    fn direct_write(&self, len: usize, offset: u64) -> Option<DirectWrite> {
-        (offset.checked_add(len as u64)? <= self.size)
-            .then(|| self.inner.direct_write(len, offset))
-            .flatten()
-    }
 }

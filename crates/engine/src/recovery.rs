@@ -20,10 +20,10 @@ use crate::format::{ConfigSlot, CoreRecord, Geometry, MirrorRecord, Superblock};
 use crate::inner::CacheInner;
 use crate::ioclass::IoClasses;
 use crate::mirror::{Mirror, MirrorLostPolicy};
-use crate::pair_io::Window;
 use crate::persist::{self, Persist};
 use crate::policy::PolicyRecord;
 use crate::restore::restore;
+use crate::window::Window;
 use crate::{CacheConfig, CacheMode, CoreId, EngineError, LineSize, Result, MAX_CORE_ID, SECTOR};
 
 /// A cache loaded from `cache_volume` (`Cache::load`): the checks (superblock, geometry, core
@@ -36,7 +36,7 @@ pub(crate) fn load(
     open_core: &mut dyn FnMut(&CoreRecord) -> Option<VolumeRef>,
 ) -> Result<CacheInner> {
     let (sb_seq, sb, version) = newest_superblock(&*cache_volume)?;
-    let cache_volume = check_pairing(cache_volume, &sb, &source)?;
+    let (cache_volume, whole) = check_pairing(cache_volume, &sb, &source)?;
     let (line_size, mode, recorded) = check_superblock(&sb, &*cache_volume)?;
     let (active, inactive) = open_cores(&sb, open_core)?;
     let policies = recorded_policies(&sb)?;
@@ -54,6 +54,11 @@ pub(crate) fn load(
         recorded.data_offset,
         Some(persist),
     );
+    let mirrored = sb.mirror.as_ref().and_then(|r| r.lines);
+    if let Some(covered) = mirrored {
+        check_mirrored_lines(covered, recorded.lines)?;
+        inner.lines.set_region(covered, whole);
+    }
     restore(
         &mut inner,
         &*cache_volume,
@@ -67,12 +72,10 @@ pub(crate) fn load(
     if let LoadSource::Mirrored(mirror, policy) = source {
         // The primary's metadata is the truth; a crash may have left the mirror's a commit
         // behind or ahead. Its dirty data needs no copy (mirror.rs).
-        let m = Arc::new(Mirror::new(
-            cache_volume.clone(),
-            mirror,
-            recorded.data_offset,
-            policy,
-        ));
+        let m = Arc::new(
+            Mirror::new(cache_volume.clone(), mirror, recorded.data_offset, policy)
+                .covering(inner.lines.mirrored_lines(), recorded.lines),
+        );
         m.copy_metadata()?;
         inner.devices.set_mirror(m);
     }
@@ -112,8 +115,14 @@ pub(crate) enum LoadSource {
 
 /// Check that the devices of a load belong together (docs/format.md, "The mirror"): a mirror is
 /// loaded only as one, and only with the primary whose uuid and nonce it carries. Returns the
-/// volume to load from, cut to the primary's size when the device is larger (a mirror may be).
-fn check_pairing(volume: VolumeRef, sb: &Superblock, source: &LoadSource) -> Result<VolumeRef> {
+/// volume to load from, cut to the primary's size when the device is larger (a mirror may be)
+/// and shown at that size when it is a smaller mirror (docs/format.md, "A smaller mirror"),
+/// and whether the device holds every cache line (not such a mirror).
+fn check_pairing(
+    volume: VolumeRef,
+    sb: &Superblock,
+    source: &LoadSource,
+) -> Result<(VolumeRef, bool)> {
     let role = sb.mirror.as_ref().map(|r| r.role.as_str());
     let name = volume.name().to_string();
     let what = format!("cache {} ({})", sb.cache_id, sb.uuid);
@@ -165,10 +174,11 @@ fn check_pairing(volume: VolumeRef, sb: &Superblock, source: &LoadSource) -> Res
                     rec.generation
                 )));
             }
-            let need = sb.data_offset + sb.lines as u64 * sb.line_size as u64;
+            let covered = rec.lines.unwrap_or(sb.lines).min(sb.lines);
+            let need = sb.data_offset + covered as u64 * sb.line_size as u64;
             if mirror.size() < need {
                 return Err(EngineError::Invalid(format!(
-                    "the mirror {} holds {} bytes; the cache's data region ends at {need}",
+                    "the mirror {} holds {} bytes; it covers the cache's metadata and {covered} cache lines, which end at {need}",
                     mirror.name(),
                     mirror.size()
                 )));
@@ -178,10 +188,34 @@ fn check_pairing(volume: VolumeRef, sb: &Superblock, source: &LoadSource) -> Res
     }
     Ok(match sb.mirror.as_ref() {
         Some(r) if r.size != 0 && volume.size() > r.size => {
-            Arc::new(Window::new(volume, r.size)) as VolumeRef
+            (Arc::new(Window::new(volume, r.size)) as VolumeRef, true)
         }
-        _ => volume,
+        Some(r) if r.size != 0 && volume.size() < r.size => {
+            // A smaller mirror (or a cache brought up from one): it must hold the lines it
+            // covers; the geometry is the primary's, and no line beyond them is used.
+            let covered = r.lines.unwrap_or(sb.lines).min(sb.lines);
+            let need = sb.data_offset + covered as u64 * sb.line_size as u64;
+            if volume.size() < need {
+                return Err(EngineError::Invalid(format!(
+                    "{name} holds {} bytes; the cache on it covers its metadata and {covered} cache lines, which end at {need}: is this the right device?",
+                    volume.size()
+                )));
+            }
+            (Arc::new(Window::new(volume, r.size)) as VolumeRef, false)
+        }
+        _ => (volume, true),
     })
+}
+
+/// A smaller mirror's recorded line count is possible: at least the minimum, fewer than the
+/// cache's lines (a mirror of every line records none).
+fn check_mirrored_lines(covered: u32, lines: u32) -> Result<()> {
+    if covered < crate::mirror::MIN_MIRRORED_LINES.min(lines) || covered >= lines {
+        return Err(EngineError::Corrupt(format!(
+            "superblock: the mirror covers {covered} of the cache's {lines} lines, which is impossible"
+        )));
+    }
+    Ok(())
 }
 
 /// The newest intact superblock (its sequence number and format version), or why there is none.

@@ -138,6 +138,8 @@ struct Decode<'a> {
     full: Mask,
     /// (core id, lines of that core) for each core the superblock lists.
     core_lines: &'a [(CoreId, u64)],
+    /// The lines a smaller mirror covers (every line without one): no dirty line lies beyond.
+    mirrored: u32,
 }
 
 /// What the first pass found in one range of blocks.
@@ -356,6 +358,17 @@ impl Decode<'_> {
                 continue;
             };
             self.check_entry(block, line, key, e)?;
+            if e.dirty != 0 && line >= self.mirrored {
+                // Its data would be on the primary only: the mirror never held it, and a load
+                // of the mirror alone would miss it. Damage, never repaired silently.
+                return Err(corrupt(format!(
+                    "metadata block {block}: line {line} is dirty (core {} line {}, sectors {:#x}) but lies beyond the {} cache lines the mirror covers",
+                    key.core(),
+                    key.line(),
+                    e.dirty,
+                    self.mirrored
+                )));
+            }
             if e.dirty != 0 {
                 let word = line as u64 / 64;
                 if word != dirty_word.0 {
@@ -600,6 +613,7 @@ fn decode_all(
         crashed: !sb.clean_shutdown,
         full,
         core_lines: &core_lines,
+        mirrored: inner.lines.mirrored_lines(),
     };
     let parts = in_parallel(threads, |i| decode.blocks(share(meta_blocks, threads, i)));
     let mut found = Found {

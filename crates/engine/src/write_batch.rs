@@ -139,7 +139,9 @@ impl Writer<'_> {
             span_of(&segs),
         );
         self.lines().lookup(&mut segs);
-        if !segs.iter().all(|s| s.mapped()) {
+        // A hit beyond a smaller mirror's region moves into it: the single path does that.
+        let zone = self.lines().mirrored_lines();
+        if !segs.iter().all(|s| s.mapped() && s.line < zone) {
             // Nothing has changed and nothing was decided: the single path locks again, and
             // decides promotion and offload once.
             drop(locks);

@@ -306,9 +306,34 @@ impl Daemon {
             policy,
             logged: MirrorState::Redundant,
         });
+        // A smaller mirror covers the first lines only, and dirty data is kept to them: the
+        // operator learns how much write-back room that leaves.
+        let covers = cache.mirror_status().and_then(|s| {
+            (s.lines < cache.line_count()).then(|| {
+                format!(
+                    "; it covers {} of the cache's {} lines ({} bytes with the metadata): dirty data is kept to them, and writes wait for cleaning when they are all dirty",
+                    crate::safety::count_text(s.lines),
+                    crate::safety::count_text(cache.line_count()),
+                    s.bytes
+                )
+            })
+        });
+        let mirror_note = mirror.as_ref().map(|m| {
+            format!(
+                "cache {id} is mirrored on {}{}",
+                m.device,
+                covers.as_deref().unwrap_or("")
+            )
+        });
         let mirrored = mirror
             .as_ref()
-            .map(|m| format!(", mirrored on {}", m.device))
+            .map(|m| {
+                format!(
+                    ", mirrored on {}{}",
+                    m.device,
+                    covers.as_deref().unwrap_or("")
+                )
+            })
             .unwrap_or_default();
         st.caches.insert(
             id,
@@ -333,6 +358,7 @@ impl Daemon {
             loaded: false,
             inactive: Vec::new(),
             why_inactive: Default::default(),
+            mirror: mirror_note,
         })
         .map_err(|e| e.to_string())?;
         started["losses"] = safety::record(&what, &accepted);
@@ -499,6 +525,7 @@ impl Daemon {
             loaded: true,
             inactive,
             why_inactive: notes.into_iter().collect(),
+            mirror: None,
         })
         .map_err(|e| e.to_string())
     }

@@ -78,6 +78,9 @@ fn cache_info(id: u16, c: &CacheEntry, frontends: &Frontends) -> CacheInfo {
             mirror_lost: m.policy.as_str().into(),
             reason: m.reason,
             rebuild: m.rebuild,
+            lines: m.lines,
+            dirty_lines: m.dirty_lines,
+            bytes: m.bytes,
         }),
         fallback,
         cores: c
