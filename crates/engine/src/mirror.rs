@@ -42,7 +42,6 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::format::{decode_config, encode_config, ConfigSlot, MirrorRecord, CONFIG_SLOT_BYTES};
 use crate::pair_io::copy_commits_and_blocks;
-use crate::window::Window;
 use crate::CacheMode;
 
 /// What a mirrored cache does once its mirror is lost.

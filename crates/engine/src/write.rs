@@ -362,7 +362,7 @@ impl<'w> Writer<'w> {
             p.waited |= locks.waited();
             self.lines.lookup(segs);
             // Dirty data stays within a smaller mirror's region (lines.rs).
-            self.lines.leave_unmirrored(self.persist.as_ref(), segs);
+            self.lines.leave_unmirrored(self.persist, segs);
             // Promotion is asked once: a retry after making room must not count accesses again.
             let d = *decision.get_or_insert_with(|| self.decide_write_back(core, segs));
             // Declined or offloaded: unmapped segments go to the core, mapped ones are still
@@ -445,7 +445,7 @@ impl<'w> Writer<'w> {
             && p.spare.len() < needed
             && self.cleaner_signal.waiting() > 0;
         while !queued && p.spare.len() < needed {
-            match self.lines.alloc_dirty_line(self.persist.as_ref(), class) {
+            match self.lines.alloc_dirty_line(self.persist, class) {
                 Some(line) => p.spare.push(line),
                 None => break,
             }
