@@ -43,6 +43,7 @@ mod lists;
 mod locks;
 mod meta;
 mod mirror;
+mod mirror_status;
 pub mod offload;
 mod pair_io;
 mod persist;
