@@ -35,13 +35,34 @@ fn job(uri_or_file: &[String], name: &str, extra: &[&str]) -> Vec<String> {
     a
 }
 
+/// fio's arguments for the cache's export `cas1-1` through its NBD engine.
+fn through_export(d: &Daemon) -> [String; 2] {
+    [
+        "--ioengine=nbd".to_string(),
+        format!("--uri={}", d.uri("cas1-1")),
+    ]
+}
+
+/// Cache 1's dirty lines, as `-P -o json` counts them.
+fn dirty_lines(d: &Daemon) -> u64 {
+    d.stats_json(1, None)["usage"]["dirty"]["count"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+/// One NBD flush after a run (fio's end_fsync may not follow its last write: `nbd_flush` says
+/// why), then cache 1's dirty lines, which `what` must have left.
+fn flushed_dirty_lines(d: &Daemon, what: &str) -> u64 {
+    nbd_flush(&d.uri("cas1-1"));
+    let dirty = dirty_lines(d);
+    assert!(dirty > 0, "{what} left nothing dirty");
+    dirty
+}
+
 /// fio's `verify_only` of job `name` through the daemon's cas1-1 (as fio run `label`), then `-T`
 /// (which flushes the dirty lines) and the same verify on the core file alone.
 fn verify_then_core_alone(d: &Daemon, dir: &std::path::Path, label: &str, name: &str, core: &str) {
-    let uri = [
-        "--ioengine=nbd".to_string(),
-        format!("--uri={}", d.uri("cas1-1")),
-    ];
+    let uri = through_export(d);
     fio(dir, label, &job(&uri, name, &["--verify_only"]));
     d.ok(&["-T", "-i", "1"]);
     let file = ["--ioengine=psync".to_string(), format!("--filename={core}")];
@@ -61,10 +82,7 @@ fn fio_in_background(
     name: &'static str,
     rate: &str,
 ) -> std::thread::JoinHandle<serde_json::Value> {
-    let uri = [
-        "--ioengine=nbd".to_string(),
-        format!("--uri={}", d.uri("cas1-1")),
-    ];
+    let uri = through_export(d);
     let (dir, args) = (dir.to_path_buf(), job(&uri, name, &[rate]));
     std::thread::spawn(move || fio(&dir, name, &args))
 }
@@ -221,18 +239,11 @@ fn load_mirror_brings_every_flushed_write_back_after_the_primary_is_gone() {
     // The mirror is claimed: nothing else may use it.
     let err = d.fails(&["-S", "-d", &mirror_spec, "-i", "2"]);
     assert!(err.contains("the mirror of cache 1"), "{err}");
-    let uri = [
-        "--ioengine=nbd".to_string(),
-        format!("--uri={}", d.uri("cas1-1")),
-    ];
+    let uri = through_export(&d);
     fio(dir.path(), "before", &job(&uri, "failover", &[]));
     // The flush that covers every write of the run (fio's end_fsync may not; nbd_flush says
     // why): what the failover must bring back is what was acknowledged before a flush.
-    nbd_flush(&d.uri("cas1-1"));
-    let dirty = d.stats_json(1, None)["usage"]["dirty"]["count"]
-        .as_u64()
-        .unwrap_or(0);
-    assert!(dirty > 0, "the run left nothing dirty");
+    flushed_dirty_lines(&d, "the run");
     // The host dies and its primary with it.
     d.kill();
     std::fs::remove_file(&primary).unwrap();
@@ -294,16 +305,9 @@ fn failover_to_another_host_brings_every_flushed_write_back_over_nbd() {
     ]);
     a.ok(&["-A", "-i", "1", "-d", &core_uri]);
     a.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "nop"]);
-    let uri = [
-        "--ioengine=nbd".to_string(),
-        format!("--uri={}", a.uri("cas1-1")),
-    ];
+    let uri = through_export(&a);
     fio(dir.path(), "host-a", &job(&uri, "failover", &[]));
-    nbd_flush(&a.uri("cas1-1"));
-    let dirty = a.stats_json(1, None)["usage"]["dirty"]["count"]
-        .as_u64()
-        .unwrap_or(0);
-    assert!(dirty > 0, "the run left nothing dirty");
+    let dirty = flushed_dirty_lines(&a, "the run");
     // Host A dies, and its cache device with it. (The fencing rule, docs/cli.md: host A must
     // not write the core again; here it is dead.)
     a.kill();
@@ -314,9 +318,7 @@ fn failover_to_another_host_brings_every_flushed_write_back_over_nbd() {
     assert!(out.starts_with("cache 1 loaded"), "{out}");
     let listed = b.ok(&["-L"]);
     assert!(listed.contains("cas1-1"), "{listed}");
-    let loaded = b.stats_json(1, None)["usage"]["dirty"]["count"]
-        .as_u64()
-        .unwrap_or(0);
+    let loaded = dirty_lines(&b);
     assert_eq!(loaded, dirty, "host B has every dirty line host A had");
     verify_then_core_alone(
         &b,
@@ -555,9 +557,7 @@ fn a_new_primary_attached_under_load_holds_every_write_when_the_mirror_is_gone_n
             && l.contains("redundant again")),
         "{log}"
     );
-    let dirty = d.stats_json(1, None)["usage"]["dirty"]["count"]
-        .as_u64()
-        .unwrap_or(0);
+    let dirty = dirty_lines(&d);
     assert!(
         dirty > 0,
         "nothing dirty on the new pair: the load below proves nothing"
@@ -684,17 +684,10 @@ fn a_mirror_given_to_a_running_cache_is_loaded_with_it_after_a_restart() {
     d.ok(&["-S", "-d", &primary_spec, "-c", "wb"]);
     d.ok(&["-A", "-i", "1", "-d", core_path]);
     d.ok(&["-X", "-n", "cleaning", "-i", "1", "-p", "nop"]);
-    let uri = [
-        "--ioengine=nbd".to_string(),
-        format!("--uri={}", d.uri("cas1-1")),
-    ];
+    let uri = through_export(&d);
     fio(dir.path(), "before", &job(&uri, "restarted", &[]));
     d.ok(&["--attach-mirror", "-i", "1", "-d", &mirror_spec]);
-    nbd_flush(&d.uri("cas1-1"));
-    let dirty = d.stats_json(1, None)["usage"]["dirty"]["count"]
-        .as_u64()
-        .unwrap_or(0);
-    assert!(dirty > 0, "the run left nothing dirty");
+    flushed_dirty_lines(&d, "the run");
     // The daemon's own state: its next start loads the cache with the mirror it was given.
     // (`stop` is SIGTERM, which flushes every cache first.)
     assert!(d.stop());
@@ -706,16 +699,9 @@ fn a_mirror_given_to_a_running_cache_is_loaded_with_it_after_a_restart() {
     assert_eq!(m["device"], mirror_spec.as_str(), "{listed}");
     // The daemon's stop flushed the cache: the same writes again, so that the pair holds
     // dirty lines for what follows.
-    let uri = [
-        "--ioengine=nbd".to_string(),
-        format!("--uri={}", d.uri("cas1-1")),
-    ];
+    let uri = through_export(&d);
     fio(dir.path(), "again", &job(&uri, "restarted", &[]));
-    nbd_flush(&d.uri("cas1-1"));
-    let dirty = d.stats_json(1, None)["usage"]["dirty"]["count"]
-        .as_u64()
-        .unwrap_or(0);
-    assert!(dirty > 0, "the second run left nothing dirty");
+    let dirty = flushed_dirty_lines(&d, "the second run");
     // Stopped without flushing (the dirty lines stay), then loaded by hand with the pair.
     d.ok(&["-T", "-i", "1", "-n"]);
     let out = d.ok(&[
@@ -728,9 +714,7 @@ fn a_mirror_given_to_a_running_cache_is_loaded_with_it_after_a_restart() {
     ]);
     assert!(out.starts_with("cache 1 loaded"), "{out}");
     assert_eq!(mirror_state(&d), "redundant");
-    let loaded = d.stats_json(1, None)["usage"]["dirty"]["count"]
-        .as_u64()
-        .unwrap_or(0);
+    let loaded = dirty_lines(&d);
     assert_eq!(
         loaded,
         dirty,

@@ -15,54 +15,16 @@ use hybridcache_volume::{CrashVolume, FaultConfig, FaultyVolume, RamVolume, Volu
 use parking_lot::Mutex;
 
 mod durability;
-use durability::{decode, fill, power_cut, Model, Mortal, Rng, SECTOR};
+use durability::{check, fail_everything, fill, power_cut, random_op, Model, Mortal, Rng};
 
 const MIB: u64 = 1 << 20;
 const CORE_BYTES: u64 = 2 * MIB;
-
-fn fail_everything() -> FaultConfig {
-    FaultConfig {
-        fail_reads_in: Some(0..u64::MAX),
-        fail_writes_in: Some(0..u64::MAX),
-        fail_flushes: true,
-        ..FaultConfig::default()
-    }
-}
 
 fn config(line_kib: u32, mode: CacheMode) -> CacheConfig {
     CacheConfig {
         id: 1,
         line_size: LineSize::from_kib(line_kib).unwrap(),
         mode,
-    }
-}
-
-/// A random write (or, one time in eight, a flush) through `core`, recorded in `model` under
-/// its lock so the model's order is the cache's.
-fn random_op(core: &Core, model: &Mutex<Vec<u8>>, rng: &mut Rng, stamp: u32) {
-    let sectors = CORE_BYTES / 512;
-    if rng.below(8) == 0 {
-        core.flush().unwrap_or_else(|e| panic!("flush: {e}"));
-        return;
-    }
-    let first = rng.below(sectors - 64);
-    let count = 1 + rng.below(63);
-    let mut buf = vec![0u8; (count * 512) as usize];
-    fill(&mut buf, stamp, first);
-    let mut m = model.lock();
-    core.write(&buf, first * 512)
-        .unwrap_or_else(|e| panic!("write at sector {first}: {e}"));
-    m[(first * 512) as usize..(first * 512) as usize + buf.len()].copy_from_slice(&buf);
-}
-
-fn check(buf: &[u8], model: &[u8], when: &str) {
-    for (i, (s, want)) in buf.chunks(SECTOR).zip(model.chunks(SECTOR)).enumerate() {
-        assert!(
-            s == want,
-            "{when}: sector {i} holds {:?}, the model {:?}",
-            decode(s, i as u64),
-            decode(want, i as u64)
-        );
     }
 }
 
@@ -116,7 +78,7 @@ fn attach_under_load(seed: u64) {
     let core = cache.core(id).unwrap();
     let model = Mutex::new(vec![0u8; CORE_BYTES as usize]);
     for stamp in 1..=200 {
-        random_op(&core, &model, &mut rng, stamp);
+        random_op(&core, &model, &mut rng, stamp, CORE_BYTES);
     }
     assert!(cache.mirror_status().is_none(), "seed {seed}");
     assert!(
@@ -127,7 +89,7 @@ fn attach_under_load(seed: u64) {
     let (copied, _) = std::thread::scope(|s| {
         let writer = s.spawn(|| {
             for i in 0..300u32 {
-                random_op(&core, &model, &mut writer_rng, 1_000_000 + i);
+                random_op(&core, &model, &mut writer_rng, 1_000_000 + i, CORE_BYTES);
             }
         });
         let r = cache
@@ -152,7 +114,7 @@ fn attach_under_load(seed: u64) {
     );
     // Writes after the attach go to both devices.
     for i in 0..100u32 {
-        random_op(&core, &model, &mut rng, 2_000_000 + i);
+        random_op(&core, &model, &mut rng, 2_000_000 + i, CORE_BYTES);
     }
     let model = model.into_inner();
     primary_fails_then_check(
@@ -227,7 +189,7 @@ fn a_write_through_cache_takes_a_mirror_and_is_protected_once_switched_to_write_
     let model = Mutex::new(vec![0u8; CORE_BYTES as usize]);
     let mut rng = Rng(0x3c00_0001);
     for stamp in 1..=50 {
-        random_op(&core, &model, &mut rng, stamp);
+        random_op(&core, &model, &mut rng, stamp, CORE_BYTES);
     }
     let (lines, _) = cache.attach_mirror(mirror.clone(), false).unwrap();
     assert_eq!(lines, 0, "write-through has no dirty line to copy");
@@ -235,7 +197,7 @@ fn a_write_through_cache_takes_a_mirror_and_is_protected_once_switched_to_write_
     assert_eq!(cache.mode(), CacheMode::Wt);
     cache.set_mode(CacheMode::Wb, false).unwrap();
     for stamp in 51..=250 {
-        random_op(&core, &model, &mut rng, stamp);
+        random_op(&core, &model, &mut rng, stamp, CORE_BYTES);
     }
     assert!(cache.stats().usage.dirty_lines > 0);
     let model = model.into_inner();
@@ -262,7 +224,7 @@ fn a_first_mirror_that_fails_to_fill_leaves_the_cache_without_one_and_can_be_tri
     let model = Mutex::new(vec![0u8; CORE_BYTES as usize]);
     let mut rng = Rng(0x3d00_0001);
     for stamp in 1..=100 {
-        random_op(&core, &model, &mut rng, stamp);
+        random_op(&core, &model, &mut rng, stamp, CORE_BYTES);
     }
     // The superblock slots can be wiped; the line data cannot be written.
     bad.set_config(FaultConfig {
@@ -278,13 +240,13 @@ fn a_first_mirror_that_fails_to_fill_leaves_the_cache_without_one_and_can_be_tri
     assert_eq!(cache.mode(), CacheMode::Wb);
     assert!(cache.superblock().unwrap().mirror.is_none());
     for stamp in 101..=200 {
-        random_op(&core, &model, &mut rng, stamp);
+        random_op(&core, &model, &mut rng, stamp, CORE_BYTES);
     }
     cache.attach_mirror(good.clone(), false).unwrap();
     assert_eq!(cache.mirror_status().unwrap().state, MirrorState::Redundant);
     assert_eq!(cache.mirror_status().unwrap().device, "good");
     for stamp in 201..=300 {
-        random_op(&core, &model, &mut rng, stamp);
+        random_op(&core, &model, &mut rng, stamp, CORE_BYTES);
     }
     let model = model.into_inner();
     primary_fails_then_check(&cache, &core, &primary, &core_media, &model, "retried");

@@ -15,19 +15,10 @@ use hybridcache_volume::{CrashVolume, FaultConfig, FaultyVolume, RamVolume, Volu
 use parking_lot::Mutex;
 
 mod durability;
-use durability::{decode, fill, power_cut, Model, Mortal, Rng, SECTOR};
+use durability::{decode, fail_everything, fill, power_cut, Model, Mortal, Rng, SECTOR};
 
 const MIB: u64 = 1 << 20;
 const CORE_BYTES: u64 = 2 * MIB;
-
-fn fail_everything() -> FaultConfig {
-    FaultConfig {
-        fail_reads_in: Some(0..u64::MAX),
-        fail_writes_in: Some(0..u64::MAX),
-        fail_flushes: true,
-        ..FaultConfig::default()
-    }
-}
 
 fn config(line_kib: u32) -> CacheConfig {
     CacheConfig {

@@ -6,55 +6,15 @@
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 
-use hybridcache_engine::{
-    Cache, CacheConfig, CacheMode, Core, LineSize, MirrorLostPolicy, MirrorState,
-};
-use hybridcache_volume::{CrashVolume, FaultConfig, FaultyVolume, RamVolume, Volume, VolumeRef};
+use hybridcache_engine::{Cache, CacheConfig, CacheMode, LineSize, MirrorLostPolicy, MirrorState};
+use hybridcache_volume::{CrashVolume, FaultyVolume, RamVolume, Volume, VolumeRef};
 use parking_lot::Mutex;
 
 mod durability;
-use durability::{decode, fill, power_cut, Model, Mortal, Rng, SECTOR};
+use durability::{check, fail_everything, fill, power_cut, random_op, Model, Mortal, Rng};
 
 const MIB: u64 = 1 << 20;
 const CORE_BYTES: u64 = 2 * MIB;
-
-fn fail_everything() -> FaultConfig {
-    FaultConfig {
-        fail_reads_in: Some(0..u64::MAX),
-        fail_writes_in: Some(0..u64::MAX),
-        fail_flushes: true,
-        ..FaultConfig::default()
-    }
-}
-
-/// A random write (or, one time in eight, a flush) through `core`, recorded in `model` under
-/// its lock so the model's order is the cache's.
-fn random_op(core: &Core, model: &Mutex<Vec<u8>>, rng: &mut Rng, stamp: u32) {
-    let sectors = CORE_BYTES / 512;
-    if rng.below(8) == 0 {
-        core.flush().unwrap_or_else(|e| panic!("flush: {e}"));
-        return;
-    }
-    let first = rng.below(sectors - 64);
-    let count = 1 + rng.below(63);
-    let mut buf = vec![0u8; (count * 512) as usize];
-    fill(&mut buf, stamp, first);
-    let mut m = model.lock();
-    core.write(&buf, first * 512)
-        .unwrap_or_else(|e| panic!("write at sector {first}: {e}"));
-    m[(first * 512) as usize..(first * 512) as usize + buf.len()].copy_from_slice(&buf);
-}
-
-fn check(buf: &[u8], model: &[u8], when: &str) {
-    for (i, (s, want)) in buf.chunks(SECTOR).zip(model.chunks(SECTOR)).enumerate() {
-        assert!(
-            s == want,
-            "{when}: sector {i} holds {:?}, the model {:?}",
-            decode(s, i as u64),
-            decode(want, i as u64)
-        );
-    }
-}
 
 fn rebuild_under_load(seed: u64) {
     let mut rng = Rng(seed);
@@ -89,12 +49,12 @@ fn rebuild_under_load(seed: u64) {
     let mut stamp = 0;
     for _ in 0..150 {
         stamp += 1;
-        random_op(&core, &model, &mut rng, stamp);
+        random_op(&core, &model, &mut rng, stamp, CORE_BYTES);
     }
     old_mirror.set_config(fail_everything());
     for _ in 0..100 {
         stamp += 1;
-        random_op(&core, &model, &mut rng, stamp);
+        random_op(&core, &model, &mut rng, stamp, CORE_BYTES);
     }
     assert_eq!(
         cache.mirror_status().unwrap().state,
@@ -108,7 +68,7 @@ fn rebuild_under_load(seed: u64) {
     let (copied, _) = std::thread::scope(|s| {
         let writer = s.spawn(|| {
             for i in 0..300u32 {
-                random_op(&core, &model, &mut writer_rng, 1_000_000 + i);
+                random_op(&core, &model, &mut writer_rng, 1_000_000 + i, CORE_BYTES);
             }
         });
         let r = cache

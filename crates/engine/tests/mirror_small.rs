@@ -16,21 +16,12 @@ use hybridcache_engine::{
     Cache, CacheConfig, CacheMode, CleaningPolicy, Core, LazyFlush, LineSize, MirrorLostPolicy,
     MirrorState,
 };
-use hybridcache_volume::{CrashVolume, FaultConfig, FaultyVolume, RamVolume, Volume, VolumeRef};
+use hybridcache_volume::{CrashVolume, FaultyVolume, RamVolume, Volume, VolumeRef};
 
 mod durability;
-use durability::{decode, fill, power_cut, Model, Mortal, Rng, SECTOR};
+use durability::{decode, fail_everything, fill, power_cut, Model, Mortal, Rng, SECTOR};
 
 const MIB: u64 = 1 << 20;
-
-fn fail_everything() -> FaultConfig {
-    FaultConfig {
-        fail_reads_in: Some(0..u64::MAX),
-        fail_writes_in: Some(0..u64::MAX),
-        fail_flushes: true,
-        ..FaultConfig::default()
-    }
-}
 
 fn config(line_kib: u32) -> CacheConfig {
     CacheConfig {

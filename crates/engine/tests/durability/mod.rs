@@ -156,3 +156,49 @@ impl Volume for Mortal {
         }
     }
 }
+
+/// A device that fails every read, write and flush (a dead cache device).
+pub fn fail_everything() -> hybridcache_volume::FaultConfig {
+    hybridcache_volume::FaultConfig {
+        fail_reads_in: Some(0..u64::MAX),
+        fail_writes_in: Some(0..u64::MAX),
+        fail_flushes: true,
+        ..hybridcache_volume::FaultConfig::default()
+    }
+}
+
+/// A random write (or, one time in eight, a flush) through `core` within its first
+/// `core_bytes`, recorded in `model` under its lock so the model's order is the cache's.
+pub fn random_op(
+    core: &hybridcache_engine::Core,
+    model: &parking_lot::Mutex<Vec<u8>>,
+    rng: &mut Rng,
+    stamp: u32,
+    core_bytes: u64,
+) {
+    let sectors = core_bytes / 512;
+    if rng.below(8) == 0 {
+        core.flush().unwrap_or_else(|e| panic!("flush: {e}"));
+        return;
+    }
+    let first = rng.below(sectors - 64);
+    let count = 1 + rng.below(63);
+    let mut buf = vec![0u8; (count * 512) as usize];
+    fill(&mut buf, stamp, first);
+    let mut m = model.lock();
+    core.write(&buf, first * 512)
+        .unwrap_or_else(|e| panic!("write at sector {first}: {e}"));
+    m[(first * 512) as usize..(first * 512) as usize + buf.len()].copy_from_slice(&buf);
+}
+
+/// Every sector of `buf` (read from sector 0 on) as `model` says, or which one is not.
+pub fn check(buf: &[u8], model: &[u8], when: &str) {
+    for (i, (s, want)) in buf.chunks(SECTOR).zip(model.chunks(SECTOR)).enumerate() {
+        assert!(
+            s == want,
+            "{when}: sector {i} holds {:?}, the model {:?}",
+            decode(s, i as u64),
+            decode(want, i as u64)
+        );
+    }
+}
