@@ -66,10 +66,12 @@ pub(crate) struct CacheInner {
     pub(crate) flush_progress: FlushProgress,
 }
 
-/// The mode a cache set to `set` serves in: a mirrored cache that lost a device serves in a
-/// degraded one, a cache in fallback pass-through in pt.
+/// The mode a cache whose set mode is the word `mode` (`CacheInner::mode`) serves in now: a
+/// mirrored cache that lost a device serves in a degraded one, a cache in fallback
+/// pass-through in pt. Read per request, as a switch may come between two.
 #[inline]
-pub(crate) fn serving_mode(set: CacheMode, devices: &Devices) -> CacheMode {
+pub(crate) fn serving_mode(mode: &AtomicU8, devices: &Devices) -> CacheMode {
+    let set = CacheMode::ALL[mode.load(Ordering::Relaxed) as usize];
     match devices.mirror() {
         Some(m) => m.effective_mode(set),
         None if devices.fallback_active() => CacheMode::Pt,

@@ -100,10 +100,7 @@ impl<'a> Reader<'a> {
     /// The mode reads are served in now (read per request, as a switch may come between two).
     #[inline]
     fn mode(&self) -> CacheMode {
-        serving_mode(
-            CacheMode::ALL[self.mode.load(Ordering::Relaxed) as usize],
-            self.devices,
-        )
+        serving_mode(self.mode, self.devices)
     }
 
     #[inline]

@@ -76,9 +76,8 @@ impl ReadAhead<'_> {
         let Ok(_entered) = core.enter() else {
             return;
         };
-        let set = CacheMode::ALL[self.mode.load(Ordering::Relaxed) as usize];
         if matches!(
-            serving_mode(set, self.devices),
+            serving_mode(self.mode, self.devices),
             CacheMode::Pt | CacheMode::Wo
         ) {
             return;

@@ -143,10 +143,7 @@ impl<'a> Writer<'a> {
 
     #[inline]
     fn mode(&self) -> CacheMode {
-        serving_mode(
-            CacheMode::ALL[self.mode.load(Ordering::Relaxed) as usize],
-            self.devices,
-        )
+        serving_mode(self.mode, self.devices)
     }
 
     #[inline]
