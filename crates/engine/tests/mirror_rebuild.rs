@@ -11,7 +11,9 @@ use hybridcache_volume::{CrashVolume, FaultyVolume, RamVolume, Volume, VolumeRef
 use parking_lot::Mutex;
 
 mod durability;
-use durability::{check, fail_everything, fill, power_cut, random_op, Model, Mortal, Rng};
+use durability::{
+    check, fail_everything, fill, power_cut, random_op, while_writing, Model, Mortal, Rng,
+};
 
 const MIB: u64 = 1 << 20;
 const CORE_BYTES: u64 = 2 * MIB;
@@ -64,18 +66,10 @@ fn rebuild_under_load(seed: u64) {
         cache.stats().usage.dirty_lines > 0,
         "seed {seed}: nothing dirty to copy"
     );
-    let mut writer_rng = Rng(rng.next_u64());
-    let (copied, _) = std::thread::scope(|s| {
-        let writer = s.spawn(|| {
-            for i in 0..300u32 {
-                random_op(&core, &model, &mut writer_rng, 1_000_000 + i, CORE_BYTES);
-            }
-        });
-        let r = cache
+    let (copied, _) = while_writing(&core, &model, &mut rng, CORE_BYTES, || {
+        cache
             .attach_mirror(new_mirror.clone(), false)
-            .unwrap_or_else(|e| panic!("seed {seed}: attach: {e}"));
-        writer.join().unwrap();
-        r
+            .unwrap_or_else(|e| panic!("seed {seed}: attach: {e}"))
     });
     let status = cache.mirror_status().unwrap();
     assert_eq!(status.state, MirrorState::Redundant, "seed {seed}");

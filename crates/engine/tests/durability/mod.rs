@@ -202,3 +202,26 @@ pub fn check(buf: &[u8], model: &[u8], when: &str) {
         );
     }
 }
+
+/// `work` (an attach or a rebuild) while another thread makes 300 random writes and flushes
+/// through `core` (`random_op`, stamps from 1,000,000, its generator drawn from `rng`): what
+/// `work` returns.
+pub fn while_writing<T: Send>(
+    core: &hybridcache_engine::Core,
+    model: &parking_lot::Mutex<Vec<u8>>,
+    rng: &mut Rng,
+    core_bytes: u64,
+    work: impl FnOnce() -> T + Send,
+) -> T {
+    let mut writer_rng = Rng(rng.next_u64());
+    std::thread::scope(|s| {
+        let writer = s.spawn(|| {
+            for i in 0..300u32 {
+                random_op(core, model, &mut writer_rng, 1_000_000 + i, core_bytes);
+            }
+        });
+        let r = work();
+        writer.join().unwrap();
+        r
+    })
+}
