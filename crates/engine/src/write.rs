@@ -26,9 +26,13 @@ use crate::persist::Persist;
 use crate::policy::FLUSH_BUFFERS;
 use crate::prefetch::PrefetchState;
 use crate::room_wait::{CleanerSignal, RoomWaiter};
-use crate::segment::{push_run, span_of, Run, Seg};
+use crate::segment::{push_run, span_of, Run, Runs, Seg};
 use crate::stats::{classify, Counter};
 use crate::{CacheMode, Result, MAX_REQUEST, SECTOR};
+/// A write's segments with a home line: (segment index, line, newly taken). Inline for the
+/// requests of up to 4 lines that make most of a client's writes (no heap allocation per hit).
+pub(crate) type Targets = smallvec::SmallVec<[(usize, u32, bool); 4]>;
+
 /// How many times a write-back write gives up its locks to make room before it writes the rest
 /// straight to the core.
 const MAKE_ROOM_ROUNDS: usize = 8;
@@ -301,7 +305,9 @@ impl<'w> Writer<'w> {
         offset: u64,
         class: Option<ReqClass>,
     ) -> Result<()> {
-        let mut segs = self.lines.segments(core.id(), offset, buf.len() as u64);
+        let mut segs = self
+            .lines
+            .segments_small(core.id(), offset, buf.len() as u64);
         let Placed {
             locks,
             mut spare,
@@ -487,9 +493,9 @@ impl<'w> Writer<'w> {
     /// Each segment's home: its mapped line, a new line from `spare` (`true`), or (no line)
     /// the core, as runs. Lines left over go back.
     #[inline]
-    fn homes(&self, segs: &[Seg], mut spare: Vec<u32>) -> (Vec<(usize, u32, bool)>, Vec<Run>) {
-        let mut targets: Vec<(usize, u32, bool)> = Vec::with_capacity(segs.len());
-        let mut core_runs = Vec::new();
+    fn homes(&self, segs: &[Seg], mut spare: Vec<u32>) -> (Targets, Runs) {
+        let mut targets = Targets::with_capacity(segs.len());
+        let mut core_runs = Runs::new();
         for (i, s) in segs.iter().enumerate() {
             if s.mapped() {
                 targets.push((i, s.line, false));
@@ -521,7 +527,7 @@ impl<'w> Writer<'w> {
         segs: &[Seg],
         targets: &[(usize, u32, bool)],
         class: Option<ReqClass>,
-    ) -> Vec<Run> {
+    ) -> Runs {
         let cache_runs = self.write_back_runs(segs, targets);
         let cache_ok = self
             .devices
@@ -532,8 +538,8 @@ impl<'w> Writer<'w> {
 
     /// The cache runs of the segments with a home line (`targets`, as `homes` gives them).
     #[inline]
-    pub(crate) fn write_back_runs(&self, segs: &[Seg], targets: &[(usize, u32, bool)]) -> Vec<Run> {
-        let mut cache_runs = Vec::new();
+    pub(crate) fn write_back_runs(&self, segs: &[Seg], targets: &[(usize, u32, bool)]) -> Runs {
+        let mut cache_runs = Runs::new();
         for &(i, line, _) in targets {
             let s = &segs[i];
             push_run(
@@ -555,8 +561,8 @@ impl<'w> Writer<'w> {
         targets: &[(usize, u32, bool)],
         class: Option<ReqClass>,
         cache_ok: bool,
-    ) -> Vec<Run> {
-        let mut fallback = Vec::new();
+    ) -> Runs {
+        let mut fallback = Runs::new();
         for &(i, line, new) in targets {
             let s = &segs[i];
             let m = s.mask();
@@ -592,8 +598,8 @@ impl<'w> Writer<'w> {
         buf: &[u8],
         segs: &[Seg],
         locks: StripeGuard<'_>,
-        mut core_runs: Vec<Run>,
-        fallback: Vec<Run>,
+        mut core_runs: Runs,
+        fallback: Runs,
     ) -> Result<()> {
         if fallback.is_empty() && !core_runs.is_empty() {
             // What has no line (lazy flush, a declined promotion, offload) has no cached copy

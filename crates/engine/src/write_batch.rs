@@ -26,7 +26,7 @@ use crate::classes::ReqClass;
 use crate::core_state::{CoreState, Entered};
 use crate::latency::{self, LatencyKind};
 use crate::locks::{Span, StripeGuard, WaitFor};
-use crate::segment::{span_of, Run, Seg};
+use crate::segment::{span_of, Run, Runs, Seg};
 use crate::write::Writer;
 use crate::{CacheMode, Result, MAX_REQUEST};
 
@@ -40,7 +40,7 @@ struct Hit<'a> {
     /// Every segment's home: its own mapped line.
     targets: Vec<(usize, u32, bool)>,
     /// The cache runs of its data.
-    runs: Vec<Run>,
+    runs: Runs,
     class: Option<ReqClass>,
 }
 
@@ -198,7 +198,7 @@ impl Writer<'_> {
             let fallback = self.write_back_applied(&segs, &targets, class, cached.is_ok());
             let on_core = !fallback.is_empty();
             results[index] =
-                self.write_back_core_part(core, buf, &segs, locks, Vec::new(), fallback);
+                self.write_back_core_part(core, buf, &segs, locks, Runs::new(), fallback);
             if results[index].is_ok() {
                 let kind = if on_core {
                     LatencyKind::WriteCore

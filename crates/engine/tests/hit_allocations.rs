@@ -1,6 +1,7 @@
 //! A read hit allocates nothing on the heap (docs/performance.md §12): on the 4 KiB hit path of
 //! main, the segment list, the stripes (twice) and the device runs were four allocations and
-//! frees per request, more instructions than the copy of the data itself.
+//! frees per request, more instructions than the copy of the data itself. A write hit on a
+//! dirty line neither (it made three: segments, home lines, device runs).
 //!
 //! The allocations are counted per thread by this test binary's global allocator, so the
 //! cache's background threads do not count.
@@ -91,4 +92,42 @@ fn read_hits_allocate_nothing() {
     let hits = cache.core_stats(c.id).unwrap().requests.read_hits - hits_before;
     assert_eq!(hits, 600, "every read above is a hit");
     assert!(found.is_empty(), "read hits allocated: {found:?}");
+}
+
+/// Heap allocations this thread made while writing `len` bytes at `offset` 100 times.
+fn allocations_of_writes(core: &Core, offset: u64, len: usize) -> u64 {
+    let buf = vec![5u8; len];
+    let before = ALLOCATIONS.with(|c| c.get());
+    for _ in 0..100 {
+        core.write(&buf, offset).expect("write hit");
+    }
+    ALLOCATIONS.with(|c| c.get()) - before
+}
+
+/// A write-back write hit on a dirty line allocates nothing either: its segments, stripes,
+/// home lines and device runs stay on the stack for requests of up to two lines.
+#[test]
+fn write_hits_on_dirty_lines_allocate_nothing() {
+    let (cache, _vol) = new_cache(4, 256, CacheMode::Wb);
+    let c = add_core(&cache, 4 << 20);
+    c.core.write(&vec![7u8; 64 << 10], 0).unwrap();
+    // A first write, so that what a thread sets up once is done.
+    allocations_of_writes(&c.core, 0, 4096);
+    let hits_before = cache.core_stats(c.id).unwrap().requests.write_hits;
+
+    let cases: [(&str, u64, usize); 3] = [
+        ("4 KiB of a dirty line", 4096, 4096),
+        ("one sector", 512 * 3, 512),
+        ("4 KiB across two dirty lines", 8192 + 1024, 4096),
+    ];
+    let mut found = Vec::new();
+    for (what, offset, len) in cases {
+        let n = allocations_of_writes(&c.core, offset, len);
+        if n != 0 {
+            found.push(format!("{what}: {n} allocations in 100 writes"));
+        }
+    }
+    let hits = cache.core_stats(c.id).unwrap().requests.write_hits - hits_before;
+    assert_eq!(hits, 300, "every write above is a hit");
+    assert!(found.is_empty(), "write hits allocated: {found:?}");
 }
