@@ -33,34 +33,33 @@ workload() {
     mv "$CEPH_DIR/$config-$name.json" "$OUT/"
 }
 
-# CPU seconds used by the OSDs and by hybridcache since the last call, to say what bounds a run.
-cpu_mark() {
-    local pids p t=0
-    pids=$(cat "$CEPH_DIR"/run/osd.*.pid "$CEPH_DIR"/hc/*.pid 2>/dev/null || true)
-    for p in $pids; do
+# CPU time (jiffies) of the processes whose pid files are given. Each file is read on its own:
+# nbdfuse writes its pid without a newline, so `cat` of several files would glue two pids into
+# one number that names no process (the CPU of both was then lost).
+cpu_of_pidfiles() {
+    local f p t=0
+    for f in "$@"; do
+        [ -s "$f" ] || continue
+        read -r p <"$f" || [ -n "$p" ] || continue
         [ -r "/proc/$p/stat" ] || continue
         t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat")))
     done
     echo "$t"
 }
 
+# CPU time used by the OSDs, hybridcache and nbdfuse since the last call, to say what bounds a
+# run.
+cpu_mark() {
+    cpu_of_pidfiles "$CEPH_DIR"/run/osd.*.pid "$CEPH_DIR"/hc/*.pid
+}
+
 # The same CPU time by part: "OSDS HYBRIDCACHE NBDFUSE" (jiffies), so a report can say whose
 # CPU a request costs (the cache's own, BlueStore's, or the FUSE device path this machine needs
 # in place of a kernel NBD or ublk client).
 cpu_parts() {
-    local part pids p t
-    for part in "$CEPH_DIR/run/osd.*.pid" "$CEPH_DIR/hc/daemon.pid $CEPH_DIR/hc/serve.*.pid" \
-        "$CEPH_DIR/hc/nbdfuse.*.pid"; do
-        t=0
-        # shellcheck disable=SC2086 # the globs are meant to expand here
-        pids=$(cat $part 2>/dev/null || true)
-        for p in $pids; do
-            [ -r "/proc/$p/stat" ] || continue
-            t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat")))
-        done
-        printf '%s ' "$t"
-    done
-    echo
+    echo "$(cpu_of_pidfiles "$CEPH_DIR"/run/osd.*.pid)" \
+        "$(cpu_of_pidfiles "$CEPH_DIR"/hc/daemon.pid "$CEPH_DIR"/hc/serve.*.pid)" \
+        "$(cpu_of_pidfiles "$CEPH_DIR"/hc/nbdfuse.*.pid)"
 }
 
 # The whole machine's busy and total CPU time (jiffies, every CPU) from /proc/stat: the OSDs and
