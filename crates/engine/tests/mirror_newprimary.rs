@@ -15,7 +15,9 @@ use hybridcache_volume::{CrashVolume, FaultConfig, FaultyVolume, RamVolume, Volu
 use parking_lot::Mutex;
 
 mod durability;
-use durability::{decode, fail_everything, fill, power_cut, Model, Mortal, Rng, SECTOR};
+use durability::{
+    decode, fail_everything, fill, modelled_write, power_cut, Model, Mortal, Rng, SECTOR,
+};
 
 const MIB: u64 = 1 << 20;
 const CORE_BYTES: u64 = 2 * MIB;
@@ -442,15 +444,8 @@ fn cut_mid_copy(seed: u64) {
     let sectors = core_bytes / 512;
     let mut model = Model::new(sectors as usize);
     let mut stamp = 0;
-    let mut write = |model: &mut Model, rng: &mut Rng| {
-        stamp += 1;
-        let first = rng.below(sectors - 32);
-        let count = 1 + rng.below(31);
-        let mut buf = vec![0u8; (count * 512) as usize];
-        fill(&mut buf, stamp, first);
-        core.write(&buf, first * 512).unwrap();
-        model.write(first, count, stamp);
-    };
+    let mut write =
+        |model: &mut Model, rng: &mut Rng| modelled_write(&core, model, rng, &mut stamp, sectors);
     for _ in 0..40 {
         write(&mut model, &mut rng);
     }

@@ -12,7 +12,7 @@ use parking_lot::Mutex;
 
 mod durability;
 use durability::{
-    check, fail_everything, fill, power_cut, random_op, while_writing, Model, Mortal, Rng,
+    check, fail_everything, modelled_write, power_cut, random_op, while_writing, Model, Mortal, Rng,
 };
 
 const MIB: u64 = 1 << 20;
@@ -168,15 +168,8 @@ fn cut_mid_rebuild(seed: u64) {
     let sectors = core_bytes / 512;
     let mut model = Model::new(sectors as usize);
     let mut stamp = 0;
-    let mut write = |model: &mut Model, rng: &mut Rng| {
-        stamp += 1;
-        let first = rng.below(sectors - 32);
-        let count = 1 + rng.below(31);
-        let mut buf = vec![0u8; (count * 512) as usize];
-        fill(&mut buf, stamp, first);
-        core.write(&buf, first * 512).unwrap();
-        model.write(first, count, stamp);
-    };
+    let mut write =
+        |model: &mut Model, rng: &mut Rng| modelled_write(&core, model, rng, &mut stamp, sectors);
     for _ in 0..40 {
         write(&mut model, &mut rng);
     }
@@ -285,13 +278,7 @@ fn dropped_before_the_pass(seed: u64) {
     let mut model = Model::new(sectors as usize);
     let mut stamp = 0;
     for _ in 0..30 {
-        stamp += 1;
-        let first = rng.below(sectors - 32);
-        let count = 1 + rng.below(31);
-        let mut buf = vec![0u8; (count * 512) as usize];
-        fill(&mut buf, stamp, first);
-        core.write(&buf, first * 512).unwrap();
-        model.write(first, count, stamp);
+        modelled_write(&core, &mut model, &mut rng, &mut stamp, sectors);
     }
     failing_mirror.set_config(fail_everything());
     core.write(&[0u8; 4096], 0).unwrap();

@@ -225,3 +225,21 @@ pub fn while_writing<T: Send>(
         r
     })
 }
+
+/// A random write of 1 to 31 sectors within the first `sectors` of `core`, stamped with the next
+/// `stamp` and recorded in `model` once acknowledged.
+pub fn modelled_write(
+    core: &hybridcache_engine::Core,
+    model: &mut Model,
+    rng: &mut Rng,
+    stamp: &mut u32,
+    sectors: u64,
+) {
+    *stamp += 1;
+    let first = rng.below(sectors - 32);
+    let count = 1 + rng.below(31);
+    let mut buf = vec![0u8; (count * 512) as usize];
+    fill(&mut buf, *stamp, first);
+    core.write(&buf, first * 512).unwrap();
+    model.write(first, count, *stamp);
+}
