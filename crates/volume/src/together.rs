@@ -48,14 +48,16 @@ pub fn write_together(writes: &[(&dyn Volume, &[u8], u64)]) -> Vec<Result<()>> {
     // Copies of misaligned buffers, made once per distinct buffer (a mirror writes the same
     // data to both devices).
     let mut copies: Vec<(*const u8, Vec<u8>, usize)> = Vec::new();
+    // The copy that serves `buf`: made from the same memory, and holding its length.
+    let copy_of = |copies: &[(*const u8, Vec<u8>, usize)], buf: &[u8]| {
+        copies
+            .iter()
+            .position(|c| c.0 == buf.as_ptr() && c.1.len() >= buf.len() + BOUNCE_ALIGN)
+    };
     for (&(_, buf, _), d) in writes.iter().zip(&direct) {
         let Some(d) = d else { continue };
         let misaligned = buf.as_ptr() as usize % d.mem_align.max(1) != 0;
-        if misaligned
-            && !copies
-                .iter()
-                .any(|c| c.0 == buf.as_ptr() && c.1.len() >= buf.len() + BOUNCE_ALIGN)
-        {
+        if misaligned && copy_of(&copies, buf).is_none() {
             let mut room = vec![0u8; buf.len() + BOUNCE_ALIGN];
             let start = room.as_ptr().align_offset(BOUNCE_ALIGN);
             room[start..start + buf.len()].copy_from_slice(buf);
@@ -67,11 +69,9 @@ pub fn write_together(writes: &[(&dyn Volume, &[u8], u64)]) -> Vec<Result<()>> {
         .zip(&direct)
         .filter_map(|(&(_, buf, offset), d)| {
             let d = d.as_ref()?;
-            let data = match copies
-                .iter()
-                .find(|c| c.0 == buf.as_ptr() && c.1.len() >= buf.len() + BOUNCE_ALIGN)
-            {
-                Some((_, room, start)) if buf.as_ptr() as usize % d.mem_align.max(1) != 0 => {
+            let data = match copy_of(&copies, buf) {
+                Some(i) if buf.as_ptr() as usize % d.mem_align.max(1) != 0 => {
+                    let (_, room, start) = &copies[i];
                     &room[*start..*start + buf.len()]
                 }
                 _ => buf,
